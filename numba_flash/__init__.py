@@ -1,0 +1,10 @@
+"""numba-flash: FlashAttention as readable Numba CUDA kernels.
+
+    out, lse = numba_flash.forward(q, k, v, causal=True)
+
+See ``forward`` for the full contract and ``explain`` for which kernel runs and why.
+"""
+from .api import KERNELS, explain, forward, validate
+
+__all__ = ["forward", "explain", "validate", "KERNELS"]
+__version__ = "0.1.0"

@@ -1,0 +1,205 @@
+"""Public entry points: one validation function, then dispatch to a kernel family."""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from numba import config as nb_config
+from numba import cuda
+
+from . import arrays
+from .configs import MAX_HEAD_DIM, head_dim_bucket, simt_config
+from .kernels import simt_forward
+
+KERNELS = ("auto", "simt")
+
+_ACCEPTED_ARRAYS = (
+    "a CuPy array, a PyTorch CUDA tensor, a Numba device array, any object with "
+    "__cuda_array_interface__, or a NumPy array"
+)
+
+
+@dataclass
+class Problem:
+    """A validated forward call, normalised to (B, H, Nq, d) / (B, Hkv, Nk, d)."""
+
+    kind: str
+    dtype: str
+    q_shape: tuple
+    B: int
+    H: int
+    Hkv: int
+    n_q: int
+    n_k: int
+    d: int
+    causal: bool
+    softmax_scale: float
+    device: int | None
+    notes: list = field(default_factory=list)
+
+    @property
+    def lse_shape(self) -> tuple:
+        return self.q_shape[:-1]
+
+
+def _as_4d(shape: tuple) -> tuple:
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
+    """Check everything about a forward call in one place; raise with what was given and accepted."""
+    kinds = {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        kind = arrays.kind_of(x)
+        if kind is None:
+            raise TypeError(f"{name} must be {_ACCEPTED_ARRAYS}; got {type(x).__module__}.{type(x).__name__}")
+        if kind == arrays.TORCH and not x.is_cuda:
+            raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor (or a NumPy array)")
+        kinds[name] = kind
+    host = {n for n, kd in kinds.items() if kd == arrays.NUMPY}
+    if host and len(host) != 3:
+        raise TypeError(
+            f"q, k, v must all be on the GPU or all be NumPy arrays; got q={kinds['q']}, "
+            f"k={kinds['k']}, v={kinds['v']}"
+        )
+
+    dtypes = {n: arrays.dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    for name, dt in dtypes.items():
+        if dt not in arrays.DTYPES:
+            raise TypeError(f"{name} has dtype {dt}; accepted: {', '.join(arrays.DTYPES)} (all three the same)")
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(
+            f"q, k, v must share one dtype; got q={dtypes['q']}, k={dtypes['k']}, v={dtypes['v']}"
+        )
+
+    shapes = {n: arrays.shape_of(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    for name, shp in shapes.items():
+        if len(shp) not in (2, 3, 4):
+            raise ValueError(
+                f"{name} has shape {shp}; accepted: (B, H, N, d), (H, N, d) or (N, d)"
+            )
+    if not len(shapes["q"]) == len(shapes["k"]) == len(shapes["v"]):
+        raise ValueError(f"q, k, v must have the same number of dims; got shapes {shapes['q']}, {shapes['k']}, {shapes['v']}")
+    B, H, n_q, d = _as_4d(shapes["q"])
+    Bk, Hkv, n_k, dk = _as_4d(shapes["k"])
+    if shapes["k"] != shapes["v"]:
+        raise ValueError(f"k and v must have the same shape; got k {shapes['k']}, v {shapes['v']}")
+    if Bk != B:
+        raise ValueError(f"batch mismatch: q has B={B}, k/v have B={Bk}")
+    if dk != d:
+        raise ValueError(f"head dim mismatch: q has d={d}, k/v have d={dk} (v's head dim must equal q's)")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim d={d} is not supported; accepted: 1 <= d <= {MAX_HEAD_DIM}")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(
+            f"q has H={H} heads and k/v have Hkv={Hkv}; H must be a positive multiple of Hkv (GQA/MQA)"
+        )
+
+    if not isinstance(causal, (bool,)) and not (hasattr(causal, "dtype") and causal.dtype == bool):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)  # from the user's d, not the padded one
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+
+    devices = {n: arrays.device_of(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    known = {dv for dv in devices.values() if dv is not None}
+    if len(known) > 1:
+        raise ValueError(f"q, k, v are on different devices: {devices}; put them on one GPU")
+
+    return Problem(
+        kind=kinds["q"], dtype=dtypes["q"], q_shape=shapes["q"], B=B, H=H, Hkv=Hkv,
+        n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
+        device=known.pop() if known else None,
+    )
+
+
+def choose_kernel(p: Problem, kernel: str = "auto") -> tuple[str, Any, list[str]]:
+    """(family, config, reasons): which kernel runs for a validated problem, and why."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    reasons = []
+    cfg = simt_config(p.d)
+    if cfg.head_dim != p.d:
+        reasons.append(f"head dim {p.d} is zero-padded to {cfg.head_dim} inside the kernel")
+    if p.dtype in ("float16", "bfloat16"):
+        reasons.append(
+            f"{p.dtype}: the SIMT kernel widens to fp32 (tensor-core kernel not available yet)"
+        )
+    reasons.insert(0, f"simt: {cfg.block_q}x{cfg.block_k} tiles, {cfg.threads} threads, "
+                      f"{cfg.smem_bytes} B shared memory")
+    return "simt", cfg, reasons
+
+
+def _on_device(device: int | None):
+    """Context manager that makes the inputs' GPU current (a no-op when unknown or simulated)."""
+    import contextlib
+
+    if device is None or nb_config.ENABLE_CUDASIM:
+        return contextlib.nullcontext()
+    return cuda.gpus[device]
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
+    """Exact attention O = softmax(Q Kᵀ · scale) V without materialising the N×N scores.
+
+    Args:
+        q: (B, H, Nq, d), or batch-less (H, Nq, d) / (Nq, d).
+        k, v: (B, Hkv, Nk, d) with H % Hkv == 0 (GQA / MQA: query head h reads kv head
+            h // (H // Hkv)); same number of dims as q.
+            Accepted arrays: CuPy, PyTorch CUDA tensors, Numba device arrays, any object with
+            ``__cuda_array_interface__`` (viewed, never copied; any strides work, a contiguous
+            last dim gives coalesced loads), or NumPy (copied to the GPU and back; this is how
+            the CUDA simulator runs).
+            dtypes: float32, float16, bfloat16 (PyTorch tensors, or NumPy with ml_dtypes;
+            CuPy has no bfloat16), the same for all three. Accumulation is always fp32.
+            Head dim 1 <= d <= 256, zero-padded inside the kernel to a multiple of 16.
+        causal: mask aligned bottom-right as in flash-attention >= 2.1: query i sees key j iff
+            j <= i + Nk - Nq. A row that sees no key gets O = 0 and L = -inf.
+        softmax_scale: default 1/sqrt(d) with the user's d; must be finite and > 0.
+        kernel: "auto" (default) or a family name from ``KERNELS``; see ``explain``.
+
+    Returns:
+        (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
+        out); lse is float32 of shape q.shape[:-1], the natural-log logsumexp of the scaled
+        scores of each query row (L = m + log l).
+
+    Empty inputs: Nq = 0 (or B = 0, H = 0) gives empty outputs; Nk = 0 gives O = 0, L = -inf.
+
+    Stream: CuPy inputs run on CuPy's current stream, PyTorch inputs on PyTorch's current
+    stream of their device, other device arrays on the default stream. Device inputs return
+    without synchronising; NumPy inputs return after the copy back.
+
+    Raises:
+        TypeError / ValueError naming what was given and what is accepted.
+    """
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    family, cfg, _ = choose_kernel(p, kernel)
+    with _on_device(p.device):
+        stream = arrays.current_stream(q)
+        out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
+        lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
+        if p.B * p.H * p.n_q > 0:
+            qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
+            simt_forward.launch(
+                # out and lse are fresh and contiguous, so reshape is a view
+                cfg, qd, kd, vd, out_dev.reshape(_as_4d(p.q_shape)), lse_dev.reshape((p.B, p.H, p.n_q)),
+                causal=p.causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
+            )
+        return (
+            arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),
+            arrays.to_host_kind(p.kind, lse_obj, "float32", stream),
+        )
+
+
+def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
+    """Which kernel ``forward`` would run for these inputs, its tile config, and why."""
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    family, cfg, reasons = choose_kernel(p, kernel)
+    return "\n".join(reasons)

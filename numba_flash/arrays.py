@@ -1,0 +1,160 @@
+"""Arrays in and out: CuPy, PyTorch, Numba device arrays, any __cuda_array_interface__, NumPy.
+
+Device inputs are viewed, never copied (Numba views them through __cuda_array_interface__);
+outputs are allocated by the same framework as q. NumPy inputs are copied to the device and
+the results copied back, which is also how the CUDA simulator runs everything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import config as nb_config
+from numba import cuda
+
+NUMPY, CUPY, TORCH, NUMBA, CAI = "numpy", "cupy", "torch", "numba", "cuda_array_interface"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def kind_of(x: Any) -> str | None:
+    """Which family an array belongs to, or None for something that is not an array."""
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    if mod == "torch" and hasattr(x, "is_cuda"):
+        return TORCH  # CPU tensors included; validation says they must be on the GPU
+    if cuda.is_cuda_array(x):
+        if mod == "cupy":
+            return CUPY
+        if mod.startswith("numba"):
+            return NUMBA
+        return CAI
+    return None
+
+
+def dtype_name(x: Any) -> str:
+    """'float32', 'float16', 'bfloat16' or the foreign name, for any supported array kind."""
+    dt = x.dtype
+    name = str(dt).replace("torch.", "")
+    return name
+
+
+def shape_of(x: Any) -> tuple:
+    return tuple(int(n) for n in x.shape)
+
+
+def device_of(x: Any) -> int | None:
+    """CUDA device ordinal holding x (None for host arrays or when the framework cannot say)."""
+    k = kind_of(x)
+    if k == TORCH:
+        return x.device.index if x.is_cuda else None
+    if k == CUPY:
+        return int(x.device.id)
+    return None
+
+
+def last_dim_contiguous(x: Any) -> bool:
+    shape = shape_of(x)
+    if not shape or shape[-1] <= 1:
+        return True
+    k = kind_of(x)
+    if k == TORCH:
+        return x.stride(-1) == 1
+    if k == NUMPY:
+        return x.strides[-1] == x.itemsize
+    strides = x.__cuda_array_interface__.get("strides")
+    return strides is None or strides[-1] == np.dtype(x.__cuda_array_interface__["typestr"]).itemsize
+
+
+@dataclass
+class Prepared:
+    """Numba device views of the user's arrays, and how to hand results back."""
+
+    kind: str
+    dev: Any  # numba device array, (B, H, N, d)
+    original: Any
+    stream: Any
+
+
+def current_stream(x: Any):
+    """The stream work on x should run on: the framework's current stream, else the default."""
+    k = kind_of(x)
+    if nb_config.ENABLE_CUDASIM:
+        return 0
+    if k == CUPY:
+        import cupy
+
+        ptr = cupy.cuda.get_current_stream().ptr
+        return cuda.external_stream(ptr) if ptr else 0
+    if k == TORCH:
+        import torch
+
+        return cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
+    return 0
+
+
+def as_4d(dev: Any) -> Any:
+    """View a (N, d) or (H, N, d) device array as (1, 1, N, d) / (1, H, N, d), strides kept."""
+    if dev.ndim == 4:
+        return dev
+    lead = 4 - dev.ndim
+    if nb_config.ENABLE_CUDASIM:
+        return dev.reshape((1,) * lead + tuple(dev.shape))
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    strides = (0,) * lead + tuple(dev.strides)  # unit dims: any stride is never used
+    return DeviceNDArray((1,) * lead + tuple(dev.shape), strides, dev.dtype, gpu_data=dev.gpu_data)
+
+
+def to_device_view(x: Any, stream) -> Any:
+    """A 4-D Numba device array viewing x (bfloat16 as uint16 bits); NumPy is copied over."""
+    k = kind_of(x)
+    name = dtype_name(x)
+    if k == NUMPY:
+        host = np.ascontiguousarray(x)
+        if name == "bfloat16":  # ml_dtypes.bfloat16
+            host = host.view(np.uint16)
+        return as_4d(cuda.to_device(host, stream=stream))
+    if k == TORCH and name == "bfloat16":
+        import torch
+
+        x = x.view(torch.int16)
+    dev = cuda.as_cuda_array(x, sync=False)  # we launch on x's own stream, so no host sync
+    if name == "bfloat16":
+        dev = dev.view(np.uint16)
+    return as_4d(dev)
+
+
+def empty_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
+    """Allocate (original-kind object, numba view) for an output of the given shape and dtype."""
+    if kind == CUPY:
+        import cupy
+
+        with cupy.cuda.Device(ref.device.id):
+            obj = cupy.empty(shape, dtype=dtype)
+        return obj, cuda.as_cuda_array(obj, sync=False)
+    if kind == TORCH:
+        import torch
+
+        obj = torch.empty(shape, dtype=getattr(torch, dtype), device=ref.device)
+        view = obj.view(torch.int16) if dtype == "bfloat16" else obj
+        dev = cuda.as_cuda_array(view, sync=False)
+        return obj, (dev.view(np.uint16) if dtype == "bfloat16" else dev)
+    storage = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+    dev = cuda.device_array(shape, dtype=storage, stream=stream)
+    return dev, dev
+
+
+def to_host_kind(kind: str, obj: Any, dtype: str, stream):
+    """NumPy inputs get NumPy results (bfloat16 as ml_dtypes.bfloat16 when available)."""
+    if kind != NUMPY:
+        return obj
+    host = obj.copy_to_host(stream=stream)
+    if stream != 0:
+        stream.synchronize()
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        host = host.view(ml_dtypes.bfloat16)
+    return host
