@@ -1,0 +1,515 @@
+"""Tensor-core building blocks for Numba CUDA kernels, each beside its simulator twin.
+
+On a GPU every name below is a ``numba.cuda.extending.intrinsic`` that emits one inline-PTX
+instruction (``mma.sync``, ``ldmatrix``, ``cp.async``, ``cvt``, ``ex2``). Under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``) the same name is a Python function that computes the same thing for
+one simulated thread, exchanging registers with the other 31 lanes of its warp, so a kernel's
+fragment indexing is checked on a machine without a GPU. The choice is made once, at import time.
+
+The maths: fragment layouts of ``mma.sync.aligned.m16n8k16`` (PTX ISA, "Matrix Fragments for
+mma.m16n8k16 with floating point type"). A warp computes D(16x8) = A(16x16) @ B(16x8) + C(16x8).
+With ``g = lane >> 2`` (groupID) and ``t = lane % 4`` (threadID_in_group), lane ``lane`` holds
+
+    A (.b32 registers a0..a3, two f16/bf16 each, lower column in the low half):
+        a0 = A[g,   2t:2t+2]   a1 = A[g+8, 2t:2t+2]   a2 = A[g, 2t+8:2t+10]   a3 = A[g+8, 2t+8:2t+10]
+    B (.b32 registers b0, b1, lower row in the low half):
+        b0 = B[2t:2t+2, g]     b1 = B[2t+8:2t+10, g]
+    C, D (f32 registers c0..c3):
+        c0, c1 = C[g, 2t], C[g, 2t+1]             c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+
+``ldmatrix.sync.aligned.m8n8.x4.b16`` loads four 8x8 b16 matrices; lanes 8j..8j+7 give the 16-byte
+row addresses of matrix j, and lane ``lane`` receives r_j = M_j[g, 2t:2t+2] (``.trans``:
+r_j = M_j[2t:2t+2, g], i.e. the transpose). So an x4 load of the four 8x8 quarters of a 16x16 tile
+is exactly one A fragment, and of two 8-row K tiles two B fragments (V through ``.trans``).
+
+Packed pairs: a .b32 holds two 16-bit values, the first (lower-index) element in bits 0..15. Note
+``cvt.rn.f16x2.f32 d, a, b`` puts ``a`` in the HIGH half, so ``pack_f16x2(x, y)`` emits it as
+``cvt d, y, x``. In the twins a packed pair is a Python int with the same bits.
+
+Shared-memory addresses are passed as (array, element offset): the 16 bytes at that element of the
+array's memory. Arrays handed to ``ldmatrix_*`` / ``cp_async_*`` must be 16-byte aligned: declare
+shared arrays as ``cuda.shared.array(shape, dtype, alignment=SMEM_ALIGN)`` (``SMEM_ALIGN`` is None in
+the simulator, which refuses an alignment argument).
+"""
+
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import config, cuda
+from numba.cuda import types
+from numba.cuda.extending import intrinsic
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+SMEM_ALIGN = None if SIMULATOR else 16  # ldmatrix rows and cp.async targets are 16-byte aligned
+FULL_MASK = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------------------------
+# Fragment layouts as data (used by the twins and the tests; the hardware needs no table).
+# --------------------------------------------------------------------------------------------
+def a_fragment_coords(lane):
+    """(row, col) of the 8 halves lane holds in an m16n8k16 A fragment, in register order."""
+    g, t = lane >> 2, lane % 4
+    return [(g + 8 * ((i >> 1) & 1), 2 * t + (i & 1) + 8 * (i >> 2)) for i in range(8)]
+
+
+def b_fragment_coords(lane):
+    """(row k, col n) of the 4 halves lane holds in an m16n8k16 B fragment, in register order."""
+    g, t = lane >> 2, lane % 4
+    return [(2 * t + (i & 1) + 8 * (i >> 1), g) for i in range(4)]
+
+
+def c_fragment_coords(lane):
+    """(row, col) of the 4 floats lane holds in an m16n8 C/D fragment, in register order."""
+    g, t = lane >> 2, lane % 4
+    return [(g + 8 * (i >> 1), 2 * t + (i & 1)) for i in range(4)]
+
+
+# --------------------------------------------------------------------------------------------
+# 16-bit bit patterns <-> float (host side and twins).
+# --------------------------------------------------------------------------------------------
+def f16_bits(x):
+    """float -> f16 bits, round to nearest even (what cvt.rn.f16.f32 does)."""
+    return int(np.float32(x).astype(np.float16).view(np.uint16))
+
+
+def bf16_bits(x):
+    """float -> bf16 bits, round to nearest even, NaN -> canonical NaN (cvt.rn.bf16.f32)."""
+    bits = int(np.float32(x).view(np.uint32))
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return 0x7FFF
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def f16_value(bits):
+    return float(np.uint16(bits).view(np.float16))
+
+
+def bf16_value(bits):
+    return float(np.uint32(bits << 16).view(np.float32))
+
+
+def halves(word):
+    """A packed .b32 -> (low 16 bits, high 16 bits)."""
+    return word & 0xFFFF, (word >> 16) & 0xFFFF
+
+
+# --------------------------------------------------------------------------------------------
+# Simulator plumbing: a per-warp rendezvous. Simulated threads are Python threads (BlockThread)
+# that carry threadIdx/blockIdx and a per-block manager; warp collectives meet in a slot kept on
+# that manager, so its state lives and dies with the block.
+# --------------------------------------------------------------------------------------------
+class _WarpRendezvous:
+    """All 32 lanes deposit a value; the last to arrive runs ``combine`` once for the warp."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.values = [None] * 32
+        self.arrived = 0
+        self.generation = 0
+        self.result = None
+        self.op = None
+
+    def exchange(self, lane, value, combine, op):
+        thread = threading.current_thread()
+        with self.cond:
+            if self.arrived and self.op != op:
+                raise RuntimeError(f"warp divergence: lane {lane} calls {op} while others call {self.op}")
+            self.op = op
+            generation = self.generation
+            self.values[lane] = value
+            self.arrived += 1
+            if self.arrived == 32:
+                try:
+                    self.result = combine(self.values)
+                finally:
+                    self.values, self.arrived, self.op = [None] * 32, 0, None
+                    self.generation += 1
+                    self.cond.notify_all()
+            while self.generation == generation:
+                # Poll so that a crash elsewhere in the block (abort flag) does not hang us.
+                self.cond.wait(timeout=0.05)
+                if getattr(thread, "abort", False):
+                    raise RuntimeError(f"lane {lane}: block aborted while waiting in {op}")
+            return self.result[lane]
+
+
+_slots_lock = threading.Lock()
+
+
+def _lane_and_slot():
+    thread = threading.current_thread()
+    manager = thread._manager
+    block = manager._block_dim
+    nthreads = block[0] * block[1] * block[2]
+    if nthreads % 32:
+        raise RuntimeError(f"warp-wide PTX needs whole warps; block has {nthreads} threads")
+    warp, lane = divmod(thread.thread_id, 32)
+    with _slots_lock:
+        slots = manager.__dict__.setdefault("_ptx_warp_slots", {})
+        slot = slots.get(warp)
+        if slot is None:
+            slot = slots[warp] = _WarpRendezvous()
+    return lane, slot
+
+
+def warp_exchange(value, combine, op="exchange"):
+    """Twin helper: every lane passes value; returns combine(values_by_lane)[lane]."""
+    lane, slot = _lane_and_slot()
+    return slot.exchange(lane, value, combine, op)
+
+
+def _numpy_of(array):
+    """The NumPy array behind a simulator array (shared arrays already are NumPy)."""
+    while not isinstance(array, np.ndarray):
+        inner = array.__dict__  # FakeWithinKernelCUDAArray wraps _item, FakeCUDAArray wraps _ary
+        array = inner["_item"] if "_item" in inner else inner["_ary"]
+    return array
+
+
+def _flat_bytes(array, offset, nbytes, what):
+    """Byte view of nbytes at element offset of array's memory, checked like the hardware would."""
+    ary = _numpy_of(array)
+    if not (ary.flags.c_contiguous or (ary.ndim == 1 and ary.strides[0] == ary.itemsize)):
+        raise ValueError(f"{what}: array must be C-contiguous (or a unit-stride row), got strides {ary.strides}")
+    start = int(offset) * ary.itemsize
+    if start % 16:
+        raise ValueError(f"{what}: address not 16-byte aligned (element offset {offset}, itemsize {ary.itemsize})")
+    flat = ary.reshape(-1).view(np.uint8)
+    if start < 0 or start + nbytes > flat.size:
+        raise IndexError(f"{what}: bytes [{start}, {start + nbytes}) outside an array of {flat.size} bytes")
+    return flat[start : start + nbytes]
+
+
+# --------------------------------------------------------------------------------------------
+# Inline-PTX plumbing for the intrinsics.
+# --------------------------------------------------------------------------------------------
+_I32, _F32 = ir.IntType(32), ir.FloatType()
+
+
+def _asm(builder, ret, args, text, constraints, side_effect=False):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+
+def _unpack(builder, struct, n):
+    return [builder.extract_value(struct, i) for i in range(n)]
+
+
+def _element_pointer(context, builder, aryty, ary, offty, off):
+    """Generic pointer to element ``off`` of the array's memory (no strides: a flat offset)."""
+    data = context.make_array(aryty)(context, builder, value=ary).data
+    return builder.gep(data, [context.cast(builder, off, offty, types.intp)])
+
+
+def _shared_address(context, builder, aryty, ary, offty, off):
+    """32-bit .shared address of element ``off`` (the __cvta_generic_to_shared of CUDA C++)."""
+    ptr = _element_pointer(context, builder, aryty, ary, offty, off)
+    shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+    return builder.ptrtoint(shared, _I32)
+
+
+def _is_int(*tys):
+    return all(isinstance(t, types.Integer) for t in tys)
+
+
+def _is_num(*tys):
+    return all(isinstance(t, (types.Integer, types.Float)) for t in tys)
+
+
+def _is_16bit_array(ty):
+    return isinstance(ty, types.Array) and ty.dtype.bitwidth == 16
+
+
+# --------------------------------------------------------------------------------------------
+# mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32
+# --------------------------------------------------------------------------------------------
+def _make_mma_intrinsic(ab):
+    text = (
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
+    )
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        if not (_is_int(a0, a1, a2, a3, b0, b1) and _is_num(c0, c1, c2, c3)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
+            accs = [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
+            ret = ir.LiteralStructType([_F32] * 4)
+            d = _asm(builder, ret, regs + accs, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            return context.make_tuple(builder, sig.return_type, _unpack(builder, d, 4))
+
+        return sig, codegen
+
+    return mma
+
+
+def _make_mma_twin(value_of):
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        def combine(lanes):
+            A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+            for lane, (a, b, c) in enumerate(lanes):
+                a_halves = [h for word in a for h in halves(int(word))]
+                for (r, k), bits in zip(a_fragment_coords(lane), a_halves):
+                    A[r, k] = value_of(bits)
+                b_halves = [h for word in b for h in halves(int(word))]
+                for (k, n), bits in zip(b_fragment_coords(lane), b_halves):
+                    B[k, n] = value_of(bits)
+                for (r, n), x in zip(c_fragment_coords(lane), c):
+                    C[r, n] = x
+            D = (A @ B + C).astype(np.float32)  # f32 accumulate; products of 16-bit floats are exact
+            return [tuple(D[r, n] for r, n in c_fragment_coords(lane)) for lane in range(32)]
+
+        value = ((a0, a1, a2, a3), (b0, b1), tuple(np.float32(x) for x in (c0, c1, c2, c3)))
+        return warp_exchange(value, combine, "mma")
+
+    return mma
+
+
+# --------------------------------------------------------------------------------------------
+# ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16
+# --------------------------------------------------------------------------------------------
+def _make_ldmatrix_intrinsic(trans):
+    text = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];"
+
+    @intrinsic
+    def ldmatrix(typingctx, smem, offset):
+        if not (_is_16bit_array(smem) and _is_int(offset)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(smem, offset)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            ret = ir.LiteralStructType([_I32] * 4)
+            # side effect + memory clobber: it reads memory other threads wrote, so it must not be
+            # hoisted or merged across cuda.syncthreads().
+            r = _asm(builder, ret, [addr], text, "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+            return context.make_tuple(builder, sig.return_type, _unpack(builder, r, 4))
+
+        return sig, codegen
+
+    return ldmatrix
+
+
+def _make_ldmatrix_twin(trans):
+    def ldmatrix(smem, offset):
+        row = _flat_bytes(smem, offset, 16, "ldmatrix").view(np.uint16).astype(np.int64)
+
+        def combine(rows):
+            out = []
+            for lane in range(32):
+                g, t = lane >> 2, lane % 4
+                regs = []
+                for j in range(4):
+                    if trans:  # r_j = M_j[2t:2t+2, g]
+                        lo, hi = rows[8 * j + 2 * t][g], rows[8 * j + 2 * t + 1][g]
+                    else:  # r_j = M_j[g, 2t:2t+2]
+                        lo, hi = rows[8 * j + g][2 * t], rows[8 * j + g][2 * t + 1]
+                    regs.append(int(lo) | (int(hi) << 16))
+                out.append(tuple(regs))
+            return out
+
+        return warp_exchange(row, combine, "ldmatrix.trans" if trans else "ldmatrix")
+
+    return ldmatrix
+
+
+# --------------------------------------------------------------------------------------------
+# cp.async.cg.shared.global (16 bytes, optional zero fill), commit_group, wait_group N
+# --------------------------------------------------------------------------------------------
+@intrinsic
+def _cp_async_16_intrinsic(typingctx, dst, dst_offset, src, src_offset):
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and _is_int(dst_offset, src_offset)):
+        return None
+    sig = types.void(dst, dst_offset, src, src_offset)
+
+    def codegen(context, builder, sig, args):
+        d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        s = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        _asm(builder, ir.VoidType(), [d, s], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _cp_async_16_zfill_intrinsic(typingctx, dst, dst_offset, src, src_offset, src_bytes):
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array)):
+        return None
+    if not _is_int(dst_offset, src_offset, src_bytes):
+        return None
+    sig = types.void(dst, dst_offset, src, src_offset, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        s = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        text = "cp.async.cg.shared.global [$0], [$1], 16, $2;"  # bytes past src-size are zeroed
+        _asm(builder, ir.VoidType(), [d, s, n], text, "r,l,r,~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _cp_async_commit_intrinsic(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _cp_async_wait_intrinsic(typingctx, n):
+    if not isinstance(n, types.IntegerLiteral):
+        return None  # wait_group takes an immediate; Numba retries with the literal type
+    sig = types.void(n)
+    text = f"cp.async.wait_group {n.literal_value};"
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], text, "~{memory}", True)
+
+    return sig, codegen
+
+
+# Twins: a copy is queued at issue and lands at the wait that retires its group; meanwhile its
+# destination reads as 0xFF bytes (a NaN in f16 and bf16), so a read before the wait (RAW) or an
+# overwrite of a tile another thread still reads (WAR) shows up as NaNs in the simulator.
+_POISON = 0xFF
+
+
+def _cp_async_state():
+    thread = threading.current_thread()
+    state = thread.__dict__.get("_cp_async")
+    if state is None:
+        state = thread.__dict__["_cp_async"] = {"pending": [], "groups": []}
+    return state
+
+
+def _cp_async_16_zfill_twin(dst, dst_offset, src, src_offset, src_bytes):
+    n = int(src_bytes)
+    if not 0 <= n <= 16:
+        raise ValueError(f"cp.async: src-size must be in [0, 16], got {n}")
+    target = _flat_bytes(dst, dst_offset, 16, "cp.async dst")
+    source = _flat_bytes(src, src_offset, n, "cp.async src") if n else None
+    target[:] = _POISON
+    _cp_async_state()["pending"].append((target, source, n))
+
+
+def _cp_async_16_twin(dst, dst_offset, src, src_offset):
+    _cp_async_16_zfill_twin(dst, dst_offset, src, src_offset, 16)
+
+
+def _cp_async_commit_twin():
+    state = _cp_async_state()
+    state["groups"].append(state["pending"])
+    state["pending"] = []
+
+
+def _cp_async_wait_twin(n):
+    groups = _cp_async_state()["groups"]
+    while len(groups) > n:
+        for target, source, nbytes in groups.pop(0):
+            target[:nbytes] = source if nbytes else target[:0]
+            target[nbytes:] = 0
+
+
+# --------------------------------------------------------------------------------------------
+# cvt.rn.{f16,bf16}x2.f32 packing, ex2.approx.ftz.f32
+# --------------------------------------------------------------------------------------------
+def _make_pack_intrinsic(kind):
+    text = f"cvt.rn.{kind}x2.f32 $0, $2, $1;"  # cvt puts its first source in the high half
+
+    @intrinsic
+    def pack(typingctx, x, y):
+        if not _is_num(x, y):
+            return None
+        sig = types.uint32(x, y)
+
+        def codegen(context, builder, sig, args):
+            xs = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+            return _asm(builder, _I32, xs, text, "=r,f,f")
+
+        return sig, codegen
+
+    return pack
+
+
+def _make_pack_twin(bits_of):
+    def pack(x, y):
+        return bits_of(x) | (bits_of(y) << 16)
+
+    return pack
+
+
+@intrinsic
+def _ex2_approx_intrinsic(typingctx, x):
+    if not _is_num(x):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        return _asm(builder, _F32, [v], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+    return sig, codegen
+
+
+def _ex2_approx_twin(x):
+    with np.errstate(over="ignore"):
+        y = np.exp2(np.float32(x), dtype=np.float32)
+    return np.float32(0.0) if abs(y) < np.finfo(np.float32).tiny else y  # .ftz flushes subnormals
+
+
+# --------------------------------------------------------------------------------------------
+# Warp shuffle (the simulator has none): the quad reductions of the softmax use it.
+# --------------------------------------------------------------------------------------------
+def _shfl_xor_sync_twin(mask, value, lane_mask):
+    if int(mask) != FULL_MASK:
+        raise NotImplementedError("the shfl_xor_sync twin supports only the full-warp mask")
+    return warp_exchange(value, lambda vals: [vals[lane ^ int(lane_mask)] for lane in range(32)], "shfl_xor")
+
+
+# --------------------------------------------------------------------------------------------
+# The public names: intrinsics on a GPU, twins in the simulator.
+# --------------------------------------------------------------------------------------------
+if SIMULATOR:
+    mma_m16n8k16_f16 = _make_mma_twin(f16_value)
+    mma_m16n8k16_bf16 = _make_mma_twin(bf16_value)
+    ldmatrix_x4 = _make_ldmatrix_twin(trans=False)
+    ldmatrix_x4_trans = _make_ldmatrix_twin(trans=True)
+    cp_async_16 = _cp_async_16_twin
+    cp_async_16_zfill = _cp_async_16_zfill_twin
+    cp_async_commit = _cp_async_commit_twin
+    cp_async_wait = _cp_async_wait_twin
+    pack_f16x2 = _make_pack_twin(f16_bits)
+    pack_bf16x2 = _make_pack_twin(bf16_bits)
+    ex2_approx = _ex2_approx_twin
+    shfl_xor_sync = _shfl_xor_sync_twin
+else:
+    mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
+    mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
+    ldmatrix_x4 = _make_ldmatrix_intrinsic(trans=False)
+    ldmatrix_x4_trans = _make_ldmatrix_intrinsic(trans=True)
+    cp_async_16 = _cp_async_16_intrinsic
+    cp_async_16_zfill = _cp_async_16_zfill_intrinsic
+    cp_async_commit = _cp_async_commit_intrinsic
+    cp_async_wait = _cp_async_wait_intrinsic
+    pack_f16x2 = _make_pack_intrinsic("f16")
+    pack_bf16x2 = _make_pack_intrinsic("bf16")
+    ex2_approx = _ex2_approx_intrinsic
+    shfl_xor_sync = cuda.shfl_xor_sync
+
+__all__ = [
+    "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
+    "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
+    "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
+    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync",
+    "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
+    "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
+]
