@@ -1,0 +1,58 @@
+"""Shared helpers for tests that need a real GPU (imported only by test_gpu_*.py)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from numba import config as nb_config
+from numba import cuda
+
+HAVE_GPU = (not nb_config.ENABLE_CUDASIM) and cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs a real CUDA GPU (none here, or the simulator is on)")
+
+try:
+    import torch
+
+    HAVE_TORCH_CUDA = HAVE_GPU and torch.cuda.is_available()
+except ImportError:  # torch is optional
+    torch = None
+    HAVE_TORCH_CUDA = False
+
+
+def attention_f64_torch(q, k, v, causal, scale=None):
+    """float64 attention on the GPU (torch), same conventions as reference.standard_attention."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q, k, v = (t.double() for t in (q, k, v))
+    H, Hkv = q.shape[-3], k.shape[-3]
+    if H != Hkv:
+        k = k.repeat_interleave(H // Hkv, dim=-3)
+        v = v.repeat_interleave(H // Hkv, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    n_q, n_k = s.shape[-2:]
+    if causal:
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n_k, device=q.device)[None, :]
+        s = s.masked_fill(j > i + n_k - n_q, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    return p @ v, lse
+
+
+def attention_naive_same_dtype(q, k, v, causal, scale=None):
+    """The 'naive same-dtype implementation' of the flash-attention error rule: every step in q's dtype."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    H, Hkv = q.shape[-3], k.shape[-3]
+    if H != Hkv:
+        k = k.repeat_interleave(H // Hkv, dim=-3)
+        v = v.repeat_interleave(H // Hkv, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    n_q, n_k = s.shape[-2:]
+    if causal:
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n_k, device=q.device)[None, :]
+        s = s.masked_fill(j > i + n_k - n_q, -math.inf)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.nan_to_num(p @ v)
