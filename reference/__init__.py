@@ -1,0 +1,61 @@
+"""NumPy reference for numba_flash: every kernel's maths, in float64, with the kernels' names.
+
+Softmax (``reference.softmax``): ``standard_softmax``, ``naive_softmax``, ``logsumexp``, the
+online recurrence ``online_softmax_step`` / ``OnlineSoftmaxState`` (m, ℓ, O of section 3.6.4;
+``m_i``, ``l_i``, ``acc`` in the kernels) and ``online_softmax_attention``.
+Attention (``reference.attention``): ``standard_attention`` (materialises S and P, 3.6.2) and
+``flash_attention`` (the FA2 tile loop, 3.6.6), with the tile-plan helpers the kernels mirror.
+Backward (``reference.backward``): ``attention_backward`` and ``flash_attention_backward`` (3.6.7).
+Trace (``reference.trace``): ``online_softmax_trace`` and ``format_trace`` (3.6.5).
+Cost models (``reference.costs``): bytes, FLOPs and roofline figures for the exercises.
+
+Conventions (see ``reference.attention`` for the full list): softmax_scale defaults to
+1/sqrt(d); L = m + log ℓ is the natural-log logsumexp of each row of scaled scores; causal masks
+align bottom-right (query i sees key j iff j ≤ i + Nk − Nq); a fully masked row gives O = 0,
+L = −inf and zero gradients; computation is float64 unless ``dtype=`` asks otherwise.
+This package imports nothing from numba_flash.
+"""
+
+from . import costs
+from .attention import (
+    causal_mask,
+    first_q_block_to_visit,
+    flash_attention,
+    kv_blocks_to_visit,
+    standard_attention,
+    tile_needs_mask,
+)
+from .backward import attention_backward, flash_attention_backward
+from .softmax import (
+    OnlineSoftmaxState,
+    OnlineStep,
+    logsumexp,
+    naive_softmax,
+    online_softmax_attention,
+    online_softmax_step,
+    standard_softmax,
+)
+from .trace import OnlineSoftmaxTrace, TraceStep, format_trace, online_softmax_trace
+
+__all__ = [
+    "standard_softmax",
+    "naive_softmax",
+    "logsumexp",
+    "OnlineStep",
+    "online_softmax_step",
+    "OnlineSoftmaxState",
+    "online_softmax_attention",
+    "standard_attention",
+    "flash_attention",
+    "causal_mask",
+    "kv_blocks_to_visit",
+    "first_q_block_to_visit",
+    "tile_needs_mask",
+    "attention_backward",
+    "flash_attention_backward",
+    "TraceStep",
+    "OnlineSoftmaxTrace",
+    "online_softmax_trace",
+    "format_trace",
+    "costs",
+]

@@ -1,0 +1,113 @@
+"""Attention backward: from the materialised P, and block by block from L (3.6.7).
+
+Both functions take the forward's outputs ``o`` and ``lse`` (= L) and the upstream gradient
+``do`` and return ``(dq, dk, dv)`` of q's, k's and v's shapes. Conventions (shapes, GQA, scale,
+bottom-right causal mask, fully masked rows) are those of ``reference.attention``.
+
+The maths, with S = scale·Q Kᵀ and P = exp(S − L) (the softmax rebuilt from the saved L):
+
+    dV = Pᵀ dO        dP = dO Vᵀ        D = rowsum(dO ∘ O)      (= rowsum(P ∘ dP))
+    dS = P ∘ (dP − D) dQ = scale · dS K                 dK = scale · dSᵀ Q
+
+A fully masked row (L = −inf) has P = 0, so it contributes nothing and its dq row is 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._validation import as_real_array, check_finite, check_no_nan_or_posinf, check_positive_int
+from .attention import _prepare, causal_mask, first_q_block_to_visit, tile_needs_mask
+
+__all__ = ["attention_backward", "flash_attention_backward"]
+
+
+def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype):
+    """The forward's checks, plus: o and do are (*lead, Nq, d), lse is (*lead, Nq)."""
+    o = as_real_array("o", o)
+    lse = as_real_array("lse", lse)
+    do = as_real_array("do", do)
+    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, extra=(o, lse, do))
+    want = pr.lead + (pr.n_q, pr.d)
+    for name, x, shape in (("o", o, want), ("do", do, want), ("lse", lse, want[:-1])):
+        if x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}; the forward of these q, k, v gives {shape}")
+    o, lse, do = (x.astype(pr.dtype, copy=False) for x in (o, lse, do))
+    check_finite("o", o)
+    check_finite("do", do)
+    check_no_nan_or_posinf("lse", lse)
+    # a fully masked row (L = -inf) must get P = 0: subtracting +inf sends every entry to exp(-inf)
+    lse_sub = np.where(np.isneginf(lse), np.inf, lse).astype(pr.dtype, copy=False)
+    return pr, o, lse_sub, do
+
+
+def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_scale=None, dtype=None):
+    """Gradients of attention through the materialised Nq×Nk matrices P, dP and dS.
+
+    ``q`` (..., Nq, d), ``k``, ``v`` (..., Nk, d) as for ``standard_attention``; ``o``
+    (*lead, Nq, d) and ``lse`` (*lead, Nq) the forward's outputs for the same arguments; ``do``
+    (*lead, Nq, d) the gradient of the loss with respect to O. ``causal``, ``softmax_scale``,
+    ``dtype`` as in the forward.
+
+    Returns ``(dq, dk, dv)`` with the shapes of q, k, v (summed over GQA groups and broadcast dims).
+    """
+    pr, o, lse_sub, do = _prepare_backward(
+        q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype
+    )
+    S = (pr.q @ np.swapaxes(pr.k, -1, -2)) * pr.scale
+    if pr.causal:
+        S = np.where(causal_mask(0, pr.n_q, 0, pr.n_k, pr.n_q, pr.n_k), -np.inf, S)
+    P = np.exp(S - lse_sub[..., None])
+    dv = np.swapaxes(P, -1, -2) @ do
+    dP = do @ np.swapaxes(pr.v, -1, -2)
+    D = np.sum(do * o, axis=-1)
+    dS = P * (dP - D[..., None])
+    dq = (dS @ pr.k) * pr.scale
+    dk = (np.swapaxes(dS, -1, -2) @ pr.q) * pr.scale
+    return pr.reduce_dq(dq), pr.reduce_dkv(dk), pr.reduce_dkv(dv)
+
+
+def flash_attention_backward(
+    q, k, v, o, lse, do, *, block_q: int, block_k: int, causal: bool = False, softmax_scale=None, dtype=None
+):
+    """The FA2 backward: P recomputed tile by tile from the saved L, never an Nq×Nk array.
+
+    D = rowsum(dO ∘ O) first (O(N)). Then the outer loop runs over K/V blocks (a kernel gives each
+    to a thread block) keeping the accumulators ``dk_j``, ``dv_j`` on chip; the inner loop over
+    the Q blocks that see the K/V block (causal: the Q blocks entirely above the diagonal are
+    skipped, diagonal tiles masked) recomputes s_ij and p_ij = exp(s_ij − L_i) and adds the tile's
+    share to ``dq`` in memory (atomic adds in a kernel). Arguments and returns as
+    :func:`attention_backward`, plus ``block_q``, ``block_k`` (ints >= 1; last blocks may be short).
+    """
+    pr, o, lse_sub, do = _prepare_backward(
+        q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype
+    )
+    block_q = check_positive_int("block_q", block_q)
+    block_k = check_positive_int("block_k", block_k)
+    D = np.sum(do * o, axis=-1)
+    dq = np.zeros(pr.lead + (pr.n_q, pr.d), dtype=pr.dtype)
+    dk = np.empty(pr.lead + (pr.n_k, pr.d), dtype=pr.dtype)
+    dv = np.empty(pr.lead + (pr.n_k, pr.d), dtype=pr.dtype)
+
+    for k_start in range(0, pr.n_k, block_k):  # one thread block per K/V block
+        k_stop = min(k_start + block_k, pr.n_k)
+        k_j = pr.k[..., k_start:k_stop, :]
+        v_j = pr.v[..., k_start:k_stop, :]
+        dk_j = np.zeros(pr.lead + (k_stop - k_start, pr.d), dtype=pr.dtype)
+        dv_j = np.zeros(pr.lead + (k_stop - k_start, pr.d), dtype=pr.dtype)
+        first = first_q_block_to_visit(k_start, pr.n_q, pr.n_k, block_q, pr.causal)
+        for q_start in range(first * block_q, pr.n_q, block_q):
+            q_stop = min(q_start + block_q, pr.n_q)
+            q_i, do_i = pr.q[..., q_start:q_stop, :], do[..., q_start:q_stop, :]
+            s_ij = (q_i @ np.swapaxes(k_j, -1, -2)) * pr.scale
+            if tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal):
+                s_ij[..., causal_mask(q_start, q_stop, k_start, k_stop, pr.n_q, pr.n_k)] = -np.inf
+            p_ij = np.exp(s_ij - lse_sub[..., q_start:q_stop, None])
+            dv_j += np.swapaxes(p_ij, -1, -2) @ do_i
+            dp_ij = do_i @ np.swapaxes(v_j, -1, -2)
+            ds_ij = p_ij * (dp_ij - D[..., q_start:q_stop, None])
+            dq[..., q_start:q_stop, :] += (ds_ij @ k_j) * pr.scale
+            dk_j += np.swapaxes(ds_ij, -1, -2) @ q_i
+        dk[..., k_start:k_stop, :] = dk_j * pr.scale  # scale applied once, when dK is written
+        dv[..., k_start:k_stop, :] = dv_j
+    return pr.reduce_dq(dq), pr.reduce_dkv(dk), pr.reduce_dkv(dv)
