@@ -131,7 +131,8 @@ def test_fully_masked_rows_have_zero_gradients(rng):
         attention_backward(q, k, v, O, L, do, causal=True),
         flash_attention_backward(q, k, v, O, L, do, block_q=4, block_k=2, causal=True),
     ):
-        assert (dq[:3] == 0).all() and np.abs(dq[3:]).min() > 0
+        # row 3 sees one key, so its softmax is constant and its dq is 0 up to rounding; rows 4, 5 are not
+        assert (dq[:3] == 0).all() and np.abs(dq[3]).max() < 1e-14 and np.abs(dq[4:]).min() > 0
         assert np.isfinite(dk).all() and np.isfinite(dv).all()
         # dv only collects weights of rows that see keys: dv_j = Σ_i P_ij dO_i over i >= 3
         P = np.exp(np.where(np.arange(n_k)[None] > np.arange(n_q)[:, None] - 3, -np.inf, q @ k.T / 2) - np.where(np.isneginf(L), np.inf, L)[:, None])
