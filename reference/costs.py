@@ -54,6 +54,7 @@ class Device:
     name: str
     sms: int
     hbm_bytes_per_s: float
+    hbm_capacity_bytes: float
     peak_flops: dict  # precision -> FLOP/s (dense)
 
     def ridge_point(self, precision: str = "fp16") -> float:
@@ -66,6 +67,7 @@ H200 = Device(
     name="NVIDIA H200 SXM",
     sms=132,
     hbm_bytes_per_s=4.8e12,
+    hbm_capacity_bytes=141e9,
     peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12},
 )
 

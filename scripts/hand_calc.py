@@ -158,8 +158,8 @@ def run(x, v, *, blocks=None, orders=None, d=1, expect_l=None, expect_o=None) ->
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--x", type=float, nargs="+", default=list(CHAPTER_X), help="one row of scores (default: the chapter's)")
-    parser.add_argument("--v", type=float, nargs="+", default=list(CHAPTER_V), help="values, d per key (default: the chapter's)")
+    parser.add_argument("--x", type=float, nargs="+", help="one row of scores (default: the chapter's)")
+    parser.add_argument("--v", type=float, nargs="+", help="values, d per key (default: the chapter's, with its x)")
     parser.add_argument("--d", type=int, default=1, help="value dimension: --v holds n·d numbers, key by key (default 1)")
     parser.add_argument("--blocks", type=int, nargs="+", help="block sizes summing to len(x) (default: two halves)")
     parser.add_argument("--order", type=int, nargs="+", help="block order, a permutation (default: natural and reversed)")
@@ -167,10 +167,12 @@ def main(argv=None) -> int:
     parser.add_argument("--expect-o", type=float, nargs="+", help="your O_final (d numbers), to 2 decimals")
     parser.add_argument("--json", action="store_true", help="print the traces and checks as JSON")
     args = parser.parse_args(argv)
+    if args.x is not None and args.v is None:
+        parser.error("--x was given without --v; give the values too (d per key)")
     try:
         result = run(
-            args.x,
-            args.v,
+            list(CHAPTER_X) if args.x is None else args.x,
+            list(CHAPTER_V) if args.v is None else args.v,
             blocks=args.blocks,
             orders=[args.order] if args.order else None,
             d=args.d,
