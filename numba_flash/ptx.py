@@ -38,7 +38,7 @@ import numpy as np
 from llvmlite import ir
 from numba import config, cuda
 from numba.cuda import types
-from numba.cuda.extending import intrinsic
+from numba.cuda.extending import intrinsic, register_jitable
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 SMEM_ALIGN = None if SIMULATOR else 16  # ldmatrix rows and cp.async targets are 16-byte aligned
@@ -477,6 +477,16 @@ def _shfl_xor_sync_twin(mask, value, lane_mask):
 
 
 # --------------------------------------------------------------------------------------------
+# Device helpers for kernels: inlined at the Numba IR level into the caller (fragment arrays stay
+# in registers only if every index is a constant after inlining and unrolling). Unlike a
+# cuda.jit(device=True) function this compiles without a GPU present (compile_ptx) and is a plain
+# Python function in the simulator.
+# --------------------------------------------------------------------------------------------
+def inline_device(fn):
+    return register_jitable(inline="always")(fn)
+
+
+# --------------------------------------------------------------------------------------------
 # The public names: intrinsics on a GPU, twins in the simulator.
 # --------------------------------------------------------------------------------------------
 if SIMULATOR:
@@ -510,7 +520,7 @@ __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
-    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync",
+    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "inline_device",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

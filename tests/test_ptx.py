@@ -64,12 +64,28 @@ def find_ptxas():
     return candidates[-1] if candidates else None
 
 
+# numba-cuda asks the current device for its compute capability whenever it compiles a device
+# function (including register_jitable helpers), even inside compile_ptx(cc=...). Without a GPU,
+# answer sm_90, the cc the PTX is compiled for anyway.
+NO_GPU_PATCH = """
+from numba import cuda as _cuda
+if not _cuda.is_available():
+    import numba.cuda.dispatcher as _dispatcher
+
+    class _Sm90:
+        compute_capability = (9, 0)
+
+    _dispatcher.get_current_device = lambda: _Sm90()
+"""
+
+
 def compile_in_subprocess(source, sig, name, tmp_path):
     """PTX (sm_90) of ``name`` defined in ``source``, compiled by a child without the simulator."""
     script = tmp_path / "compile_me.py"
     out = tmp_path / f"{name}.ptx"
     script.write_text(
-        textwrap.dedent(source)
+        NO_GPU_PATCH
+        + textwrap.dedent(source)
         + f"\nfrom numba import cuda as _cuda\n_p, _ = _cuda.compile_ptx({name}, {sig}, cc=(9, 0))\n"
         + f"open({str(out)!r}, 'w').write(_p)\n"
     )

@@ -1,0 +1,367 @@
+"""Tensor-core FlashAttention-2 forward (fp16 / bf16 in, fp32 accumulation) on mma.sync m16n8k16.
+
+Maths (section 3.6.4), per query row, for each K/V tile j with scores s = q·kᵀ:
+
+    m_new = max(m_i, rowmax(s))           running maximum          (m of 3.6.4)
+    alpha = exp(m_i - m_new)              rescales the old state
+    p     = exp(s - m_new)
+    l_i   = alpha * l_i + rowsum(p)       running denominator      (ℓ)
+    acc   = alpha * acc + p @ V_j         running numerator        (O)
+
+then O = acc / l_i and L = m_i + log(l_i). Scores are scaled by softmax_scale·log2(e) so every
+exp is one ``ex2.approx``; L is converted back to the natural log of the scaled scores.
+
+Work split (FA2): one thread block of WARPS = BLOCK_Q / 16 warps per (Q tile, batch·head); warp w
+owns query rows 16w..16w+15 of the tile, so each row's softmax lives inside one warp and the only
+cross-thread reductions are over the 4 lanes of a quad (shuffles). Per K/V tile, each warp runs
+
+    S (16 x BLOCK_K)  = Q_w (16 x HEAD_DIM) · K_jᵀ          HEAD_DIM/16 x BLOCK_K/8 mma
+    O (16 x HEAD_DIM) += P (16 x BLOCK_K) · V_j             BLOCK_K/16 x HEAD_DIM/8 mma
+
+with the m16n8k16 fragment layouts of numba_flash.ptx (g = lane >> 2, t = lane % 4):
+
+* Q_w is read once by ldmatrix into A fragments ``q_frag[kk]`` and kept in registers.
+* K_j rows are the B operand of S as stored (k-major per key): plain ldmatrix.
+* S accumulators ``s[nt]`` hold S[g, 8nt+2t+{0,1}] and S[g+8, 8nt+2t+{0,1}]. Exactly these are
+  the A operand of P·V for the k-step kk when taken from the n-tiles 2kk and 2kk+1, so P is only
+  re-packed to f16x2/bf16x2 in registers, never written to shared memory.
+* V_j is stored key-major, so its B fragments come from ldmatrix.trans.
+* acc[dt] holds O[g, 8dt+2t+{0,1}], O[g+8, ...]: the same layout, so alpha scales registers 0,1
+  by row g's factor and 2,3 by row g+8's.
+
+Shared memory holds the Q, K and V tiles as 16-bit words, rows of HEAD_DIM, with the 16-byte
+chunks of row r XOR-swizzled by r % 8: the 8 row addresses of each ldmatrix phase then fall in 8
+different bank groups (no padding, so d = 128 fits the 48 KiB static limit). Tiles arrive by
+cp.async (16 bytes per copy; rows past the sequence and columns past d are zero-filled by the
+src-size operand). Pipeline: V_j is copied while S = Q·K_jᵀ and the softmax run, and K_{j+1}
+while P·V_j runs (two cp.async groups per tile, one buffer each).
+
+Causal masking aligns to the bottom right: query i sees key j iff j <= i + Nk - Nq. Tiles wholly
+above the diagonal are never loaded; only tiles that cross it or the end of the keys pay for the
+mask. A row that sees no key gets O = 0 and L = -inf.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint16, uint32
+
+from .. import ptx
+from ..ptx import SMEM_ALIGN, inline_device
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
+STATIC_SMEM_MAX = 48 * 1024
+WORD, F16, F32 = np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32)
+
+
+def kernel_signature():
+    """Every specialisation takes q, k, v, out as 16-bit words (any strides, last dim unit)."""
+    io = types.Array(types.uint16, 4, "A")
+    lse = types.Array(types.float32, 3, "A")
+    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+
+
+def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM):
+    return 2 * HEAD_DIM * (BLOCK_Q + 2 * BLOCK_K)
+
+
+def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE):
+    """Why a specialisation cannot be built (empty when it can)."""
+    out = []
+    if BLOCK_Q % 16 or not 16 <= BLOCK_Q <= 256:
+        out.append(f"BLOCK_Q={BLOCK_Q}: one warp per 16 query rows, 1..16 warps")
+    if BLOCK_K % 16 or BLOCK_K < 16:
+        out.append(f"BLOCK_K={BLOCK_K}: a multiple of 16 (the k of m16n8k16 for P·V)")
+    if HEAD_DIM % 64 or HEAD_DIM <= 0:
+        out.append(f"HEAD_DIM={HEAD_DIM}: a multiple of 64 (the 8-chunk XOR swizzle)")
+    if DTYPE not in DTYPES:
+        out.append(f"DTYPE={DTYPE!r} not in {DTYPES}")
+    threads = 2 * BLOCK_Q
+    for name, rows in (("Q", BLOCK_Q), ("K/V", BLOCK_K)):
+        if (rows * HEAD_DIM // 8) % max(threads, 1):
+            out.append(f"{name} tile of {rows}x{HEAD_DIM} is not a whole number of 16-byte copies per thread")
+    if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM) > STATIC_SMEM_MAX:
+        out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM)} B of shared memory > {STATIC_SMEM_MAX} (static)")
+    return out
+
+
+def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
+    """The Python kernel for one specialisation (before cuda.jit; compile tests use it)."""
+    WARPS = BLOCK_Q // 16
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
+    Q_COPIES = BLOCK_Q * CHUNKS // THREADS  # cp.async per thread per tile
+    KV_COPIES = BLOCK_K * CHUNKS // THREADS
+    QK_STEPS = HEAD_DIM // 16  # k-steps of S = Q Kᵀ
+    S_TILES = BLOCK_K // 8  # n-tiles of S
+    PV_STEPS = BLOCK_K // 16  # k-steps of O += P V
+    O_TILES = HEAD_DIM // 8  # n-tiles of O
+    CAUSAL = bool(CAUSAL)
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    shfl_xor = ptx.shfl_xor_sync
+    cp_async = ptx.cp_async_16_zfill
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ldsm = ptx.ldmatrix_x4
+    ldsm_t = ptx.ldmatrix_x4_trans
+    FULL = ptx.FULL_MASK
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def swizzle(row, chunk):
+        """Element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR row % 8)."""
+        return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
+
+    @inline_device
+    def load_tile(smem, src, b, h, row0, n_rows, d, COPIES):
+        """cp.async one tile: rows past n_rows and columns past d are zero-filled."""
+        tid = cuda.threadIdx.x
+        for i in range(COPIES):
+            c = tid + i * THREADS
+            r = c // CHUNKS
+            chunk = c % CHUNKS
+            row = row0 + r
+            col = chunk * 8
+            nbytes = min(max(d - col, 0), 8) * 2 if row < n_rows else 0
+            # A zero-byte copy still names an address: keep it inside the array.
+            src_row = min(row, n_rows - 1)
+            src_col = col if nbytes > 0 else 0
+            cp_async(smem, swizzle(r, chunk), src[b, h, src_row], src_col, nbytes)
+
+    def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+        sq = cuda.shared.array((BLOCK_Q, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
+        sk = cuda.shared.array((BLOCK_K, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
+        sv = cuda.shared.array((BLOCK_K, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2  # fragment row (and row + 8)
+        t = lane & 3  # fragment column pair
+        # Heaviest causal tiles first: they start while the light ones fill the tail.
+        q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        n_heads = q.shape[1]
+        b = bh // n_heads
+        h = bh - b * n_heads
+        h_kv = h // group
+        q0 = q_tile * BLOCK_Q
+        shift = n_k - n_q  # bottom-right causal alignment: query i sees key j iff j <= i + shift
+
+        n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
+        if CAUSAL:
+            visible = min(q0 + BLOCK_Q, n_q) + shift  # keys the tile's last row can see
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
+
+        # Prologue: Q and K_0 in one group.
+        load_tile(sq, q, b, h, q0, n_q, d, Q_COPIES)
+        if n_tiles > 0:
+            load_tile(sk, k, b, h_kv, 0, n_k, d, KV_COPIES)
+        cp_commit()
+
+        # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
+        mat = lane >> 3
+        q_row = warp * 16 + (lane & 15)  # A: quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+        q_chunk = lane >> 4
+        k_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles: (keys, d 0-7 | d 8-15) per tile
+        k_chunk = mat & 1
+        v_row = (mat & 1) * 8 + (lane & 7)  # B via .trans: (keys 0-7 | 8-15) per d-tile pair
+        v_chunk = mat >> 1
+
+        q_frag = cuda.local.array((QK_STEPS, 4), uint32)
+        s = cuda.local.array((S_TILES, 4), float32)
+        acc = cuda.local.array((O_TILES, 4), float32)
+        m_i = cuda.local.array(2, float32)  # rows g and g + 8 of this warp's 16
+        l_i = cuda.local.array(2, float32)  # this lane's partial sums; the quad adds them at the end
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc[dt, r] = ZERO
+        for r in range(2):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+
+        for j in range(n_tiles):
+            k0 = j * BLOCK_K
+            # V_j streams in while S = Q K_jᵀ and the softmax run.
+            load_tile(sv, v, b, h_kv, k0, n_k, d, KV_COPIES)
+            cp_commit()
+            cp_wait(1)  # Q (first tile) and K_j have landed, V_j may still be in flight
+            cuda.syncthreads()
+            if j == 0:
+                for kk in range(QK_STEPS):
+                    a0, a1, a2, a3 = ldsm(sq, swizzle(q_row, kk * 2 + q_chunk))
+                    q_frag[kk, 0] = a0
+                    q_frag[kk, 1] = a1
+                    q_frag[kk, 2] = a2
+                    q_frag[kk, 3] = a3
+
+            # S = Q K_jᵀ
+            for nt in range(S_TILES):
+                for r in range(4):
+                    s[nt, r] = ZERO
+            for kk in range(QK_STEPS):
+                for np2 in range(S_TILES // 2):
+                    b0, b1, b2, b3 = ldsm(sk, swizzle(np2 * 16 + k_row, kk * 2 + k_chunk))
+                    nt = 2 * np2
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
+                        s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
+                    s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
+                        s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
+
+            # Scale to base 2; mask only tiles that cross the end of the keys or the diagonal.
+            needs_mask = k0 + BLOCK_K > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * 16 + shift)
+            row_g = q0 + warp * 16 + g
+            for nt in range(S_TILES):
+                for r in range(4):
+                    x = s[nt, r] * scale_log2
+                    if needs_mask:
+                        col = k0 + nt * 8 + 2 * t + (r & 1)
+                        row = row_g + 8 * (r >> 1)
+                        if col >= n_k or (CAUSAL and col > row + shift):
+                            x = NEG_INF
+                    s[nt, r] = x
+
+            # Online softmax on the fragments: row maxima over the quad, then p, alpha, l_i.
+            for half in range(2):
+                m_tile = NEG_INF
+                for nt in range(S_TILES):
+                    m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+                m_new = max(m_i[half], m_tile)
+                # A row with nothing visible yet keeps m = -inf; subtract 0 so ex2 gives 0, not nan.
+                m_use = ZERO if m_new == NEG_INF else m_new
+                alpha = ex2(m_i[half] - m_use)
+                row_sum = ZERO
+                for nt in range(S_TILES):
+                    for c in range(2):
+                        p = ex2(s[nt, 2 * half + c] - m_use)
+                        s[nt, 2 * half + c] = p
+                        row_sum += p
+                l_i[half] = alpha * l_i[half] + row_sum
+                m_i[half] = m_new
+                for dt in range(O_TILES):
+                    acc[dt, 2 * half] *= alpha
+                    acc[dt, 2 * half + 1] *= alpha
+
+            cp_wait(0)  # V_j
+            cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
+            if j + 1 < n_tiles:
+                load_tile(sk, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)  # K_{j+1} under P·V_j
+            cp_commit()
+
+            # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
+            for kk in range(PV_STEPS):
+                a0 = pack(s[2 * kk, 0], s[2 * kk, 1])
+                a1 = pack(s[2 * kk, 2], s[2 * kk, 3])
+                a2 = pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
+                a3 = pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+                for dp in range(O_TILES // 2):
+                    b0, b1, b2, b3 = ldsm_t(sv, swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
+                    dt = 2 * dp
+                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
+                        a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                    acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
+            cuda.syncthreads()  # every warp is done reading V_j before V_{j+1} is copied over it
+
+        cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
+
+        # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i + log2 l_i) ln 2.
+        for half in range(2):
+            l_row = l_i[half]
+            l_row += shfl_xor(FULL, l_row, 1)
+            l_row += shfl_xor(FULL, l_row, 2)
+            row = q0 + warp * 16 + g + 8 * half
+            inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
+            if row < n_q:
+                if t == 0:
+                    if l_row > ZERO:
+                        lse[b, h, row] = (m_i[half] + math.log2(l_row)) * float32(LN2)
+                    else:
+                        lse[b, h, row] = NEG_INF
+                for dt in range(O_TILES):
+                    col = dt * 8 + 2 * t
+                    bits = pack(acc[dt, 2 * half] * inv_l, acc[dt, 2 * half + 1] * inv_l)
+                    if col < d:
+                        out[b, h, row, col] = uint16(bits & 0xFFFF)
+                    if col + 1 < d:
+                        out[b, h, row, col + 1] = uint16(bits >> 16)
+
+    return mma_forward
+
+
+@lru_cache(maxsize=None)
+def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
+    """The compiled kernel for one specialisation; cached so each compiles once."""
+    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE)
+    if bad:
+        raise ValueError(f"mma forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, {DTYPE}) cannot be built: {'; '.join(bad)}")
+    return cuda.jit(kernel_signature())(kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE))
+
+
+def _words(x):
+    """The array as 16-bit words (bf16 already arrives as uint16; f16 is reinterpreted)."""
+    return x if x.dtype == WORD else x.view(WORD)
+
+
+def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None):
+    """Run the tensor-core forward on device arrays; the caller has validated the problem.
+
+    q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
+    k, v: (B, Hkv, Nk, d), same dtype, H % Hkv == 0 (kv head of h is h // (H // Hkv));
+    lse: (B, H, Nq) float32, receives the natural-log logsumexp of the scaled scores (-inf for a
+    row that sees no key, whose O is 0). softmax_scale multiplies q·kᵀ (computed by the caller from
+    the original head dim). d <= HEAD_DIM (default: 64 if d <= 64 else 128); the kernel zero-pads.
+    Strides are arbitrary except: last dim unit stride, every other stride a multiple of 8
+    elements and the base 16-byte aligned (cp.async copies 16 aligned bytes).
+    """
+    B, H, n_q, d = q.shape
+    Hkv, n_k = k.shape[1], k.shape[2]
+    if HEAD_DIM is None:
+        HEAD_DIM = 64 if d <= 64 else 128
+    dtype = "bfloat16" if q.dtype == WORD else "float16"
+    _check_layout(q, k, v, out, lse, d, HEAD_DIM)
+    if B * H * n_q == 0:
+        return
+    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype)
+    grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
+    kernel[grid, 2 * BLOCK_Q, stream](
+        _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E)
+    )
+
+
+def _check_layout(q, k, v, out, lse, d, HEAD_DIM):
+    if d > HEAD_DIM:
+        raise ValueError(f"head dim {d} > HEAD_DIM={HEAD_DIM}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"H={q.shape[1]} is not a multiple of Hkv={k.shape[1]}")
+    if len({x.dtype for x in (q, k, v, out)}) != 1 or q.dtype not in (F16, WORD):
+        raise ValueError(f"q, k, v, out must share dtype float16 or uint16 (bf16 bits); got {[x.dtype for x in (q, k, v, out)]}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if x.strides[-1] != 2:
+            raise ValueError(f"{name}: last dim must have unit stride, strides are {x.strides}")
+        if name != "out" and any(s % 16 for s in x.strides[:-1]):
+            raise ValueError(f"{name}: strides {x.strides} (bytes) must be multiples of 16 for cp.async; pad the rows")
+        if name != "out" and _address(x) % 16:
+            raise ValueError(f"{name}: data pointer is not 16-byte aligned")
+    if lse.dtype != F32:
+        raise ValueError(f"lse must be float32, got {lse.dtype}")
+
+
+def _address(x):
+    iface = getattr(x, "__cuda_array_interface__", None) or getattr(x, "__array_interface__", None)
+    if iface is None:  # simulator arrays wrap a NumPy array
+        return ptx._numpy_of(x).ctypes.data
+    return iface["data"][0]
+

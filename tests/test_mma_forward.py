@@ -1,0 +1,186 @@
+"""Tensor-core forward (numba_flash.kernels.mma_forward) in the CUDA simulator, and its sm_90 build.
+
+The simulator runs the kernel's fragment indexing through numba_flash.ptx's twins (mma, ldmatrix,
+cp.async, shuffles), so a wrong lane mapping fails here without a GPU. Shapes stay small: each
+simulated thread is a Python thread (128 per block). Simulator tests re-run themselves in a child
+process with NUMBA_ENABLE_CUDASIM=1 when this process does not have it; compile tests always run
+in a child without it (see tests/test_ptx.py).
+"""
+import functools
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import config, cuda
+
+from numba_flash.kernels import mma_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_ptx import compile_in_subprocess, in_simulator, ptxas_report  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy float64 attention (bottom-right causal alignment; fully masked rows: O = 0, L = -inf)
+# --------------------------------------------------------------------------------------------
+def attention_f64(q, k, v, causal, scale):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    H, Hkv = q.shape[1], k.shape[1]
+    k = np.repeat(k, H // Hkv, axis=1)
+    v = np.repeat(v, H // Hkv, axis=1)
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    n_q, n_k = s.shape[-2:]
+    if causal:
+        i = np.arange(n_q)[:, None]
+        j = np.arange(n_k)[None, :]
+        s = np.where(j > i + n_k - n_q, -np.inf, s)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m_safe)
+    l = p.sum(axis=-1, keepdims=True)
+    o = np.where(l > 0, (p @ v) / np.where(l > 0, l, 1.0), 0.0)
+    lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)), -np.inf)
+    return o, lse
+
+
+def to_bits(x, dtype):
+    """float32 array -> (16-bit words for the kernel, the values they hold as float64)."""
+    x = np.asarray(x, np.float32)
+    if dtype == "float16":
+        h = x.astype(np.float16)
+        return h, h.astype(np.float64)
+    bits = (x.view(np.uint32) + 0x7FFF + ((x.view(np.uint32) >> 16) & 1)) >> 16  # round to nearest even
+    bits = bits.astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def from_bits(o, dtype):
+    if dtype == "float16":
+        return o.astype(np.float64)
+    return (o.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, scale=None, pad_to=None, big=1.0):
+    """Run mma_forward.launch on host arrays (simulator) and return (o, lse, o_ref, lse_ref, tol)."""
+    rng = np.random.default_rng(seed)
+    q32 = rng.standard_normal((B, H, n_q, d)).astype(np.float32) * big
+    k32 = rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32)
+    v32 = rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    arrays = []
+    for x in (q32, k32, v32):
+        words, values = to_bits(x, dtype)
+        if pad_to:  # a strided view: rows of pad_to elements, only d of them used
+            padded = np.zeros(x.shape[:-1] + (pad_to,), words.dtype)
+            padded[..., :d] = words
+            words = padded[..., :d]
+        arrays.append((words, values))
+    (q, qv), (k, kv), (v, vv) = arrays
+    out = np.zeros((B, H, n_q, d), q.dtype)
+    lse = np.zeros((B, H, n_q), np.float32)
+    if pad_to:  # strided views must be device arrays (host transfers need contiguous buffers)
+        q, k, v = (cuda.to_device(x.base)[..., :d] for x in (q, k, v))
+        out_dev = cuda.to_device(out)
+        mma_forward.launch(q, k, v, out_dev, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM)
+        out = out_dev.copy_to_host()
+    else:
+        mma_forward.launch(q, k, v, out, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM)
+    o_ref, lse_ref = attention_f64(qv, kv, vv, causal, scale)
+    return from_bits(out, dtype), lse.astype(np.float64), o_ref, lse_ref
+
+
+def assert_close(o, lse, o_ref, lse_ref, dtype):
+    # O is rounded once to the output dtype and P once to 16 bits before P·V: a few ulps of 16-bit.
+    ulp = 2.0**-10 if dtype == "float16" else 2.0**-7
+    o_err = np.abs(o - o_ref).max()
+    assert o_err <= 4 * ulp * max(1.0, np.abs(o_ref).max()), f"max |O - O_ref| = {o_err}"
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    assert (lse[~finite] == -np.inf).all()
+    lse_err = np.abs(lse[finite] - lse_ref[finite]).max(initial=0.0)
+    assert lse_err <= 1e-4 * max(1.0, np.abs(lse_ref[finite]).max(initial=0.0)), f"max |L - L_ref| = {lse_err}"
+
+
+# --------------------------------------------------------------------------------------------
+# Simulator tests
+# --------------------------------------------------------------------------------------------
+@in_simulator
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_square_sim(causal, dtype):
+    """Nq = Nk = 70: a full and a ragged K/V tile, two Q tiles (the second mostly padding)."""
+    r = run_forward(1, 2, 2, 70, 70, 64, causal, dtype)
+    assert_close(*r, dtype)
+
+
+@in_simulator
+@pytest.mark.parametrize("causal", [False, True])
+def test_more_keys_than_queries_gqa_sim(causal):
+    """Nq < Nk with bottom-right alignment, GQA (H = 2, Hkv = 1), one Q tile per head."""
+    r = run_forward(1, 2, 1, 20, 90, 64, causal, "float16", seed=1)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+def test_fewer_keys_than_queries_causal_masks_whole_rows_sim():
+    """Nq > Nk, causal: the first Nq - Nk rows see no key (O = 0, L = -inf), some whole warps too."""
+    r = run_forward(1, 1, 1, 64, 24, 64, True, "bfloat16", seed=2)
+    o, lse = r[0], r[1]
+    assert (lse[0, 0, :40] == -np.inf).all() and (o[0, 0, :40] == 0).all()
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
+def test_head_dim_padding_and_strides_sim():
+    """d = 40 zero-padded to HEAD_DIM = 64 inside the loads; rows of a padded (strided) buffer."""
+    r = run_forward(1, 1, 1, 33, 65, 40, False, "bfloat16", seed=3, pad_to=48)
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
+def test_head_dim_128_sim():
+    r = run_forward(1, 1, 1, 17, 80, 128, True, "bfloat16", seed=4)
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
+def test_large_logits_sim():
+    """Scores around 100 in base 2: the running max must be subtracted (no inf / nan)."""
+    r = run_forward(1, 1, 1, 16, 130, 64, False, "float16", seed=5, big=12.0)
+    assert np.isfinite(r[0]).all()
+    assert_close(*r, "float16")
+
+
+def test_shipped_configs_are_valid():
+    for head_dim in (64, 128):
+        assert mma_forward.problems(64, 64, head_dim, "float16") == []
+    assert mma_forward.problems(64, 128, 128, "float16")  # 80 KiB: over the static limit
+    with pytest.raises(ValueError, match="HEAD_DIM=96"):
+        mma_forward.make_forward_kernel(64, 64, 96, False, "float16")
+
+
+# --------------------------------------------------------------------------------------------
+# sm_90 build: every shipped config compiles, uses tensor cores, and ptxas reports no spills
+# --------------------------------------------------------------------------------------------
+COMPILE_SOURCE = """
+from numba_flash.kernels import mma_forward
+mma_forward_kernel = mma_forward.kernel_source({BQ}, {BK}, {D}, {CAUSAL}, {DTYPE!r})
+SIG = mma_forward.kernel_signature()
+"""
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_compiles_for_sm90_without_spills(head_dim, causal, dtype, tmp_path):
+    source = COMPILE_SOURCE.format(BQ=64, BK=64, D=head_dim, CAUSAL=causal, DTYPE=dtype)
+    text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
+    n_mma = text.count("mma.sync.aligned.m16n8k16")
+    assert n_mma == 2 * (head_dim // 16) * (64 // 8), n_mma  # fully unrolled: S and P·V
+    assert "ld.local" not in text and "st.local" not in text  # fragments live in registers
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
