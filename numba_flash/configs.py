@@ -38,6 +38,7 @@ class SimtConfig:
     row_threads: int
     col_threads: int
     head_dim: int  # compiled (padded) head dim
+    share_kv: bool = False  # V reuses K's buffer once S is computed: less smem, more blocks per SM
 
     @property
     def threads(self) -> int:
@@ -66,7 +67,7 @@ class SimtConfig:
         return {
             "q": self.block_q * self.qk_stride,
             "k": self.block_k * self.qk_stride,
-            "v": self.block_k * self.head_dim,
+            "v": 0 if self.share_kv else self.block_k * self.head_dim,
             "p": self.block_q * self.block_k,
             "red": self.block_q * self.col_threads,  # per-row partial maxima / sums
         }
@@ -105,12 +106,15 @@ def keep(configs):
 
 
 def _simt_for(head_dim: int) -> SimtConfig:
-    # 128 threads, 8 rows per thread. Above d=128: 256 threads, 4 rows x <= 8 O columns each;
-    # 8 rows x 8-16 columns there left NVVM with unpromoted local arrays (192-704 B stack
-    # frames in ptxas -v), which tests/test_ptx_budget.py now guards against.
+    # 256 threads, 4 rows per thread, V reusing K's buffer: the fastest of the sweep in
+    # benchmarks/results (fp32 d=128, H200). Above d=128 the O slice stays <= 8 columns per
+    # thread: 8 rows x 8-16 columns left NVVM with unpromoted local arrays (192-704 B stack
+    # frames in ptxas -v), which tests/test_kernel_resources.py guards against.
     if head_dim <= 128:
-        return SimtConfig(block_q=64, block_k=64, row_threads=8, col_threads=16, head_dim=head_dim)
-    return SimtConfig(block_q=32, block_k=32, row_threads=8, col_threads=32, head_dim=head_dim)
+        return SimtConfig(block_q=64, block_k=64, row_threads=16, col_threads=16, head_dim=head_dim,
+                          share_kv=True)
+    return SimtConfig(block_q=32, block_k=32, row_threads=8, col_threads=32, head_dim=head_dim,
+                      share_kv=True)
 
 
 SIMT_CONFIGS = {d: _simt_for(d) for d in HEAD_DIMS}

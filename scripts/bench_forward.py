@@ -160,9 +160,10 @@ def peak_memory(d=128, dtype="float16", B=1, H=16):
     return out
 
 
-SIMT_CANDIDATES = [  # (block_q, block_k, row_threads, col_threads) for head_dim 128
-    (64, 64, 8, 16), (64, 32, 8, 16), (128, 64, 16, 16), (64, 64, 16, 16),
-    (128, 32, 16, 16), (32, 64, 4, 16), (64, 64, 8, 8),
+SIMT_CANDIDATES = [  # (block_q, block_k, row_threads, col_threads, share_kv) for head_dim 128
+    (64, 64, 8, 16, False), (64, 64, 8, 16, True), (64, 32, 8, 16, False), (64, 32, 8, 16, True),
+    (128, 64, 16, 16, False), (128, 64, 16, 16, True), (128, 32, 16, 16, True),
+    (64, 64, 16, 16, True), (32, 64, 4, 16, True), (64, 64, 8, 8, True),
 ]
 
 
@@ -178,19 +179,19 @@ def sweep_simt(B=4, H=16, N=4096, d=128, causal=False):
     lse = torch.empty(B, H, N, device="cuda")
     qd, kd, vd, od, ld = (cuda.as_cuda_array(t, sync=False) for t in (q, k, v, out, lse))
     rows = []
-    for bq, bk, rt, ct in SIMT_CANDIDATES:
-        cfg = SimtConfig(bq, bk, rt, ct, d)
+    for bq, bk, rt, ct, share in SIMT_CANDIDATES:
+        cfg = SimtConfig(bq, bk, rt, ct, d, share_kv=share)
         if not keep([cfg]):
-            rows.append({"config": [bq, bk, rt, ct], "error": "; ".join(cfg.problems())})
+            rows.append({"config": [bq, bk, rt, ct, share], "error": "; ".join(cfg.problems())})
             continue
         run = lambda: simt_forward.launch(cfg, qd, kd, vd, od, ld, causal=causal,
                                           softmax_scale=d ** -0.5, dtype="float32", d=d)
         ms, _ = time_call(run)
         kern = simt_forward.make_forward_kernel(cfg, causal, "float32")
         regs = next(iter(kern.overloads.values()))._codelibrary.get_cufunc().attrs.regs
-        rows.append({"config": [bq, bk, rt, ct], "ms": ms, "tflops": flops(B, H, N, N, d, causal) / ms / 1e9,
+        rows.append({"config": [bq, bk, rt, ct, share], "ms": ms, "tflops": flops(B, H, N, N, d, causal) / ms / 1e9,
                      "regs": regs, "smem": cfg.smem_bytes})
-        print(f"  simt {bq}x{bk} {rt}x{ct}: {rows[-1]['tflops']:.1f} TFLOP/s, {regs} regs, {cfg.smem_bytes} B smem",
+        print(f"  simt {bq}x{bk} {rt}x{ct} share_kv={share}: {rows[-1]['tflops']:.1f} TFLOP/s, {regs} regs, {cfg.smem_bytes} B smem",
               flush=True)
     return rows
 
@@ -250,7 +251,7 @@ def main(argv=None):
         for r in result["memory"]:
             md.append(f"| {r['N']} | {r['numba_flash']} | {r['ours_expected']} | {r['naive-torch'] if r['naive-torch'] is not None else 'OOM'} |")
     if result["sweep_simt"]:
-        md.append("\n## SIMT config sweep, fp32 B4 H16 N4096 d128\n\n| block_q, block_k, row_threads, col_threads | TFLOP/s | regs | smem B |\n|---|---|---|---|")
+        md.append("\n## SIMT config sweep, fp32 B4 H16 N4096 d128\n\n| block_q, block_k, row_threads, col_threads, share_kv | TFLOP/s | regs | smem B |\n|---|---|---|---|")
         for r in result["sweep_simt"]:
             md.append(f"| {r['config']} | {r.get('tflops', 0):.1f} | {r.get('regs', '')} | {r.get('smem', r.get('error', ''))} |")
     with open(stem + ".md", "w") as f:

@@ -28,7 +28,11 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, int32, types, uint16, uint32
+from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
+
+# Indices are cast to unsigned (a no-op bitcast from int64) before indexing: Numba then skips the negative-index
+# wraparound test it otherwise emits for every access (64-bit compare, shift, add).
+U = uint64
 
 from ..configs import SMEM_STATIC_MAX, SimtConfig
 
@@ -61,12 +65,15 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
     words = cfg.smem_words
     Q_OFF = 0
     K_OFF = Q_OFF + words["q"]
-    V_OFF = K_OFF + words["k"]
+    V_OFF = K_OFF if cfg.share_kv else K_OFF + words["k"]
+    V_STRIDE = QK_STRIDE if cfg.share_kv else HEAD_DIM
+    SHARE_KV = cfg.share_kv
     P_OFF = V_OFF + words["v"]
     RED_OFF = P_OFF + words["p"]
     Q_LOADS = BLOCK_Q * HEAD_DIM // THREADS + (BLOCK_Q * HEAD_DIM % THREADS > 0)
     KV_LOADS = BLOCK_K * HEAD_DIM // THREADS + (BLOCK_K * HEAD_DIM % THREADS > 0)
     CAUSAL = bool(causal)
+    UNROLL = 4  # inner-product steps per unrolled group (divides every HEAD_DIM and BLOCK_K)
     BF16 = dtype == "bfloat16"
     NEG_INF = float32(-math.inf)
 
@@ -82,13 +89,13 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                 c = idx - r * HEAD_DIM
                 row = row0 + r
                 if row < n_rows and c < d:
-                    x = src[b, h, row, c]
+                    x = src[U(b), U(h), U(row), U(c)]
                     if BF16:
-                        smem_u[off + r * stride + c] = uint32(x) << 16
+                        smem_u[U(off + r * stride + c)] = uint32(x) << 16
                     else:
-                        smem_f[off + r * stride + c] = float32(x)
+                        smem_f[U(off + r * stride + c)] = float32(x)
                 else:
-                    smem_f[off + r * stride + c] = float32(0.0)
+                    smem_f[U(off + r * stride + c)] = float32(0.0)
 
     def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         smem_f = cuda.shared.array(0, float32)
@@ -113,6 +120,15 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
         acc = cuda.local.array((ROWS, O_COLS), float32)
         s = cuda.local.array((ROWS, S_COLS), float32)
         a_frag = cuda.local.array(ROWS, float32)
+        # Loop-invariant shared-memory row offsets of this thread's Q, K and P rows.
+        q_row = cuda.local.array(ROWS, int64)
+        p_row = cuda.local.array(ROWS, int64)
+        k_row = cuda.local.array(S_COLS, int64)
+        for i in range(ROWS):
+            q_row[i] = Q_OFF + (tr + i * ROW_THREADS) * QK_STRIDE
+            p_row[i] = P_OFF + (tr + i * ROW_THREADS) * BLOCK_K
+        for jj in range(S_COLS):
+            k_row[jj] = K_OFF + (tc + jj * COL_THREADS) * QK_STRIDE
         k_frag = cuda.local.array(S_COLS, float32)
         v_frag = cuda.local.array(O_COLS, float32)
         for i in range(ROWS):
@@ -133,21 +149,23 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
         for j in range(n_tiles):
             k0 = j * BLOCK_K
             load_tile(k, b, h_kv, k0, n_k, d, smem_f, smem_u, K_OFF, QK_STRIDE, KV_LOADS, BLOCK_K)
-            load_tile(v, b, h_kv, k0, n_k, d, smem_f, smem_u, V_OFF, HEAD_DIM, KV_LOADS, BLOCK_K)
+            if not SHARE_KV:
+                load_tile(v, b, h_kv, k0, n_k, d, smem_f, smem_u, V_OFF, V_STRIDE, KV_LOADS, BLOCK_K)
             cuda.syncthreads()
 
             # S = Q K^T for this thread's ROWS x S_COLS slice (register tiling).
             for i in range(ROWS):
                 for jj in range(S_COLS):
                     s[i, jj] = float32(0.0)
-            for kk in range(HEAD_DIM):
-                for i in range(ROWS):
-                    a_frag[i] = smem_f[Q_OFF + (tr + i * ROW_THREADS) * QK_STRIDE + kk]
-                for jj in range(S_COLS):
-                    k_frag[jj] = smem_f[K_OFF + (tc + jj * COL_THREADS) * QK_STRIDE + kk]
-                for i in range(ROWS):
+            for e0 in range(0, HEAD_DIM, UNROLL):
+                for u in range(UNROLL):  # constant trip count: fully unrolled, loads run ahead
+                    for i in range(ROWS):
+                        a_frag[i] = smem_f[U(q_row[i] + e0 + u)]
                     for jj in range(S_COLS):
-                        s[i, jj] += a_frag[i] * k_frag[jj]
+                        k_frag[jj] = smem_f[U(k_row[jj] + e0 + u)]
+                    for i in range(ROWS):
+                        for jj in range(S_COLS):
+                            s[i, jj] = cuda.fma(a_frag[i], k_frag[jj], s[i, jj])
 
             # Mask only where the tile crosses the end of the keys or the causal diagonal.
             needs_mask = k0 + BLOCK_K > n_k
@@ -164,14 +182,16 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                             x = NEG_INF
                     s[i, jj] = x
                     row_max = max(row_max, x)
-                smem_f[RED_OFF + (tr + i * ROW_THREADS) * COL_THREADS + tc] = row_max
+                smem_f[U(RED_OFF + (tr + i * ROW_THREADS) * COL_THREADS + tc)] = row_max
             cuda.syncthreads()
+            if SHARE_KV:  # every thread is past S = QK^T, so K's buffer is free for V
+                load_tile(v, b, h_kv, k0, n_k, d, smem_f, smem_u, V_OFF, V_STRIDE, KV_LOADS, BLOCK_K)
 
             for i in range(ROWS):
                 r = tr + i * ROW_THREADS
                 m_new = m_i[i]
                 for t in range(COL_THREADS):
-                    m_new = max(m_new, smem_f[RED_OFF + r * COL_THREADS + t])
+                    m_new = max(m_new, smem_f[U(RED_OFF + r * COL_THREADS + t)])
                 # A row with nothing visible yet keeps m = -inf; subtract 0 so exp gives 0, not nan.
                 m_use = float32(0.0) if m_new == NEG_INF else m_new
                 alpha = math.exp2(m_i[i] - m_use)
@@ -179,7 +199,7 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                 for jj in range(S_COLS):
                     p = math.exp2(s[i, jj] - m_use)
                     row_sum += p
-                    smem_f[P_OFF + r * BLOCK_K + tc + jj * COL_THREADS] = p
+                    smem_f[U(P_OFF + r * BLOCK_K + tc + jj * COL_THREADS)] = p
                 l_i[i] = alpha * l_i[i] + row_sum
                 for c in range(O_COLS):
                     acc[i, c] *= alpha
@@ -187,47 +207,48 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             cuda.syncthreads()
 
             # acc += P V_j
-            for kk in range(BLOCK_K):
-                for i in range(ROWS):
-                    a_frag[i] = smem_f[P_OFF + (tr + i * ROW_THREADS) * BLOCK_K + kk]
-                for c in range(O_COLS):
-                    v_frag[c] = smem_f[V_OFF + kk * HEAD_DIM + tc + c * COL_THREADS]
-                for i in range(ROWS):
+            for t0 in range(0, BLOCK_K, UNROLL):
+                for u in range(UNROLL):
+                    for i in range(ROWS):
+                        a_frag[i] = smem_f[U(p_row[i] + t0 + u)]
                     for c in range(O_COLS):
-                        acc[i, c] += a_frag[i] * v_frag[c]
+                        v_frag[c] = smem_f[U(V_OFF + (t0 + u) * V_STRIDE + tc + c * COL_THREADS)]
+                    for i in range(ROWS):
+                        for c in range(O_COLS):
+                            acc[i, c] = cuda.fma(a_frag[i], v_frag[c], acc[i, c])
             cuda.syncthreads()  # before the next tile overwrites K, V, P and the row buffer
 
         # l_i: sum the per-thread partials of each row.
         for i in range(ROWS):
-            smem_f[RED_OFF + (tr + i * ROW_THREADS) * COL_THREADS + tc] = l_i[i]
+            smem_f[U(RED_OFF + (tr + i * ROW_THREADS) * COL_THREADS + tc)] = l_i[i]
         cuda.syncthreads()
         for i in range(ROWS):
             r = tr + i * ROW_THREADS
             row = q0 + r
             l_row = float32(0.0)
             for t in range(COL_THREADS):
-                l_row += smem_f[RED_OFF + r * COL_THREADS + t]
+                l_row += smem_f[U(RED_OFF + r * COL_THREADS + t)]
             # A fully masked row (l = 0) is defined as O = 0, L = -inf.
             inv_l = float32(1.0) / l_row if l_row > float32(0.0) else float32(0.0)
             if row < n_q:
                 if tc == 0:
                     if l_row > float32(0.0):
-                        lse[b, h, row] = (m_i[i] + math.log2(l_row)) * float32(LN2)
+                        lse[U(b), U(h), U(row)] = (m_i[i] + math.log2(l_row)) * float32(LN2)
                     else:
-                        lse[b, h, row] = NEG_INF
+                        lse[U(b), U(h), U(row)] = NEG_INF
                 for c in range(O_COLS):
                     col = tc + c * COL_THREADS
                     if col < d:
                         o = acc[i, c] * inv_l
                         if BF16:
                             # Round to nearest even through this thread's own Q slot (no sync needed).
-                            slot = Q_OFF + r * QK_STRIDE + col
+                            slot = U(Q_OFF + r * QK_STRIDE + col)
                             smem_f[slot] = o
                             bits = smem_u[slot]
                             bits = bits + uint32(0x7FFF) + ((bits >> 16) & uint32(1))
-                            out[b, h, row, col] = uint16(bits >> 16)
+                            out[U(b), U(h), U(row), U(col)] = uint16(bits >> 16)
                         else:
-                            out[b, h, row, col] = o
+                            out[U(b), U(h), U(row), U(col)] = o
 
     return flash_forward
 
