@@ -243,11 +243,14 @@ def test_chapter_example_through_the_state():
     assert L[0] == pytest.approx(5 + math.log(float(state.l[0])), rel=1e-15)
 
 
-def test_one_dimensional_inputs_drop_axes():
+def test_one_dimensional_inputs_drop_axes(rng):
     O, L = online_softmax_attention([1, 3, 2, 5], [10, 20, 30, 40], blocks=[2, 2], order=[1, 0])
     assert np.ndim(O) == 0 and np.ndim(L) == 0 and round(float(O), 2) == 36.88
-    O, L = online_softmax_attention(np.zeros((2, 4)), np.ones(4), blocks=3)  # blocks of 3 then 1
+    s, v = rng.standard_normal((2, 4)), rng.standard_normal(4)
+    O, L = online_softmax_attention(s, v, blocks=3)  # one int: blocks of 3 then 1
     assert O.shape == (2,) and L.shape == (2,)
+    O_std, L_std = standard_result(s, v[:, None])
+    np.testing.assert_allclose(O, O_std[:, 0], rtol=0, atol=1e-14 * np.abs(v).max())
 
 
 def test_block_and_order_validation_names_what_was_given():
@@ -266,8 +269,15 @@ def test_block_and_order_validation_names_what_was_given():
         online_softmax_attention(x, np.zeros((4, 2)), blocks=5)
     with pytest.raises(ValueError, match="nan or \\+inf"):
         online_softmax_attention(np.array([[0, np.inf, 0, 0, 0]]), v, blocks=5)
-    O, _ = online_softmax_attention(x, v + 1, blocks=[1, 4], order=lambda n: list(range(n))[::-1])
-    assert np.allclose(O, 1)
+
+
+
+def test_callable_order(rng):
+    s, v = rng.standard_normal((3, 7)), rng.standard_normal((7, 2))
+    seen = []
+    O, L = online_softmax_attention(s, v, blocks=[1, 4, 2], order=lambda n: seen.append(n) or [2, 0, 1])
+    assert seen == [3]
+    assert_close_to_standard(O, L, s, v, 3)
 
 
 def test_state_refuses_silent_truncation_and_bad_shapes(rng):

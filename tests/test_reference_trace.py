@@ -43,8 +43,8 @@ def rows(draw):
     x = rng.standard_normal(n) * draw(st.sampled_from([1.0, 100.0, 1e4]))
     x[rng.random(n) < draw(st.sampled_from([0.0, 0.5]))] = -np.inf
     v = rng.standard_normal((n, d)) if d > 1 else rng.standard_normal(n)
-    sizes = draw(st.lists(st.integers(1, n), min_size=1, max_size=n).filter(lambda s: sum(s) <= n))
-    sizes = sizes + [n - sum(sizes)] if sum(sizes) < n else sizes
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
+    sizes = [int(b - a) for a, b in zip([0, *cuts], [*cuts, n])]  # uneven blocks summing to n
     order = draw(st.permutations(range(len(sizes))))
     return x, v, sizes, order
 
