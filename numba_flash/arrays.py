@@ -24,7 +24,7 @@ def kind_of(x: Any) -> str | None:
         return NUMPY
     if mod == "torch" and hasattr(x, "is_cuda"):
         return TORCH  # CPU tensors included; validation says they must be on the GPU
-    if cuda.is_cuda_array(x):
+    if hasattr(x, "__cuda_array_interface__"):
         if mod == "cupy":
             return CUPY
         if mod.startswith("numba"):

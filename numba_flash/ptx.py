@@ -205,10 +205,16 @@ def _element_pointer(context, builder, aryty, ary, offty, off):
 
 
 def _shared_address(context, builder, aryty, ary, offty, off):
-    """32-bit .shared address of element ``off`` (the __cvta_generic_to_shared of CUDA C++)."""
-    ptr = _element_pointer(context, builder, aryty, ary, offty, off)
-    shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
-    return builder.ptrtoint(shared, _I32)
+    """32-bit .shared address of element ``off`` (the __cvta_generic_to_shared of CUDA C++).
+
+    The offset is truncated to 32 bits before it is scaled and added, so LLVM can narrow the
+    kernel's (64-bit, as Numba types it) index arithmetic to 32-bit registers.
+    """
+    data = context.make_array(aryty)(context, builder, value=ary).data
+    base = builder.ptrtoint(builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3)), _I32)
+    itemsize = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+    off32 = builder.trunc(context.cast(builder, off, offty, types.int64), _I32)
+    return builder.add(base, builder.mul(off32, ir.Constant(_I32, itemsize)))
 
 
 def _is_int(*tys):
@@ -477,13 +483,13 @@ def _shfl_xor_sync_twin(mask, value, lane_mask):
 
 
 # --------------------------------------------------------------------------------------------
-# Device helpers for kernels: inlined at the Numba IR level into the caller (fragment arrays stay
-# in registers only if every index is a constant after inlining and unrolling). Unlike a
-# cuda.jit(device=True) function this compiles without a GPU present (compile_ptx) and is a plain
-# Python function in the simulator.
+# Device helpers for kernels, callable from a kernel like any function: compiled as device
+# functions and inlined by NVVM (so fragment arrays passed to them still become registers).
+# Unlike a plain cuda.jit(device=True) function, register_jitable is also an ordinary Python
+# function in the simulator.
 # --------------------------------------------------------------------------------------------
 def inline_device(fn):
-    return register_jitable(inline="always")(fn)
+    return register_jitable(inline="never")(fn)
 
 
 # --------------------------------------------------------------------------------------------

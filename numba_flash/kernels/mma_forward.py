@@ -89,8 +89,10 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE):
     return out
 
 
-def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
+def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it)."""
+    if Q_IN_REGS is None:  # d = 128 keeps Q in shared memory: its 32 registers would spill
+        Q_IN_REGS = HEAD_DIM <= 64
     WARPS = BLOCK_Q // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
@@ -101,6 +103,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
     PV_STEPS = BLOCK_K // 16  # k-steps of O += P V
     O_TILES = HEAD_DIM // 8  # n-tiles of O
     CAUSAL = bool(CAUSAL)
+    Q_FRAGS = QK_STEPS if Q_IN_REGS else 1
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
@@ -118,6 +121,15 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
     def swizzle(row, chunk):
         """Element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR row % 8)."""
         return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
+
+    @inline_device
+    def load_a(frag, slot, smem, offset):
+        """One x4 ldmatrix into A-fragment registers frag[slot, 0..3]."""
+        a0, a1, a2, a3 = ldsm(smem, offset)
+        frag[slot, 0] = a0
+        frag[slot, 1] = a1
+        frag[slot, 2] = a2
+        frag[slot, 3] = a3
 
     @inline_device
     def load_tile(smem, src, b, h, row0, n_rows, d, COPIES):
@@ -159,12 +171,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
             visible = min(q0 + BLOCK_Q, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
 
-        # Prologue: Q and K_0 in one group.
-        load_tile(sq, q, b, h, q0, n_q, d, Q_COPIES)
-        if n_tiles > 0:
-            load_tile(sk, k, b, h_kv, 0, n_k, d, KV_COPIES)
-        cp_commit()
-
         # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
         mat = lane >> 3
         q_row = warp * 16 + (lane & 15)  # A: quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
@@ -174,7 +180,19 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
         v_row = (mat & 1) * 8 + (lane & 7)  # B via .trans: (keys 0-7 | 8-15) per d-tile pair
         v_chunk = mat >> 1
 
-        q_frag = cuda.local.array((QK_STEPS, 4), uint32)
+        # Prologue: Q, then K_0 (two groups); Q goes straight into A fragments, kept in registers.
+        load_tile(sq, q, b, h, q0, n_q, d, Q_COPIES)
+        cp_commit()
+        if n_tiles > 0:
+            load_tile(sk, k, b, h_kv, 0, n_k, d, KV_COPIES)
+        cp_commit()
+        cp_wait(1)
+        cuda.syncthreads()
+        q_frag = cuda.local.array((Q_FRAGS, 4), uint32)
+        if Q_IN_REGS:
+            for kk in range(QK_STEPS):
+                load_a(q_frag, kk, sq, swizzle(q_row, kk * 2 + q_chunk))
+
         s = cuda.local.array((S_TILES, 4), float32)
         acc = cuda.local.array((O_TILES, 4), float32)
         m_i = cuda.local.array(2, float32)  # rows g and g + 8 of this warp's 16
@@ -191,29 +209,25 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
             # V_j streams in while S = Q K_jᵀ and the softmax run.
             load_tile(sv, v, b, h_kv, k0, n_k, d, KV_COPIES)
             cp_commit()
-            cp_wait(1)  # Q (first tile) and K_j have landed, V_j may still be in flight
+            cp_wait(1)  # K_j has landed, V_j may still be in flight
             cuda.syncthreads()
-            if j == 0:
-                for kk in range(QK_STEPS):
-                    a0, a1, a2, a3 = ldsm(sq, swizzle(q_row, kk * 2 + q_chunk))
-                    q_frag[kk, 0] = a0
-                    q_frag[kk, 1] = a1
-                    q_frag[kk, 2] = a2
-                    q_frag[kk, 3] = a3
 
             # S = Q K_jᵀ
             for nt in range(S_TILES):
                 for r in range(4):
                     s[nt, r] = ZERO
             for kk in range(QK_STEPS):
+                qk = kk if Q_IN_REGS else 0
+                if not Q_IN_REGS:  # re-read this k-step of Q: 4 registers instead of 4 * QK_STEPS
+                    load_a(q_frag, 0, sq, swizzle(q_row, kk * 2 + q_chunk))
                 for np2 in range(S_TILES // 2):
                     b0, b1, b2, b3 = ldsm(sk, swizzle(np2 * 16 + k_row, kk * 2 + k_chunk))
                     nt = 2 * np2
                     s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
+                        q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b0, b1,
                         s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
                     s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
+                        q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b2, b3,
                         s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
 
             # Scale to base 2; mask only tiles that cross the end of the keys or the diagonal.
@@ -302,12 +316,13 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
 
 
 @lru_cache(maxsize=None)
-def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE):
+def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
     """The compiled kernel for one specialisation; cached so each compiles once."""
     bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE)
     if bad:
         raise ValueError(f"mma forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, {DTYPE}) cannot be built: {'; '.join(bad)}")
-    return cuda.jit(kernel_signature())(kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE))
+    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS)
+    return cuda.jit(kernel_signature())(source)
 
 
 def _words(x):
@@ -315,7 +330,8 @@ def _words(x):
     return x if x.dtype == WORD else x.view(WORD)
 
 
-def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None):
+def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
+           Q_IN_REGS=None):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -324,7 +340,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     row that sees no key, whose O is 0). softmax_scale multiplies q·kᵀ (computed by the caller from
     the original head dim). d <= HEAD_DIM (default: 64 if d <= 64 else 128); the kernel zero-pads.
     Strides are arbitrary except: last dim unit stride, every other stride a multiple of 8
-    elements and the base 16-byte aligned (cp.async copies 16 aligned bytes).
+    elements and the base 16-byte aligned (cp.async copies 16 aligned bytes). BLOCK_Q, BLOCK_K,
+    HEAD_DIM and Q_IN_REGS (None: the factory's default) pick the specialisation.
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -334,7 +351,9 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     _check_layout(q, k, v, out, lse, d, HEAD_DIM)
     if B * H * n_q == 0:
         return
-    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype)
+    if B * H > 65535:
+        raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
+    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS)
     grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
     kernel[grid, 2 * BLOCK_Q, stream](
         _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E)

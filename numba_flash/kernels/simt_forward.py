@@ -68,7 +68,7 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
     V_OFF = K_OFF if cfg.share_kv else K_OFF + words["k"]
     V_STRIDE = QK_STRIDE if cfg.share_kv else HEAD_DIM
     SHARE_KV = cfg.share_kv
-    P_OFF = V_OFF + words["v"]
+    P_OFF = K_OFF + words["k"] + words["v"]
     RED_OFF = P_OFF + words["p"]
     Q_LOADS = BLOCK_Q * HEAD_DIM // THREADS + (BLOCK_Q * HEAD_DIM % THREADS > 0)
     KV_LOADS = BLOCK_K * HEAD_DIM // THREADS + (BLOCK_K * HEAD_DIM % THREADS > 0)

@@ -1,0 +1,203 @@
+"""numba_flash.forward against reference.standard_attention (float64).
+
+Runs on the CUDA simulator where there is no GPU (CI), and on the GPU where there is one.
+Two ways in: the public ``forward`` with the shipped configs (few, fixed cases: 256 simulated
+threads per block are slow), and ``simt_forward.launch`` with small tile configs, which lets
+hypothesis cover many tiles, odd lengths and block-boundary cases quickly.
+
+Tolerance for float32 inputs: each output is a convex combination of V rows computed in fp32
+with fp32 exp2; errors are a few ulp of max|V| times log(Nk) growth, far under 1e-5 for the
+sizes here. An indexing or masking bug gives errors of order 1.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+import numba_flash
+import reference
+from numba_flash.configs import SimtConfig, head_dim_bucket, simt_config
+from numba_flash.kernels import simt_forward
+
+F32_TOL = 1e-5
+
+
+def _qkv(rng, B, H, Hkv, n_q, n_k, d, dtype=np.float32, scale=1.0):
+    q = (rng.standard_normal((B, H, n_q, d)) * scale).astype(dtype)
+    k = (rng.standard_normal((B, Hkv, n_k, d)) * scale).astype(dtype)
+    v = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
+    return q, k, v
+
+
+def _check(out, lse, q, k, v, causal, scale=None, tol=F32_TOL):
+    ref_o, ref_l = reference.standard_attention(q, k, v, causal=causal, softmax_scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:-1] and lse.dtype == np.float32
+    fin = np.isfinite(ref_l)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)   # masked rows: exactly the -inf ones
+    assert np.all(lse[~fin] == -np.inf) and np.all(out[~fin] == 0)
+    err = np.abs(out.astype(np.float64) - ref_o).max(initial=0)
+    lse_err = np.abs(lse[fin] - ref_l[fin]).max(initial=0)
+    assert err <= tol * max(1.0, np.abs(ref_o).max(initial=0)), f"O error {err:.3e}"
+    assert lse_err <= tol * max(1.0, np.abs(ref_l[fin]).max(initial=0)), f"L error {lse_err:.3e}"
+
+
+# ---- the public API, shipped configs ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "B,H,Hkv,n_q,n_k,d,causal",
+    [
+        (1, 2, 1, 70, 50, 24, False),   # GQA, odd head dim padded 24 -> 32, N not a tile multiple
+        (1, 2, 2, 40, 70, 72, True),    # Nq < Nk causal (bottom-right), d = 72 -> 80
+        (1, 1, 1, 70, 30, 64, True),    # Nq > Nk causal: the first 40 rows see nothing
+        (2, 1, 1, 1, 65, 128, False),   # one query, two K/V tiles
+    ],
+)
+def test_forward_shipped_configs(rng, B, H, Hkv, n_q, n_k, d, causal):
+    q, k, v = _qkv(rng, B, H, Hkv, n_q, n_k, d)
+    out, lse = numba_flash.forward(q, k, v, causal=causal)
+    _check(out, lse, q, k, v, causal)
+
+
+def test_forward_large_head_dim(rng):
+    q, k, v = _qkv(rng, 1, 1, 1, 33, 40, 200)  # the d > 128 config (200 -> 224)
+    out, lse = numba_flash.forward(q, k, v, causal=True)
+    _check(out, lse, q, k, v, True)
+
+
+def test_forward_batchless_forms(rng):
+    q, k, v = _qkv(rng, 1, 2, 2, 20, 20, 16)
+    out3, lse3 = numba_flash.forward(q[0], k[0], v[0])
+    out2, lse2 = numba_flash.forward(q[0, 1], k[0, 1], v[0, 1])
+    assert out3.shape == (2, 20, 16) and lse3.shape == (2, 20)
+    assert out2.shape == (20, 16) and lse2.shape == (20,)
+    _check(out3, lse3, q[0], k[0], v[0], False)
+    np.testing.assert_array_equal(out2, out3[1])
+
+
+def test_forward_fp16(rng):
+    """fp16 in, fp16 out; error within 2x the naive fp16 error (+ fp16 output rounding)."""
+    q, k, v = _qkv(rng, 1, 2, 2, 48, 80, 64, dtype=np.float16)
+    out, lse = numba_flash.forward(q, k, v, causal=True)
+    ref_o, _ = reference.standard_attention(q, k, v, causal=True)
+    naive_o, _ = reference.standard_attention(q, k, v, causal=True, dtype=np.float16)
+    err = np.abs(out.astype(np.float64) - ref_o).max()
+    naive_err = np.abs(naive_o.astype(np.float64) - ref_o).max()
+    assert err <= 2 * naive_err + 1e-4, f"ours {err:.3e} vs naive fp16 {naive_err:.3e}"
+
+
+def test_forward_huge_logits(rng):
+    """Logits up to ~1e4: the max subtraction keeps everything finite."""
+    q, k, v = _qkv(rng, 1, 1, 1, 30, 40, 16, scale=25.0)
+    out, lse = numba_flash.forward(q, k, v, causal=False, softmax_scale=1.0)
+    s = np.abs(q.astype(np.float64) @ k[0, 0].T.astype(np.float64)).max()
+    assert s > 1e3
+    assert np.isfinite(out).all()
+    _check(out, lse, q, k, v, False, scale=1.0, tol=1e-4)
+
+
+@pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0)])
+def test_forward_empty_sequences(rng, n_q, n_k):
+    q, k, v = _qkv(rng, 1, 2, 1, n_q, n_k, 8)
+    out, lse = numba_flash.forward(q, k, v)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    if n_q:  # no keys at all: every row is fully masked
+        assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+# ---- many tiles, small configs ---------------------------------------------------------------
+SMALL_CONFIGS = [  # (block_q, block_k, row_threads, col_threads, share_kv)
+    (8, 8, 2, 4, False),
+    (16, 8, 4, 4, True),
+    (8, 16, 4, 2, True),
+]
+
+
+def _launch_small(cfg_tuple, q, k, v, causal, scale):
+    bq, bk, rt, ct, share = cfg_tuple
+    d = q.shape[-1]
+    cfg = SimtConfig(bq, bk, rt, ct, head_dim_bucket(d), share_kv=share)
+    out = cuda.device_array(q.shape, q.dtype)
+    lse = cuda.device_array(q.shape[:-1], np.float32)
+    simt_forward.launch(cfg, cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, lse,
+                        causal=causal, softmax_scale=scale, dtype=str(q.dtype), d=d)
+    return out.copy_to_host(), lse.copy_to_host()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cfg=st.sampled_from(SMALL_CONFIGS),
+    n_q=st.integers(1, 40),
+    n_k=st.integers(1, 40),
+    d=st.sampled_from([1, 5, 16, 24]),
+    group=st.sampled_from([1, 2]),
+    causal=st.booleans(),
+    log_scale=st.floats(-2, 2),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_forward_small_tiles_property(cfg, n_q, n_k, d, group, causal, log_scale, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(rng, 1, 2, 2 // group, n_q, n_k, d)
+    scale = float(10 ** log_scale) / math.sqrt(d)
+    out, lse = _launch_small(cfg, q, k, v, causal, scale)
+    _check(out, lse, q, k, v, causal, scale=scale, tol=1e-4 if scale * math.sqrt(d) > 10 else F32_TOL)
+
+
+# ---- validation: one function, clear messages --------------------------------------------------
+def _ok(rng, d=8):
+    return _qkv(rng, 1, 2, 1, 4, 4, d)
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,words",
+    [
+        (lambda q, k, v: (q, k[..., :4], v[..., :4]), ValueError, ["head dim", "d=8", "d=4"]),
+        (lambda q, k, v: (q, k, v[:, :, :3]), ValueError, ["same shape"]),
+        (lambda q, k, v: (np.concatenate([q, q[:, :1]], 1), k, np.concatenate([v, v], 1)), ValueError, ["same shape"]),
+        (lambda q, k, v: (q, np.concatenate([k] * 2, 0), np.concatenate([v] * 2, 0)), ValueError, ["batch", "B=1", "B=2"]),
+        (lambda q, k, v: (np.concatenate([q, q[:, :1]], 1), np.concatenate([k, k], 1), np.concatenate([v, v], 1)), ValueError, ["H=3", "Hkv=2", "multiple"]),
+        (lambda q, k, v: (q.astype(np.float64), k, v), TypeError, ["float64", "float32"]),
+        (lambda q, k, v: (q, k.astype(np.float16), v), TypeError, ["one dtype", "float16"]),
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, ["list", "NumPy"]),
+        (lambda q, k, v: (q[0, 0, 0], k, v), ValueError, ["shape", "(B, H, N, d)"]),
+        (lambda q, k, v: (q[0], k, v), ValueError, ["same number of dims"]),
+    ],
+)
+def test_validation_errors(rng, mutate, exc, words):
+    q, k, v = mutate(*_ok(rng))
+    with pytest.raises(exc) as e:
+        numba_flash.forward(q, k, v)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("d", [0, 257, 300])
+def test_validation_head_dim(rng, d):
+    q, k, v = _qkv(rng, 1, 1, 1, 2, 2, d)
+    with pytest.raises(ValueError, match=rf"d={d}.*1 <= d <= 256"):
+        numba_flash.forward(q, k, v)
+
+
+@pytest.mark.parametrize("scale,exc", [(0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError),
+                                       (math.nan, ValueError), ("0.1", TypeError), (True, TypeError)])
+def test_validation_softmax_scale(rng, scale, exc):
+    with pytest.raises(exc, match="softmax_scale"):
+        numba_flash.forward(*_ok(rng), softmax_scale=scale)
+
+
+def test_validation_causal_and_kernel(rng):
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        numba_flash.forward(*_ok(rng), causal="yes")
+    with pytest.raises(ValueError, match="kernel='fast'; accepted"):
+        numba_flash.forward(*_ok(rng), kernel="fast")
+
+
+def test_explain_names_config_and_padding(rng):
+    q, k, v = _qkv(rng, 1, 1, 1, 4, 4, 72)
+    text = numba_flash.explain(q, k, v)
+    cfg = simt_config(72)
+    assert f"{cfg.block_q}x{cfg.block_k}" in text and "padded to 80" in text

@@ -1,0 +1,84 @@
+"""Every shipped SIMT forward config compiles for sm_90 without spills or a local-memory stack.
+
+NVVM keeps a per-thread array (m_i, l_i, acc, the S slice) in registers only when it can fully
+unroll the loops that index it; when it cannot, the array lands in local memory and ptxas
+reports a stack frame. That is a silent 2-10x slowdown, so it is a test failure here.
+Compilation runs in a child process without the simulator (cuda.compile_ptx needs the real
+toolchain: NVVM via nvidia-cuda-nvrtc, and ptxas).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from numba_flash.configs import HEAD_DIMS, SIMT_CONFIGS, SMEM_PER_BLOCK_MAX
+from test_ptx import NO_GPU_PATCH, find_ptxas
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = {
+    "float32": [(d, c) for d in HEAD_DIMS for c in (False, True)],
+    "float16": [(d, c) for d in (64, 128, 256) for c in (False, True)],
+    "bfloat16": [(d, c) for d in (64, 128, 256) for c in (False, True)],
+}
+
+CHILD = NO_GPU_PATCH + textwrap.dedent(
+    """
+    import json, re, subprocess, sys, tempfile
+    from numba import cuda
+    from numba_flash.configs import SIMT_CONFIGS
+    from numba_flash.kernels.simt_forward import FASTMATH, kernel_signature, kernel_source
+
+    dtype, cases, ptxas = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    out = []
+    for d, causal in cases:
+        ptx, _ = cuda.compile_ptx(kernel_source(SIMT_CONFIGS[d], causal, dtype), kernel_signature(dtype),
+                                  cc=(9, 0), fastmath=FASTMATH)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+        rep = r.stderr + r.stdout
+        m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+        regs = re.search(r"Used (\\d+) registers", rep)
+        out.append(dict(d=d, causal=causal, rc=r.returncode, stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                        spill_loads=int(m.group(3)), registers=int(regs.group(1)), ex2=ptx.count("ex2.approx"),
+                        ld_shared=ptx.count("ld.shared"), ld_local=ptx.count("ld.local")))
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("dtype", sorted(CASES))
+def test_shipped_simt_configs_fit(dtype, tmp_path):
+    ptxas = find_ptxas()
+    if ptxas is None:
+        pytest.skip("ptxas not found (CUDA toolkit not installed)")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(script), dtype, json.dumps(CASES[dtype]), ptxas],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode and re.search(r"libNVVM|NVVM.*not found|nvrtc", r.stderr, re.I):
+        pytest.skip(f"no NVVM/NVRTC: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    reports = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(reports) == len(CASES[dtype])
+    for rep in reports:
+        where = f"{dtype} d={rep['d']} causal={rep['causal']}: {rep}"
+        assert rep["rc"] == 0, where
+        assert rep["stack"] == 0 and rep["spill_stores"] == 0 and rep["spill_loads"] == 0, where
+        assert rep["ld_local"] == 0, where
+        assert rep["registers"] <= 255, where
+        assert rep["ex2"] > 0 and rep["ld_shared"] > 0, where  # exp is one ex2; tiles come from smem
+        cfg = SIMT_CONFIGS[rep["d"]]
+        assert cfg.smem_bytes <= SMEM_PER_BLOCK_MAX
+        # registers x threads must leave room for at least one block per SM
+        assert rep["registers"] * cfg.threads <= 65536, where
