@@ -64,7 +64,8 @@ def from_bits(o, dtype):
     return (o.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, scale=None, pad_to=None, big=1.0):
+def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, scale=None, pad_to=None, big=1.0,
+                **config):
     """Run mma_forward.launch on host arrays (simulator) and return (o, lse, o_ref, lse_ref, tol)."""
     rng = np.random.default_rng(seed)
     q32 = rng.standard_normal((B, H, n_q, d)).astype(np.float32) * big
@@ -85,10 +86,10 @@ def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, sc
     if pad_to:  # strided views must be device arrays (host transfers need contiguous buffers)
         q, k, v = (cuda.to_device(x.base)[..., :d] for x in (q, k, v))
         out_dev = cuda.to_device(out)
-        mma_forward.launch(q, k, v, out_dev, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM)
+        mma_forward.launch(q, k, v, out_dev, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM, **config)
         out = out_dev.copy_to_host()
     else:
-        mma_forward.launch(q, k, v, out, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM)
+        mma_forward.launch(q, k, v, out, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM, **config)
     o_ref, lse_ref = attention_f64(qv, kv, vv, causal, scale)
     return from_bits(out, dtype), lse.astype(np.float64), o_ref, lse_ref
 
@@ -143,8 +144,16 @@ def test_head_dim_padding_and_strides_sim():
 
 @in_simulator
 def test_head_dim_128_sim():
+    """d = 128 (Q re-read from shared memory every tile, the d = 128 default), causal, Nq < Nk."""
     r = run_forward(1, 1, 1, 17, 80, 128, True, "bfloat16", seed=4)
     assert_close(*r, "bfloat16")
+
+
+@in_simulator
+def test_q_from_shared_and_small_tiles_sim():
+    """The other Q_IN_REGS choice for d = 64, and BLOCK_Q = 32 (2 warps), BLOCK_K = 32 (4 K tiles)."""
+    r = run_forward(1, 1, 1, 40, 100, 64, True, "float16", seed=6, Q_IN_REGS=False, BLOCK_Q=32, BLOCK_K=32)
+    assert_close(*r, "float16")
 
 
 @in_simulator
@@ -179,8 +188,8 @@ SIG = mma_forward.kernel_signature()
 def test_compiles_for_sm90_without_spills(head_dim, causal, dtype, tmp_path):
     source = COMPILE_SOURCE.format(BQ=64, BK=64, D=head_dim, CAUSAL=causal, DTYPE=dtype)
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
-    n_mma = text.count("mma.sync.aligned.m16n8k16")
-    assert n_mma == 2 * (head_dim // 16) * (64 // 8), n_mma  # fully unrolled: S and P·V
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.{0}.{0}.f32".format("f16" if dtype == "float16" else "bf16")
+    assert mma in text and "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
     assert "ld.local" not in text and "st.local" not in text  # fragments live in registers
     report = ptxas_report(text, tmp_path)
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
