@@ -66,32 +66,31 @@ def from_bits(o, dtype):
 
 def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, scale=None, pad_to=None, big=1.0,
                 **config):
-    """Run mma_forward.launch on host arrays (simulator) and return (o, lse, o_ref, lse_ref, tol)."""
+    """mma_forward.launch on device arrays; returns (O, L) as float64 and the float64 reference.
+
+    pad_to: q, k, v are views of rows of pad_to elements (strided, only d used). Works on a GPU
+    and in the simulator (where device arrays wrap NumPy arrays).
+    """
     rng = np.random.default_rng(seed)
     q32 = rng.standard_normal((B, H, n_q, d)).astype(np.float32) * big
     k32 = rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32)
     v32 = rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    arrays = []
+    device, values = [], []
     for x in (q32, k32, v32):
-        words, values = to_bits(x, dtype)
-        if pad_to:  # a strided view: rows of pad_to elements, only d of them used
+        words, vals = to_bits(x, dtype)
+        if pad_to:
             padded = np.zeros(x.shape[:-1] + (pad_to,), words.dtype)
             padded[..., :d] = words
-            words = padded[..., :d]
-        arrays.append((words, values))
-    (q, qv), (k, kv), (v, vv) = arrays
-    out = np.zeros((B, H, n_q, d), q.dtype)
-    lse = np.zeros((B, H, n_q), np.float32)
-    if pad_to:  # strided views must be device arrays (host transfers need contiguous buffers)
-        q, k, v = (cuda.to_device(x.base)[..., :d] for x in (q, k, v))
-        out_dev = cuda.to_device(out)
-        mma_forward.launch(q, k, v, out_dev, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM, **config)
-        out = out_dev.copy_to_host()
-    else:
-        mma_forward.launch(q, k, v, out, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM, **config)
-    o_ref, lse_ref = attention_f64(qv, kv, vv, causal, scale)
-    return from_bits(out, dtype), lse.astype(np.float64), o_ref, lse_ref
+            device.append(cuda.to_device(padded)[..., :d])
+        else:
+            device.append(cuda.to_device(words))
+        values.append(vals)
+    out = cuda.to_device(np.zeros((B, H, n_q, d), device[0].dtype))
+    lse = cuda.to_device(np.zeros((B, H, n_q), np.float32))
+    mma_forward.launch(*device, out, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM, **config)
+    o_ref, lse_ref = attention_f64(*values, causal, scale)
+    return from_bits(out.copy_to_host(), dtype), lse.copy_to_host().astype(np.float64), o_ref, lse_ref
 
 
 def assert_close(o, lse, o_ref, lse_ref, dtype):
@@ -193,3 +192,62 @@ def test_compiles_for_sm90_without_spills(head_dim, causal, dtype, tmp_path):
     assert "ld.local" not in text and "st.local" not in text  # fragments live in registers
     report = ptxas_report(text, tmp_path)
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+
+
+# --------------------------------------------------------------------------------------------
+# Real GPU (marked gpu; skipped without one): python -m pytest -m gpu tests/test_mma_forward.py
+# --------------------------------------------------------------------------------------------
+from gpu_helpers import needs_gpu  # noqa: E402
+
+gpu = [pytest.mark.gpu, needs_gpu]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 40, 96])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300), (1, 2, 1, 129, 517), (1, 3, 3, 517, 129), (1, 2, 2, 1, 77)])
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_matches_float64(shape, d, causal, dtype):
+    B, H, Hkv, n_q, n_k = shape
+    r = run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=n_q + d)
+    assert_close(*r, dtype)
+
+
+@pytest.mark.parametrize("config", [dict(Q_IN_REGS=True), dict(Q_IN_REGS=False), dict(BLOCK_K=32),
+                                    dict(BLOCK_Q=128), dict(BLOCK_Q=32, BLOCK_K=128)])
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_other_configs(config):
+    r = run_forward(1, 2, 1, 333, 444, 64, True, "float16", seed=7, **config)
+    assert_close(*r, "float16")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_strided_and_large_logits():
+    assert_close(*run_forward(2, 2, 1, 200, 260, 40, True, "bfloat16", seed=8, pad_to=64), "bfloat16")
+    r = run_forward(1, 2, 2, 100, 300, 64, False, "float16", seed=9, big=12.0)
+    assert np.isfinite(r[0]).all()
+    assert_close(*r, "float16")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_deterministic():
+    """Same inputs, same bits, many runs (no atomics; a race would show up here)."""
+    first = run_forward(1, 4, 4, 513, 700, 128, True, "bfloat16", seed=10)
+    for _ in range(5):
+        again = run_forward(1, 4, 4, 513, 700, 128, True, "bfloat16", seed=10)
+        np.testing.assert_array_equal(again[0], first[0])
+        np.testing.assert_array_equal(again[1], first[1])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_long_sequence_spot_check():
+    """B=1, H=2, N=2048, d=128, causal and not: 32 K/V tiles per row block."""
+    for causal in (False, True):
+        r = run_forward(1, 2, 2, 2048, 2048, 128, causal, "float16", seed=11)
+        assert np.isfinite(r[0]).all()
+        assert_close(*r, "float16")
