@@ -18,7 +18,8 @@ Result JSON (one dict)::
 
     {"meta": {gpu, backend, date, command, commit, versions...},
      "forward": [row, ...],     row: impl, ms, tflops, reps, B, H, N, d, dtype, causal,
-                                     flops, hbm_bytes, traffic_model, [kernel, block_q, block_k],
+                                     flops, hbm_bytes, hbm_bytes_ideal, traffic_model,
+                                     [kernel, block_q, block_k] for numba_flash,
                                      [error] when it failed, [max_err] on the simulator
      "memory": [...] | None,    peak extra device memory vs N (GPU only)
      "sweep_simt": [...] | None,
@@ -88,24 +89,31 @@ def flops(B, H, n_q, n_k, d, causal):
     return f / 2 if causal else f
 
 
-def hbm_bytes(row: dict) -> int:
-    """HBM bytes of one result row under reference.costs' model for its implementation."""
+def hbm_bytes(row: dict) -> tuple[int, int]:
+    """(counted, ideal) HBM bytes of one result row under reference.costs' model for its implementation.
+
+    Standard attention: both are the materialising count. Flash: counted is the no-cache model (K, V
+    read once per Q tile), ideal is Q, K, V, O once; on a GPU, Q tiles of one head share K/V
+    through L2, so the real traffic lies between the two.
+    """
     model = row.get("traffic_model") or TRAFFIC_MODEL.get(row["impl"], "flash")
     n_k = row.get("N_k", row["N"])
     shape = dict(batch=row["B"], heads=row["H"], bytes_per_element=BYTES.get(row["dtype"], 2))
     if model == "standard":
-        return costs.standard_attention_hbm_bytes(row["N"], n_k, row["d"], **shape)["total"]
-    return costs.flash_attention_hbm_bytes(
+        total = costs.standard_attention_hbm_bytes(row["N"], n_k, row["d"], **shape)["total"]
+        return total, total
+    fa = costs.flash_attention_hbm_bytes(
         row["N"], n_k, row["d"], causal=bool(row["causal"]),
         block_q=row.get("block_q") or OTHER_FLASH_BLOCK, block_k=row.get("block_k") or OTHER_FLASH_BLOCK, **shape,
-    )["total"]
+    )
+    return fa["total"], fa["ideal"]
 
 
 def annotate(row: dict) -> dict:
     """Add flops, the traffic model and its HBM bytes to a row (the roofline plot reads them)."""
     row["flops"] = flops(row["B"], row["H"], row["N"], row.get("N_k", row["N"]), row["d"], row["causal"])
     row["traffic_model"] = TRAFFIC_MODEL.get(row["impl"], "flash")
-    row["hbm_bytes"] = hbm_bytes(row)
+    row["hbm_bytes"], row["hbm_bytes_ideal"] = hbm_bytes(row)
     return row
 
 
