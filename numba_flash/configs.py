@@ -15,7 +15,7 @@ REGS_PER_SM = 65536
 
 
 # Compiled head dims (buckets): a user head dim d is zero-padded up to the next one.
-HEAD_DIMS = tuple(range(16, 129, 16)) + tuple(range(160, MAX_HEAD_DIM + 1, 32))
+HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 
 
 def head_dim_bucket(d: int) -> int:
@@ -27,10 +27,10 @@ def head_dim_bucket(d: int) -> int:
 class SimtConfig:
     """One SIMT forward specialisation.
 
-    The thread block is a ROW_THREADS × COL_THREADS grid. Thread (tr, tc) owns query rows
-    tr, tr + ROW_THREADS, ... of the Q tile (BLOCK_Q / ROW_THREADS of them), S columns
-    tc, tc + COL_THREADS, ... and O columns likewise: interleaved so that neighbouring lanes hit
-    neighbouring shared-memory banks.
+    The thread block is a ROW_THREADS x COL_THREADS grid. Thread (tr, tc) owns groups of 4
+    consecutive query rows (rows 4·tr .. 4·tr+3, then the same + 4·ROW_THREADS, ...), groups of
+    4 consecutive S columns (4·tc .., + 4·COL_THREADS, ...) and of 4 consecutive O columns
+    likewise: each operand step is one 16-byte shared-memory load per group.
     """
 
     block_q: int
@@ -56,19 +56,24 @@ class SimtConfig:
     def o_cols_per_thread(self) -> int:
         return self.head_dim // self.col_threads
 
-    # Shared-memory layout, in 4-byte words. Q and K rows are padded by one word so that the
-    # rows read by one warp fall in different banks; V and P are read along rows and need none.
+    # Shared-memory layout, in 4-byte words. Q and K are stored transposed (head dim major) and
+    # P transposed (key major) so a thread's 4 rows / columns are adjacent; every row stride is
+    # a multiple of 4 (16-byte vectors) plus 4, which spreads the transposing stores over banks.
     @property
-    def qk_stride(self) -> int:
-        return self.head_dim + 1
+    def strides(self) -> dict:
+        return {"qt": self.block_q + 4, "kt": self.block_k + 4, "v": self.head_dim + 4,
+                "pt": self.block_q + 4}
 
     @property
     def smem_words(self) -> dict:
+        st = self.strides
+        k = self.head_dim * st["kt"]
+        v = self.block_k * st["v"]
         return {
-            "q": self.block_q * self.qk_stride,
-            "k": self.block_k * self.qk_stride,
-            "v": 0 if self.share_kv else self.block_k * self.head_dim,
-            "p": self.block_q * self.block_k,
+            "q": self.head_dim * st["qt"],
+            "k": max(k, v) if self.share_kv else k,
+            "v": 0 if self.share_kv else v,
+            "p": self.block_k * st["pt"],
             "red": self.block_q * self.col_threads,  # per-row partial maxima / sums
         }
 
@@ -85,18 +90,17 @@ class SimtConfig:
     def problems(self) -> list[str]:
         """Why this config cannot run (empty when it can)."""
         out = []
-        if self.block_q % self.row_threads:
-            out.append(f"block_q={self.block_q} not a multiple of row_threads={self.row_threads}")
-        if self.block_k % self.col_threads:
-            out.append(f"block_k={self.block_k} not a multiple of col_threads={self.col_threads}")
-        if self.head_dim % self.col_threads:
-            out.append(f"head_dim={self.head_dim} not a multiple of col_threads={self.col_threads}")
+        for name, total, parts in (("block_q", self.block_q, self.row_threads),
+                                   ("block_k", self.block_k, self.col_threads),
+                                   ("head_dim", self.head_dim, self.col_threads)):
+            if total % (4 * parts):
+                out.append(f"{name}={total} not a multiple of 4 x {parts} threads (16-byte groups)")
         if not 1 <= self.threads <= 1024:
             out.append(f"{self.threads} threads per block (1..1024 allowed)")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
             out.append(f"{self.smem_bytes} B shared memory > {SMEM_PER_BLOCK_MAX}")
-        if self.accumulators_per_thread > 200:
-            out.append(f"{self.accumulators_per_thread} accumulator registers per thread > 200")
+        if self.accumulators_per_thread > 160:
+            out.append(f"{self.accumulators_per_thread} accumulator registers per thread > 160")
         return out
 
 
@@ -105,16 +109,20 @@ def keep(configs):
     return [c for c in configs if not c.problems()]
 
 
+_SIMT_TABLE = {  # head_dim: (block_q, block_k, row_threads, col_threads, share_kv)
+    16: (128, 32, 32, 4, False),
+    32: (64, 64, 16, 8, True),
+    64: (64, 64, 16, 16, True),
+    96: (64, 64, 16, 8, True),
+    128: (64, 64, 16, 16, True),
+    192: (64, 64, 16, 16, True),
+    256: (64, 64, 16, 16, True),
+}
+
+
 def _simt_for(head_dim: int) -> SimtConfig:
-    # 256 threads, 4 rows per thread, V reusing K's buffer: the fastest of the sweep in
-    # benchmarks/results (fp32 d=128, H200). Above d=128 the O slice stays <= 8 columns per
-    # thread: 8 rows x 8-16 columns left NVVM with unpromoted local arrays (192-704 B stack
-    # frames in ptxas -v), which tests/test_kernel_resources.py guards against.
-    if head_dim <= 128:
-        return SimtConfig(block_q=64, block_k=64, row_threads=16, col_threads=16, head_dim=head_dim,
-                          share_kv=True)
-    return SimtConfig(block_q=32, block_k=32, row_threads=8, col_threads=32, head_dim=head_dim,
-                      share_kv=True)
+    bq, bk, rt, ct, share = _SIMT_TABLE[head_dim]
+    return SimtConfig(bq, bk, rt, ct, head_dim, share_kv=share)
 
 
 SIMT_CONFIGS = {d: _simt_for(d) for d in HEAD_DIMS}

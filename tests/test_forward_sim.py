@@ -52,7 +52,7 @@ def _check(out, lse, q, k, v, causal, scale=None, tol=F32_TOL):
     "B,H,Hkv,n_q,n_k,d,causal",
     [
         (1, 2, 1, 70, 50, 24, False),   # GQA, odd head dim padded 24 -> 32, N not a tile multiple
-        (1, 2, 2, 40, 70, 72, True),    # Nq < Nk causal (bottom-right), d = 72 -> 80
+        (1, 2, 2, 40, 70, 72, True),    # Nq < Nk causal (bottom-right), d = 72 -> 96
         (1, 1, 1, 70, 30, 64, True),    # Nq > Nk causal: the first 40 rows see nothing
         (2, 1, 1, 1, 65, 128, False),   # one query, two K/V tiles
     ],
@@ -64,7 +64,7 @@ def test_forward_shipped_configs(rng, B, H, Hkv, n_q, n_k, d, causal):
 
 
 def test_forward_large_head_dim(rng):
-    q, k, v = _qkv(rng, 1, 1, 1, 33, 40, 200)  # the d > 128 config (200 -> 224)
+    q, k, v = _qkv(rng, 1, 1, 1, 33, 40, 200)  # a d > 128 config (200 -> 256)
     out, lse = numba_flash.forward(q, k, v, causal=True)
     _check(out, lse, q, k, v, True)
 
@@ -110,10 +110,11 @@ def test_forward_empty_sequences(rng, n_q, n_k):
 
 
 # ---- many tiles, small configs ---------------------------------------------------------------
-SMALL_CONFIGS = [  # (block_q, block_k, row_threads, col_threads, share_kv)
-    (8, 8, 2, 4, False),
-    (16, 8, 4, 4, True),
-    (8, 16, 4, 2, True),
+SMALL_CONFIGS = [  # (block_q, block_k, row_threads, col_threads, share_kv): few threads, many tiles
+    (8, 8, 2, 2, False),
+    (16, 8, 2, 2, True),
+    (8, 16, 1, 4, True),
+    (16, 16, 4, 1, False),
 ]
 
 
@@ -200,4 +201,4 @@ def test_explain_names_config_and_padding(rng):
     q, k, v = _qkv(rng, 1, 1, 1, 4, 4, 72)
     text = numba_flash.explain(q, k, v)
     cfg = simt_config(72)
-    assert f"{cfg.block_q}x{cfg.block_k}" in text and "padded to 80" in text
+    assert f"{cfg.block_q}x{cfg.block_k}" in text and f"padded to {head_dim_bucket(72)}" in text

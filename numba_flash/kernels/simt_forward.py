@@ -35,6 +35,7 @@ from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 U = uint64
 
 from ..configs import SMEM_STATIC_MAX, SimtConfig
+from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -58,48 +59,58 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
     """The Python kernel for one specialisation (before cuda.jit; compile_ptx tests use it)."""
     BLOCK_Q, BLOCK_K, HEAD_DIM = cfg.block_q, cfg.block_k, cfg.head_dim
     ROW_THREADS, COL_THREADS, THREADS = cfg.row_threads, cfg.col_threads, cfg.threads
-    ROWS = cfg.rows_per_thread
-    S_COLS = cfg.s_cols_per_thread
-    O_COLS = cfg.o_cols_per_thread
-    QK_STRIDE = cfg.qk_stride
-    words = cfg.smem_words
+    ROWS, S_COLS, O_COLS = cfg.rows_per_thread, cfg.s_cols_per_thread, cfg.o_cols_per_thread
+    ROW_GROUPS, S_GROUPS, O_GROUPS = ROWS // 4, S_COLS // 4, O_COLS // 4
+    ROW_STEP, COL_STEP = 4 * ROW_THREADS, 4 * COL_THREADS  # distance between a thread's groups
+    st, words = cfg.strides, cfg.smem_words
+    QT, KT, VS, PT = st["qt"], st["kt"], st["v"], st["pt"]
     Q_OFF = 0
     K_OFF = Q_OFF + words["q"]
     V_OFF = K_OFF if cfg.share_kv else K_OFF + words["k"]
-    V_STRIDE = QK_STRIDE if cfg.share_kv else HEAD_DIM
-    SHARE_KV = cfg.share_kv
     P_OFF = K_OFF + words["k"] + words["v"]
     RED_OFF = P_OFF + words["p"]
-    Q_LOADS = BLOCK_Q * HEAD_DIM // THREADS + (BLOCK_Q * HEAD_DIM % THREADS > 0)
-    KV_LOADS = BLOCK_K * HEAD_DIM // THREADS + (BLOCK_K * HEAD_DIM % THREADS > 0)
+    SHARE_KV = cfg.share_kv
     CAUSAL = bool(causal)
-    UNROLL = 4  # inner-product steps per unrolled group (divides every HEAD_DIM and BLOCK_K)
     BF16 = dtype == "bfloat16"
+    UNROLL = 4  # inner-product steps per unrolled group (divides every HEAD_DIM and BLOCK_K)
     NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
 
     @cuda.jit(device=True, inline=True)
-    def load_tile(src, b, h, row0, n_rows, d, smem_f, smem_u, off, stride, N_LOADS, TILE_ROWS):
-        # Rows past the sequence and columns past d are zero-filled: padded head dims then add
-        # nothing to q·k, and masked probabilities (exactly 0) never meet garbage V values.
-        tid = cuda.threadIdx.x
-        for it in range(N_LOADS):
-            idx = tid + it * THREADS
-            if idx < TILE_ROWS * HEAD_DIM:
-                r = idx // HEAD_DIM
-                c = idx - r * HEAD_DIM
-                row = row0 + r
-                if row < n_rows and c < d:
-                    x = src[U(b), U(h), U(row), U(c)]
-                    if BF16:
-                        smem_u[U(off + r * stride + c)] = uint32(x) << 16
-                    else:
-                        smem_f[U(off + r * stride + c)] = float32(x)
-                else:
-                    smem_f[U(off + r * stride + c)] = float32(0.0)
+    def load(src, b, h, row, c, n_rows, d):
+        """One element as float32; zero past the sequence or the head dim (padding adds nothing,
+        and masked probabilities, exactly 0, never meet garbage V values)."""
+        if row < n_rows and c < d:
+            x = src[U(b), U(h), U(row), U(c)]
+            if BF16:
+                return f32_from_bits(uint32(x) << 16)
+            return float32(x)
+        return ZERO
+
+    @cuda.jit(device=True, inline=True)
+    def load_transposed(src, b, h, row0, n_rows, d, smem, off, stride, TILE_ROWS):
+        """tile[row, e] -> smem[off + e*stride + row]: four rows per 16-byte store."""
+        for idx in range(cuda.threadIdx.x, HEAD_DIM * (TILE_ROWS // 4), THREADS):
+            r4 = idx // HEAD_DIM
+            e = idx - r4 * HEAD_DIM  # fastest across lanes: coalesced global reads
+            row = row0 + 4 * r4
+            st_shared_f32x4(smem, U(off + e * stride + 4 * r4),
+                            load(src, b, h, row, e, n_rows, d), load(src, b, h, row + 1, e, n_rows, d),
+                            load(src, b, h, row + 2, e, n_rows, d), load(src, b, h, row + 3, e, n_rows, d))
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(src, b, h, row0, n_rows, d, smem, off, stride, TILE_ROWS):
+        """tile[row, e] -> smem[off + row*stride + e]: four head-dim entries per store."""
+        for idx in range(cuda.threadIdx.x, TILE_ROWS * (HEAD_DIM // 4), THREADS):
+            r = idx // (HEAD_DIM // 4)
+            e = 4 * (idx - r * (HEAD_DIM // 4))
+            row = row0 + r
+            st_shared_f32x4(smem, U(off + r * stride + e),
+                            load(src, b, h, row, e, n_rows, d), load(src, b, h, row, e + 1, n_rows, d),
+                            load(src, b, h, row, e + 2, n_rows, d), load(src, b, h, row, e + 3, n_rows, d))
 
     def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
-        smem_f = cuda.shared.array(0, float32)
-        smem_u = cuda.shared.array(0, uint32)  # same bytes, seen as bits (bf16 in/out)
+        smem = cuda.shared.array(0, float32)
         tid = cuda.threadIdx.x
         tr = tid // COL_THREADS
         tc = tid - tr * COL_THREADS
@@ -113,29 +124,21 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
         q0 = q_tile * BLOCK_Q
         shift = n_k - n_q  # bottom-right causal alignment: query i sees key j iff j <= i + shift
 
-        load_tile(q, b, h, q0, n_q, d, smem_f, smem_u, Q_OFF, QK_STRIDE, Q_LOADS, BLOCK_Q)
+        load_transposed(q, b, h, q0, n_q, d, smem, Q_OFF, QT, BLOCK_Q)
 
+        # Local row i = 4*g + ii is tile row g*ROW_STEP + 4*tr + ii; likewise for columns.
         m_i = cuda.local.array(ROWS, float32)
         l_i = cuda.local.array(ROWS, float32)  # per-thread partial sums; reduced once at the end
         acc = cuda.local.array((ROWS, O_COLS), float32)
         s = cuda.local.array((ROWS, S_COLS), float32)
         a_frag = cuda.local.array(ROWS, float32)
-        # Loop-invariant shared-memory row offsets of this thread's Q, K and P rows.
-        q_row = cuda.local.array(ROWS, int64)
-        p_row = cuda.local.array(ROWS, int64)
-        k_row = cuda.local.array(S_COLS, int64)
-        for i in range(ROWS):
-            q_row[i] = Q_OFF + (tr + i * ROW_THREADS) * QK_STRIDE
-            p_row[i] = P_OFF + (tr + i * ROW_THREADS) * BLOCK_K
-        for jj in range(S_COLS):
-            k_row[jj] = K_OFF + (tc + jj * COL_THREADS) * QK_STRIDE
         k_frag = cuda.local.array(S_COLS, float32)
         v_frag = cuda.local.array(O_COLS, float32)
         for i in range(ROWS):
             m_i[i] = NEG_INF
-            l_i[i] = float32(0.0)
+            l_i[i] = ZERO
             for c in range(O_COLS):
-                acc[i, c] = float32(0.0)
+                acc[i, c] = ZERO
 
         n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
         if CAUSAL:
@@ -148,21 +151,31 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
 
         for j in range(n_tiles):
             k0 = j * BLOCK_K
-            load_tile(k, b, h_kv, k0, n_k, d, smem_f, smem_u, K_OFF, QK_STRIDE, KV_LOADS, BLOCK_K)
+            load_transposed(k, b, h_kv, k0, n_k, d, smem, K_OFF, KT, BLOCK_K)
             if not SHARE_KV:
-                load_tile(v, b, h_kv, k0, n_k, d, smem_f, smem_u, V_OFF, V_STRIDE, KV_LOADS, BLOCK_K)
+                load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, VS, BLOCK_K)
             cuda.syncthreads()
 
-            # S = Q K^T for this thread's ROWS x S_COLS slice (register tiling).
+            # S = Q K^T for this thread's ROWS x S_COLS slice: per head-dim step e, one 16-byte
+            # load per group of 4 rows / columns, then ROWS x S_COLS FMAs.
             for i in range(ROWS):
                 for jj in range(S_COLS):
-                    s[i, jj] = float32(0.0)
+                    s[i, jj] = ZERO
             for e0 in range(0, HEAD_DIM, UNROLL):
                 for u in range(UNROLL):  # constant trip count: fully unrolled, loads run ahead
-                    for i in range(ROWS):
-                        a_frag[i] = smem_f[U(q_row[i] + e0 + u)]
-                    for jj in range(S_COLS):
-                        k_frag[jj] = smem_f[U(k_row[jj] + e0 + u)]
+                    e = e0 + u
+                    for g in range(ROW_GROUPS):
+                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(Q_OFF + e * QT + g * ROW_STEP + 4 * tr))
+                        a_frag[4 * g] = x0
+                        a_frag[4 * g + 1] = x1
+                        a_frag[4 * g + 2] = x2
+                        a_frag[4 * g + 3] = x3
+                    for g in range(S_GROUPS):
+                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(K_OFF + e * KT + g * COL_STEP + 4 * tc))
+                        k_frag[4 * g] = x0
+                        k_frag[4 * g + 1] = x1
+                        k_frag[4 * g + 2] = x2
+                        k_frag[4 * g + 3] = x3
                     for i in range(ROWS):
                         for jj in range(S_COLS):
                             s[i, jj] = cuda.fma(a_frag[i], k_frag[jj], s[i, jj])
@@ -172,47 +185,62 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             if CAUSAL:
                 needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + shift)
             for i in range(ROWS):
-                row = q0 + tr + i * ROW_THREADS
+                r = (i // 4) * ROW_STEP + 4 * tr + i % 4
                 row_max = NEG_INF
                 for jj in range(S_COLS):
                     x = s[i, jj] * scale_log2
                     if needs_mask:
-                        col = k0 + tc + jj * COL_THREADS
-                        if col >= n_k or (CAUSAL and col > row + shift):
+                        col = k0 + (jj // 4) * COL_STEP + 4 * tc + jj % 4
+                        if col >= n_k or (CAUSAL and col > q0 + r + shift):
                             x = NEG_INF
                     s[i, jj] = x
                     row_max = max(row_max, x)
-                smem_f[U(RED_OFF + (tr + i * ROW_THREADS) * COL_THREADS + tc)] = row_max
+                smem[U(RED_OFF + r * COL_THREADS + tc)] = row_max
             cuda.syncthreads()
             if SHARE_KV:  # every thread is past S = QK^T, so K's buffer is free for V
-                load_tile(v, b, h_kv, k0, n_k, d, smem_f, smem_u, V_OFF, V_STRIDE, KV_LOADS, BLOCK_K)
+                load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, VS, BLOCK_K)
 
             for i in range(ROWS):
-                r = tr + i * ROW_THREADS
+                r = (i // 4) * ROW_STEP + 4 * tr + i % 4
                 m_new = m_i[i]
                 for t in range(COL_THREADS):
-                    m_new = max(m_new, smem_f[U(RED_OFF + r * COL_THREADS + t)])
+                    m_new = max(m_new, smem[U(RED_OFF + r * COL_THREADS + t)])
                 # A row with nothing visible yet keeps m = -inf; subtract 0 so exp gives 0, not nan.
-                m_use = float32(0.0) if m_new == NEG_INF else m_new
+                m_use = ZERO if m_new == NEG_INF else m_new
                 alpha = math.exp2(m_i[i] - m_use)
-                row_sum = float32(0.0)
+                row_sum = ZERO
                 for jj in range(S_COLS):
                     p = math.exp2(s[i, jj] - m_use)
+                    s[i, jj] = p
                     row_sum += p
-                    smem_f[U(P_OFF + r * BLOCK_K + tc + jj * COL_THREADS)] = p
                 l_i[i] = alpha * l_i[i] + row_sum
                 for c in range(O_COLS):
                     acc[i, c] *= alpha
                 m_i[i] = m_new
+            # P^T to shared memory: for each of this thread's columns, its 4 rows in one store.
+            for g in range(ROW_GROUPS):
+                for jj in range(S_COLS):
+                    col = (jj // 4) * COL_STEP + 4 * tc + jj % 4
+                    st_shared_f32x4(smem, U(P_OFF + col * PT + g * ROW_STEP + 4 * tr),
+                                    s[4 * g, jj], s[4 * g + 1, jj], s[4 * g + 2, jj], s[4 * g + 3, jj])
             cuda.syncthreads()
 
             # acc += P V_j
             for t0 in range(0, BLOCK_K, UNROLL):
                 for u in range(UNROLL):
-                    for i in range(ROWS):
-                        a_frag[i] = smem_f[U(p_row[i] + t0 + u)]
-                    for c in range(O_COLS):
-                        v_frag[c] = smem_f[U(V_OFF + (t0 + u) * V_STRIDE + tc + c * COL_THREADS)]
+                    t = t0 + u
+                    for g in range(ROW_GROUPS):
+                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(P_OFF + t * PT + g * ROW_STEP + 4 * tr))
+                        a_frag[4 * g] = x0
+                        a_frag[4 * g + 1] = x1
+                        a_frag[4 * g + 2] = x2
+                        a_frag[4 * g + 3] = x3
+                    for g in range(O_GROUPS):
+                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(V_OFF + t * VS + g * COL_STEP + 4 * tc))
+                        v_frag[4 * g] = x0
+                        v_frag[4 * g + 1] = x1
+                        v_frag[4 * g + 2] = x2
+                        v_frag[4 * g + 3] = x3
                     for i in range(ROWS):
                         for c in range(O_COLS):
                             acc[i, c] = cuda.fma(a_frag[i], v_frag[c], acc[i, c])
@@ -220,31 +248,29 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
 
         # l_i: sum the per-thread partials of each row.
         for i in range(ROWS):
-            smem_f[U(RED_OFF + (tr + i * ROW_THREADS) * COL_THREADS + tc)] = l_i[i]
+            r = (i // 4) * ROW_STEP + 4 * tr + i % 4
+            smem[U(RED_OFF + r * COL_THREADS + tc)] = l_i[i]
         cuda.syncthreads()
         for i in range(ROWS):
-            r = tr + i * ROW_THREADS
+            r = (i // 4) * ROW_STEP + 4 * tr + i % 4
             row = q0 + r
-            l_row = float32(0.0)
+            l_row = ZERO
             for t in range(COL_THREADS):
-                l_row += smem_f[U(RED_OFF + r * COL_THREADS + t)]
+                l_row += smem[U(RED_OFF + r * COL_THREADS + t)]
             # A fully masked row (l = 0) is defined as O = 0, L = -inf.
-            inv_l = float32(1.0) / l_row if l_row > float32(0.0) else float32(0.0)
+            inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO
             if row < n_q:
                 if tc == 0:
-                    if l_row > float32(0.0):
+                    if l_row > ZERO:
                         lse[U(b), U(h), U(row)] = (m_i[i] + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[U(b), U(h), U(row)] = NEG_INF
                 for c in range(O_COLS):
-                    col = tc + c * COL_THREADS
+                    col = (c // 4) * COL_STEP + 4 * tc + c % 4
                     if col < d:
                         o = acc[i, c] * inv_l
                         if BF16:
-                            # Round to nearest even through this thread's own Q slot (no sync needed).
-                            slot = U(Q_OFF + r * QK_STRIDE + col)
-                            smem_f[slot] = o
-                            bits = smem_u[slot]
+                            bits = bits_from_f32(o)  # round to nearest even
                             bits = bits + uint32(0x7FFF) + ((bits >> 16) & uint32(1))
                             out[U(b), U(h), U(row), U(col)] = uint16(bits >> 16)
                         else:
