@@ -8,8 +8,9 @@ Maths (section 3.6.4), per query row, for each K/V tile j with scores s = q·k�
     l_i   = alpha * l_i + rowsum(p)       running denominator      (ℓ)
     acc   = alpha * acc + p @ V_j         running numerator        (O)
 
-then O = acc / l_i and L = m_i + log(l_i). Scores are scaled by softmax_scale·log2(e) so every
-exp is one ``ex2.approx``; L is converted back to the natural log of the scaled scores.
+then O = acc / l_i and L = m_i + log(l_i). The kernel keeps m_i in raw score units and folds
+softmax_scale·log2(e) into the exponent, so each p is one FFMA and one ``ex2.approx`` (valid for
+softmax_scale > 0); L is converted back to the natural log of the scaled scores.
 
 Work split (FA2): one thread block of WARPS = BLOCK_Q / 16 warps per (Q tile, batch·head); warp w
 owns query rows 16w..16w+15 of the tile, so each row's softmax lives inside one warp and the only
@@ -133,7 +134,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
 
     @inline_device
     def load_tile(smem, src, b, h, row0, n_rows, d, COPIES):
-        """cp.async one tile: rows past n_rows and columns past d are zero-filled."""
+        """cp.async one tile of src[b, h] (rows, d): rows past n_rows and columns past d are zero-filled."""
         tid = cuda.threadIdx.x
         for i in range(COPIES):
             c = tid + i * THREADS
@@ -145,7 +146,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
             # A zero-byte copy still names an address: keep it inside the array.
             src_row = min(row, n_rows - 1)
             src_col = col if nbytes > 0 else 0
-            cp_async(smem, swizzle(r, chunk), src[b, h, src_row], src_col, nbytes)
+            cp_async(smem, swizzle(r, chunk), src[b, h, uint32(src_row)], src_col, nbytes)
 
     def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         sq = cuda.shared.array((BLOCK_Q, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
@@ -230,22 +231,20 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
                         q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b2, b3,
                         s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
 
-            # Scale to base 2; mask only tiles that cross the end of the keys or the diagonal.
+            # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
             needs_mask = k0 + BLOCK_K > n_k
             if CAUSAL:
                 needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * 16 + shift)
-            row_g = q0 + warp * 16 + g
-            for nt in range(S_TILES):
-                for r in range(4):
-                    x = s[nt, r] * scale_log2
-                    if needs_mask:
+            if needs_mask:
+                row_g = q0 + warp * 16 + g
+                for nt in range(S_TILES):
+                    for r in range(4):
                         col = k0 + nt * 8 + 2 * t + (r & 1)
-                        row = row_g + 8 * (r >> 1)
-                        if col >= n_k or (CAUSAL and col > row + shift):
-                            x = NEG_INF
-                    s[nt, r] = x
+                        if col >= n_k or (CAUSAL and col > row_g + 8 * (r >> 1) + shift):
+                            s[nt, r] = NEG_INF
 
-            # Online softmax on the fragments: row maxima over the quad, then p, alpha, l_i.
+            # Online softmax on the fragments: row maxima over the quad, then p, alpha, l_i. m_i is
+            # kept in raw score units; the scale is folded into the exponent, one FFMA per element.
             for half in range(2):
                 m_tile = NEG_INF
                 for nt in range(S_TILES):
@@ -254,12 +253,12 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
                 m_new = max(m_i[half], m_tile)
                 # A row with nothing visible yet keeps m = -inf; subtract 0 so ex2 gives 0, not nan.
-                m_use = ZERO if m_new == NEG_INF else m_new
-                alpha = ex2(m_i[half] - m_use)
+                m_scaled = ZERO if m_new == NEG_INF else m_new * scale_log2
+                alpha = ex2(m_i[half] * scale_log2 - m_scaled)
                 row_sum = ZERO
                 for nt in range(S_TILES):
                     for c in range(2):
-                        p = ex2(s[nt, 2 * half + c] - m_use)
+                        p = ex2(cuda.fma(s[nt, 2 * half + c], scale_log2, -m_scaled))
                         s[nt, 2 * half + c] = p
                         row_sum += p
                 l_i[half] = alpha * l_i[half] + row_sum
@@ -291,7 +290,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
 
-        # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i + log2 l_i) ln 2.
+        # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
         for half in range(2):
             l_row = l_i[half]
             l_row += shfl_xor(FULL, l_row, 1)
@@ -301,7 +300,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
             if row < n_q:
                 if t == 0:
                     if l_row > ZERO:
-                        lse[b, h, row] = (m_i[half] + math.log2(l_row)) * float32(LN2)
+                        lse[b, h, row] = (m_i[half] * scale_log2 + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[b, h, row] = NEG_INF
                 for dt in range(O_TILES):
@@ -337,8 +336,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
     k, v: (B, Hkv, Nk, d), same dtype, H % Hkv == 0 (kv head of h is h // (H // Hkv));
     lse: (B, H, Nq) float32, receives the natural-log logsumexp of the scaled scores (-inf for a
-    row that sees no key, whose O is 0). softmax_scale multiplies q·kᵀ (computed by the caller from
-    the original head dim). d <= HEAD_DIM (default: 64 if d <= 64 else 128); the kernel zero-pads.
+    row that sees no key, whose O is 0). softmax_scale > 0 multiplies q·kᵀ (computed by the caller
+    from the original head dim; positive because row maxima are taken on the raw scores). d <= HEAD_DIM (default: 64 if d <= 64 else 128); the kernel zero-pads.
     Strides are arbitrary except: last dim unit stride, every other stride a multiple of 8
     elements and the base 16-byte aligned (cp.async copies 16 aligned bytes). BLOCK_Q, BLOCK_K,
     HEAD_DIM and Q_IN_REGS (None: the factory's default) pick the specialisation.
@@ -351,6 +350,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     _check_layout(q, k, v, out, lse, d, HEAD_DIM)
     if B * H * n_q == 0:
         return
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     if B * H > 65535:
         raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS)
