@@ -21,7 +21,9 @@ cross-thread reductions are over the 4 lanes of a quad (shuffles). Per K/V tile,
 
 with the m16n8k16 fragment layouts of numba_flash.ptx (g = lane >> 2, t = lane % 4):
 
-* Q_w is read once by ldmatrix into A fragments ``q_frag[kk]`` and kept in registers.
+* Q_w comes from shared memory by ldmatrix as A fragments ``q_frag[kk]``: once, kept in registers
+  (``Q_IN_REGS``, the d = 64 default), or re-read per k-step of every tile (d = 128: saves the 32
+  registers that made it spill).
 * K_j rows are the B operand of S as stored (k-major per key): plain ldmatrix.
 * S accumulators ``s[nt]`` hold S[g, 8nt+2t+{0,1}] and S[g+8, 8nt+2t+{0,1}]. Exactly these are
   the A operand of P·V for the k-step kk when taken from the n-tiles 2kk and 2kk+1, so P is only
