@@ -1,0 +1,213 @@
+"""``decode``: attention of a few new queries against a KV cache, split over the keys (FlashDecoding).
+
+The wrapper validates (``api.validate`` for q, k, v plus the cache checks below), picks a tile
+config and the number of splits, allocates the fp32 scratch with q's own framework and launches
+numba_flash.kernels.decode (a split kernel, then a merge kernel when there is more than one split).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+from numba import config as nb_config
+from numba import cuda
+
+from . import arrays
+from .api import _on_device, validate
+from .configs import head_dim_bucket
+from .kernels import decode as decode_kernels
+from .kernels.decode import DecodeConfig, decode_config
+
+MAX_DECODE_QUERIES = 16
+H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
+MIN_TILES_PER_SPLIT = 4  # a split shorter than this pays more for its prologue and merge than it gains
+MAX_SPLITS = 128
+WAVE_EFFICIENCY_SLACK = 0.85
+
+_LENS_ACCEPTED = "an int32 or int64 array of shape (B,), NumPy or the same kind as q, or None"
+
+
+def _sm_count() -> int:
+    if nb_config.ENABLE_CUDASIM:
+        return H200_SMS
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def choose_num_splits(base_blocks: int, n_max: int, cfg: DecodeConfig, n_sms: int | None = None) -> int:
+    """How many splits of the keys: the fewest that fill the GPU in whole waves.
+
+    base_blocks = B · Hkv · row chunks blocks exist without splitting; each SM holds
+    ``cfg.blocks_per_sm`` of them at once (shared memory decides: 2 for fp16 d = 128), so a wave is
+    n_sms · blocks_per_sm blocks. With S splits the wave efficiency is
+
+        eff(S) = base·S / (waves(S) · wave),   waves(S) = ceil(base·S / wave)
+
+    (the fraction of block slots doing work, all splits taking equally long). The rule takes the
+    smallest S within 85 % of the best eff over 1 <= S <= S_max, where S_max = min(128,
+    n_tiles // 4) keeps every split at least 4 K/V tiles long (n_tiles = ceil(Nmax / block_n),
+    the longest cache: device lengths are not read on the host). Examples on an H200 (wave = 264
+    for fp16 d = 128): B8 Hkv32 -> 256 blocks, eff(1) = 0.97, so 1 split (no merge); B8 Hkv8 ->
+    64 blocks, 4 splits; B1 Hkv8 at Nmax = 32768 -> 29 splits.
+    """
+    n_sms = n_sms or _sm_count()
+    wave = n_sms * cfg.blocks_per_sm
+    n_tiles = -(-n_max // cfg.block_n)
+    s_max = max(1, min(MAX_SPLITS, n_tiles // MIN_TILES_PER_SPLIT))
+    if base_blocks <= 0:
+        return 1
+
+    def eff(s):
+        blocks = base_blocks * s
+        return blocks / (-(-blocks // wave) * wave)
+
+    best = max(eff(s) for s in range(1, s_max + 1))
+    return next(s for s in range(1, s_max + 1) if eff(s) >= WAVE_EFFICIENCY_SLACK * best)
+
+
+def _check_seqlens(cache_seqlens, p, n_max):
+    """Validate cache_seqlens against the problem; returns its dtype name (or None)."""
+    if cache_seqlens is None:
+        return None
+    kind = arrays.kind_of(cache_seqlens)
+    if kind is None:
+        raise TypeError(f"cache_seqlens must be {_LENS_ACCEPTED}; got {type(cache_seqlens).__module__}."
+                        f"{type(cache_seqlens).__name__}")
+    if kind == arrays.TORCH and not cache_seqlens.is_cuda:
+        raise TypeError(f"cache_seqlens is a PyTorch tensor on {cache_seqlens.device}; pass a CUDA tensor on "
+                        f"q's device or a NumPy array")
+    if kind != arrays.NUMPY and kind != p.kind:
+        raise TypeError(f"cache_seqlens is a {kind} array but q is a {p.kind} array; accepted: {_LENS_ACCEPTED}")
+    dtype = arrays.dtype_name(cache_seqlens)
+    if dtype not in decode_kernels.LENS_DTYPES:
+        raise TypeError(f"cache_seqlens has dtype {dtype}; accepted: int32 or int64")
+    shape = arrays.shape_of(cache_seqlens)
+    if shape != (p.B,):
+        raise ValueError(f"cache_seqlens has shape {shape}; accepted: (B,) = ({p.B},), one length per sequence")
+    device = arrays.device_of(cache_seqlens)
+    if device is not None and p.device is not None and device != p.device:
+        raise ValueError(f"cache_seqlens is on device {device} but q on device {p.device}; put them on one GPU")
+    if kind == arrays.NUMPY:  # device lengths would need a copy and a sync: the kernel clamps them instead
+        bad = np.flatnonzero((cache_seqlens < 0) | (cache_seqlens > n_max))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"cache_seqlens[{i}] = {int(cache_seqlens[i])}; accepted: 0 <= length <= Nmax = {n_max} "
+                             f"(the caches' dim 2)")
+    return dtype
+
+
+def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None,
+                    config=None):
+    """All checks of a decode call; returns (Problem, seqlens dtype or None). Raises like ``validate``."""
+    p = validate(q, k_cache, v_cache, causal=True, softmax_scale=softmax_scale)
+    if len(p.q_shape) != 4:
+        raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d); "
+                         f"got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")
+    if p.n_q > MAX_DECODE_QUERIES:
+        raise ValueError(f"decode takes at most {MAX_DECODE_QUERIES} queries per sequence; got Nq = {p.n_q}. "
+                         f"For longer query blocks use numba_flash.forward(q, k, v, causal=True) on the valid "
+                         f"prefix of the cache")
+    lens_dtype = _check_seqlens(cache_seqlens, p, p.n_k)
+    if num_splits is not None:
+        if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+            raise TypeError(f"num_splits must be an int >= 1 or None (automatic); got {num_splits!r}")
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be an int >= 1 or None (automatic); got {num_splits}")
+    if config is not None:
+        if not isinstance(config, DecodeConfig):
+            raise TypeError(f"config must be a numba_flash.kernels.decode.DecodeConfig or None; got {config!r}")
+        problems = config.problems()
+        if config.dtype != p.dtype:
+            problems.append(f"its dtype {config.dtype} is not the inputs' {p.dtype}")
+        if config.head_dim < p.d or config.head_dim % 16:
+            problems.append(f"its head_dim {config.head_dim} does not hold d = {p.d} "
+                            f"(use {head_dim_bucket(p.d)} or more, a multiple of 16)")
+        if problems:
+            raise ValueError(f"config {config} cannot run this problem: {'; '.join(problems)}")
+    return p, lens_dtype
+
+
+def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None):
+    """(Problem, config, num_splits, row chunks) that ``decode`` would use for these inputs."""
+    p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                           num_splits=num_splits, config=config)
+    group = p.H // p.Hkv
+    cfg = config or decode_config(p.d, p.dtype, group * max(p.n_q, 1))
+    chunks = decode_kernels.n_row_chunks(cfg, group, max(p.n_q, 1))
+    if num_splits is None:
+        with _on_device(p.device):
+            num_splits = choose_num_splits(p.B * p.Hkv * chunks, p.n_k, cfg)
+    return p, cfg, int(num_splits), chunks
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None):
+    """One decoding step: Nq <= 16 new queries per sequence attend to a KV cache.
+
+    Args:
+        q: (B, H, Nq, d) with 1 <= Nq <= 16 (Nq = 0 gives empty outputs).
+        k_cache, v_cache: (B, Hkv, Nmax, d), H % Hkv == 0 (GQA / MQA: query head h reads kv head
+            h // (H // Hkv)). Same array kinds, dtypes (float32, float16, bfloat16) and head dims
+            1 <= d <= 256 as ``forward``; any strides (16-byte aligned rows are copied with
+            cp.async, others with scalar loads).
+        cache_seqlens: valid length of each cache, int32 or int64 of shape (B,), a NumPy array or
+            the same kind as q (on q's device); None means Nmax for every sequence. NumPy lengths
+            are checked (0 <= length <= Nmax); device lengths are not (that needs a host copy and
+            a sync) and the kernel clamps them to [0, Nmax].
+        softmax_scale: default 1/sqrt(d); must be finite and > 0.
+        num_splits: how many ranges the keys of each sequence are cut into (one thread block
+            each, then a merge); None chooses from occupancy (see ``choose_num_splits``). Splits
+            are whole 64-key (or 32-key) tiles, ceil(tiles / num_splits) each; splits past the
+            last tile are empty and cost one block each.
+        config: a ``kernels.decode.DecodeConfig`` to override the tile configuration (tuning,
+            tests); None picks ``decode_config(d, dtype, G·Nq)``.
+
+    Masking: the Nq queries are the last Nq positions of each sequence, so query i of sequence b
+    sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with
+    causal=True on the valid prefix); keys >= len_b are never read into the result. A query that
+    sees no key (len_b = 0, or i < Nq - len_b) gets O = 0 and L = -inf.
+
+    Returns:
+        (out, lse): out has q's shape, dtype and kind; lse is float32 of shape (B, H, Nq), the
+        natural-log logsumexp of each query's scaled, masked scores.
+
+    The result depends on num_splits only through rounding (fp32 accumulation throughout); for
+    a given num_splits it is bitwise deterministic. Streams as ``forward``.
+
+    Raises:
+        TypeError / ValueError naming what was given and what is accepted.
+    """
+    p, cfg, n_splits, _ = plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                               num_splits=num_splits, config=config)
+    with _on_device(p.device):
+        stream = arrays.current_stream(q)
+        out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
+        lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
+        if p.B * p.H * p.n_q > 0:
+            qd = arrays.to_device_view(q, stream)
+            kd, vd = (_kv_words(arrays.to_device_view(x, stream), p.dtype) for x in (k_cache, v_cache))
+            lens = _seqlens_view(cache_seqlens, stream)
+            partials, keep_alive = None, None
+            if n_splits > 1:
+                shapes = decode_kernels.scratch_shapes(p.B, p.H, p.n_q, n_splits, p.d)
+                keep_alive = [arrays.empty_like_kind(p.kind, q, s, "float32", stream) for s in shapes]
+                partials = tuple(dev for _, dev in keep_alive)
+            decode_kernels.launch(cfg, qd, kd, vd, lens, out_dev, lse_dev, softmax_scale=p.softmax_scale,
+                                  d=p.d, num_splits=n_splits, partials=partials, stream=stream)
+            del keep_alive  # stream-ordered allocators: freeing after the launch is safe
+        return (
+            arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),
+            arrays.to_host_kind(p.kind, lse_obj, "float32", stream),
+        )
+
+
+def _kv_words(dev, dtype: str):
+    """16-bit caches as uint16 words: the kernel only copies and unpacks them."""
+    return dev.view(np.uint16) if dtype == "float16" else dev
+
+
+def _seqlens_view(cache_seqlens, stream):
+    """A 1-D Numba device array of lengths; a 0-length one means 'Nmax for every sequence'."""
+    if cache_seqlens is None:
+        return cuda.device_array(0, dtype=np.int32, stream=stream)
+    if arrays.kind_of(cache_seqlens) == arrays.NUMPY:
+        return cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
+    return cuda.as_cuda_array(cache_seqlens, sync=False)
