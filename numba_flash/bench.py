@@ -344,7 +344,7 @@ def _case_line(rows, simulator):
     r0 = rows[0]
     head = f"{r0['dtype']:8s} causal={r0['causal']!s:5s} B{r0['B']} H{r0['H']} N{r0['N']} d{r0['d']}: "
     if simulator:  # TFLOP/s of an interpreter mean nothing; the time and the check do
-        return head + ", ".join(f"{r['impl']} {r['ms']:.0f} ms" for r in rows) + f"; max err {r0['max_err']:.1e}"
+        return head + ", ".join(f"{r['impl']} {r['ms']:.3g} ms" for r in rows) + f"; max err {r0['max_err']:.1e}"
     return head + ", ".join(f"{r['impl']} {r['tflops']:.1f}" if r.get("tflops") else f"{r['impl']} —" for r in rows)
 
 

@@ -1,0 +1,220 @@
+"""The numba-flash command, run as a user runs it: ``python -m numba_flash ...`` in a subprocess.
+
+Each run starts in a directory outside the repository with the repository on PYTHONPATH. Where
+there is no GPU, conftest.py has set NUMBA_ENABLE_CUDASIM=1 and the children inherit it; one test
+removes it to check that the command detects the missing driver by itself.
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import numba_flash
+from numba_flash import cli
+from numba_flash.configs import simt_config
+from reference import costs
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_DRIVER = not any(os.path.exists(p) for p in cli.DEVICE_FILES)
+
+
+def run(*args, cwd, env=None, timeout=300):
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "numba_flash", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def number_after(label, text):
+    m = re.search(re.escape(label) + r"\s*=?\s*([-+0-9.e]+)", text)
+    assert m, f"{label!r} not in output:\n{text}"
+    return float(m.group(1))
+
+
+# --- trace ---------------------------------------------------------------------------------------
+
+
+def test_trace_reproduces_the_chapter(tmp_path):
+    proc = run("trace", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ℓ = 1.2034, O = 36.88" in proc.stdout
+    assert proc.stdout.count("online   (order") == 2  # natural and reversed by default
+    assert "m̃" in proc.stdout and "α" in proc.stdout and "online = standard" in proc.stdout
+
+
+def test_trace_any_order_as_json(tmp_path):
+    proc = run("trace", "--x", 1, 3, 2, 5, "--v", 10, 20, 30, 40, "--blocks", 2, 2, "--order", 1, 0, "--json",
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["l"] == 1.2034 and out["O"] == 36.88 and out["online_equals_standard"]
+    [trace] = out["traces"]
+    assert trace["order"] == [1, 0]
+    first = trace["steps"][0]
+    assert first["block"] == 1 and first["x"] == [2.0, 5.0] and first["m_old"] == "-inf" and first["alpha"] == 0
+    # independent arithmetic: ℓ = Σ exp(x − 5), O = Σ exp(x − 5)·v / ℓ
+    l = sum(math.exp(x - 5) for x in (1, 3, 2, 5))
+    assert trace["l"] == pytest.approx(l, rel=1e-14)
+    assert trace["O"] == pytest.approx(sum(math.exp(x - 5) * v for x, v in zip((1, 3, 2, 5), (10, 20, 30, 40))) / l)
+
+
+def test_trace_exercise_2_and_vector_values(tmp_path):
+    proc = run("trace", "--x", 0, 2, 4, "--v", 1, 1, 1, "--blocks", 2, 1, cwd=tmp_path)
+    assert proc.returncode == 0 and "O = 1.0" in proc.stdout
+    proc = run("trace", "--x", 1, 2, 3, "--v", 1, 0, 0, 1, 1, 1, "--d", 2, "--blocks", 1, 2, "--json", cwd=tmp_path)
+    w = [math.exp(x - 3) for x in (1, 2, 3)]
+    assert json.loads(proc.stdout)["O"] == [round((w[0] + w[2]) / sum(w), 2), round((w[1] + w[2]) / sum(w), 2)]
+
+
+def test_trace_bad_input_says_what_is_accepted(tmp_path):
+    proc = run("trace", "--x", 1, 2, 3, "--v", 1, 2, 3, "--blocks", 1, 1, cwd=tmp_path)
+    assert proc.returncode == 2 and "sum to 2" in proc.stderr and "3" in proc.stderr
+    proc = run("trace", "--x", 1, 2, cwd=tmp_path)
+    assert proc.returncode == 2 and "--v" in proc.stderr
+
+
+def test_trace_uses_reference_trace():
+    """One code path: the CLI's comparison is the reference's trace against its own standard row."""
+    from reference import online_softmax_trace
+
+    trace = online_softmax_trace([1, 3, 2, 5], [10, 20, 30, 40], blocks=[2, 2])
+    assert cli.online_matches_standard(trace)
+    import dataclasses
+
+    assert not cli.online_matches_standard(dataclasses.replace(trace, O=trace.O * (1 + 1e-9)))
+
+
+# --- explain -------------------------------------------------------------------------------------
+
+
+def test_explain_names_kernel_config_and_costs(tmp_path):
+    proc = run("explain", "--shape", 1, 16, 4096, 4096, 128, "--dtype", "float16", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    cfg = simt_config(128)
+    assert "kernel: simt" in out
+    assert f"block_q={cfg.block_q}, block_k={cfg.block_k}" in out
+    assert f"shared memory: {cfg.smem_bytes} B per block" in out
+    assert "registers: " in out
+    std = costs.standard_attention_hbm_bytes(4096, 4096, 128, bytes_per_element=2, heads=16)["total"]
+    assert f"standard attention  {cli.fmt_bytes(std):>10}" in out
+    s_bytes = costs.score_matrix_bytes(4096, 4096, bytes_per_element=2, heads=16)
+    assert s_bytes == 512 * 2**20 and "materialising S would take 512.0 MiB" in out
+
+
+def test_explain_unsupported_head_dim_gives_forwards_error(tmp_path):
+    proc = run("explain", "--shape", 1, 16, 4096, 4096, 300, "--dtype", "float16", cwd=tmp_path)
+    assert proc.returncode == 2
+    tiny = np.zeros((1, 1, 1, 300), np.float16)
+    with pytest.raises(ValueError) as err:
+        numba_flash.forward(tiny, tiny, tiny)  # validation raises before any kernel work
+    assert f"ValueError: {err.value}" in proc.stderr
+    assert "d=300" in proc.stderr and "1 <= d <= 256" in proc.stderr
+
+
+def test_explain_other_unsupported_cases(tmp_path):
+    proc = run("explain", "--shape", 1, 6, 64, 64, "--hkv", 4, cwd=tmp_path)
+    assert proc.returncode == 2 and "H=6" in proc.stderr and "Hkv=4" in proc.stderr
+    proc = run("explain", "--shape", 1, 1, 64, 64, "--dtype", "float64", cwd=tmp_path)
+    assert proc.returncode == 2 and "float64" in proc.stderr and "float32, float16, bfloat16" in proc.stderr
+    proc = run("explain", "--shape", 1, 1, 64, cwd=tmp_path)
+    assert proc.returncode == 2 and "B H Nq Nk d" in proc.stderr
+
+
+def test_explain_huge_shapes_allocate_nothing(tmp_path):
+    """A million-token causal GQA problem: terabytes if materialised, nothing allocated here."""
+    proc = run("explain", "--shape", 8, 32, 2**20, 2**20, 128, "--dtype", "bfloat16", "--causal", "--hkv", 8,
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "kernel: simt" in proc.stdout and "bfloat16" in proc.stdout
+    s = costs.score_matrix_bytes(2**20, 2**20, bytes_per_element=2, batch=8, heads=32)
+    assert f"materialising S would take {cli.fmt_bytes(s)}" in proc.stdout
+
+
+def test_shape_only_costs_no_memory():
+    x = cli.shape_only((64, 64, 2**20, 256), "float16")
+    low, high = np.lib.array_utils.byte_bounds(x)
+    assert x.shape == (64, 64, 2**20, 256) and x.dtype == np.float16 and high - low == 2  # one element
+    bf = cli.shape_only((2, 3, 4, 5), "bfloat16")
+    assert tuple(bf.shape) == (2, 3, 4, 5) and str(bf.dtype) == "bfloat16"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cli.find_ptxas() is None, reason="ptxas not found")
+def test_explain_registers_from_ptxas_without_gpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = run("explain", "--shape", 1, 16, 4096, 64, "--dtype", "float32", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("registers:"))
+    if "n/a" in line:
+        pytest.skip(f"could not compile for ptxas here: {line}")
+    assert 0 < number_after("registers:", line) <= 255 and "0 B local memory" in line
+
+
+def test_parse_ptxas():
+    report = ("ptxas info    : Used 135 registers, used 1 barriers, 384 bytes cmem[0]\n"
+              "ptxas info    : Function properties for flash_forward\n"
+              "    16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n")
+    assert cli.parse_ptxas(report) == {"registers": 135, "local_bytes": 24}
+
+
+# --- demo ----------------------------------------------------------------------------------------
+
+
+def test_demo_passes_on_the_simulator(tmp_path):
+    proc = run("demo", "--simulator", "--shape", 1, 2, 64, 32, "--causal", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "backend: CUDA simulator" in out and "--simulator was given" in out
+    assert "PASS" in out and "kernel: simt" in out
+    assert number_after("max |O - O_ref|", out) <= 2e-5
+    assert number_after("max |L - L_ref|", out) <= 1e-4
+    assert f"would take {cli.fmt_bytes(2 * 64 * 64 * 4)} here" in out
+    assert "1.0 TiB" in out  # 128k context, 32 heads, fp16
+
+
+@pytest.mark.skipif(not NO_DRIVER, reason="this machine has an NVIDIA driver")
+def test_demo_detects_no_gpu_by_itself(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = run("demo", "--shape", 1, 1, 32, 16, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend: CUDA simulator" in proc.stdout
+    assert "/dev/nvidiactl" in proc.stdout and "NUMBA_ENABLE_CUDASIM=1" in proc.stdout
+    assert "numba.config.ENABLE_CUDASIM = 1" in proc.stdout and "PASS" in proc.stdout
+
+
+def test_check_fails_on_a_wrong_answer():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 16, 8)).astype(np.float32) for _ in range(3))
+    from reference import standard_attention
+
+    o, l = standard_attention(q, k, v)
+    good = cli.check_against_reference(q, k, v, o.astype(np.float32), l.astype(np.float32), False)
+    assert good["ok"] and good["heads"] == 2
+    bad = cli.check_against_reference(q, k, v, (o * 1.001).astype(np.float32), l.astype(np.float32), False)
+    assert not bad["ok"]
+
+
+def test_in_process_main_refuses_to_replace_the_process():
+    """Called as a function with numba loaded the wrong way, main says so instead of exec'ing."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        pytest.skip("the simulator is on here: nothing to refuse")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--simulator"])
+    assert e.value.code == 2
+
+
+def test_help_lists_every_command(tmp_path):
+    proc = run("--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    for cmd in ("demo", "trace", "explain", "bench", "plot"):
+        assert cmd in proc.stdout
+    assert run(cwd=tmp_path).returncode == 2  # no command
