@@ -112,9 +112,9 @@ def keep(configs):
 _SIMT_TABLE = {  # head_dim: (block_q, block_k, row_threads, col_threads, share_kv)
     16: (128, 32, 32, 4, False),
     32: (64, 64, 16, 8, True),
-    64: (64, 64, 16, 16, True),
+    64: (128, 64, 16, 16, True),
     96: (64, 64, 16, 8, True),
-    128: (64, 64, 16, 16, True),
+    128: (128, 64, 16, 16, True),
     192: (64, 64, 16, 16, True),
     256: (64, 64, 16, 16, True),
 }
