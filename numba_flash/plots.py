@@ -109,7 +109,8 @@ def _timed_rows(result: dict) -> list[dict]:
 
 
 def _label(meta: dict) -> str:
-    return f"{meta.get('gpu', '?')}, {meta.get('date', '?')[:10]}, commit {meta.get('commit') or '?'}"
+    sim = " — simulator times, not performance figures" if meta.get("backend") == "simulator" else ""
+    return f"{meta.get('gpu', '?')}, {meta.get('date', '?')[:10]}, commit {meta.get('commit') or '?'}{sim}"
 
 
 def tflops_vs_n(result: dict, path: str) -> str:
@@ -132,12 +133,15 @@ def tflops_vs_n(result: dict, path: str) -> str:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[impl],
                     linestyle="--" if causal else "-", label=f"{impl}{' (causal)' if causal else ''}")
         ax.set_xscale("log", base=2)
+        values = [r["tflops"] for r in rows if (r["dtype"], r["d"]) == (dtype, d)]
+        if max(values) > 100 * min(values):  # implementations orders of magnitude apart
+            ax.set_yscale("log")
         ax.set_title(f"{dtype}, d={d}")
         ax.set_xlabel("sequence length N")
         ax.set_ylabel("TFLOP/s (4·B·H·N²·d / time, half for causal)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Forward throughput — {_label(result.get('meta', {}))}", fontsize=10)
+    fig.suptitle(f"Forward throughput\n{_label(result.get('meta', {}))}", fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -188,7 +192,7 @@ def roofline(result: dict, path: str, device=H200) -> str:
     ax.set_xlabel("arithmetic intensity, FLOP per HBM byte counted with reference.costs\n"
                   "(flash: filled = K/V read once per Q tile, hollow = each tensor once; L2 reuse puts the truth between)")
     ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title(f"Measured roofline — {_label(result.get('meta', {}))}", fontsize=10)
+    ax.set_title(f"Measured roofline\n{_label(result.get('meta', {}))}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
