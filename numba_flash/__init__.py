@@ -4,7 +4,7 @@
 
 See ``forward`` for the full contract and ``explain`` for which kernel runs and why.
 """
-from .api import KERNELS, explain, forward, validate
+from .api import KERNELS, PerformanceWarning, explain, forward, validate
 
-__all__ = ["forward", "explain", "validate", "KERNELS"]
+__all__ = ["forward", "explain", "validate", "KERNELS", "PerformanceWarning"]
 __version__ = "0.1.0"

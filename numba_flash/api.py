@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,9 +12,15 @@ from numba import cuda
 
 from . import arrays
 from .configs import MAX_HEAD_DIM, head_dim_bucket, simt_config
-from .kernels import simt_forward
+from .kernels import mma_forward, simt_forward
 
-KERNELS = ("auto", "simt")
+KERNELS = ("auto", "simt", "mma")
+MMA_MAX_HEAD_DIM = 128
+GRID_Y_MAX = 65535
+
+class PerformanceWarning(UserWarning):
+    """forward ran a slower kernel than the inputs' dtype could use (explain() says why)."""
+
 
 _ACCEPTED_ARRAYS = (
     "a CuPy array, a PyTorch CUDA tensor, a Numba device array, any object with "
@@ -96,6 +103,8 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         raise ValueError(
             f"q has H={H} heads and k/v have Hkv={Hkv}; H must be a positive multiple of Hkv (GQA/MQA)"
         )
+    if B * H > GRID_Y_MAX:
+        raise ValueError(f"B*H = {B * H} (B={B}, H={H}); at most {GRID_Y_MAX} batch-heads per call")
 
     if not isinstance(causal, (bool,)) and not (hasattr(causal, "dtype") and causal.dtype == bool):
         raise TypeError(f"causal must be a bool; got {causal!r}")
@@ -120,20 +129,55 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
     )
 
 
-def choose_kernel(p: Problem, kernel: str = "auto") -> tuple[str, Any, list[str]]:
-    """(family, config, reasons): which kernel runs for a validated problem, and why."""
+def _mma_blockers(p: Problem, views=None) -> list[str]:
+    """Why the tensor-core kernel cannot take this problem (empty when it can)."""
+    out = []
+    if p.dtype not in mma_forward.DTYPES:
+        out.append(f"dtype {p.dtype}: tensor cores here take float16/bfloat16 only")
+    if p.d > MMA_MAX_HEAD_DIM:
+        out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
+    if not nb_config.ENABLE_CUDASIM and cuda.is_available():
+        cc = cuda.get_current_device().compute_capability
+        if cc < (8, 0):
+            out.append(f"GPU compute capability {cc} < (8, 0): no mma.sync m16n8k16 / cp.async")
+    if views is None and not out and (p.d * 2) % 16:  # NumPy inputs are copied C-contiguous
+        out.append(f"rows of {p.d} x 2 B: cp.async needs rows that are multiples of 16 B (d % 8 == 0)")
+    if views is not None and not out:
+        for name, x in zip("qkv", views):
+            if x.strides[-1] != x.dtype.itemsize or any(st % 16 for st in x.strides[:-1]):
+                out.append(f"{name} strides {tuple(x.strides)} B: cp.async needs a unit-stride last dim "
+                           "and other strides that are multiples of 16 B (8 elements)")
+            elif mma_forward._address(x) % 16:
+                out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
+    return out
+
+
+def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
+    """(family, config, reasons): which kernel runs for a validated problem, and why.
+
+    ``views`` (the device views of q, k, v) lets the layout checks run; without them (explain on
+    shapes only) a contiguous layout is assumed.
+    """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
-    reasons = []
+    blockers = _mma_blockers(p, views)
+    if kernel == "mma" and blockers:
+        raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
+    if kernel in ("auto", "mma") and not blockers:
+        head_dim = 64 if p.d <= 64 else 128
+        reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
+                   f"64x64 tiles, 4 warps, head dim {head_dim}"]
+        if head_dim != p.d:
+            reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernel")
+        return "mma", {"BLOCK_Q": 64, "BLOCK_K": 64, "HEAD_DIM": head_dim}, reasons
     cfg = simt_config(p.d)
+    reasons = [f"simt: {cfg.block_q}x{cfg.block_k} tiles, {cfg.threads} threads, "
+               f"{cfg.smem_bytes} B shared memory, fp32 FMA"]
     if cfg.head_dim != p.d:
         reasons.append(f"head dim {p.d} is zero-padded to {cfg.head_dim} inside the kernel")
-    if p.dtype in ("float16", "bfloat16"):
-        reasons.append(
-            f"{p.dtype}: the SIMT kernel widens to fp32 (tensor-core kernel not available yet)"
-        )
-    reasons.insert(0, f"simt: {cfg.block_q}x{cfg.block_k} tiles, {cfg.threads} threads, "
-                      f"{cfg.smem_bytes} B shared memory")
+    if p.dtype in mma_forward.DTYPES:
+        why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
+        reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
     return "simt", cfg, reasons
 
 
@@ -163,7 +207,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
         causal: mask aligned bottom-right as in flash-attention >= 2.1: query i sees key j iff
             j <= i + Nk - Nq. A row that sees no key gets O = 0 and L = -inf.
         softmax_scale: default 1/sqrt(d) with the user's d; must be finite and > 0.
-        kernel: "auto" (default) or a family name from ``KERNELS``; see ``explain``.
+        kernel: "auto" (default), "mma" or "simt". Auto runs the tensor-core kernel ("mma":
+            mma.sync, fp32 accumulation) for float16/bfloat16 with d <= 128 on sm_80+ when every
+            row of q, k, v starts 16-byte aligned (cp.async); otherwise the SIMT kernel (fp32
+            FMA), with a ``PerformanceWarning`` when the dtype could have used tensor cores.
+            ``explain`` prints the choice and the reason.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
@@ -180,18 +228,25 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
         TypeError / ValueError naming what was given and what is accepted.
     """
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    family, cfg, _ = choose_kernel(p, kernel)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     with _on_device(p.device):
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
         if p.B * p.H * p.n_q > 0:
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
-            simt_forward.launch(
-                # out and lse are fresh and contiguous, so reshape is a view
-                cfg, qd, kd, vd, out_dev.reshape(_as_4d(p.q_shape)), lse_dev.reshape((p.B, p.H, p.n_q)),
-                causal=p.causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
-            )
+            family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
+            if family == "simt" and kernel == "auto" and p.dtype in mma_forward.DTYPES:
+                warnings.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning, stacklevel=2)
+            # out and lse are fresh and contiguous, so reshape is a view
+            out4, lse3 = out_dev.reshape(_as_4d(p.q_shape)), lse_dev.reshape((p.B, p.H, p.n_q))
+            if family == "mma":
+                mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
+                                   stream=stream, **cfg)
+            else:
+                simt_forward.launch(cfg, qd, kd, vd, out4, lse3, causal=p.causal,
+                                    softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream)
         return (
             arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),
             arrays.to_host_kind(p.kind, lse_obj, "float32", stream),
@@ -201,5 +256,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
 def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
     """Which kernel ``forward`` would run for these inputs, its tile config, and why."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    family, cfg, reasons = choose_kernel(p, kernel)
+    views = None
+    if p.kind != arrays.NUMPY:  # device arrays: check their real layout (views, no copies)
+        with _on_device(p.device):
+            views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v))
+    family, cfg, reasons = choose_kernel(p, kernel, views)
     return "\n".join(reasons)
