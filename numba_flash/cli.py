@@ -67,11 +67,12 @@ class Backend:
 
 def detect_backend(force_simulator: bool = False) -> Backend:
     """GPU or CUDA simulator, decided without importing numba or touching the driver."""
+    restarted = os.environ.get(REASON_ENV)  # set when this process is the re-started command
     if force_simulator:
-        return Backend(True, "--simulator was given")
+        return Backend(True, restarted or "--simulator was given")
     value = os.environ.get(SIM_ENV, "")
     if value not in ("", "0"):
-        return Backend(True, os.environ.get(REASON_ENV) or f"{SIM_ENV}={value} is set in the environment")
+        return Backend(True, restarted or f"{SIM_ENV}={value} is set in the environment")
     present = [p for p in DEVICE_FILES if os.path.exists(p)]
     if not present:
         return Backend(True, f"no NVIDIA driver: neither {' nor '.join(DEVICE_FILES)} exists")
@@ -205,26 +206,56 @@ def find_ptxas() -> str | None:
     return found or (candidates[-1] if candidates else None)
 
 
-def kernel_resources(family: str, cfg, causal: bool, dtype: str) -> dict | str:
+@dataclass(frozen=True)
+class KernelFacts:
+    """What explain reports about one kernel specialisation, whatever its family's config looks like."""
+
+    block_q: int
+    block_k: int
+    threads: int | None
+    smem_bytes: int | None
+    roof: str  # the compute roof it runs against: "fp32" (CUDA-core FMA) or "fp16"/"bf16" (tensor cores)
+    jit: object = None  # () -> the compiled cuda.jit kernel (on a GPU)
+    source: object = None  # () -> (python kernel, signature, fastmath) for cuda.compile_ptx
+
+
+def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
+    """Tiles, threads, shared memory and how to compile, for each family api.choose_kernel returns."""
+    if family == "simt":
+        from numba_flash.kernels import simt_forward as m
+
+        return KernelFacts(cfg.block_q, cfg.block_k, cfg.threads, cfg.smem_bytes, "fp32",
+                           jit=lambda: m.make_forward_kernel(cfg, causal, dtype),
+                           source=lambda: (m.kernel_source(cfg, causal, dtype), m.kernel_signature(dtype), m.FASTMATH))
+    if family == "mma":
+        from numba_flash.kernels import mma_forward as m
+
+        bq, bk, hd = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"]
+        return KernelFacts(bq, bk, 2 * bq, m.smem_bytes(bq, bk, hd), "bf16" if dtype == "bfloat16" else "fp16",
+                           jit=lambda: m.make_forward_kernel(bq, bk, hd, causal, dtype),
+                           source=lambda: (m.kernel_source(bq, bk, hd, causal, dtype), m.kernel_signature(), None))
+    return KernelFacts(128, 128, None, None, "fp16" if dtype != "float32" else "fp32")  # a family explain predates
+
+
+def kernel_resources(facts: KernelFacts) -> dict | str:
     """Registers and local memory per thread: from the GPU, else ptxas -v for sm_90, else why not."""
     from numba import config, cuda
 
-    if family != "simt":
-        return f"n/a (no resource query for the {family} kernel family yet)"
-    from numba_flash.kernels import simt_forward
-
     if config.ENABLE_CUDASIM:
         return "n/a without GPU (the CUDA simulator is on: nothing is compiled)"
-    if cuda.is_available():
-        kernel = simt_forward.make_forward_kernel(cfg, causal, dtype)
-        attrs = next(iter(kernel.overloads.values()))._codelibrary.get_cufunc().attrs
-        return {"registers": attrs.regs, "local_bytes": attrs.local, "source": "compiled for this GPU"}
-    ptxas = find_ptxas()
-    if ptxas is None:
-        return "n/a without GPU (and no ptxas to ask)"
+    if facts.jit is None:
+        return "n/a (explain does not know how to compile this kernel family)"
     try:
-        ptx, _ = cuda.compile_ptx(simt_forward.kernel_source(cfg, causal, dtype), simt_forward.kernel_signature(dtype),
-                                  cc=(9, 0), fastmath=simt_forward.FASTMATH)
+        if cuda.is_available():
+            kernel = facts.jit()
+            attrs = next(iter(kernel.overloads.values()))._codelibrary.get_cufunc().attrs
+            return {"registers": attrs.regs, "local_bytes": attrs.local, "source": "compiled for this GPU"}
+        ptxas = find_ptxas()
+        if ptxas is None:
+            return "n/a without GPU (and no ptxas to ask)"
+        kernel, signature, fastmath = facts.source()
+        with _compile_for_sm90_without_gpu():
+            ptx, _ = cuda.compile_ptx(kernel, signature, cc=(9, 0), fastmath=fastmath or False)
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "k.ptx")
             Path(src).write_text(ptx)
@@ -232,7 +263,22 @@ def kernel_resources(family: str, cfg, causal: bool, dtype: str) -> dict | str:
                                   capture_output=True, text=True, timeout=300)
         return {**parse_ptxas(proc.stderr + proc.stdout), "source": "ptxas -v for sm_90 (no GPU here)"}
     except Exception as e:  # no NVVM, a ptxas failure: the rest of explain still stands
-        return f"n/a without GPU (compiling for ptxas failed: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        return f"n/a (compiling failed: {type(e).__name__}: {first})"
+
+
+class _compile_for_sm90_without_gpu:
+    """Numba asks the current device for its compute capability while compiling device functions,
+    even for compile_ptx(cc=...); with no GPU, answer sm_90, the target (as tests/test_ptx.py does)."""
+
+    def __enter__(self):
+        import numba.cuda.dispatcher as dispatcher
+
+        self.dispatcher, self.saved = dispatcher, dispatcher.get_current_device
+        dispatcher.get_current_device = lambda: type("Sm90", (), {"compute_capability": (9, 0)})()
+
+    def __exit__(self, *exc):
+        self.dispatcher.get_current_device = self.saved
 
 
 def parse_ptxas(report: str) -> dict:
@@ -248,6 +294,8 @@ def parse_ptxas(report: str) -> dict:
 def _config_line(cfg) -> str:
     if is_dataclass(cfg):
         return ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in fields(cfg))
+    if isinstance(cfg, dict):
+        return ", ".join(f"{k}={v}" for k, v in cfg.items())
     return repr(cfg)
 
 
@@ -280,14 +328,14 @@ def cmd_explain(args, restart_argv) -> int:
     for r in reasons:
         print(f"  {r}")
     print(f"config: {_config_line(cfg)}")
-    block_q, block_k = getattr(cfg, "block_q", 128), getattr(cfg, "block_k", 128)
-    threads = getattr(cfg, "threads", None)
+    facts = kernel_facts(family, cfg, p.causal, p.dtype)
+    block_q, block_k, threads = facts.block_q, facts.block_k, facts.threads
     print(f"grid: {math.ceil(n_q / block_q)} Q tiles × {B * H} (batch·head) = "
           f"{math.ceil(n_q / block_q) * B * H} thread blocks" + (f" of {threads} threads" if threads else ""))
-    if hasattr(cfg, "smem_bytes"):
+    if facts.smem_bytes is not None:
         parts = ", ".join(f"{k} {4 * w}" for k, w in getattr(cfg, "smem_words", {}).items() if w)
-        print(f"shared memory: {cfg.smem_bytes} B per block ({parts} B)")
-    res = kernel_resources(family, cfg, p.causal, p.dtype)
+        print(f"shared memory: {facts.smem_bytes} B per block" + (f" ({parts} B)" if parts else ""))
+    res = kernel_resources(facts)
     if isinstance(res, dict):
         per_sm = f"; × {threads} threads = {res['registers'] * threads} of {REGS_PER_SM} per SM" if threads else ""
         print(f"registers: {res['registers']} per thread, {res['local_bytes']} B local memory "
@@ -295,13 +343,11 @@ def cmd_explain(args, restart_argv) -> int:
     else:
         print(f"registers: {res}")
     if args.causal:
-        from numba_flash.plots import causal_tile_grid, tile_counts
+        from numba_flash.plots import causal_tile_counts
 
-        n_tiles = math.ceil(n_q / block_q) * math.ceil(n_k / block_k)
-        if n_tiles <= 4_000_000:  # the grid is counted cell by cell
-            c = tile_counts(causal_tile_grid(n_q, n_k, block_q, block_k))
-            print(f"causal tiles: {c['full']} full, {c['masked']} masked, {c['skipped']} skipped of {n_tiles} "
-                  "(skipped tiles are never loaded)")
+        c = causal_tile_counts(n_q, n_k, block_q, block_k)
+        print(f"causal tiles: {c['full']} full, {c['masked']} masked, {c['skipped']} skipped of {sum(c.values())} "
+              "per batch·head (skipped tiles are never loaded)")
 
     e = BYTES.get(p.dtype, 2)
     shape = dict(bytes_per_element=e, batch=B, heads=H)
@@ -314,10 +360,10 @@ def cmd_explain(args, restart_argv) -> int:
     print(f"  this kernel         {fmt_bytes(fa['total']):>10}  (K/V read once per {block_q}-row Q tile; "
           f"{fmt_bytes(fa['ideal'])} if each tensor were read once, as L2 reuse approaches)")
     print(f"  → {std['total'] / fa['total']:.1f}× to {std['total'] / fa['ideal']:.0f}× less traffic than standard attention")
-    roof = "fp32" if family == "simt" else {"float32": "fp32", "bfloat16": "bf16"}.get(p.dtype, "fp16")
+    roof = facts.roof
     print(f"FLOPs: {fl:.3e} (4·B·H·visible pairs·d); arithmetic intensity: standard {fl / std['total']:.0f}, "
           f"this kernel {fl / fa['total']:.0f}–{fl / fa['ideal']:.0f} FLOP/B; H200 ridge {costs.H200.ridge_point(roof):.0f} "
-          f"FLOP/B for its {roof} roof" + (" (SIMT: CUDA cores)" if family == "simt" else ""))
+          f"FLOP/B for its {roof} roof" + (" (CUDA-core FMA)" if roof == "fp32" else " (tensor cores)"))
     s_bytes = costs.score_matrix_bytes(n_q, n_k, bytes_per_element=e, batch=B, heads=H)
     print(f"materialising S would take {fmt_bytes(s_bytes)} (B·H·Nq·Nk × {e} B), and P as much again; "
           f"this kernel writes O and L only: {fmt_bytes(B * H * n_q * (d * e + 4))}")

@@ -74,6 +74,22 @@ def tile_counts(grid: np.ndarray) -> dict:
     return {name.split(" ")[0]: int((grid == code).sum()) for code, name in TILE_NAMES.items()}
 
 
+def causal_tile_counts(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = True) -> dict:
+    """tile_counts(causal_tile_grid(...)) one Q tile at a time, for grids too large to draw.
+
+    Along a row of tiles the mask only grows with j, so the first row of the Q tile, which sees keys
+    up to q_start + Nk − Nq, splits the visited tiles into full ones, then masked ones.
+    """
+    full = visited = 0
+    for q_start in range(0, n_q, block_q):
+        visit = kv_blocks_to_visit(q_start, min(q_start + block_q, n_q), n_q, n_k, block_k, causal)
+        last_seen = q_start + n_k - n_q
+        visited += visit
+        full += visit if not causal or last_seen >= n_k - 1 else min(visit, max(0, (last_seen + 1) // block_k))
+    total = math.ceil(n_q / block_q) * math.ceil(n_k / block_k)
+    return {"skipped": total - visited, "masked": visited - full, "full": full}
+
+
 def causal_tiles(path: str, cases=DEFAULT_TILE_CASES) -> str:
     """One panel per (Nq, Nk, block_q, block_k): the tile grid a causal forward walks."""
     plt = _pyplot()

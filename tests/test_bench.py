@@ -195,7 +195,8 @@ def test_plots_say_which_extra_is_missing(tmp_path):
 
 
 @pytest.mark.parametrize("n_q,n_k,bq,bk", [(128, 128, 32, 32), (100, 100, 16, 32), (40, 100, 16, 16),
-                                           (100, 40, 32, 16), (1, 50, 64, 8), (65, 65, 64, 64)])
+                                           (100, 40, 32, 16), (1, 50, 64, 8), (65, 65, 64, 64), (77, 77, 8, 24),
+                                           (30, 61, 8, 16), (61, 30, 16, 8)])
 def test_causal_tile_grid_matches_the_mask(n_q, n_k, bq, bk):
     """A tile is skipped iff every (query, key) in it is masked, full iff none is, masked otherwise."""
     grid = plots.causal_tile_grid(n_q, n_k, bq, bk)
@@ -205,6 +206,8 @@ def test_causal_tile_grid_matches_the_mask(n_q, n_k, bq, bk):
             hidden = causal_mask(i * bq, min((i + 1) * bq, n_q), j * bk, min((j + 1) * bk, n_k), n_q, n_k)
             expected = plots.SKIPPED if hidden.all() else plots.FULL if not hidden.any() else plots.MASKED
             assert grid[i, j] == expected, (i, j)
+    assert plots.causal_tile_counts(n_q, n_k, bq, bk) == plots.tile_counts(grid)
     assert (plots.causal_tile_grid(n_q, n_k, bq, bk, causal=False) == plots.FULL).all()
+    assert plots.causal_tile_counts(n_q, n_k, bq, bk, causal=False)["full"] == grid.size
     with pytest.raises(ValueError, match="block_q must be an int >= 1"):
         plots.causal_tile_grid(n_q, n_k, 0, bk)

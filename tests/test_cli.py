@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import numba_flash
-from numba_flash import cli
+from numba_flash import api, cli
 from numba_flash.configs import simt_config
 from reference import costs
 
@@ -93,19 +93,34 @@ def test_trace_uses_reference_trace():
 # --- explain -------------------------------------------------------------------------------------
 
 
-def test_explain_names_kernel_config_and_costs(tmp_path):
-    proc = run("explain", "--shape", 1, 16, 4096, 4096, 128, "--dtype", "float16", cwd=tmp_path)
+def expected_kernel(q_shape, kv_shape, dtype, causal=False):
+    """What api.choose_kernel picks in this process (explain's child must agree)."""
+    q, kv = cli.shape_only(q_shape, dtype), cli.shape_only(kv_shape, dtype)
+    family, cfg, reasons = api.choose_kernel(api.validate(q, kv, kv, causal=causal))
+    return family, cfg, reasons, cli.kernel_facts(family, cfg, causal, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_explain_names_kernel_config_and_costs(tmp_path, dtype):
+    proc = run("explain", "--shape", 1, 16, 4096, 4096, 128, "--dtype", dtype, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    cfg = simt_config(128)
-    assert "kernel: simt" in out
-    assert f"block_q={cfg.block_q}, block_k={cfg.block_k}" in out
-    assert f"shared memory: {cfg.smem_bytes} B per block" in out
+    family, cfg, reasons, facts = expected_kernel((1, 16, 4096, 128), (1, 16, 4096, 128), dtype)
+    assert f"kernel: {family}" in out and all(r in out for r in reasons)
+    assert f"config: {cli._config_line(cfg)}" in out
+    assert f"shared memory: {facts.smem_bytes} B per block" in out
+    assert f"grid: {-(-4096 // facts.block_q)} Q tiles × 16" in out
     assert "registers: " in out
-    std = costs.standard_attention_hbm_bytes(4096, 4096, 128, bytes_per_element=2, heads=16)["total"]
+    if dtype == "float32":
+        assert family == "simt" and cfg == simt_config(128)
+    e = 2 if dtype == "float16" else 4
+    std = costs.standard_attention_hbm_bytes(4096, 4096, 128, bytes_per_element=e, heads=16)["total"]
     assert f"standard attention  {cli.fmt_bytes(std):>10}" in out
-    s_bytes = costs.score_matrix_bytes(4096, 4096, bytes_per_element=2, heads=16)
-    assert s_bytes == 512 * 2**20 and "materialising S would take 512.0 MiB" in out
+    fa = costs.flash_attention_hbm_bytes(4096, 4096, 128, block_q=facts.block_q, block_k=facts.block_k,
+                                         bytes_per_element=e, heads=16)["total"]
+    assert f"this kernel         {cli.fmt_bytes(fa):>10}" in out
+    s_bytes = costs.score_matrix_bytes(4096, 4096, bytes_per_element=e, heads=16)
+    assert s_bytes == e * 256 * 2**20 and f"materialising S would take {cli.fmt_bytes(s_bytes)}" in out
 
 
 def test_explain_unsupported_head_dim_gives_forwards_error(tmp_path):
@@ -132,7 +147,8 @@ def test_explain_huge_shapes_allocate_nothing(tmp_path):
     proc = run("explain", "--shape", 8, 32, 2**20, 2**20, 128, "--dtype", "bfloat16", "--causal", "--hkv", 8,
                cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "kernel: simt" in proc.stdout and "bfloat16" in proc.stdout
+    family, *_ = expected_kernel((8, 32, 2**20, 128), (8, 8, 2**20, 128), "bfloat16", causal=True)
+    assert f"kernel: {family}" in proc.stdout and "bfloat16" in proc.stdout and "causal tiles:" in proc.stdout
     s = costs.score_matrix_bytes(2**20, 2**20, bytes_per_element=2, batch=8, heads=32)
     assert f"materialising S would take {cli.fmt_bytes(s)}" in proc.stdout
 
@@ -172,7 +188,7 @@ def test_demo_passes_on_the_simulator(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "backend: CUDA simulator" in out and "--simulator was given" in out
-    assert "PASS" in out and "kernel: simt" in out
+    assert "PASS" in out and "kernel: " in out
     assert number_after("max |O - O_ref|", out) <= 2e-5
     assert number_after("max |L - L_ref|", out) <= 1e-4
     assert f"would take {cli.fmt_bytes(2 * 64 * 64 * 4)} here" in out
