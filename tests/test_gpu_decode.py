@@ -78,7 +78,7 @@ def assert_matches(out, lse, q, k, v, lens, dtype, scale=None):
 
 
 GRID = list(itertools.product(
-    [torch.float32, torch.float16, torch.bfloat16],
+    ["float32", "float16", "bfloat16"],
     [(32, 32), (32, 8), (32, 4)],  # (H, Hkv): GQA ratios 1, 4, 8
     [1, 3, 16],  # Nq
     [None, 1, 7],  # num_splits
@@ -87,9 +87,10 @@ GRID = list(itertools.product(
 
 @pytest.mark.parametrize("dtype, heads, n_q, n_splits", GRID)
 def test_decode_grid(dtype, heads, n_q, n_splits):
+    dtype = getattr(torch, dtype)
     H, Hkv = heads
     B, n_max, d = 4, 3000, 128
-    seed = hash((str(dtype), heads, n_q, n_splits)) % 2**31
+    seed = 1000 * n_q + 10 * heads[1] + (n_splits or 0)
     q, k, v = make(B, H, Hkv, n_q, n_max, d, dtype, seed)
     lens = ragged(B, n_max, seed)
     out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits)
@@ -98,9 +99,10 @@ def test_decode_grid(dtype, heads, n_q, n_splits):
 
 
 @pytest.mark.parametrize("d", [32, 64, 72, 100, 256])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_head_dims(d, dtype):
     """d = 72 pads to 80; d = 100 fp16 has 200-byte rows: the scalar-load path."""
+    dtype = getattr(torch, dtype)
     q, k, v = make(2, 8, 2, 2, 1500, d, dtype, d)
     lens = torch.tensor([1500, 777], dtype=torch.int32, device="cuda")
     out, lse = decode(q, k, v, cache_seqlens=lens)
@@ -166,9 +168,10 @@ def test_large_logits():
     assert (out.double() - ref_o).abs().max().item() < 1e-3 * ref_o.abs().max().item()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("n_splits", [1, 8])
 def test_deterministic(dtype, n_splits):
+    dtype = getattr(torch, dtype)
     q, k, v = make(4, 32, 8, 2, 8192, 128, dtype, 3)
     lens = ragged(4, 8192, 3)
     first = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits)
