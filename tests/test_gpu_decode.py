@@ -29,8 +29,9 @@ def visible_mask(lens, n_q, n_max, device):
     return (j <= limit)[:, None]
 
 
-def attention_ref(q, k, v, lens, scale, dtype=torch.float64):
-    """Masked attention with every step in dtype (float64: the reference; q's dtype: 'naive')."""
+def attention_ref(q, k, v, lens, scale, dtype=None):
+    """Masked attention with every step in dtype (None = float64: the reference; q's dtype: 'naive')."""
+    dtype = dtype or torch.float64
     G = q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(G, dim=1) for x in (k, v))
     s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
