@@ -1,0 +1,280 @@
+"""Decode benchmark on the GPU: bandwidth of numba_flash.decode beside PyTorch SDPA and forward.
+
+    python scripts/bench_decode.py            # full suite -> benchmarks/results/decode-<date>.{json,md}
+    python scripts/bench_decode.py --quick    # fp16, Nk = 32768 only
+    python scripts/bench_decode.py --sweep    # also time DecodeConfig candidates x num_splits at the targets
+
+One decoding step, Nq = 1, B = 8, H = 32, Hkv in {32, 8}, Nk in {4096, 32768}, d = 128, every
+cache full. GB/s = bytes of K and V actually read (2·B·Hkv·Nk·d·itemsize; q and out are < 0.1 %)
+/ time; time = median of CUDA-event timings of single calls after warm-up (bench_forward's
+``time_call``, from numba_flash.bench). Every K+V set is at least 134 MB, over twice the 60 MB L2.
+
+Rows:
+* ``numba_flash.decode``: the public call, num_splits chosen by the rule (host work included:
+  validation, allocation, two Numba launches).
+* ``decode kernels only``: the same two launches on prepared Numba views and scratch: the
+  kernels' own bandwidth.
+* ``numba_flash.forward``: the FA2 forward on the same inputs (one Q tile per head: no split).
+* ``sdpa-flash`` / ``sdpa-efficient`` / ``sdpa-cudnn``: F.scaled_dot_product_attention with
+  is_causal=False (Nq = 1 sees the whole cache) and enable_gqa when Hkv < H; a backend that
+  refuses the case is recorded with its error.
+* ``device copy``: torch copy of the K and V tensors; GB/s counts read + write, the roofline.
+
+``numba-flash bench`` runs this file's ``run_suite`` (numba_flash.bench's registry): the quick
+cases on a GPU, or one tiny case on the CUDA simulator checked against reference.decode.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import numba_flash  # noqa: E402
+from numba_flash import arrays, bench  # noqa: E402
+from numba_flash.decode import _kv_words, decode, plan  # noqa: E402
+from numba_flash.kernels import decode as dk  # noqa: E402
+
+
+time_call = bench.time_call
+
+
+CASES = [(8, 32, hkv, nk, 128) for hkv in (32, 8) for nk in (4096, 32768)]  # (B, H, Hkv, Nk, d)
+QUICK = [(8, 32, hkv, 32768, 128) for hkv in (32, 8)]
+SWEEP_CONFIGS = [(bn, st, w) for bn in (32, 64, 128) for st in (2, 3, 4) for w in (4, 8)]  # block_n, stages, warps
+SWEEP_SPLITS = (None, 1, 2, 4, 8, 16)
+
+
+def kv_bytes(B, Hkv, n_k, d, itemsize):
+    return 2 * B * Hkv * n_k * d * itemsize
+
+
+def kernel_only(q, k, v, cfg=None, num_splits=None):
+    """A callable running just the two launches, on views and scratch prepared once."""
+    import torch
+
+    p, auto_cfg, n_splits, _ = plan(q, k, v, num_splits=num_splits)
+    cfg = cfg or auto_cfg
+    if num_splits is None:
+        n_splits = plan(q, k, v, config=cfg)[2]
+    stream = arrays.current_stream(q)
+    qd = arrays.to_device_view(q, stream)
+    kd, vd = (_kv_words(arrays.to_device_view(x, stream), p.dtype) for x in (k, v))
+    from numba import cuda
+
+    lens = cuda.device_array(0, dtype=np.int32)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    out_d, lse_d = arrays.to_device_view(out, stream), cuda.as_cuda_array(lse, sync=False)
+    scratch = [torch.empty(s, device=q.device, dtype=torch.float32)
+               for s in dk.scratch_shapes(p.B, p.H, p.n_q, n_splits, p.d)]
+    partials = tuple(cuda.as_cuda_array(t, sync=False) for t in scratch) if n_splits > 1 else None
+
+    def run():
+        dk.launch(cfg, qd, kd, vd, lens, out_d, lse_d, softmax_scale=p.softmax_scale, d=p.d,
+                  num_splits=n_splits, partials=partials, stream=stream)
+
+    run.keep = (out, lse, scratch)
+    return run, cfg, n_splits
+
+
+def registers(cfg, split):
+    kern = dk.make_split_kernel(cfg, True, split, "int32")
+    return next(iter(kern.overloads.values()))._codelibrary.get_cufunc().attrs.regs
+
+
+def run_case(B, H, Hkv, n_k, d, dtype):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(B * H * Hkv + n_k)
+    q = torch.randn(B, H, 1, d, device="cuda", generator=g).to(tdt)
+    k, v = (torch.randn(B, Hkv, n_k, d, device="cuda", generator=g).to(tdt) for _ in range(2))
+    nbytes = kv_bytes(B, Hkv, n_k, d, q.element_size())
+    rows = []
+
+    def record(name, fn, bytes_moved=nbytes, **extra):
+        try:
+            ms, reps = time_call(fn)
+            rows.append({"impl": name, "ms": ms, "gbps": bytes_moved / ms / 1e6, "reps": reps, **extra})
+        except Exception as e:  # an unsupported backend or an OOM is a result, not a crash
+            msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            rows.append({"impl": name, "ms": None, "gbps": None, "error": msg, **extra})
+        torch.cuda.empty_cache()
+
+    _, cfg, n_splits, _ = plan(q, k, v)
+    record("numba_flash.decode", lambda: decode(q, k, v), num_splits=n_splits,
+           config=[cfg.block_n, cfg.stages, cfg.warps, cfg.rows])
+    run, cfg, n_splits = kernel_only(q, k, v)
+    record("decode kernels only", run, num_splits=n_splits, regs=registers(cfg, n_splits > 1))
+    record("numba_flash.forward", lambda: numba_flash.forward(q, k, v))
+    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                if Hkv == H:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=False)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True)
+        record(name, sdpa)
+    k2, v2 = torch.empty_like(k), torch.empty_like(v)
+
+    def copy():
+        k2.copy_(k)
+        v2.copy_(v)
+
+    record("device copy", copy, bytes_moved=2 * nbytes)
+    for r in rows:
+        r.update(B=B, H=H, Hkv=Hkv, Nk=n_k, d=d, dtype=dtype)
+    return rows
+
+
+def sweep(B, H, Hkv, n_k, d, dtype="float16"):
+    """Kernel-only GB/s of each candidate config x num_splits at one shape (tuning is recorded)."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+    q = torch.randn(B, H, 1, d, device="cuda").to(tdt)
+    k, v = (torch.randn(B, Hkv, n_k, d, device="cuda").to(tdt) for _ in range(2))
+    nbytes = kv_bytes(B, Hkv, n_k, d, q.element_size())
+    rows_needed = H // Hkv
+    out = []
+    for block_n, stages, warps in SWEEP_CONFIGS:
+        rows = 1 << max(0, (rows_needed - 1).bit_length())
+        cfg = dk.DecodeConfig(128, dtype, rows, block_n=block_n, stages=stages, warps=warps)
+        if cfg.problems():
+            continue
+        for n_splits in SWEEP_SPLITS:
+            try:
+                run, cfg, s = kernel_only(q, k, v, cfg=cfg, num_splits=n_splits)
+                ms, _ = time_call(run)
+                row = {"config": [block_n, stages, warps, rows], "num_splits": s, "auto": n_splits is None,
+                       "ms": ms, "gbps": nbytes / ms / 1e6, "regs": registers(cfg, s > 1),
+                       "smem": cfg.smem_bytes, "blocks_per_sm": cfg.blocks_per_sm}
+            except Exception as e:
+                row = {"config": [block_n, stages, warps, rows], "num_splits": n_splits, "error": str(e)[:160]}
+            out.append({**row, "B": B, "H": H, "Hkv": Hkv, "Nk": n_k, "dtype": dtype})
+            if "gbps" in row:
+                print(f"  sweep Hkv{Hkv} bn{block_n} st{stages} w{warps} splits {row['num_splits']}"
+                      f"{' (auto)' if n_splits is None else ''}: {row['gbps']:.0f} GB/s, {row['regs']} regs",
+                      flush=True)
+    return out
+
+
+def _bench_row(r):
+    """A row in numba_flash.bench's keys too (N = Nq, N_k, tflops), so its tables can show it."""
+    r.setdefault("N", 1)
+    r.setdefault("N_k", r.get("Nk"))
+    r.setdefault("causal", False)
+    if r.get("ms"):
+        r["tflops"] = bench.flops(r["B"], r["H"], 1, r["Nk"], r["d"], False) / r["ms"] / 1e9
+    return r
+
+
+def run_suite(*, quick: bool, simulator: bool, progress: bool = True) -> dict:
+    """For numba_flash.bench: the quick (or full) cases on a GPU; one checked tiny case on the simulator."""
+    if simulator:
+        import time
+
+        from reference.decode import decode_attention
+
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+        k, v = (rng.standard_normal((1, 1, 64, 16)).astype(np.float32) for _ in range(2))
+        cfg = dk.DecodeConfig(16, "float32", 4, block_n=8, stages=2, warps=1)
+        t0 = time.perf_counter()
+        out, _ = decode(q, k, v, num_splits=3, config=cfg)
+        ms = (time.perf_counter() - t0) * 1e3
+        err = float(np.abs(out - decode_attention(q, k, v)[0]).max())
+        row = {"impl": "numba_flash.decode (simulator)", "ms": ms, "B": 1, "H": 4, "Hkv": 1, "Nk": 64, "d": 16,
+               "dtype": "float32", "num_splits": 3, "max_err": err}
+        return {"rows": [_bench_row(row)], "note": "CUDA simulator: times are not performance figures"}
+    rows = []
+    for (B, H, Hkv, n_k, d) in (QUICK if quick else CASES):
+        for dtype in (["float16"] if quick else ["float16", "float32"]):
+            rows.extend(_bench_row(r) for r in run_case(B, H, Hkv, n_k, d, dtype))
+            if progress:
+                print(f"decode {dtype} B{B} H{H} Hkv{Hkv} Nk{n_k}: done", flush=True)
+    return {"rows": rows}
+
+
+def table(rows):
+    lines = ["| dtype | B | H | Hkv | Nk | d | impl | ms | GB/s | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        val = f"{r['gbps']:.0f}" if r.get("gbps") else "—"
+        ms = f"{r['ms']:.4f}" if r.get("ms") else "—"
+        note = r.get("error", "")[:70]
+        if "num_splits" in r:
+            note = f"{r['num_splits']} splits" + (f", {r['regs']} regs" if "regs" in r else "") + note
+        lines.append(f"| {r['dtype']} | {r['B']} | {r['H']} | {r['Hkv']} | {r['Nk']} | {r['d']} | {r['impl']} "
+                     f"| {ms} | {val} | {note} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "float32"])
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "benchmarks", "results"))
+    args = ap.parse_args(argv)
+
+    if not bench.gpu_available():
+        ap.exit(2, "bench_decode.py: no usable GPU here (or NUMBA_ENABLE_CUDASIM is set); "
+                   "numba-flash bench --quick runs a tiny decode case on the CUDA simulator\n")
+    import torch
+
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "scripts/bench_decode.py", *(argv if argv is not None else sys.argv[1:])]),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "numba_flash": numba_flash.__version__,
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 cwd=HERE).stdout.strip(),
+    }
+    result = {"meta": meta, "decode": [], "sweep": None}
+    dtypes = ["float16"] if args.quick else args.dtypes
+    for (B, H, Hkv, n_k, d) in (QUICK if args.quick else CASES):
+        for dtype in dtypes:
+            rows = run_case(B, H, Hkv, n_k, d, dtype)
+            result["decode"].extend(rows)
+            print(f"{dtype:8s} B{B} H{H} Hkv{Hkv} Nk{n_k} d{d}: " + ", ".join(
+                f"{r['impl']} {r['gbps']:.0f}" if r.get("gbps") else f"{r['impl']} —" for r in rows), flush=True)
+    if args.sweep:
+        result["sweep"] = []
+        for Hkv in (32, 8):
+            result["sweep"].extend(sweep(8, 32, Hkv, 32768, 128))
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"decode-{meta['date'][:10]}" + ("-quick" if args.quick else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    md = [f"# Decode benchmark (Nq = 1)\n\nGPU: {meta['gpu']} ({meta['sms']} SMs); date: {meta['date']}; "
+          f"command: `{meta['command']}`; commit {meta['commit']}; torch {meta['torch']}.\n\n"
+          "GB/s = bytes of K and V read / median time (device copy: read + write).\n", table(result["decode"])]
+    if result["sweep"]:
+        md.append("\n## Config x num_splits sweep, fp16 B8 H32 Nk32768 d128, kernels only\n\n"
+                  "| Hkv | block_n, stages, warps, rows | splits | GB/s | regs | smem B | blocks/SM |\n|---|---|---|---|---|---|---|")
+        for r in result["sweep"]:
+            if "gbps" in r:
+                md.append(f"| {r['Hkv']} | {r['config']} | {r['num_splits']}{' (auto)' if r['auto'] else ''} "
+                          f"| {r['gbps']:.0f} | {r['regs']} | {r['smem']} | {r['blocks_per_sm']} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+if __name__ == "__main__":
+    main()
