@@ -82,7 +82,7 @@ def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, sc
         if pad_to:
             padded = np.zeros(x.shape[:-1] + (pad_to,), words.dtype)
             padded[..., :d] = words
-            device.append(cuda.to_device(padded)[..., :d])
+            device.append(cuda.to_device(padded)[:, :, :, :d])  # Numba device arrays reject `...`
         else:
             device.append(cuda.to_device(words))
         values.append(vals)
