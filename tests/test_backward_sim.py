@@ -381,3 +381,12 @@ def test_shipped_configs_compile_without_spills(group, tmp_path):
             cfg = dict(zip(simt_backward.KERNELS, BACKWARD_CONFIGS[rep["d"]]))[rep["kernel"]]
             assert rep["ex2"] > 0, where  # P is one ex2 per entry
             assert rep["registers"] * cfg.threads <= 65536, where  # at least one block per SM
+
+
+def test_torch_module_without_torch_says_what_to_install():
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("PyTorch is installed: tests/test_gpu_backward.py runs numba_flash.torch")
+    with pytest.raises(ImportError, match="numba_flash.torch needs PyTorch"):
+        import numba_flash.torch  # noqa: F401

@@ -1,0 +1,136 @@
+"""backward and numba_flash.torch.attention on a real GPU at real sizes (skipped where there is none).
+
+References are PyTorch autograd of materialised attention: float64 (the truth) and, for the
+flash-attention error rule, the same formulas in the inputs' 16-bit dtype.
+    fp16 / bf16: err(ours vs fp64) <= 2 * err(naive same-dtype autograd vs fp64) + 1 ulp of max|ref|
+    fp32:        err(ours vs fp64) <= 1e-4 * max|ref|  (fp32 sums of <= 2048 terms; a bug is O(1))
+Every gradient is checked on its own. The case list is chosen so that only 7 (dtype, d, causal)
+specialisations compile (~1 minute of the budget); the kernels themselves take milliseconds.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from gpu_helpers import HAVE_TORCH_CUDA, attention_f64_torch, attention_naive_same_dtype, needs_gpu, torch
+
+import numba_flash
+from numba_flash.backward import backward
+
+pytestmark = [pytest.mark.gpu, needs_gpu,
+              pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")]
+
+if HAVE_TORCH_CUDA:
+    from numba_flash.torch import attention
+
+CASES = [  # (dtype, Hkv, n_q, n_k, d, causal), B = 2, H = 4
+    ("float32", 4, 2048, 2048, 128, True),
+    ("float32", 2, 1000, 1500, 64, False),   # GQA group 2, lengths off the tile grid
+    ("float32", 4, 1500, 700, 64, True),     # Nq > Nk: the first 800 rows see no key
+    ("float16", 4, 2048, 2048, 128, False),
+    ("float16", 2, 1024, 1024, 64, True),
+    ("bfloat16", 2, 2048, 2048, 128, True),
+    ("bfloat16", 4, 513, 1000, 64, False),
+]
+
+
+def _inputs(B, H, Hkv, n_q, n_k, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h, n: torch.randn(B, h, n, d, device="cuda", generator=g).to(dtype)  # noqa: E731
+    return mk(H, n_q), mk(Hkv, n_k), mk(Hkv, n_k), mk(H, n_q)  # q, k, v, dout
+
+
+def _autograd(fn, q, k, v, dout, dtype=None):
+    """(out, dq, dk, dv) of fn by torch autograd, on leaf copies of q, k, v in dtype."""
+    leaves = [x.detach().to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return (out.detach(), *(x.grad for x in leaves))
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype,Hkv,n_q,n_k,d,causal", CASES)
+def test_backward_error_rule(dtype, Hkv, n_q, n_k, d, causal):
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = _inputs(2, 4, Hkv, n_q, n_k, d, tdt, seed=zlib.crc32(repr((dtype, n_q, n_k, d, causal)).encode()))
+    ours = _autograd(lambda *x: attention(*x, causal=causal), q, k, v, dout)  # numba_flash.torch end to end
+    ref = _autograd(lambda *x: attention_f64_torch(*x, causal)[0], q, k, v, dout, torch.float64)
+    torch.cuda.synchronize()
+    for name, g, r, x in zip(("dq", "dk", "dv"), ours[1:], ref[1:], (q, k, v)):
+        assert g.dtype == tdt and g.shape == x.shape, (name, g.dtype, g.shape)
+        assert torch.isfinite(g).all(), name
+    if n_q > n_k and causal:  # rows that see no key: exactly zero
+        assert (ours[1][:, :, : n_q - n_k] == 0).all()
+    if dtype == "float32":
+        for name, g, r in zip(("dq", "dk", "dv"), ours[1:], ref[1:]):
+            err, mag = _max_err(g, r), r.abs().max().item()
+            assert err <= 1e-4 * mag, f"{name}: error {err:.3e}, max |ref| {mag:.3e}"
+        return
+    naive = _autograd(lambda *x: attention_naive_same_dtype(*x, causal), q, k, v, dout)
+    ulp = torch.finfo(tdt).eps
+    for name, g, nv, r in zip(("dq", "dk", "dv"), ours[1:], naive[1:], ref[1:]):
+        err, naive_err, mag = _max_err(g, r), _max_err(nv, r), r.abs().max().item()
+        print(f"{dtype} {name}: ours {err:.3e}, naive {dtype} {naive_err:.3e}, max |ref| {mag:.3e}")
+        assert err <= 2 * naive_err + ulp * mag, f"{name}: ours {err:.3e} vs naive {dtype} {naive_err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_backward_deterministic(dtype):
+    """No atomics: 20 runs, bitwise the same gradients."""
+    Hkv, d, causal = (4, 128, True) if dtype == "float32" else (2, 64, True)  # compiled above
+    q, k, v, dout = _inputs(2, 4, Hkv, 1000, 1000, d, getattr(torch, dtype), 3)
+    out, lse = numba_flash.forward(q, k, v, causal=causal)
+    first = backward(q, k, v, out, lse, dout, causal=causal)
+    for _ in range(20):
+        again = backward(q, k, v, out, lse, dout, causal=causal)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_float32_autograd_matches_float64_autograd():
+    """gradcheck-like (the kernels take no float64): fp32 autograd through numba_flash against
+    torch float64 autograd, on a tiny GQA causal case with a ragged length and a loss that is not a
+    plain sum."""
+    q, k, v, _ = _inputs(1, 2, 1, 37, 53, 64, torch.float32, 11)
+    w = torch.randn(1, 2, 37, 64, device="cuda", dtype=torch.float64)
+    grads = []
+    for dtype, fn in ((torch.float32, lambda *x: attention(*x, causal=True)),
+                      (torch.float64, lambda *x: attention_f64_torch(*x, True)[0])):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        loss = (fn(*leaves).double() * w).square().sum()
+        loss.backward()
+        grads.append([x.grad.double() for x in leaves])
+    for name, g32, g64 in zip(("dq", "dk", "dv"), *grads):
+        rel = ((g32 - g64).abs().max() / g64.abs().max()).item()
+        assert rel < 1e-5, f"{name}: relative error {rel:.3e}"
+
+
+def test_autograd_with_strided_inputs_and_expanded_dout():
+    """q, k, v as (B, N, H, d) storage seen as (B, H, N, d); out.sum() hands backward an all-zero-stride
+    dout, which numba_flash.torch makes contiguous; other strides are read in place."""
+    leaves = [torch.randn(1, 300, 4, 64, device="cuda").transpose(1, 2).requires_grad_() for _ in range(3)]
+    assert not leaves[0].is_contiguous() and leaves[0].stride(-1) == 1
+    out = attention(*leaves, causal=True)
+    out.sum().backward()
+    ref = _autograd(lambda *x: attention_f64_torch(*x, True)[0], *(x.detach() for x in leaves),
+                    torch.ones(1, 4, 300, 64, device="cuda"), torch.float64)
+    for x, r in zip(leaves, ref[1:]):
+        assert x.grad.shape == x.shape
+        assert _max_err(x.grad, r) <= 1e-4 * r.abs().max().item()
+
+
+def test_cupy_in_cupy_out():
+    cp = pytest.importorskip("cupy")
+    q, k, v, dout = (cp.asarray(t) for t in _inputs(1, 4, 4, 300, 200, 64, torch.float32, 5))
+    out, lse = numba_flash.forward(q, k, v, causal=True)
+    grads = backward(q, k, v, out, lse, dout, causal=True)
+    assert all(isinstance(g, cp.ndarray) for g in grads)
+    ref = _autograd(lambda *x: attention_f64_torch(*x, True)[0], *(torch.as_tensor(x, device="cuda") for x in (q, k, v)),
+                    torch.as_tensor(dout, device="cuda"), torch.float64)
+    for g, r in zip(grads, ref[1:]):
+        assert _max_err(torch.as_tensor(g, device="cuda"), r) <= 1e-4 * r.abs().max().item()
+
