@@ -21,7 +21,8 @@ from .kernels.decode import DecodeConfig, decode_config
 MAX_DECODE_QUERIES = 16
 H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
 MIN_TILES_PER_SPLIT = 4  # a split shorter than this pays more for its prologue and merge than it gains
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # of the automatic rule
+MAX_USER_SPLITS = 8192  # the merge kernel keeps one weight per split in (<= 32 KiB of) shared memory
 WAVE_EFFICIENCY_SLACK = 0.85
 
 _LENS_ACCEPTED = "an int32 or int64 array of shape (B,), NumPy or the same kind as q, or None"
@@ -110,8 +111,9 @@ def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
     if num_splits is not None:
         if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
             raise TypeError(f"num_splits must be an int >= 1 or None (automatic); got {num_splits!r}")
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be an int >= 1 or None (automatic); got {num_splits}")
+        if not 1 <= num_splits <= MAX_USER_SPLITS:
+            raise ValueError(f"num_splits must be an int in [1, {MAX_USER_SPLITS}] or None (automatic); "
+                             f"got {num_splits}")
     if config is not None:
         if not isinstance(config, DecodeConfig):
             raise TypeError(f"config must be a numba_flash.kernels.decode.DecodeConfig or None; got {config!r}")
