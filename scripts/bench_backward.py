@@ -1,0 +1,279 @@
+"""Backward benchmark on the GPU: numba_flash beside PyTorch SDPA (each backend) and naive autograd.
+
+    python scripts/bench_backward.py              # B4 H16 N {1024, 4096} d {64, 128}, fp32 + fp16, causal and not
+    python scripts/bench_backward.py --quick      # N 4096 d 128 only
+    python scripts/bench_backward.py --sweep      # also time candidate backward tile configs (B4 H16 N4096 d128)
+
+Writes benchmarks/results/backward-<date>.{json,md} (GPU, date, command, commit). ``numba-flash bench``
+also runs it as the "backward" suite through ``run_suite``.
+
+Two passes per implementation, both through torch autograd so that every implementation pays the
+same engine overhead: "bwd" is torch.autograd.grad of a retained graph (the forward is not timed),
+"fwd+bwd" is a forward followed by that grad. Implementations: numba_flash (numba_flash.torch),
+SDPA with its flash, memory-efficient and cuDNN backends (each in try/except: an unsupported
+dtype or an OOM is recorded as a result), and naive attention (S and P materialised, autograd).
+
+FLOPs: forward F = 4·B·H·N²·d (half for causal); backward = 2.5·F (five N×N×d products against the
+forward's two); fwd+bwd = 3.5·F. numba_flash's deterministic dQ kernel recomputes S and dP (seven
+products in all) but is credited with 2.5·F like everyone else. Time: median of CUDA-event timings
+of single calls after warm-up (numba_flash.bench.time_call).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numba_flash  # noqa: E402
+from numba_flash import bench  # noqa: E402
+
+SHAPES = [(4, 16, 1024, 64), (4, 16, 4096, 64), (4, 16, 1024, 128), (4, 16, 4096, 128)]  # (B, H, N, d)
+QUICK = [(4, 16, 4096, 128)]
+SIMULATOR_SHAPES = [(1, 1, 32, 16)]
+BWD, FWD_BWD = "bwd", "fwd+bwd"
+FLOP_FACTOR = {BWD: 2.5, FWD_BWD: 3.5}
+
+# (dkdv (block_q, block_k, row_threads, col_threads), dq (...)) for head_dim 128; the first is shipped.
+SWEEP_CANDIDATES = [
+    ((64, 64, 16, 16), (64, 64, 16, 16)),
+    ((32, 64, 16, 16), (64, 32, 16, 16)),
+    ((64, 32, 8, 16), (64, 64, 8, 16)),
+    ((32, 128, 32, 16), (128, 32, 16, 16)),
+    ((64, 64, 16, 16), (128, 32, 16, 16)),
+    ((32, 64, 16, 16), (64, 64, 8, 16)),
+]
+
+
+def naive_attention(q, k, v, causal, scale):
+    """Materialised attention (3.6.2) in q's dtype, softmax in fp32: what autograd sees naively."""
+    import torch
+
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        mask = torch.arange(n_k, device=q.device)[None, :] > torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
+        s = s.masked_fill(mask, -math.inf)
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def implementations(causal, scale):
+    """name -> forward function of (q, k, v), each differentiable by torch autograd."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    from numba_flash.torch import attention
+
+    impls = {"numba_flash": lambda q, k, v: attention(q, k, v, causal=causal)}
+    for name, backend in bench.sdpa_backends().items():
+        if name == "sdpa-math":
+            continue  # the naive row below is the materialising baseline
+
+        def sdpa(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        impls[name] = sdpa
+    impls["naive-torch"] = lambda q, k, v: naive_attention(q, k, v, causal, scale)
+    return impls
+
+
+def run_case(B, H, N, d, dtype, causal, budget_s=1.0):
+    """Rows for one shape: every implementation, both passes, on the same inputs."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(B * H * N * d + causal)
+    q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", generator=g).to(tdt) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    fwd_flops = bench.flops(B, H, N, N, d, causal)
+    rows = []
+    for name, fn in implementations(causal, 1 / math.sqrt(d)).items():
+        for pas in (BWD, FWD_BWD):
+            row = {"impl": f"{name} [{pas}]", "implementation": name, "pass": pas, "B": B, "H": H, "N": N, "d": d,
+                   "dtype": dtype, "causal": causal, "flops": FLOP_FACTOR[pas] * fwd_flops}
+            try:
+                if pas == BWD:
+                    out = fn(q, k, v)
+                    call = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+                else:
+                    call = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)  # noqa: E731
+                ms, reps = bench.time_call(call, budget_s=budget_s)
+                row.update(ms=ms, tflops=row["flops"] / ms / 1e9, reps=reps)
+            except Exception as e:  # an unsupported backend or an OOM is a result, not a crash
+                msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+                row.update(ms=None, tflops=None, error=msg)
+            out = call = None
+            torch.cuda.empty_cache()
+            rows.append(row)
+    return rows
+
+
+def run_case_simulator(B, H, N, d, dtype, causal):
+    """The CUDA simulator: numba_flash.backward once, checked against reference, beside the reference."""
+    import numpy as np
+
+    import reference
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((B, H, N, d)).astype(np.float32) for _ in range(4))
+    out, lse = (x.astype(np.float32) for x in reference.standard_attention(q, k, v, causal=causal))
+    from numba_flash.backward import backward
+
+    ms, grads = bench._wall_ms(lambda: backward(q, k, v, out, lse, dout, causal=causal))
+    ref_ms, refs = bench._wall_ms(lambda: reference.attention_backward(q, k, v, out, lse, dout, causal=causal))
+    err = max(float(np.abs(g - r).max()) for g, r in zip(grads, refs))
+    fl = FLOP_FACTOR[BWD] * bench.flops(B, H, N, N, d, causal)
+    base = {"pass": BWD, "B": B, "H": H, "N": N, "d": d, "dtype": dtype, "causal": causal, "flops": fl}
+    return [{**base, "impl": f"{bench.SIMULATOR_IMPL} [bwd]", "implementation": bench.SIMULATOR_IMPL, "ms": ms,
+             "tflops": fl / ms / 1e9, "max_err": err},
+            {**base, "impl": f"{bench.REFERENCE_IMPL} [bwd]", "implementation": bench.REFERENCE_IMPL, "ms": ref_ms,
+             "tflops": fl / ref_ms / 1e9}]
+
+
+def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0):
+    """Time each candidate (dkdv, dq) config pair on the kernels directly (no autograd)."""
+    import torch
+    from numba import cuda
+
+    from numba_flash.kernels import simt_backward
+    from numba_flash.kernels.simt_backward import BackwardConfig
+
+    from numba_flash.arrays import to_device_view
+
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = (torch.randn(B, H, N, d, device="cuda").to(tdt) for _ in range(4))
+    out, lse = numba_flash.forward(q, k, v, causal=causal)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    delta = torch.empty_like(lse)
+    views = ([to_device_view(t, 0) for t in (q, k, v, out, dout)]
+             + [to_device_view(t, 0)[0] for t in (lse, delta)]  # (1, B, H, N) -> (B, H, N)
+             + [to_device_view(t, 0) for t in grads])
+    rows = []
+    for kv_t, q_t in SWEEP_CANDIDATES:
+        cfgs = (BackwardConfig("dkdv", *kv_t, d), BackwardConfig("dq", *q_t, d))
+        row = {"dkdv": list(kv_t), "dq": list(q_t), "dtype": dtype, "causal": causal,
+               "smem": [c.smem_bytes for c in cfgs]}
+        problems = [p for c in cfgs for p in c.problems()]
+        if problems:
+            rows.append({**row, "error": "; ".join(problems)})
+            continue
+        stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        run = lambda: simt_backward.launch(cfgs, *views, causal=causal, softmax_scale=d ** -0.5,  # noqa: E731
+                                           dtype=dtype, d=d, stream=stream)
+        ms, _ = bench.time_call(run, budget_s=budget_s)
+        regs = [next(iter(simt_backward.make_backward_kernel(c, causal, dtype).overloads.values()))
+                ._codelibrary.get_cufunc().attrs.regs for c in cfgs]
+        row.update(ms=ms, tflops=FLOP_FACTOR[BWD] * bench.flops(B, H, N, N, d, causal) / ms / 1e9, regs=regs)
+        rows.append(row)
+        print(f"  dkdv {kv_t} dq {q_t}: {row['tflops']:.1f} TFLOP/s, regs {regs}, smem {row['smem']}", flush=True)
+    return rows
+
+
+def _line(rows):
+    r0 = rows[0]
+    head = f"{r0['dtype']:8s} causal={r0['causal']!s:5s} B{r0['B']} H{r0['H']} N{r0['N']} d{r0['d']}: "
+    if "max_err" in r0:  # the simulator: an interpreter's TFLOP/s mean nothing; the time and the check do
+        return head + ", ".join(f"{r['impl']} {r['ms']:.0f} ms" for r in rows) + f"; max err {r0['max_err']:.1e}"
+    return head + ", ".join(f"{r['impl']} {r['tflops']:.1f}" if r.get("tflops") else f"{r['impl']} —" for r in rows)
+
+
+def run_suite(*, quick: bool = False, simulator: bool = False, progress: bool = True,
+              dtypes=("float32", "float16"), budget_s: float = 1.0) -> dict:
+    """The backward suite for numba_flash.bench: {"rows": [...]} (TFLOP/s with 2.5x / 3.5x FLOPs)."""
+    if simulator:
+        cases = [(B, H, N, d, "float32", c) for (B, H, N, d) in SIMULATOR_SHAPES for c in (False, True)]
+        run = run_case_simulator
+    else:
+        if not bench.gpu_available():
+            raise bench.SuiteError("the backward suite needs a GPU (or run it on the simulator with --quick)")
+        cases = [(B, H, N, d, dt, c) for (B, H, N, d) in (QUICK if quick else SHAPES) for dt in dtypes
+                 for c in (False, True)]
+        run = lambda *case: run_case(*case, budget_s=budget_s)  # noqa: E731
+    rows = []
+    bar = bench.Progress(len(cases), "backward", enabled=progress)
+    try:
+        for case in cases:
+            case_rows = run(*case)
+            rows.extend(case_rows)
+            bar.step(_line(case_rows))
+    finally:
+        bar.close()
+    return {"rows": rows, "flops": "bwd = 2.5 x 4·B·H·N²·d (half for causal), fwd+bwd = 3.5 x"}
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    md = [f"# Backward benchmark\n\nGPU: {meta['gpu']}; date: {meta['date']}; command: `{meta['command']}`; "
+          f"commit {meta['commit']}; torch {meta['torch']}.\n",
+          "TFLOP/s: backward credited with 2.5 x the forward's 4·B·H·N²·d (half for causal), forward+backward "
+          "with 3.5 x. Median of CUDA-event timings after warm-up; both passes through torch autograd.\n"]
+    impls = list(dict.fromkeys(r["implementation"] for r in result["backward"]["rows"]))
+    for pas in (BWD, FWD_BWD):
+        md.append(f"\n## {pas} (TFLOP/s)\n")
+        md.append("| dtype | causal | B | H | N | d | " + " | ".join(impls) + " |")
+        md.append("|---" * (6 + len(impls)) + "|")
+        cases = dict.fromkeys((r["dtype"], r["causal"], r["B"], r["H"], r["N"], r["d"])
+                              for r in result["backward"]["rows"])
+        for case in cases:
+            cells = []
+            for impl in impls:
+                r = next((r for r in result["backward"]["rows"] if r["implementation"] == impl and r["pass"] == pas
+                          and (r["dtype"], r["causal"], r["B"], r["H"], r["N"], r["d"]) == case), None)
+                cells.append("" if r is None else f"{r['tflops']:.1f}" if r.get("tflops") else "—")
+            md.append("| " + " | ".join(str(c) for c in case) + " | " + " | ".join(cells) + " |")
+    errors = {(r["implementation"], r["dtype"]): r["error"] for r in result["backward"]["rows"] if r.get("error")}
+    if errors:
+        md.append("\n— : not run; first error per implementation and dtype:\n")
+        md.extend(f"- {impl}, {dtype}: {msg}" for (impl, dtype), msg in errors.items())
+    if result.get("sweep"):
+        md.append("\n## Config sweep (B4 H16 N4096 d128, kernels launched directly)\n")
+        md.append("| dtype | causal | dkdv (bq, bk, rt, ct) | dq (bq, bk, rt, ct) | TFLOP/s | regs | smem B |")
+        md.append("|---|---|---|---|---|---|---|")
+        for r in result["sweep"]:
+            val = f"{r['tflops']:.1f}" if r.get("tflops") else r.get("error", "")
+            md.append(f"| {r['dtype']} | {r['causal']} | {r['dkdv']} | {r['dq']} | {val} | {r.get('regs', '')} | {r['smem']} |")
+    return "\n".join(md)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time the candidate tile configs (fp32 and fp16)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
+    ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement (s)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
+    args = ap.parse_args(argv)
+
+    if not bench.gpu_available():
+        ap.exit(2, "bench_backward.py: no usable GPU here (or NUMBA_ENABLE_CUDASIM is set)\n")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        ap.exit(2, "bench_backward.py: needs PyTorch (pip install torch) for SDPA, autograd and CUDA events\n")
+    command = " ".join(["python", "scripts/bench_backward.py", *(argv if argv is not None else sys.argv[1:])])
+    result = {"meta": bench.metadata(command, simulator=False)}
+    t0 = time.perf_counter()
+    if args.sweep:
+        print("backward config sweep (B4 H16 N4096 d128):", flush=True)
+        result["sweep"] = [r for dt in args.dtypes for c in (False, True)
+                           for r in sweep(dtype=dt, causal=c, budget_s=args.budget_s)]
+    result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
+    result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    stem = os.path.join(args.out, f"backward-{result['meta']['date'][:10]}" + ("-quick" if args.quick else ""))
+    os.makedirs(args.out, exist_ok=True)
+    import json
+
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(result) + "\n")
+    print(markdown(result))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+if __name__ == "__main__":
+    main()
