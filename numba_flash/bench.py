@@ -302,21 +302,30 @@ def sweep_simt(candidates, B=4, H=16, N=4096, d=128, causal=False):
     out = torch.empty_like(q)
     lse = torch.empty(B, H, N, device="cuda")
     qd, kd, vd, od, ld = (cuda.as_cuda_array(t, sync=False) for t in (q, k, v, out, lse))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:1, :1].double(), k[:1, :1].double(), v[:1, :1].double(), is_causal=causal).cpu().numpy()
     rows = []
-    for bq, bk, rt, ct, share in candidates:
-        cfg = SimtConfig(bq, bk, rt, ct, d, share_kv=share)
+    for cand in candidates:
+        bq, bk, rt, ct, share, *cap = cand
+        cfg = SimtConfig(bq, bk, rt, ct, d, share_kv=share, max_registers=cap[0] if cap else None)
         if not keep([cfg]):
-            rows.append({"config": [bq, bk, rt, ct, share], "error": "; ".join(cfg.problems())})
+            rows.append({"config": list(cand), "error": "; ".join(cfg.problems())})
             continue
         run = lambda: simt_forward.launch(cfg, qd, kd, vd, od, ld, causal=causal,  # noqa: E731
                                           softmax_scale=d ** -0.5, dtype="float32", d=d)
-        ms, _ = time_call(run)
+        try:  # a config can fail to launch (registers x threads), which is a result too
+            ms, _ = time_call(run)
+            err = float(abs(od[:1, :1].copy_to_host().astype("f8") - ref).max())
+        except Exception as e:  # noqa: BLE001
+            rows.append({"config": list(cand), "error": str(e).splitlines()[0][:120]})
+            print(f"  simt {cand}: failed: {rows[-1]['error']}", flush=True)
+            continue
         kern = simt_forward.make_forward_kernel(cfg, causal, "float32")
         regs = next(iter(kern.overloads.values()))._codelibrary.get_cufunc().attrs.regs
-        rows.append({"config": [bq, bk, rt, ct, share], "ms": ms, "tflops": flops(B, H, N, N, d, causal) / ms / 1e9,
-                     "regs": regs, "smem": cfg.smem_bytes})
-        print(f"  simt {bq}x{bk} {rt}x{ct} share_kv={share}: {rows[-1]['tflops']:.1f} TFLOP/s, {regs} regs, "
-              f"{cfg.smem_bytes} B smem", flush=True)
+        rows.append({"config": list(cand), "ms": ms, "tflops": flops(B, H, N, N, d, causal) / ms / 1e9,
+                     "regs": regs, "smem": cfg.smem_bytes, "max_err": err})
+        print(f"  simt {cand}: {rows[-1]['tflops']:.1f} TFLOP/s, {regs} regs, "
+              f"{cfg.smem_bytes} B smem, max err {err:.1e}", flush=True)
     return rows
 
 

@@ -39,6 +39,7 @@ class SimtConfig:
     col_threads: int
     head_dim: int  # compiled (padded) head dim
     share_kv: bool = False  # V reuses K's buffer once S is computed: less smem, more blocks per SM
+    max_registers: int | None = None  # cap (ptxas -maxrregcount) so that 2 blocks fit on an SM
 
     @property
     def threads(self) -> int:
@@ -99,6 +100,8 @@ class SimtConfig:
             out.append(f"{self.threads} threads per block (1..1024 allowed)")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
             out.append(f"{self.smem_bytes} B shared memory > {SMEM_PER_BLOCK_MAX}")
+        if self.max_registers is not None and self.max_registers * self.threads > REGS_PER_SM:
+            out.append(f"max_registers={self.max_registers} x {self.threads} threads > {REGS_PER_SM}")
         if self.accumulators_per_thread > 160:
             out.append(f"{self.accumulators_per_thread} accumulator registers per thread > 160")
         return out

@@ -22,10 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from numba_flash import bench  # noqa: E402
 
-SIMT_CANDIDATES = [  # (block_q, block_k, row_threads, col_threads, share_kv) for head_dim 128
-    (64, 64, 16, 16, True), (64, 64, 16, 16, False), (64, 64, 8, 16, True), (128, 64, 16, 16, True),
-    (128, 64, 32, 16, True), (64, 32, 16, 8, True), (64, 64, 16, 8, True), (128, 128, 32, 16, True),
-    (32, 64, 8, 16, True),
+SIMT_CANDIDATES = [  # (block_q, block_k, row_threads, col_threads, share_kv[, max_registers]) for head_dim 128
+    (128, 64, 16, 16, True), (64, 64, 16, 16, True), (64, 64, 16, 16, True, 128), (32, 64, 8, 16, True),
+    (64, 32, 16, 8, True), (64, 64, 8, 16, True), (128, 64, 16, 8, True),
 ]
 
 

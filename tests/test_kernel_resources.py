@@ -43,7 +43,10 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
                                   cc=(9, 0), fastmath=FASTMATH)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+        cap = SIMT_CONFIGS[d].max_registers  # what cuda.jit(max_registers=...) passes on
+        flags = [f"-maxrregcount={cap}"] if cap else []
+        r = subprocess.run([ptxas, "-arch=sm_90", "-v", *flags, f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True)
         rep = r.stderr + r.stdout
         m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
         regs = re.search(r"Used (\\d+) registers", rep)
