@@ -5,6 +5,7 @@
 See ``forward`` for the full contract and ``explain`` for which kernel runs and why.
 """
 from .api import KERNELS, PerformanceWarning, explain, forward, validate
+from .decode import decode
 
-__all__ = ["forward", "explain", "validate", "KERNELS", "PerformanceWarning"]
+__all__ = ["forward", "decode", "explain", "validate", "KERNELS", "PerformanceWarning"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ online recurrence ``online_softmax_step`` / ``OnlineSoftmaxState`` (m, ℓ, O of
 Attention (``reference.attention``): ``standard_attention`` (materialises S and P, 3.6.2) and
 ``flash_attention`` (the FA2 tile loop, 3.6.6), with the tile-plan helpers the kernels mirror.
 Backward (``reference.backward``): ``attention_backward`` and ``flash_attention_backward`` (3.6.7).
+Decode (``reference.decode``): split-KV ``decode_partials`` + ``merge_partials`` = ``decode_attention``.
 Trace (``reference.trace``): ``online_softmax_trace`` and ``format_trace`` (3.6.5).
 Cost models (``reference.costs``): bytes, FLOPs and roofline figures for the exercises.
 
@@ -26,6 +27,7 @@ from .attention import (
     tile_needs_mask,
 )
 from .backward import attention_backward, flash_attention_backward
+from .decode import decode_attention, decode_partials, merge_partials, split_bounds
 from .softmax import (
     OnlineSoftmaxState,
     OnlineStep,
@@ -38,6 +40,10 @@ from .softmax import (
 from .trace import OnlineSoftmaxTrace, TraceStep, format_trace, online_softmax_trace
 
 __all__ = [
+    "decode_attention",
+    "decode_partials",
+    "merge_partials",
+    "split_bounds",
     "standard_softmax",
     "naive_softmax",
     "logsumexp",

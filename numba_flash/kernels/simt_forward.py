@@ -287,8 +287,8 @@ def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str):
         raise ValueError(f"SIMT config {cfg} cannot run: {'; '.join(problems)}")
     if dtype not in STORAGE:
         raise ValueError(f"dtype {dtype!r} not in {sorted(STORAGE)}")
-    return cuda.jit(kernel_signature(dtype), fastmath=FASTMATH, max_registers=cfg.max_registers)(
-        kernel_source(cfg, causal, dtype))
+    cap = {"max_registers": cfg.max_registers} if cfg.max_registers else {}  # the simulator takes none
+    return cuda.jit(kernel_signature(dtype), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype))
 
 
 def _allow_dynamic_smem(kernel, nbytes: int) -> None:
