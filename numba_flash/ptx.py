@@ -32,6 +32,7 @@ shared arrays as ``cuda.shared.array(shape, dtype, alignment=SMEM_ALIGN)`` (``SM
 the simulator, which refuses an alignment argument).
 """
 
+import ctypes
 import threading
 
 import numpy as np
@@ -398,12 +399,31 @@ def _cp_async_state():
     return state
 
 
+def _span_bytes(array, offset, nbytes, what):
+    """Byte copy of nbytes at element offset from the array's data pointer, as the hardware reads it.
+
+    Unlike _flat_bytes the array may be strided (a 4-D view of padded rows): the offset is flat
+    from the first element, and the bytes must lie inside the memory the view spans.
+    """
+    ary = _numpy_of(array)
+    if ary.flags.c_contiguous:
+        return _flat_bytes(array, offset, nbytes, what)
+    start = int(offset) * ary.itemsize
+    if start % 16:
+        raise ValueError(f"{what}: address not 16-byte aligned (element offset {offset}, itemsize {ary.itemsize})")
+    low, high = np.lib.array_utils.byte_bounds(ary)
+    address = ary.ctypes.data + start
+    if address < low or address + nbytes > high:
+        raise IndexError(f"{what}: bytes [{start}, {start + nbytes}) outside the {high - low} bytes the array spans")
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
 def _cp_async_16_zfill_twin(dst, dst_offset, src, src_offset, src_bytes):
     n = int(src_bytes)
     if not 0 <= n <= 16:
         raise ValueError(f"cp.async: src-size must be in [0, 16], got {n}")
     target = _flat_bytes(dst, dst_offset, 16, "cp.async dst")
-    source = _flat_bytes(src, src_offset, n, "cp.async src") if n else None
+    source = _span_bytes(src, src_offset, n, "cp.async src") if n else None
     target[:] = _POISON
     _cp_async_state()["pending"].append((target, source, n))
 

@@ -92,10 +92,19 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE):
     return out
 
 
-def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
-    """The Python kernel for one specialisation (before cuda.jit; compile tests use it)."""
+def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True):
+    """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
+
+    FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
+    stride, the column's byte count); a tile then costs one add per copy, and only a tile that
+    crosses the end of the sequence pays for row checks (v3 recomputed row, clamp, zero fill and a
+    per-row array view for every copy of every tile). UNROLL_QK: the k-steps of S = Q·Kᵀ are written
+    out one call each (NVVM left that loop rolled, so every ldmatrix address was 64-bit arithmetic
+    on a loop counter and ptxas could not schedule loads of step kk+1 under the mma of step kk).
+    """
     if Q_IN_REGS is None:  # d = 128 keeps Q in shared memory: its 32 registers would spill
         Q_IN_REGS = HEAD_DIM <= 64
+    FAST_LOADS, UNROLL_QK = bool(FAST_LOADS), bool(UNROLL_QK)
     WARPS = BLOCK_Q // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
@@ -105,6 +114,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
     S_TILES = BLOCK_K // 8  # n-tiles of S
     PV_STEPS = BLOCK_K // 16  # k-steps of O += P V
     O_TILES = HEAD_DIM // 8  # n-tiles of O
+    ROW_STEP = THREADS // CHUNKS  # rows between one thread's successive copies of a tile
+    SWIZZLE_FIXED = ROW_STEP % 8 == 0  # then a thread's copies share row % 8: one swizzle for all
+    if UNROLL_QK and QK_STEPS > 16:
+        UNROLL_QK = False
     CAUSAL = bool(CAUSAL)
     Q_FRAGS = QK_STEPS if Q_IN_REGS else 1
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
@@ -150,6 +163,59 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
             src_col = col if nbytes > 0 else 0
             cp_async(smem, swizzle(r, chunk), src[b, h, uint32(src_row)], src_col, nbytes)
 
+    @inline_device
+    def copy_plan(src, b, h, d):
+        """This thread's part of every tile of src[b, h]: (flat element offset of its first copy in
+        row 0 of the tile, row stride in elements, source bytes per copy, shared offset of copy 0)."""
+        tid = cuda.threadIdx.x
+        r0 = tid // CHUNKS
+        chunk = tid - r0 * CHUNKS
+        col = chunk * 8
+        col_bytes = min(max(d - col, 0), 8) * 2
+        src_col = col if col_bytes > 0 else 0
+        row_stride = src.strides[2] // 2
+        base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2) + r0 * row_stride + src_col
+        return base, row_stride, col_bytes, swizzle(r0, chunk)
+
+    @inline_device
+    def load_tile_fast(smem, src, base, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
+        """cp.async rows row0.. of the tile by the plan of copy_plan (zero fill past n_rows / d)."""
+        tile = base + row0 * row_stride
+        r0 = cuda.threadIdx.x // CHUNKS
+        if row0 + COPIES * ROW_STEP <= n_rows:  # the whole tile is inside: no row checks
+            for i in range(COPIES):
+                dst = dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS)
+                cp_async(smem, dst, src, tile + i * (ROW_STEP * row_stride), col_bytes)
+        else:
+            for i in range(COPIES):
+                dst = dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS)
+                row = row0 + r0 + i * ROW_STEP
+                # A zero-byte copy still names an address: the last row, inside the array.
+                inside = row < n_rows
+                nbytes = col_bytes if inside else 0
+                src_off = base + (min(row, n_rows - 1) - r0) * row_stride
+                cp_async(smem, dst, src, src_off, nbytes)
+
+    @inline_device
+    def qk_step(s, q_frag, sq, sk, kk, q_base, q_x, k_base, k_x):
+        """k-step kk of S += Q_w K_jᵀ. Swizzled chunk (2kk + c) ^ (row % 8) = 2kk ^ (c ^ row % 8), so
+        the lane's x = c ^ row % 8 is fixed and kk enters as a constant XOR."""
+        qk = kk if Q_IN_REGS else 0
+        if not Q_IN_REGS:  # re-read this k-step of Q: 4 registers instead of 4 * QK_STEPS
+            load_a(q_frag, 0, sq, q_base + (((2 * kk) ^ q_x) << 3))
+        k_off = k_base + (((2 * kk) ^ k_x) << 3)
+        for np2 in range(S_TILES // 2):
+            b0, b1, b2, b3 = ldsm(sk, k_off + np2 * 16 * HEAD_DIM)
+            nt = 2 * np2
+            s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
+                q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b0, b1,
+                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
+            s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
+                q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b2, b3,
+                s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
+
     def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         sq = cuda.shared.array((BLOCK_Q, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
         sk = cuda.shared.array((BLOCK_K, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
@@ -183,18 +249,33 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
         v_row = (mat & 1) * 8 + (lane & 7)  # B via .trans: (keys 0-7 | 8-15) per d-tile pair
         v_chunk = mat >> 1
 
+        q_base = q_row * HEAD_DIM  # ldmatrix lane offsets: row base and x = chunk ^ row % 8
+        q_x = q_chunk ^ (q_row & 7)
+        k_base = k_row * HEAD_DIM
+        k_x = k_chunk ^ (k_row & 7)
+        if FAST_LOADS:
+            k_src, k_stride, col_bytes, kv_dst = copy_plan(k, b, h_kv, d)
+            v_src, v_stride, _, _ = copy_plan(v, b, h_kv, d)
+
         # Prologue: Q, then K_0 (two groups); Q goes straight into A fragments, kept in registers.
-        load_tile(sq, q, b, h, q0, n_q, d, Q_COPIES)
+        if FAST_LOADS:
+            q_src, q_stride, _, q_dst = copy_plan(q, b, h, d)
+            load_tile_fast(sq, q, q_src, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
+        else:
+            load_tile(sq, q, b, h, q0, n_q, d, Q_COPIES)
         cp_commit()
         if n_tiles > 0:
-            load_tile(sk, k, b, h_kv, 0, n_k, d, KV_COPIES)
+            if FAST_LOADS:
+                load_tile_fast(sk, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+            else:
+                load_tile(sk, k, b, h_kv, 0, n_k, d, KV_COPIES)
         cp_commit()
         cp_wait(1)
         cuda.syncthreads()
         q_frag = cuda.local.array((Q_FRAGS, 4), uint32)
         if Q_IN_REGS:
             for kk in range(QK_STEPS):
-                load_a(q_frag, kk, sq, swizzle(q_row, kk * 2 + q_chunk))
+                load_a(q_frag, kk, sq, q_base + (((2 * kk) ^ q_x) << 3))
 
         s = cuda.local.array((S_TILES, 4), float32)
         acc = cuda.local.array((O_TILES, 4), float32)
@@ -210,7 +291,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
         for j in range(n_tiles):
             k0 = j * BLOCK_K
             # V_j streams in while S = Q K_jᵀ and the softmax run.
-            load_tile(sv, v, b, h_kv, k0, n_k, d, KV_COPIES)
+            if FAST_LOADS:
+                load_tile_fast(sv, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+            else:
+                load_tile(sv, v, b, h_kv, k0, n_k, d, KV_COPIES)
             cp_commit()
             cp_wait(1)  # K_j has landed, V_j may still be in flight
             cuda.syncthreads()
@@ -219,19 +303,29 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
             for nt in range(S_TILES):
                 for r in range(4):
                     s[nt, r] = ZERO
-            for kk in range(QK_STEPS):
-                qk = kk if Q_IN_REGS else 0
-                if not Q_IN_REGS:  # re-read this k-step of Q: 4 registers instead of 4 * QK_STEPS
-                    load_a(q_frag, 0, sq, swizzle(q_row, kk * 2 + q_chunk))
-                for np2 in range(S_TILES // 2):
-                    b0, b1, b2, b3 = ldsm(sk, swizzle(np2 * 16 + k_row, kk * 2 + k_chunk))
-                    nt = 2 * np2
-                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
-                        q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b0, b1,
-                        s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
-                    s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
-                        q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b2, b3,
-                        s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
+            if UNROLL_QK:  # one call per k-step (NVVM inlines each; kk becomes a constant)
+                qk_step(s, q_frag, sq, sk, 0, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, sq, sk, 1, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, sq, sk, 2, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, sq, sk, 3, q_base, q_x, k_base, k_x)
+                if QK_STEPS > 4:
+                    qk_step(s, q_frag, sq, sk, 4, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 5, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 6, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 7, q_base, q_x, k_base, k_x)
+                if QK_STEPS > 8:
+                    qk_step(s, q_frag, sq, sk, 8, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 9, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 10, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 11, q_base, q_x, k_base, k_x)
+                if QK_STEPS > 12:
+                    qk_step(s, q_frag, sq, sk, 12, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 13, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 14, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, sq, sk, 15, q_base, q_x, k_base, k_x)
+            else:
+                for kk in range(QK_STEPS):
+                    qk_step(s, q_frag, sq, sk, kk, q_base, q_x, k_base, k_x)
 
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
             needs_mask = k0 + BLOCK_K > n_k
@@ -271,8 +365,11 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
 
             cp_wait(0)  # V_j
             cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
-            if j + 1 < n_tiles:
-                load_tile(sk, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)  # K_{j+1} under P·V_j
+            if j + 1 < n_tiles:  # K_{j+1} under P·V_j
+                if FAST_LOADS:
+                    load_tile_fast(sk, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                else:
+                    load_tile(sk, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
             cp_commit()
 
             # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
@@ -317,12 +414,18 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
 
 
 @lru_cache(maxsize=None)
-def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None):
-    """The compiled kernel for one specialisation; cached so each compiles once."""
+def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
+                        MAX_REGS=None):
+    """The compiled kernel for one specialisation; cached so each compiles once.
+
+    MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
+    share an SM (64K registers) where 174 allows two, at the price of a few spilled bytes."""
     bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE)
     if bad:
         raise ValueError(f"mma forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, {DTYPE}) cannot be built: {'; '.join(bad)}")
-    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS)
+    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK))
+    if MAX_REGS:
+        return cuda.jit(kernel_signature(), max_registers=int(MAX_REGS))(source)
     return cuda.jit(kernel_signature())(source)
 
 
@@ -332,7 +435,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
-           Q_IN_REGS=None):
+           Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -342,7 +445,9 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     from the original head dim; positive because row maxima are taken on the raw scores). d <= HEAD_DIM (default: 64 if d <= 64 else 128); the kernel zero-pads.
     Strides are arbitrary except: last dim unit stride, every other stride a multiple of 8
     elements and the base 16-byte aligned (cp.async copies 16 aligned bytes). BLOCK_Q, BLOCK_K,
-    HEAD_DIM and Q_IN_REGS (None: the factory's default) pick the specialisation.
+    HEAD_DIM and Q_IN_REGS (None: the factory's default) pick the specialisation; FAST_LOADS and
+    UNROLL_QK (default on) switch the v4 code paths (False: the older ones, kept for the sweep to
+    compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount.
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -356,7 +461,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     if B * H > 65535:
         raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
-    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS)
+    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
+                                 bool(UNROLL_QK), MAX_REGS)
     grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
     kernel[grid, 2 * BLOCK_Q, stream](
         _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E)

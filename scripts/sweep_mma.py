@@ -1,0 +1,219 @@
+"""Sweep the tensor-core forward's configs on a GPU: correctness once, then time, per variant x shape.
+
+    python3 scripts/sweep_mma.py                  # the whole sweep (< 3 min on an H200, compiles included)
+    python3 scripts/sweep_mma.py --max-seconds 90 # stop starting new variants after 90 s
+
+For each shape, every variant of the same head dim is launched through ``mma_forward.launch`` on
+torch-allocated CUDA tensors (Numba views made once, outside the timed region), its O compared
+once with torch SDPA (max |O - O_sdpa|), then timed: CUDA events around single calls, median of
+--iters after --warmup. TFLOP/s = 4·B·H·N²·d / t (half for causal). For the default config the
+host overhead is quantified three ways: the compiled kernel called directly (kernel[grid, block]),
+mma_forward.launch (layout checks + dispatch) and numba_flash.forward on the torch tensors
+(validation, views, allocation). Prints a table; writes $OUT/sweep_mma.json when $OUT is set.
+
+Variants (see benchmarks/mma_ladder.md, v4): BQxBK, warps = BQ / 16, MAX_REGS = ptxas
+-maxrregcount (blocks/SM from registers: 64K / (regs rounded up to 8 x 32 x warps)).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from numba import cuda, float32  # noqa: E402
+
+import numba_flash  # noqa: E402
+from numba_flash.kernels import mma_forward  # noqa: E402
+
+# (name, config for mma_forward.launch); order = priority (a deadline skips the tail).
+VARIANTS = {
+    128: [
+        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
+        ("64x64 r168", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
+        ("64x32", dict(BLOCK_Q=64, BLOCK_K=32)),
+        ("128x32 8w", dict(BLOCK_Q=128, BLOCK_K=32)),
+        ("128x32 8w r128", dict(BLOCK_Q=128, BLOCK_K=32, MAX_REGS=128)),
+        ("64x32 r128", dict(BLOCK_Q=64, BLOCK_K=32, MAX_REGS=128)),
+        ("64x64 oldloads", dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False)),
+    ],
+    64: [
+        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
+        ("128x64 8w", dict(BLOCK_Q=128, BLOCK_K=64)),
+        ("128x128 8w", dict(BLOCK_Q=128, BLOCK_K=128)),
+        ("64x128", dict(BLOCK_Q=64, BLOCK_K=128)),
+        ("64x64 r128", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=128)),
+        ("128x64 8w r128", dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128)),
+    ],
+}
+
+# (label, dtype, B, H, N, d, causal); the last one only measures host overhead (default config).
+SHAPES = [
+    ("f16 B4H16 N4096 d128", torch.float16, 4, 16, 4096, 128, False),
+    ("f16 B4H16 N4096 d128 causal", torch.float16, 4, 16, 4096, 128, True),
+    ("f16 B4H16 N4096 d64", torch.float16, 4, 16, 4096, 64, False),
+    ("bf16 B1H16 N16384 d128", torch.bfloat16, 1, 16, 16384, 128, False),
+    ("f16 B4H16 N1024 d64 (overhead)", torch.float16, 4, 16, 1024, 64, False),
+]
+OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
+
+
+def as_numba(t):
+    """Numba device-array view of a torch CUDA tensor (bf16 as uint16 bits, which selects bf16)."""
+    if t.dtype == torch.bfloat16:
+        return cuda.as_cuda_array(t.view(torch.int16), sync=False).view(np.uint16)
+    return cuda.as_cuda_array(t, sync=False)
+
+
+def time_ms(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def kernel_info(kernel, cfg, head_dim):
+    """Registers, local (spill) bytes, static shared bytes and blocks/SM from registers and smem."""
+    def one(getter):
+        try:
+            x = getter()
+            return next(iter(x.values())) if isinstance(x, dict) else x
+        except Exception:  # noqa: BLE001 - best effort; older Numba lacks some getters
+            return None
+    regs = one(kernel.get_regs_per_thread)
+    local = one(kernel.get_local_mem_per_thread)
+    smem = one(kernel.get_shared_mem_per_block)
+    warps = cfg.get("BLOCK_Q", 64) // 16
+    blocks = None
+    if regs:
+        per_warp = math.ceil(regs * 32 / 256) * 256
+        blocks = (65536 // per_warp) // warps
+        if smem:
+            blocks = min(blocks, (228 * 1024) // (smem + 1024))
+        blocks = min(blocks, 32, 64 // warps)
+    return dict(regs=regs, local_bytes=local, smem_bytes=smem, blocks_per_sm=blocks, warps_per_sm=(blocks or 0) * warps)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--max-seconds", type=float, default=160.0, help="start no new variant after this")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("sweep_mma.py needs a CUDA GPU with torch")
+    t_start = time.time()
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    print(f"# sweep_mma on {gpu}, torch {torch.__version__}, numba_flash at {numba_flash.__file__}")
+    rows, overhead = [], []
+
+    for label, dtype, B, H, N, d, causal in SHAPES:
+        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
+        scale = 1.0 / math.sqrt(d)
+        flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+        qn, kn, vn, on, ln = (as_numba(x) for x in (q, k, v, out, lse))
+        ref = None
+        if label not in OVERHEAD_ONLY:
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
+            t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale),
+                             args.warmup, args.iters)
+            rows.append(dict(shape=label, variant="torch SDPA (default backend)", ms=t_sdpa,
+                             tflops=flops / t_sdpa / 1e9, max_abs_err=0.0))
+            print(f"{label:34s} {'torch SDPA':18s} {t_sdpa:8.3f} ms {flops / t_sdpa / 1e9:7.1f} TFLOP/s", flush=True)
+
+        # Host overhead of the default config: direct kernel call vs launch vs numba_flash.forward.
+        cfg0 = dict(BLOCK_Q=64, BLOCK_K=64)
+        try:
+            hd = 64 if d <= 64 else 128
+            kern = mma_forward.make_forward_kernel(64, 64, hd, causal, "bfloat16" if dtype == torch.bfloat16 else "float16")
+            grid = ((N + 63) // 64, B * H)
+            words = [x if x.dtype == np.uint16 else x.view(np.uint16) for x in (qn, kn, vn, on)]
+            sl2 = float32(scale * mma_forward.LOG2E)
+            t_kernel = time_ms(lambda: kern[grid, 128, 0](*words, ln, N, N, d, 1, sl2), args.warmup, args.iters)
+            t_launch = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
+                                                          **cfg0), args.warmup, args.iters)
+            t_fwd = time_ms(lambda: numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale),
+                            args.warmup, args.iters)
+            overhead.append(dict(shape=label, kernel_ms=t_kernel, launch_ms=t_launch, forward_ms=t_fwd,
+                                 tflops_kernel=flops / t_kernel / 1e9, tflops_forward=flops / t_fwd / 1e9))
+            print(f"{label:34s} overhead: kernel[] {t_kernel:.3f} ms, launch {t_launch:.3f} ms, "
+                  f"forward {t_fwd:.3f} ms ({flops / t_kernel / 1e9:.1f} vs {flops / t_fwd / 1e9:.1f} TFLOP/s)",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            overhead.append(dict(shape=label, error=repr(e)))
+            print(f"{label:34s} overhead: FAILED {e!r}", flush=True)
+        if label in OVERHEAD_ONLY:
+            continue
+
+        for name, cfg in VARIANTS[64 if d <= 64 else 128]:
+            if time.time() - t_start > args.max_seconds:
+                rows.append(dict(shape=label, variant=name, config=cfg, skipped="deadline"))
+                print(f"{label:34s} {name:18s} skipped (deadline)", flush=True)
+                continue
+            row = dict(shape=label, variant=name, config=cfg)
+            try:
+                t0 = time.time()
+                out.zero_()
+                mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale, **cfg)
+                torch.cuda.synchronize()
+                row["compile_s"] = time.time() - t0
+                err = (out.float() - ref).abs().max().item()
+                row["max_abs_err"] = err
+                row["ok"] = bool(math.isfinite(err) and err < (2e-2 if dtype == torch.float16 else 6e-2))
+                ms = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
+                                                        **cfg), args.warmup, args.iters)
+                row.update(ms=ms, tflops=flops / ms / 1e9)
+                kc = {key: cfg[key] for key in ("Q_IN_REGS", "FAST_LOADS", "UNROLL_QK", "MAX_REGS") if key in cfg}
+                kern = mma_forward.make_forward_kernel(cfg["BLOCK_Q"], cfg["BLOCK_K"], 64 if d <= 64 else 128,
+                                                       causal, "bfloat16" if dtype == torch.bfloat16 else "float16",
+                                                       **kc)
+                row.update(kernel_info(kern, cfg, d))
+                print(f"{label:34s} {name:18s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  err {err:.2e}"
+                      f"{'' if row['ok'] else ' BAD'}  regs {row['regs']} local {row['local_bytes']} "
+                      f"blocks/SM {row['blocks_per_sm']}  (compile+1st {row['compile_s']:.1f}s)", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)
+                print(f"{label:34s} {name:18s} FAILED {e!r}", flush=True)
+            rows.append(row)
+        del q, k, v, out, lse, ref
+        torch.cuda.empty_cache()
+
+    # Best variant per shape.
+    print("\n# best per shape")
+    best = {}
+    for r in rows:
+        if r.get("ok") and (r["shape"] not in best or r["tflops"] > best[r["shape"]]["tflops"]):
+            best[r["shape"]] = r
+    for shape, r in best.items():
+        print(f"{shape:34s} {r['variant']:18s} {r['tflops']:7.1f} TFLOP/s  config {r['config']}")
+    print(f"# total {time.time() - t_start:.1f} s")
+    result = dict(gpu=gpu, rows=rows, overhead=overhead, best={s: r["variant"] for s, r in best.items()},
+                  total_s=time.time() - t_start)
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "sweep_mma.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        print(f"# wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
