@@ -156,6 +156,29 @@ def test_q_from_shared_and_small_tiles_sim():
 
 
 @in_simulator
+def test_two_warps_head_dim_128_unfixed_swizzle_sim():
+    """d = 128 with 2 warps: 64 threads copy rows 4 apart, so each copy computes its own swizzle
+    (the fast load path's other branch); a tail K/V tile and a tail Q tile."""
+    r = run_forward(1, 1, 1, 37, 75, 128, False, "float16", seed=12, BLOCK_Q=32, BLOCK_K=32)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+@pytest.mark.parametrize("config", [dict(FAST_LOADS=False), dict(UNROLL_QK=False)])
+def test_older_code_paths_sim(config):
+    """The v3 loads and the rolled k-step loop (kept for the sweep) still compute the same thing."""
+    r = run_forward(1, 2, 1, 40, 90, 64, True, "bfloat16", seed=13, **config)
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
+def test_eight_warps_head_dim_128_sim():
+    """128 x 32 x 128 (8 warps, 256 threads, rows 16 apart per copy), strided rows, causal."""
+    r = run_forward(1, 1, 1, 130, 70, 128, True, "float16", seed=14, BLOCK_Q=128, BLOCK_K=32, pad_to=136)
+    assert_close(*r, "float16")
+
+
+@in_simulator
 def test_large_logits_sim():
     """Scores around 100 in base 2: the running max must be subtracted (no inf / nan)."""
     r = run_forward(1, 1, 1, 16, 130, 64, False, "float16", seed=5, big=12.0)
@@ -179,6 +202,28 @@ from numba_flash.kernels import mma_forward
 mma_forward_kernel = mma_forward.kernel_source({BQ}, {BK}, {D}, {CAUSAL}, {DTYPE!r})
 SIG = mma_forward.kernel_signature()
 """
+
+
+SWEEP_CONFIGS = [(64, 32, 128), (128, 32, 128), (128, 64, 64), (128, 128, 64), (64, 128, 64)]
+
+
+@pytest.mark.parametrize("BQ,BK,D", SWEEP_CONFIGS)
+def test_sweep_configs_compile_without_spills(BQ, BK, D, tmp_path):
+    """The configs scripts/sweep_mma.py times (uncapped registers): no spills, fragments in registers."""
+    source = COMPILE_SOURCE.format(BQ=BQ, BK=BK, D=D, CAUSAL=True, DTYPE="float16")
+    text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
+    assert "ld.local" not in text and "st.local" not in text
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+
+
+def test_head_dim_128_register_budget(tmp_path):
+    """v4's copy plans and unrolled k-steps: 64x64x128 took 240 registers in v3, 174 now."""
+    source = COMPILE_SOURCE.format(BQ=64, BK=64, D=128, CAUSAL=False, DTYPE="float16")
+    text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
+    assert text.count("mma.sync.aligned") == 2 * 64  # both GEMMs fully unrolled (8x8 + 4x16)
+    report = ptxas_report(text, tmp_path)
+    assert report["registers"] <= 200, report["text"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
