@@ -311,7 +311,10 @@ def test_shipped_configs_and_problems():
     assert any("accumulator" in m for m in bad.problems())
     with pytest.raises(ValueError, match="cannot run"):
         simt_backward.make_backward_kernel(bad, False, "float32")
-    assert BackwardConfig("dq", 64, 64, 16, 16, 128).p_stride % 32 == 16  # rows start half a bank cycle apart
+    for d, cfgs in BACKWARD_CONFIGS.items():  # 16-byte loads of 8 rows: 8 disjoint groups of 4 banks
+        for cfg in cfgs:
+            assert cfg.qk_stride % 8 == 4 and cfg.p_stride % 8 == 4, cfg
+    assert any("16-byte" in m for m in BackwardConfig("dq", 64, 64, 16, 16, 96).problems())  # 96 = 6 x 16
 
 
 # Every shipped head dim (fp32, not causal), then causal and both 16-bit dtypes at d = 128, and

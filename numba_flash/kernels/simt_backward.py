@@ -27,10 +27,10 @@ repeatable run to run):
 
 Register tiling, as in simt_forward: a block is a ROW_THREADS × COL_THREADS grid of threads. The
 block's own tile (K/V rows in ``dkdv``, Q rows in ``dq``) is split over ROW_THREADS; the streamed
-tile's rows and the head dim are split over COL_THREADS, interleaved so that neighbouring lanes
-hit neighbouring banks. Shared-memory rows of Q, dO, K, V are padded by one word (reads down a
-column hit distinct banks); Pᵀ, dSᵀ and dS rows are padded so that the rows one warp writes start
-COL_THREADS banks apart.
+tile's rows and the head dim are split over COL_THREADS (head-dim columns in groups of 4). Every
+shared-memory operand is read with 16-byte loads (``numba_flash.vec``): four FMA steps per load
+instead of one, because the shared-memory pipe, not the FMA units, limits a scalar SIMT kernel.
+Rows are padded by 4 words so that these loads are free of bank conflicts.
 
 Causal (bottom-right aligned, query i sees key j iff j <= i + Nk − Nq): ``dkdv`` starts at the
 first Q tile that sees its keys, ``dq`` stops after the last K/V tile its rows see, and only
@@ -48,13 +48,13 @@ from functools import lru_cache
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from ..configs import HEAD_DIMS, SMEM_PER_BLOCK_MAX, head_dim_bucket
+from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 from .simt_forward import FASTMATH, LOG2E, STORAGE, _allow_dynamic_smem, _device_id
 
 # Unsigned indices: Numba then skips its negative-index wraparound test (see simt_forward).
 U = uint64
 
 KERNELS = ("dkdv", "dq")
-UNROLL = 4  # inner-product steps per unrolled group (divides every tile size and HEAD_DIM)
 DELTA_ROWS, DELTA_LANES = 8, 32  # the D kernel: 8 rows per block, 32 lanes summing each row
 
 
@@ -104,14 +104,14 @@ class BackwardConfig:
 
     @property
     def qk_stride(self) -> int:
-        return self.head_dim + 1  # one pad word: a column read of 32 rows hits 32 banks
+        """Row stride of the Q, dO, K, V tiles: 4 pad words, so 16-byte loads of 8 consecutive
+        rows at the same column hit 8 disjoint groups of 4 banks (stride ≡ 4·odd mod 32)."""
+        return self.head_dim + 4
 
     @property
     def p_stride(self) -> int:
-        """Row stride of Pᵀ / dSᵀ / dS: ≡ COL_THREADS (mod 32), so the rows one warp writes
-        start COL_THREADS banks apart and its writes are conflict-free."""
-        n, ct = self.block_streamed, self.col_threads
-        return n if ct >= 32 else n + (ct - n) % 32
+        """Row stride of Pᵀ / dSᵀ (dkdv) or dS (dq), padded like qk_stride."""
+        return self.block_streamed + 4
 
     @property
     def smem_words(self) -> dict:
@@ -143,11 +143,12 @@ class BackwardConfig:
             out.append(f"own tile {self.block_own} not a multiple of row_threads={self.row_threads}")
         if self.block_streamed % self.col_threads:
             out.append(f"streamed tile {self.block_streamed} not a multiple of col_threads={self.col_threads}")
-        if self.head_dim % self.col_threads:
-            out.append(f"head_dim={self.head_dim} not a multiple of col_threads={self.col_threads}")
-        for name, n in (("block_q", self.block_q), ("block_k", self.block_k), ("head_dim", self.head_dim)):
-            if n % UNROLL:
-                out.append(f"{name}={n} not a multiple of the unroll factor {UNROLL}")
+        if self.head_dim % (4 * self.col_threads):
+            out.append(f"head_dim={self.head_dim} not a multiple of 4 x col_threads={self.col_threads} "
+                       f"(each thread's head-dim columns come in 16-byte groups)")
+        for name, n in (("block_q", self.block_q), ("block_k", self.block_k)):
+            if n % 4:
+                out.append(f"{name}={n} not a multiple of 4 (16-byte loads along the tile)")
         if not 1 <= self.threads <= 1024:
             out.append(f"{self.threads} threads per block (1..1024 allowed)")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
@@ -158,13 +159,15 @@ class BackwardConfig:
 
 
 def _configs_for(head_dim: int) -> tuple[BackwardConfig, BackwardConfig]:
-    # 64 x 64 tiles, 256 threads, 4 own rows x 4 streamed columns per thread, up to 8 head-dim
-    # columns: dK + dV = 64 accumulators for d = 128, the most that stays in registers.
-    # Above d = 128, 32 x 32 tiles and 16 columns per thread keep the slices at the same size.
+    # COL_THREADS: the largest of 4, 8, 16 that splits the head dim into 16-byte groups; each
+    # thread then holds 4-16 head-dim columns. Up to d = 128: 64 x 64 tiles and 256 threads
+    # (128 for d = 16), so dK + dV are 2 x 4 x 8 = 64 accumulators at d = 128, the most that
+    # stays in registers beside the S and dP slices. Above: 32 x 32 tiles, same slice sizes.
+    col = max(c for c in (4, 8, 16) if head_dim % (4 * c) == 0)
     if head_dim <= 128:
-        tiles = dict(block_q=64, block_k=64, row_threads=16, col_threads=16)
+        tiles = dict(block_q=64, block_k=64, row_threads=min(256 // col, 32), col_threads=col)
     else:
-        tiles = dict(block_q=32, block_k=32, row_threads=16, col_threads=16)
+        tiles = dict(block_q=32, block_k=32, row_threads=16, col_threads=col)
     return (BackwardConfig("dkdv", head_dim=head_dim, **tiles),
             BackwardConfig("dq", head_dim=head_dim, **tiles))
 
@@ -197,40 +200,40 @@ def kernel_signature(cfg: BackwardConfig, dtype: str):
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32)
 
 
-def _widen_and_round(BF16: bool):
-    """Device helpers shared by all kernels: bf16 travels as uint16 bits (no bfloat16 arrays in
-    Numba) and is converted through a shared-memory word seen both as float32 and as uint32."""
+def _element_io(BF16: bool):
+    """Device helpers shared by all kernels: one element in as float32 (bf16 travels as uint16
+    bits: Numba has no bfloat16 arrays), and one float32 out, rounded to nearest even for bf16."""
+    ZERO = float32(0.0)
 
     @cuda.jit(device=True, inline=True)
-    def put(smem_f, smem_u, slot, x):
-        if BF16:
-            smem_u[slot] = uint32(x) << 16
-        else:
-            smem_f[slot] = float32(x)
+    def load(src, b, h, row, c, n_rows, d):
+        # zero past the sequence or the head dim: padding adds nothing to any product
+        if row < n_rows and c < d:
+            x = src[U(b), U(h), U(row), U(c)]
+            if BF16:
+                return f32_from_bits(uint32(x) << 16)
+            return float32(x)
+        return ZERO
 
     @cuda.jit(device=True, inline=True)
-    def store(dst, b, h, row, col, x, smem_f, smem_u, slot):
-        # slot: a shared word only this thread uses at this point (no sync needed)
+    def store(dst, b, h, row, col, x):
         if BF16:
-            smem_f[slot] = x
-            bits = smem_u[slot]
-            bits = bits + uint32(0x7FFF) + ((bits >> 16) & uint32(1))  # round to nearest even
+            bits = bits_from_f32(x)
+            bits = bits + uint32(0x7FFF) + ((bits >> 16) & uint32(1))
             dst[U(b), U(h), U(row), U(col)] = uint16(bits >> 16)
         else:
             dst[U(b), U(h), U(row), U(col)] = x
 
-    return put, store
+    return load, store
 
 
 def delta_source(dtype: str):
     """D[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c], fp32 (the FA2 preprocessing pass)."""
-    BF16 = dtype == "bfloat16"
-    put, _ = _widen_and_round(BF16)
+    load, _ = _element_io(dtype == "bfloat16")
     ROWS, LANES = DELTA_ROWS, DELTA_LANES
 
     def flash_backward_delta(out, dout, delta, n_q, d):
-        smem_f = cuda.shared.array(0, float32)
-        smem_u = cuda.shared.array(0, uint32)
+        partial = cuda.shared.array((ROWS, LANES), float32)
         tid = cuda.threadIdx.x
         tr = tid // LANES
         lane = tid - tr * LANES
@@ -238,32 +241,36 @@ def delta_source(dtype: str):
         b = bh // out.shape[1]
         h = bh - b * out.shape[1]
         row = cuda.blockIdx.x * ROWS + tr
-        slot = U(tid)  # this thread's word: bf16 widening, then its partial sum
         acc = float32(0.0)
-        if row < n_q:
-            for c in range(lane, d, LANES):  # neighbouring lanes, neighbouring addresses
-                put(smem_f, smem_u, slot, out[U(b), U(h), U(row), U(c)])
-                o = smem_f[slot]
-                put(smem_f, smem_u, slot, dout[U(b), U(h), U(row), U(c)])
-                acc = cuda.fma(o, smem_f[slot], acc)
-        smem_f[slot] = acc
+        for c in range(lane, d, LANES):  # neighbouring lanes, neighbouring addresses
+            acc = cuda.fma(load(out, b, h, row, c, n_q, d), load(dout, b, h, row, c, n_q, d), acc)
+        partial[tr, lane] = acc
         cuda.syncthreads()
         if lane == 0 and row < n_q:
             total = float32(0.0)
             for t in range(LANES):
-                total += smem_f[U(tr * LANES + t)]
+                total += partial[tr, t]
             delta[U(b), U(h), U(row)] = total
 
     return flash_backward_delta
 
 
 def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
-    """The Python kernel for one specialisation (before cuda.jit; compile_ptx tests use it)."""
+    """The Python kernel for one specialisation (before cuda.jit; compile_ptx tests use it).
+
+    Shared memory holds every tile row-major (row stride ≡ 4·odd words mod 32, rows 16-byte
+    aligned) and is read with 16-byte loads: along the head dim for S = Q Kᵀ and dP = dO Vᵀ,
+    along the streamed rows for Pᵀ / dSᵀ / dS, along the head dim again for the gradient
+    products. One ld.shared.v4 replaces four scalar loads; the shared-memory pipe, not the FMA
+    units, is what limits a scalar SIMT kernel.
+    """
     BLOCK_Q, BLOCK_K, HEAD_DIM = cfg.block_q, cfg.block_k, cfg.head_dim
     ROW_THREADS, COL_THREADS, THREADS = cfg.row_threads, cfg.col_threads, cfg.threads
-    OWN = cfg.own_rows_per_thread     # own-tile rows per thread (K rows in dkdv, Q rows in dq)
-    STREAMED = cfg.streamed_per_thread  # streamed-tile rows per thread, as S / Sᵀ columns
-    D_COLS = cfg.d_cols_per_thread
+    OWN = cfg.own_rows_per_thread       # own-tile rows per thread: tr + a·ROW_THREADS
+    STREAMED = cfg.streamed_per_thread  # streamed-tile rows per thread: tc + jj·COL_THREADS
+    D_COLS = cfg.d_cols_per_thread      # head-dim columns per thread, in groups of 4:
+    D_GROUPS = D_COLS // 4              #   (cc // 4)·COL_STEP + 4·tc + cc % 4
+    COL_STEP = 4 * COL_THREADS
     STRIDE = cfg.qk_stride
     P_STRIDE = cfg.p_stride
     words = cfg.smem_words
@@ -274,36 +281,28 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
     P_OFF = V_OFF + words["v"]  # Pᵀ (dkdv) or dS (dq)
     DS_OFF = P_OFF + cfg.block_own * P_STRIDE  # dSᵀ (dkdv only)
     ROWS_OFF = P_OFF + words["p"]  # dkdv: L·log2(e) then D of the current Q tile
-    Q_LOADS = -(-BLOCK_Q * HEAD_DIM // THREADS)
-    KV_LOADS = -(-BLOCK_K * HEAD_DIM // THREADS)
     CAUSAL = bool(causal)
-    BF16 = dtype == "bfloat16"
     NEG_INF = float32(-math.inf)
     POS_INF = float32(math.inf)
-    put, store = _widen_and_round(BF16)
+    ZERO = float32(0.0)
+    load, store = _element_io(dtype == "bfloat16")
 
     @cuda.jit(device=True, inline=True)
-    def load_tile(src, b, h, row0, n_rows, d, smem_f, smem_u, off, N_LOADS, TILE_ROWS):
-        # Rows past the sequence and columns past d are zero-filled: padded head dims add nothing
-        # to the inner products, and zero dO / Q rows give zero dP and zero gradient terms.
-        tid = cuda.threadIdx.x
-        for it in range(N_LOADS):
-            idx = tid + it * THREADS
-            if idx < TILE_ROWS * HEAD_DIM:
-                r = idx // HEAD_DIM
-                c = idx - r * HEAD_DIM
-                row = row0 + r
-                slot = U(off + r * STRIDE + c)
-                if row < n_rows and c < d:
-                    put(smem_f, smem_u, slot, src[U(b), U(h), U(row), U(c)])
-                else:
-                    smem_f[slot] = float32(0.0)
+    def load_rows(src, b, h, row0, n_rows, d, smem, off, TILE_ROWS):
+        """tile[r, e] -> smem[off + r·STRIDE + e], four head-dim entries per 16-byte store."""
+        for idx in range(cuda.threadIdx.x, TILE_ROWS * (HEAD_DIM // 4), THREADS):
+            r = idx // (HEAD_DIM // 4)
+            e = 4 * (idx - r * (HEAD_DIM // 4))  # fastest across lanes: coalesced global reads
+            row = row0 + r
+            st_shared_f32x4(smem, U(off + r * STRIDE + e),
+                            load(src, b, h, row, e, n_rows, d), load(src, b, h, row, e + 1, n_rows, d),
+                            load(src, b, h, row, e + 2, n_rows, d), load(src, b, h, row, e + 3, n_rows, d))
 
     @cuda.jit(device=True, inline=True)
     def row_stats(lse, delta, b, h, row, n_q):
         """(L·log2(e), D) of one query row; a masked or missing row gives (+inf, 0): P = 0."""
         l2 = POS_INF
-        dd = float32(0.0)
+        dd = ZERO
         if row < n_q:
             lv = lse[U(b), U(h), U(row)]
             if lv != NEG_INF:
@@ -311,12 +310,51 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
             dd = delta[U(b), U(h), U(row)]
         return l2, dd
 
+    @cuda.jit(device=True, inline=True)
+    def load4(smem, off, frag, i):
+        """frag[i, 0:4] = smem[off:off + 4] in one 16-byte load."""
+        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(off))
+        frag[i, 0] = x0
+        frag[i, 1] = x1
+        frag[i, 2] = x2
+        frag[i, 3] = x3
+
+    @cuda.jit(device=True, inline=True)
+    def load_d_cols(smem, row_off, tc, frag):
+        """frag[cc] = this thread's head-dim columns of one shared row (D_GROUPS 16-byte loads)."""
+        for g in range(D_GROUPS):
+            x0, x1, x2, x3 = ld_shared_f32x4(smem, U(row_off + g * COL_STEP + 4 * tc))
+            frag[4 * g] = x0
+            frag[4 * g + 1] = x1
+            frag[4 * g + 2] = x2
+            frag[4 * g + 3] = x3
+
+    @cuda.jit(device=True, inline=True)
+    def two_products(smem, a_off, b_off, c_off, d_off, a_row, b_row, A, B, a4, b4, c4, d4, x, y):
+        """x = A·Bᵀ slice over the head dim (rows a_row of the A tile, b_row of the B tile), and
+        y likewise for the C and D tiles at the same rows: S and dP in one pass over e."""
+        for i in range(A):
+            for j in range(B):
+                x[i, j] = ZERO
+                y[i, j] = ZERO
+        for e0 in range(0, HEAD_DIM, 4):
+            for i in range(A):
+                load4(smem, a_off + a_row[i] + e0, a4, i)
+                load4(smem, c_off + a_row[i] + e0, c4, i)
+            for j in range(B):
+                load4(smem, b_off + b_row[j] + e0, b4, j)
+                load4(smem, d_off + b_row[j] + e0, d4, j)
+            for u in range(4):  # constant trip counts: unrolled, everything in registers
+                for i in range(A):
+                    for j in range(B):
+                        x[i, j] = cuda.fma(a4[i, u], b4[j, u], x[i, j])
+                        y[i, j] = cuda.fma(c4[i, u], d4[j, u], y[i, j])
+
     if cfg.kernel == "dkdv":
         K_ROWS, Q_COLS = OWN, STREAMED
 
         def flash_backward_dkdv(q, k, v, do, lse, delta, dk, dv, n_q, n_k, d, group, scale_log2, scale):
-            smem_f = cuda.shared.array(0, float32)
-            smem_u = cuda.shared.array(0, uint32)
+            smem = cuda.shared.array(0, float32)
             tid = cuda.threadIdx.x
             tr = tid // COL_THREADS
             tc = tid - tr * COL_THREADS
@@ -327,21 +365,21 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
             h_kv = bh - b * n_kv_heads
             shift = n_k - n_q  # bottom-right causal alignment: query i sees key j iff j <= i + shift
 
-            load_tile(k, b, h_kv, k0, n_k, d, smem_f, smem_u, K_OFF, KV_LOADS, BLOCK_K)
-            load_tile(v, b, h_kv, k0, n_k, d, smem_f, smem_u, V_OFF, KV_LOADS, BLOCK_K)
+            load_rows(k, b, h_kv, k0, n_k, d, smem, K_OFF, BLOCK_K)
+            load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, BLOCK_K)
 
             dk_acc = cuda.local.array((K_ROWS, D_COLS), float32)
             dv_acc = cuda.local.array((K_ROWS, D_COLS), float32)
-            s = cuda.local.array((K_ROWS, Q_COLS), float32)   # Sᵀ slice, then Pᵀ
+            s = cuda.local.array((K_ROWS, Q_COLS), float32)   # Sᵀ slice
             dp = cuda.local.array((K_ROWS, Q_COLS), float32)  # dPᵀ slice
-            k_frag = cuda.local.array(K_ROWS, float32)
-            v_frag = cuda.local.array(K_ROWS, float32)
-            q_frag = cuda.local.array(Q_COLS, float32)
-            do_frag = cuda.local.array(Q_COLS, float32)
-            p_frag = cuda.local.array(K_ROWS, float32)
-            ds_frag = cuda.local.array(K_ROWS, float32)
-            qd_frag = cuda.local.array(D_COLS, float32)
-            dod_frag = cuda.local.array(D_COLS, float32)
+            k4 = cuda.local.array((K_ROWS, 4), float32)
+            v4 = cuda.local.array((K_ROWS, 4), float32)
+            q4 = cuda.local.array((Q_COLS, 4), float32)
+            do4 = cuda.local.array((Q_COLS, 4), float32)
+            p4 = cuda.local.array((K_ROWS, 4), float32)
+            ds4 = cuda.local.array((K_ROWS, 4), float32)
+            q_d = cuda.local.array(D_COLS, float32)
+            do_d = cuda.local.array(D_COLS, float32)
             # Loop-invariant shared-memory row offsets of this thread's K/V, Q/dO and Pᵀ rows.
             k_row = cuda.local.array(K_ROWS, int64)
             p_row = cuda.local.array(K_ROWS, int64)
@@ -350,8 +388,8 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
                 k_row[a] = (tr + a * ROW_THREADS) * STRIDE
                 p_row[a] = (tr + a * ROW_THREADS) * P_STRIDE
                 for c in range(D_COLS):
-                    dk_acc[a, c] = float32(0.0)
-                    dv_acc[a, c] = float32(0.0)
+                    dk_acc[a, c] = ZERO
+                    dv_acc[a, c] = ZERO
             for jj in range(Q_COLS):
                 q_row[jj] = (tc + jj * COL_THREADS) * STRIDE
 
@@ -364,31 +402,17 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
             for h in range(h_kv * group, h_kv * group + group):  # GQA: the group's query heads
                 for i_tile in range(first_q_tile, n_q_tiles):
                     q0 = i_tile * BLOCK_Q
-                    load_tile(q, b, h, q0, n_q, d, smem_f, smem_u, Q_OFF, Q_LOADS, BLOCK_Q)
-                    load_tile(do, b, h, q0, n_q, d, smem_f, smem_u, DO_OFF, Q_LOADS, BLOCK_Q)
+                    load_rows(q, b, h, q0, n_q, d, smem, Q_OFF, BLOCK_Q)
+                    load_rows(do, b, h, q0, n_q, d, smem, DO_OFF, BLOCK_Q)
                     for r in range(tid, BLOCK_Q, THREADS):
                         l2, dd = row_stats(lse, delta, b, h, q0 + r, n_q)
-                        smem_f[U(ROWS_OFF + r)] = l2
-                        smem_f[U(ROWS_OFF + BLOCK_Q + r)] = dd
+                        smem[U(ROWS_OFF + r)] = l2
+                        smem[U(ROWS_OFF + BLOCK_Q + r)] = dd
                     cuda.syncthreads()
 
                     # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for this thread's K_ROWS x Q_COLS slice.
-                    for a in range(K_ROWS):
-                        for jj in range(Q_COLS):
-                            s[a, jj] = float32(0.0)
-                            dp[a, jj] = float32(0.0)
-                    for e0 in range(0, HEAD_DIM, UNROLL):
-                        for u in range(UNROLL):  # constant trip count: unrolled, loads run ahead
-                            for a in range(K_ROWS):
-                                k_frag[a] = smem_f[U(K_OFF + k_row[a] + e0 + u)]
-                                v_frag[a] = smem_f[U(V_OFF + k_row[a] + e0 + u)]
-                            for jj in range(Q_COLS):
-                                q_frag[jj] = smem_f[U(Q_OFF + q_row[jj] + e0 + u)]
-                                do_frag[jj] = smem_f[U(DO_OFF + q_row[jj] + e0 + u)]
-                            for a in range(K_ROWS):
-                                for jj in range(Q_COLS):
-                                    s[a, jj] = cuda.fma(k_frag[a], q_frag[jj], s[a, jj])
-                                    dp[a, jj] = cuda.fma(v_frag[a], do_frag[jj], dp[a, jj])
+                    two_products(smem, K_OFF, Q_OFF, V_OFF, DO_OFF, k_row, q_row, K_ROWS, Q_COLS,
+                                 k4, q4, v4, do4, s, dp)
 
                     # Pᵀ = exp2(Sᵀ·scale·log2(e) − L·log2(e)), dSᵀ = Pᵀ ∘ (dPᵀ − D), to shared memory.
                     needs_mask = k0 + BLOCK_K > n_k
@@ -396,55 +420,49 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
                         needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + shift)
                     for jj in range(Q_COLS):
                         i = tc + jj * COL_THREADS
-                        l2 = smem_f[U(ROWS_OFF + i)]
-                        dd = smem_f[U(ROWS_OFF + BLOCK_Q + i)]
-                        row = q0 + i
+                        l2 = smem[U(ROWS_OFF + i)]
+                        dd = smem[U(ROWS_OFF + BLOCK_Q + i)]
                         for a in range(K_ROWS):
                             x = s[a, jj] * scale_log2 - l2
                             if needs_mask:
                                 col = k0 + tr + a * ROW_THREADS
-                                if col >= n_k or (CAUSAL and col > row + shift):
+                                if col >= n_k or (CAUSAL and col > q0 + i + shift):
                                     x = NEG_INF
                             p = math.exp2(x)
-                            smem_f[U(P_OFF + p_row[a] + i)] = p
-                            smem_f[U(DS_OFF + p_row[a] + i)] = p * (dp[a, jj] - dd)
+                            smem[U(P_OFF + p_row[a] + i)] = p
+                            smem[U(DS_OFF + p_row[a] + i)] = p * (dp[a, jj] - dd)
                     cuda.syncthreads()
 
                     # dV += Pᵀ dO, dK += dSᵀ Q (this thread's K_ROWS x D_COLS slices).
-                    for i0 in range(0, BLOCK_Q, UNROLL):
-                        for u in range(UNROLL):
-                            for a in range(K_ROWS):
-                                p_frag[a] = smem_f[U(P_OFF + p_row[a] + i0 + u)]
-                                ds_frag[a] = smem_f[U(DS_OFF + p_row[a] + i0 + u)]
-                            for c in range(D_COLS):
-                                dod_frag[c] = smem_f[U(DO_OFF + (i0 + u) * STRIDE + tc + c * COL_THREADS)]
-                                qd_frag[c] = smem_f[U(Q_OFF + (i0 + u) * STRIDE + tc + c * COL_THREADS)]
+                    for i0 in range(0, BLOCK_Q, 4):
+                        for a in range(K_ROWS):
+                            load4(smem, P_OFF + p_row[a] + i0, p4, a)
+                            load4(smem, DS_OFF + p_row[a] + i0, ds4, a)
+                        for u in range(4):
+                            load_d_cols(smem, DO_OFF + (i0 + u) * STRIDE, tc, do_d)
+                            load_d_cols(smem, Q_OFF + (i0 + u) * STRIDE, tc, q_d)
                             for a in range(K_ROWS):
                                 for c in range(D_COLS):
-                                    dv_acc[a, c] = cuda.fma(p_frag[a], dod_frag[c], dv_acc[a, c])
-                                    dk_acc[a, c] = cuda.fma(ds_frag[a], qd_frag[c], dk_acc[a, c])
+                                    dv_acc[a, c] = cuda.fma(p4[a, u], do_d[c], dv_acc[a, c])
+                                    dk_acc[a, c] = cuda.fma(ds4[a, u], q_d[c], dk_acc[a, c])
                     cuda.syncthreads()  # before the next tile overwrites Q, dO, Pᵀ, dSᵀ, L, D
 
             # Every K/V row is written, zeros included (no query sees it, or Nq = 0).
-            cuda.syncthreads()  # the K slots below double as this thread's bf16 rounding words
             for a in range(K_ROWS):
-                r = tr + a * ROW_THREADS
-                row = k0 + r
+                row = k0 + tr + a * ROW_THREADS
                 if row < n_k:
                     for c in range(D_COLS):
-                        col = tc + c * COL_THREADS
+                        col = (c // 4) * COL_STEP + 4 * tc + c % 4
                         if col < d:
-                            slot = U(K_OFF + r * STRIDE + col)
-                            store(dk, b, h_kv, row, col, dk_acc[a, c] * scale, smem_f, smem_u, slot)
-                            store(dv, b, h_kv, row, col, dv_acc[a, c], smem_f, smem_u, slot)
+                            store(dk, b, h_kv, row, col, dk_acc[a, c] * scale)
+                            store(dv, b, h_kv, row, col, dv_acc[a, c])
 
         return flash_backward_dkdv
 
     Q_ROWS, K_COLS = OWN, STREAMED
 
     def flash_backward_dq(q, k, v, do, lse, delta, dq, n_q, n_k, d, group, scale_log2, scale):
-        smem_f = cuda.shared.array(0, float32)
-        smem_u = cuda.shared.array(0, uint32)
+        smem = cuda.shared.array(0, float32)
         tid = cuda.threadIdx.x
         tr = tid // COL_THREADS
         tc = tid - tr * COL_THREADS
@@ -458,20 +476,20 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
         q0 = q_tile * BLOCK_Q
         shift = n_k - n_q
 
-        load_tile(q, b, h, q0, n_q, d, smem_f, smem_u, Q_OFF, Q_LOADS, BLOCK_Q)
-        load_tile(do, b, h, q0, n_q, d, smem_f, smem_u, DO_OFF, Q_LOADS, BLOCK_Q)
+        load_rows(q, b, h, q0, n_q, d, smem, Q_OFF, BLOCK_Q)
+        load_rows(do, b, h, q0, n_q, d, smem, DO_OFF, BLOCK_Q)
 
         dq_acc = cuda.local.array((Q_ROWS, D_COLS), float32)
         s = cuda.local.array((Q_ROWS, K_COLS), float32)   # S slice
         dp = cuda.local.array((Q_ROWS, K_COLS), float32)  # dP slice
         l2_i = cuda.local.array(Q_ROWS, float32)  # L·log2(e) and D of this thread's rows
         d_i = cuda.local.array(Q_ROWS, float32)
-        q_frag = cuda.local.array(Q_ROWS, float32)
-        do_frag = cuda.local.array(Q_ROWS, float32)
-        k_frag = cuda.local.array(K_COLS, float32)
-        v_frag = cuda.local.array(K_COLS, float32)
-        ds_frag = cuda.local.array(Q_ROWS, float32)
-        kd_frag = cuda.local.array(D_COLS, float32)
+        q4 = cuda.local.array((Q_ROWS, 4), float32)
+        do4 = cuda.local.array((Q_ROWS, 4), float32)
+        k4 = cuda.local.array((K_COLS, 4), float32)
+        v4 = cuda.local.array((K_COLS, 4), float32)
+        ds4 = cuda.local.array((Q_ROWS, 4), float32)
+        k_d = cuda.local.array(D_COLS, float32)
         q_row = cuda.local.array(Q_ROWS, int64)
         ds_row = cuda.local.array(Q_ROWS, int64)
         k_row = cuda.local.array(K_COLS, int64)
@@ -482,7 +500,7 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
             l2_i[a] = l2
             d_i[a] = dd
             for c in range(D_COLS):
-                dq_acc[a, c] = float32(0.0)
+                dq_acc[a, c] = ZERO
         for jj in range(K_COLS):
             k_row[jj] = (tc + jj * COL_THREADS) * STRIDE
 
@@ -497,27 +515,13 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
 
         for j in range(n_tiles):
             k0 = j * BLOCK_K
-            load_tile(k, b, h_kv, k0, n_k, d, smem_f, smem_u, K_OFF, KV_LOADS, BLOCK_K)
-            load_tile(v, b, h_kv, k0, n_k, d, smem_f, smem_u, V_OFF, KV_LOADS, BLOCK_K)
+            load_rows(k, b, h_kv, k0, n_k, d, smem, K_OFF, BLOCK_K)
+            load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, BLOCK_K)
             cuda.syncthreads()
 
             # S = Q Kᵀ and dP = dO Vᵀ for this thread's Q_ROWS x K_COLS slice.
-            for a in range(Q_ROWS):
-                for jj in range(K_COLS):
-                    s[a, jj] = float32(0.0)
-                    dp[a, jj] = float32(0.0)
-            for e0 in range(0, HEAD_DIM, UNROLL):
-                for u in range(UNROLL):
-                    for a in range(Q_ROWS):
-                        q_frag[a] = smem_f[U(Q_OFF + q_row[a] + e0 + u)]
-                        do_frag[a] = smem_f[U(DO_OFF + q_row[a] + e0 + u)]
-                    for jj in range(K_COLS):
-                        k_frag[jj] = smem_f[U(K_OFF + k_row[jj] + e0 + u)]
-                        v_frag[jj] = smem_f[U(V_OFF + k_row[jj] + e0 + u)]
-                    for a in range(Q_ROWS):
-                        for jj in range(K_COLS):
-                            s[a, jj] = cuda.fma(q_frag[a], k_frag[jj], s[a, jj])
-                            dp[a, jj] = cuda.fma(do_frag[a], v_frag[jj], dp[a, jj])
+            two_products(smem, Q_OFF, K_OFF, DO_OFF, V_OFF, q_row, k_row, Q_ROWS, K_COLS,
+                         q4, k4, do4, v4, s, dp)
 
             # dS = P ∘ (dP − D) with P = exp2(S·scale·log2(e) − L·log2(e)), to shared memory.
             needs_mask = k0 + BLOCK_K > n_k
@@ -531,31 +535,27 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
                         col = k0 + tc + jj * COL_THREADS
                         if col >= n_k or (CAUSAL and col > row + shift):
                             x = NEG_INF
-                    smem_f[U(P_OFF + ds_row[a] + tc + jj * COL_THREADS)] = math.exp2(x) * (dp[a, jj] - d_i[a])
+                    smem[U(P_OFF + ds_row[a] + tc + jj * COL_THREADS)] = math.exp2(x) * (dp[a, jj] - d_i[a])
             cuda.syncthreads()
 
             # dQ += dS K
-            for t0 in range(0, BLOCK_K, UNROLL):
-                for u in range(UNROLL):
-                    for a in range(Q_ROWS):
-                        ds_frag[a] = smem_f[U(P_OFF + ds_row[a] + t0 + u)]
-                    for c in range(D_COLS):
-                        kd_frag[c] = smem_f[U(K_OFF + (t0 + u) * STRIDE + tc + c * COL_THREADS)]
+            for t0 in range(0, BLOCK_K, 4):
+                for a in range(Q_ROWS):
+                    load4(smem, P_OFF + ds_row[a] + t0, ds4, a)
+                for u in range(4):
+                    load_d_cols(smem, K_OFF + (t0 + u) * STRIDE, tc, k_d)
                     for a in range(Q_ROWS):
                         for c in range(D_COLS):
-                            dq_acc[a, c] = cuda.fma(ds_frag[a], kd_frag[c], dq_acc[a, c])
+                            dq_acc[a, c] = cuda.fma(ds4[a, u], k_d[c], dq_acc[a, c])
             cuda.syncthreads()  # before the next tile overwrites K, V and dS
 
-        cuda.syncthreads()  # the Q slots below double as this thread's bf16 rounding words
         for a in range(Q_ROWS):
-            r = tr + a * ROW_THREADS
-            row = q0 + r
+            row = q0 + tr + a * ROW_THREADS
             if row < n_q:
                 for c in range(D_COLS):
-                    col = tc + c * COL_THREADS
+                    col = (c // 4) * COL_STEP + 4 * tc + c % 4
                     if col < d:
-                        store(dq, b, h, row, col, dq_acc[a, c] * scale, smem_f, smem_u,
-                              U(Q_OFF + r * STRIDE + col))
+                        store(dq, b, h, row, col, dq_acc[a, c] * scale)
 
     return flash_backward_dq
 
@@ -607,7 +607,7 @@ def launch(cfgs, q, k, v, out, dout, lse, delta, dq, dk, dv, *, causal: bool, so
     scalars = (n_q, n_k, d, group, float32(softmax_scale * LOG2E), float32(softmax_scale))
     if B * H * n_q > 0:
         delta_grid = ((n_q + DELTA_ROWS - 1) // DELTA_ROWS, B * H)
-        make_delta_kernel(dtype)[delta_grid, DELTA_ROWS * DELTA_LANES, stream, 4 * DELTA_ROWS * DELTA_LANES](
+        make_delta_kernel(dtype)[delta_grid, DELTA_ROWS * DELTA_LANES, stream, 0](
             out, dout, delta, n_q, d)
     if B * Hkv * n_k > 0:  # runs for Nq = 0 too: it writes dK = dV = 0
         grid = ((n_k + cfg_kv.block_k - 1) // cfg_kv.block_k, B * Hkv)
