@@ -35,18 +35,26 @@ import numba_flash  # noqa: E402
 from numba_flash.kernels import mma_forward  # noqa: E402
 
 # (name, config for mma_forward.launch); order = priority (a deadline skips the tail).
+# "mt2" = M_TILES=2 (32 query rows per warp, warps = BQ / 32); "8w" = 8 warps of 16 rows; rNNN = MAX_REGS.
+# An optional third element names the only shape a variant runs on (to keep compiles < 3 min).
+D128_FIRST = "f16 B4H16 N4096 d128"
 VARIANTS = {
     128: [
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
+        ("128x32 mt2", dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)),
         ("64x64 r168", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
         ("64x32", dict(BLOCK_Q=64, BLOCK_K=32)),
         ("128x32 8w", dict(BLOCK_Q=128, BLOCK_K=32)),
-        ("128x32 8w r128", dict(BLOCK_Q=128, BLOCK_K=32, MAX_REGS=128)),
-        ("64x32 r128", dict(BLOCK_Q=64, BLOCK_K=32, MAX_REGS=128), "f16 B4H16 N4096 d128"),
-        ("64x64 oldloads", dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False), "f16 B4H16 N4096 d128"),
+        ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2), D128_FIRST),
+        ("128x32 8w r128", dict(BLOCK_Q=128, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
+        ("64x32 r128", dict(BLOCK_Q=64, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
+        ("64x64 oldloads", dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False), D128_FIRST),
     ],
     64: [
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
+        ("128x64 mt2", dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),
+        ("128x64 mt2 qsmem", dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, Q_IN_REGS=False)),
+        ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
         ("128x64 8w", dict(BLOCK_Q=128, BLOCK_K=64)),
         ("128x128 8w", dict(BLOCK_Q=128, BLOCK_K=128)),
         ("64x128", dict(BLOCK_Q=64, BLOCK_K=128)),
@@ -71,7 +79,8 @@ def kernel_for(cfg, head_dim, causal, dtype):
     return mma_forward.make_forward_kernel(
         cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim, bool(causal),
         "bfloat16" if dtype == torch.bfloat16 else "float16", cfg.get("Q_IN_REGS"),
-        bool(cfg.get("FAST_LOADS", True)), bool(cfg.get("UNROLL_QK", True)), cfg.get("MAX_REGS"))
+        bool(cfg.get("FAST_LOADS", True)), bool(cfg.get("UNROLL_QK", True)), cfg.get("MAX_REGS"),
+        int(cfg.get("M_TILES", 1)))
 
 
 def as_numba(t):
@@ -107,7 +116,7 @@ def kernel_info(kernel, cfg, head_dim):
     regs = one(kernel.get_regs_per_thread)
     local = one(kernel.get_local_mem_per_thread)
     smem = one(kernel.get_shared_mem_per_block)
-    warps = cfg.get("BLOCK_Q", 64) // 16
+    warps = cfg.get("BLOCK_Q", 64) // (16 * cfg.get("M_TILES", 1))
     blocks = None
     if regs:
         per_warp = math.ceil(regs * 32 / 256) * 256

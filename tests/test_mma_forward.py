@@ -179,6 +179,22 @@ def test_eight_warps_head_dim_128_sim():
 
 
 @in_simulator
+@pytest.mark.parametrize("causal", [False, True])
+def test_two_m_tiles_per_warp_sim(causal):
+    """M_TILES = 2 (32 rows per warp, each K/V fragment feeds two m-tiles): 2 warps x 32 rows,
+    Nq > one tile with a ragged tail, the causal diagonal crossing both m-tiles of a warp."""
+    r = run_forward(1, 2, 1, 70, 90, 64, causal, "float16", seed=15, BLOCK_Q=64, BLOCK_K=32, M_TILES=2)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+def test_two_m_tiles_head_dim_128_sim():
+    """M_TILES = 2 at d = 128 (Q re-read per k-step for both m-tiles), bf16, causal with Nq < Nk."""
+    r = run_forward(1, 1, 1, 45, 77, 128, True, "bfloat16", seed=16, BLOCK_Q=64, BLOCK_K=32, M_TILES=2)
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
 def test_large_logits_sim():
     """Scores around 100 in base 2: the running max must be subtracted (no inf / nan)."""
     r = run_forward(1, 1, 1, 16, 130, 64, False, "float16", seed=5, big=12.0)
@@ -204,13 +220,19 @@ SIG = mma_forward.kernel_signature()
 """
 
 
-SWEEP_CONFIGS = [(64, 32, 128), (128, 32, 128), (128, 64, 64), (128, 128, 64), (64, 128, 64)]
+SWEEP_CONFIGS = [(64, 32, 128, 1), (128, 32, 128, 1), (128, 64, 64, 1), (128, 128, 64, 1), (64, 128, 64, 1),
+                 (128, 32, 128, 2), (128, 64, 64, 2), (64, 64, 64, 2)]
+COMPILE_SOURCE_MT = """
+from numba_flash.kernels import mma_forward
+mma_forward_kernel = mma_forward.kernel_source({BQ}, {BK}, {D}, {CAUSAL}, {DTYPE!r}, M_TILES={MT})
+SIG = mma_forward.kernel_signature()
+"""
 
 
-@pytest.mark.parametrize("BQ,BK,D", SWEEP_CONFIGS)
-def test_sweep_configs_compile_without_spills(BQ, BK, D, tmp_path):
+@pytest.mark.parametrize("BQ,BK,D,MT", SWEEP_CONFIGS)
+def test_sweep_configs_compile_without_spills(BQ, BK, D, MT, tmp_path):
     """The configs scripts/sweep_mma.py times (uncapped registers): no spills, fragments in registers."""
-    source = COMPILE_SOURCE.format(BQ=BQ, BK=BK, D=D, CAUSAL=True, DTYPE="float16")
+    source = COMPILE_SOURCE_MT.format(BQ=BQ, BK=BK, D=D, CAUSAL=True, DTYPE="float16", MT=MT)
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     assert "ld.local" not in text and "st.local" not in text
     report = ptxas_report(text, tmp_path)

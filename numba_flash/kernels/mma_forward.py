@@ -72,18 +72,25 @@ def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM):
     return 2 * HEAD_DIM * (BLOCK_Q + 2 * BLOCK_K)
 
 
-def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE):
+def threads_per_block(BLOCK_Q, M_TILES=1):
+    """32 threads per warp, one warp per 16 M_TILES query rows."""
+    return 32 * (BLOCK_Q // (16 * M_TILES))
+
+
+def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1):
     """Why a specialisation cannot be built (empty when it can)."""
     out = []
-    if BLOCK_Q % 16 or not 16 <= BLOCK_Q <= 256:
-        out.append(f"BLOCK_Q={BLOCK_Q}: one warp per 16 query rows, 1..16 warps")
+    if M_TILES not in (1, 2):
+        out.append(f"M_TILES={M_TILES}: 1 or 2 m-tiles of 16 rows per warp")
+    elif BLOCK_Q % (16 * M_TILES) or not 16 * M_TILES <= BLOCK_Q <= 256 * M_TILES:
+        out.append(f"BLOCK_Q={BLOCK_Q}: one warp per {16 * M_TILES} query rows, 1..16 warps")
     if BLOCK_K % 16 or BLOCK_K < 16:
         out.append(f"BLOCK_K={BLOCK_K}: a multiple of 16 (the k of m16n8k16 for P·V)")
     if HEAD_DIM % 64 or HEAD_DIM <= 0:
         out.append(f"HEAD_DIM={HEAD_DIM}: a multiple of 64 (the 8-chunk XOR swizzle)")
     if DTYPE not in DTYPES:
         out.append(f"DTYPE={DTYPE!r} not in {DTYPES}")
-    threads = 2 * BLOCK_Q
+    threads = threads_per_block(BLOCK_Q, M_TILES) if M_TILES in (1, 2) else 0
     for name, rows in (("Q", BLOCK_Q), ("K/V", BLOCK_K)):
         if (rows * HEAD_DIM // 8) % max(threads, 1):
             out.append(f"{name} tile of {rows}x{HEAD_DIM} is not a whole number of 16-byte copies per thread")
@@ -92,7 +99,8 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE):
     return out
 
 
-def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True):
+def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
+                  M_TILES=1):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
@@ -101,11 +109,14 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     per-row array view for every copy of every tile). UNROLL_QK: the k-steps of S = Q·Kᵀ are written
     out one call each (NVVM left that loop rolled, so every ldmatrix address was 64-bit arithmetic
     on a loop counter and ptxas could not schedule loads of step kk+1 under the mma of step kk).
+    M_TILES: 16-row m-tiles per warp (warps = BLOCK_Q / (16 M_TILES)); with 2, every K and V
+    fragment loaded by ldmatrix feeds two m-tiles' mma (FA2's 4 warps x 32 rows).
     """
     if Q_IN_REGS is None:  # d = 128 keeps Q in shared memory: its 32 registers would spill
         Q_IN_REGS = HEAD_DIM <= 64
     FAST_LOADS, UNROLL_QK = bool(FAST_LOADS), bool(UNROLL_QK)
-    WARPS = BLOCK_Q // 16
+    ROWS_W = 16 * M_TILES  # query rows per warp
+    WARPS = BLOCK_Q // ROWS_W
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     Q_COPIES = BLOCK_Q * CHUNKS // THREADS  # cp.async per thread per tile
@@ -119,7 +130,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     if UNROLL_QK and QK_STEPS > 16:
         UNROLL_QK = False
     CAUSAL = bool(CAUSAL)
-    Q_FRAGS = QK_STEPS if Q_IN_REGS else 1
+    Q_FRAGS = QK_STEPS if Q_IN_REGS else 1  # per m-tile
+    MT_Q = 16 * HEAD_DIM  # shared offset between a warp's m-tiles of Q (16 rows: same row % 8)
+    Q_SLOTS, S_ALL, O_ALL, ROWS_L = M_TILES * Q_FRAGS, M_TILES * S_TILES, M_TILES * O_TILES, 2 * M_TILES
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
@@ -202,19 +215,21 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     def qk_step(s, q_frag, sq, sk, kk, q_base, q_x, k_base, k_x):
         """k-step kk of S += Q_w K_jᵀ. Swizzled chunk (2kk + c) ^ (row % 8) = 2kk ^ (c ^ row % 8), so
         the lane's x = c ^ row % 8 is fixed and kk enters as a constant XOR."""
-        qk = kk if Q_IN_REGS else 0
-        if not Q_IN_REGS:  # re-read this k-step of Q: 4 registers instead of 4 * QK_STEPS
-            load_a(q_frag, 0, sq, q_base + (((2 * kk) ^ q_x) << 3))
+        if not Q_IN_REGS:  # re-read this k-step of Q: 4 registers per m-tile instead of 4 * QK_STEPS
+            for mt in range(M_TILES):
+                load_a(q_frag, mt, sq, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
         k_off = k_base + (((2 * kk) ^ k_x) << 3)
         for np2 in range(S_TILES // 2):
             b0, b1, b2, b3 = ldsm(sk, k_off + np2 * 16 * HEAD_DIM)
-            nt = 2 * np2
-            s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
-                q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b0, b1,
-                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
-            s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
-                q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b2, b3,
-                s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
+            for mt in range(M_TILES):  # one K fragment, M_TILES m-tiles
+                qk = mt * Q_FRAGS + (kk if Q_IN_REGS else 0)
+                nt = mt * S_TILES + 2 * np2
+                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
+                    q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b0, b1,
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
+                s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
+                    q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b2, b3,
+                    s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
 
     def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         sq = cuda.shared.array((BLOCK_Q, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
@@ -242,7 +257,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 
         # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
         mat = lane >> 3
-        q_row = warp * 16 + (lane & 15)  # A: quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+        q_row = warp * ROWS_W + (lane & 15)  # A: quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
         q_chunk = lane >> 4
         k_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles: (keys, d 0-7 | d 8-15) per tile
         k_chunk = mat & 1
@@ -272,19 +287,21 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         cp_commit()
         cp_wait(1)
         cuda.syncthreads()
-        q_frag = cuda.local.array((Q_FRAGS, 4), uint32)
+        q_frag = cuda.local.array((Q_SLOTS, 4), uint32)
         if Q_IN_REGS:
-            for kk in range(QK_STEPS):
-                load_a(q_frag, kk, sq, q_base + (((2 * kk) ^ q_x) << 3))
+            for mt in range(M_TILES):
+                for kk in range(QK_STEPS):
+                    load_a(q_frag, mt * Q_FRAGS + kk, sq, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
 
-        s = cuda.local.array((S_TILES, 4), float32)
-        acc = cuda.local.array((O_TILES, 4), float32)
-        m_i = cuda.local.array(2, float32)  # rows g and g + 8 of this warp's 16
-        l_i = cuda.local.array(2, float32)  # this lane's partial sums; the quad adds them at the end
-        for dt in range(O_TILES):
+        # Fragments of m-tile mt: s[mt * S_TILES + nt], acc[mt * O_TILES + dt], rows 2 mt + {0, 1}.
+        s = cuda.local.array((S_ALL, 4), float32)
+        acc = cuda.local.array((O_ALL, 4), float32)
+        m_i = cuda.local.array(ROWS_L, float32)  # rows g and g + 8 of each of this warp's m-tiles
+        l_i = cuda.local.array(ROWS_L, float32)  # this lane's partial sums; the quad adds them at the end
+        for dt in range(M_TILES * O_TILES):
             for r in range(4):
                 acc[dt, r] = ZERO
-        for r in range(2):
+        for r in range(2 * M_TILES):
             m_i[r] = NEG_INF
             l_i[r] = ZERO
 
@@ -300,7 +317,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             cuda.syncthreads()
 
             # S = Q K_jᵀ
-            for nt in range(S_TILES):
+            for nt in range(M_TILES * S_TILES):
                 for r in range(4):
                     s[nt, r] = ZERO
             if UNROLL_QK:  # one call per k-step (NVVM inlines each; kk becomes a constant)
@@ -330,38 +347,42 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
             needs_mask = k0 + BLOCK_K > n_k
             if CAUSAL:
-                needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * 16 + shift)
+                needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * ROWS_W + shift)
             if needs_mask:
-                row_g = q0 + warp * 16 + g
-                for nt in range(S_TILES):
-                    for r in range(4):
-                        col = k0 + nt * 8 + 2 * t + (r & 1)
-                        if col >= n_k or (CAUSAL and col > row_g + 8 * (r >> 1) + shift):
-                            s[nt, r] = NEG_INF
+                for mt in range(M_TILES):
+                    row_g = q0 + warp * ROWS_W + 16 * mt + g
+                    for nt in range(S_TILES):
+                        for r in range(4):
+                            col = k0 + nt * 8 + 2 * t + (r & 1)
+                            if col >= n_k or (CAUSAL and col > row_g + 8 * (r >> 1) + shift):
+                                s[mt * S_TILES + nt, r] = NEG_INF
 
             # Online softmax on the fragments: row maxima over the quad, then p, alpha, l_i. m_i is
             # kept in raw score units; the scale is folded into the exponent, one FFMA per element.
-            for half in range(2):
+            for mr in range(2 * M_TILES):  # row g + 8 (mr % 2) of m-tile mr // 2
+                half = mr & 1
+                s0 = (mr >> 1) * S_TILES
+                a0_ = (mr >> 1) * O_TILES
                 m_tile = NEG_INF
                 for nt in range(S_TILES):
-                    m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
+                    m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-                m_new = max(m_i[half], m_tile)
+                m_new = max(m_i[mr], m_tile)
                 # A row with nothing visible yet keeps m = -inf; subtract 0 so ex2 gives 0, not nan.
                 m_scaled = ZERO if m_new == NEG_INF else m_new * scale_log2
-                alpha = ex2(m_i[half] * scale_log2 - m_scaled)
+                alpha = ex2(m_i[mr] * scale_log2 - m_scaled)
                 row_sum = ZERO
                 for nt in range(S_TILES):
                     for c in range(2):
-                        p = ex2(cuda.fma(s[nt, 2 * half + c], scale_log2, -m_scaled))
-                        s[nt, 2 * half + c] = p
+                        p = ex2(cuda.fma(s[s0 + nt, 2 * half + c], scale_log2, -m_scaled))
+                        s[s0 + nt, 2 * half + c] = p
                         row_sum += p
-                l_i[half] = alpha * l_i[half] + row_sum
-                m_i[half] = m_new
+                l_i[mr] = alpha * l_i[mr] + row_sum
+                m_i[mr] = m_new
                 for dt in range(O_TILES):
-                    acc[dt, 2 * half] *= alpha
-                    acc[dt, 2 * half + 1] *= alpha
+                    acc[a0_ + dt, 2 * half] *= alpha
+                    acc[a0_ + dt, 2 * half + 1] *= alpha
 
             cp_wait(0)  # V_j
             cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
@@ -373,38 +394,46 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             cp_commit()
 
             # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
+            p_frag = cuda.local.array((M_TILES, 4), uint32)
             for kk in range(PV_STEPS):
-                a0 = pack(s[2 * kk, 0], s[2 * kk, 1])
-                a1 = pack(s[2 * kk, 2], s[2 * kk, 3])
-                a2 = pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
-                a3 = pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+                for mt in range(M_TILES):
+                    st = mt * S_TILES + 2 * kk
+                    p_frag[mt, 0] = pack(s[st, 0], s[st, 1])
+                    p_frag[mt, 1] = pack(s[st, 2], s[st, 3])
+                    p_frag[mt, 2] = pack(s[st + 1, 0], s[st + 1, 1])
+                    p_frag[mt, 3] = pack(s[st + 1, 2], s[st + 1, 3])
                 for dp in range(O_TILES // 2):
                     b0, b1, b2, b3 = ldsm_t(sv, swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
-                    dt = 2 * dp
-                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                    acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
+                    for mt in range(M_TILES):  # one V fragment, M_TILES m-tiles
+                        a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
+                        dt = mt * O_TILES + 2 * dp
+                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
+                            a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                        acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
+                            a0, a1, a2, a3, b2, b3,
+                            acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
             cuda.syncthreads()  # every warp is done reading V_j before V_{j+1} is copied over it
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
 
         # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
-        for half in range(2):
-            l_row = l_i[half]
+        for mr in range(2 * M_TILES):
+            half = mr & 1
+            a0_ = (mr >> 1) * O_TILES
+            l_row = l_i[mr]
             l_row += shfl_xor(FULL, l_row, 1)
             l_row += shfl_xor(FULL, l_row, 2)
-            row = q0 + warp * 16 + g + 8 * half
+            row = q0 + warp * ROWS_W + 8 * mr + g
             inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
             if row < n_q:
                 if t == 0:
                     if l_row > ZERO:
-                        lse[b, h, row] = (m_i[half] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                        lse[b, h, row] = (m_i[mr] * scale_log2 + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[b, h, row] = NEG_INF
                 for dt in range(O_TILES):
                     col = dt * 8 + 2 * t
-                    bits = pack(acc[dt, 2 * half] * inv_l, acc[dt, 2 * half + 1] * inv_l)
+                    bits = pack(acc[a0_ + dt, 2 * half] * inv_l, acc[a0_ + dt, 2 * half + 1] * inv_l)
                     if col < d:
                         out[b, h, row, col] = uint16(bits & 0xFFFF)
                     if col + 1 < d:
@@ -415,15 +444,17 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
-                        MAX_REGS=None):
+                        MAX_REGS=None, M_TILES=1):
     """The compiled kernel for one specialisation; cached so each compiles once.
 
     MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
     share an SM (64K registers) where 174 allows two, at the price of a few spilled bytes."""
-    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE)
+    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES)
     if bad:
-        raise ValueError(f"mma forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, {DTYPE}) cannot be built: {'; '.join(bad)}")
-    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK))
+        raise ValueError(f"mma forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, {DTYPE}, M_TILES={M_TILES}) cannot be built: "
+                         f"{'; '.join(bad)}")
+    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK),
+                           M_TILES)
     if MAX_REGS:
         return cuda.jit(kernel_signature(), max_registers=int(MAX_REGS))(source)
     return cuda.jit(kernel_signature())(source)
@@ -435,7 +466,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
-           Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None):
+           Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -447,7 +478,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     elements and the base 16-byte aligned (cp.async copies 16 aligned bytes). BLOCK_Q, BLOCK_K,
     HEAD_DIM and Q_IN_REGS (None: the factory's default) pick the specialisation; FAST_LOADS and
     UNROLL_QK (default on) switch the v4 code paths (False: the older ones, kept for the sweep to
-    compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount.
+    compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount; M_TILES (1 or 2) is the number of
+    16-row m-tiles per warp (threads per block = 32 * BLOCK_Q / (16 * M_TILES)).
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -462,9 +494,9 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     if B * H > 65535:
         raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
-                                 bool(UNROLL_QK), MAX_REGS)
+                                 bool(UNROLL_QK), MAX_REGS, int(M_TILES))
     grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
-    kernel[grid, 2 * BLOCK_Q, stream](
+    kernel[grid, threads_per_block(BLOCK_Q, M_TILES), stream](
         _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E)
     )
 
