@@ -37,15 +37,25 @@ SIMULATOR_SHAPES = [(1, 1, 32, 16)]
 BWD, FWD_BWD = "bwd", "fwd+bwd"
 FLOP_FACTOR = {BWD: 2.5, FWD_BWD: 3.5}
 
-# (dkdv (block_q, block_k, row_threads, col_threads), dq (...)) for head_dim 128; the first is shipped.
-SWEEP_CANDIDATES = [
-    ((64, 64, 16, 16), (64, 64, 16, 16)),
-    ((32, 64, 16, 16), (64, 32, 16, 16)),
-    ((64, 32, 8, 16), (64, 64, 8, 16)),
-    ((32, 128, 32, 16), (128, 32, 16, 16)),
-    ((64, 64, 16, 16), (128, 32, 16, 16)),
-    ((32, 64, 16, 16), (64, 64, 8, 16)),
-]
+# head_dim -> [(dkdv (block_q, block_k, row_threads, col_threads[, max_registers]), dq (...)), ...];
+# the first of each list is the shipped pair. A register cap of 128 lets two 256-thread blocks
+# share an SM where shared memory allows it (d = 64, and dq at d = 128 with 32-row K tiles).
+SWEEP_CANDIDATES = {
+    64: [
+        ((64, 64, 16, 16, 128), (64, 64, 16, 16, 128)),
+        ((64, 64, 16, 16), (64, 64, 16, 16)),
+        ((64, 64, 32, 8, 128), (64, 64, 32, 8, 128)),
+        ((64, 64, 16, 16), (128, 64, 32, 8)),
+        ((32, 64, 16, 16), (64, 32, 16, 16, 128)),
+    ],
+    128: [
+        ((64, 64, 16, 16), (64, 64, 16, 16)),
+        ((64, 64, 32, 8), (64, 64, 32, 8)),
+        ((32, 64, 16, 16), (64, 32, 16, 16)),
+        ((64, 64, 16, 16), (64, 32, 16, 16, 128)),
+        ((64, 64, 16, 16), (128, 32, 16, 16)),
+    ],
+}
 
 
 def naive_attention(q, k, v, causal, scale):
@@ -153,9 +163,9 @@ def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0)
              + [to_device_view(t, 0)[0] for t in (lse, delta)]  # (1, B, H, N) -> (B, H, N)
              + [to_device_view(t, 0) for t in grads])
     rows = []
-    for kv_t, q_t in SWEEP_CANDIDATES:
-        cfgs = (BackwardConfig("dkdv", *kv_t, d), BackwardConfig("dq", *q_t, d))
-        row = {"dkdv": list(kv_t), "dq": list(q_t), "dtype": dtype, "causal": causal,
+    for kv_t, q_t in SWEEP_CANDIDATES[d]:
+        cfgs = tuple(BackwardConfig(kern, *t[:4], d, *t[4:]) for kern, t in (("dkdv", kv_t), ("dq", q_t)))
+        row = {"dkdv": list(kv_t), "dq": list(q_t), "d": d, "dtype": dtype, "causal": causal,
                "smem": [c.smem_bytes for c in cfgs]}
         problems = [p for c in cfgs for p in c.problems()]
         if problems:
@@ -164,12 +174,17 @@ def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0)
         stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         run = lambda: simt_backward.launch(cfgs, *views, causal=causal, softmax_scale=d ** -0.5,  # noqa: E731
                                            dtype=dtype, d=d, stream=stream)
-        ms, _ = bench.time_call(run, budget_s=budget_s)
+        try:
+            ms, _ = bench.time_call(run, budget_s=budget_s)
+        except Exception as e:  # a launch failure (too many resources) is a result
+            rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
+            continue
         regs = [next(iter(simt_backward.make_backward_kernel(c, causal, dtype).overloads.values()))
                 ._codelibrary.get_cufunc().attrs.regs for c in cfgs]
         row.update(ms=ms, tflops=FLOP_FACTOR[BWD] * bench.flops(B, H, N, N, d, causal) / ms / 1e9, regs=regs)
         rows.append(row)
-        print(f"  dkdv {kv_t} dq {q_t}: {row['tflops']:.1f} TFLOP/s, regs {regs}, smem {row['smem']}", flush=True)
+        print(f"  d{d} {dtype} dkdv {kv_t} dq {q_t}: {row['tflops']:.1f} TFLOP/s, regs {regs}, smem {row['smem']}",
+              flush=True)
     return rows
 
 
@@ -230,12 +245,13 @@ def markdown(result: dict) -> str:
         md.append("\n— : not run; first error per implementation and dtype:\n")
         md.extend(f"- {impl}, {dtype}: {msg}" for (impl, dtype), msg in errors.items())
     if result.get("sweep"):
-        md.append("\n## Config sweep (B4 H16 N4096 d128, kernels launched directly)\n")
-        md.append("| dtype | causal | dkdv (bq, bk, rt, ct) | dq (bq, bk, rt, ct) | TFLOP/s | regs | smem B |")
-        md.append("|---|---|---|---|---|---|---|")
+        md.append("\n## Config sweep (B4 H16 N4096, kernels launched directly; the first per d is shipped)\n")
+        md.append("| d | dtype | causal | dkdv (bq, bk, rt, ct[, maxreg]) | dq (...) | TFLOP/s | regs | smem B |")
+        md.append("|---|---|---|---|---|---|---|---|")
         for r in result["sweep"]:
             val = f"{r['tflops']:.1f}" if r.get("tflops") else r.get("error", "")
-            md.append(f"| {r['dtype']} | {r['causal']} | {r['dkdv']} | {r['dq']} | {val} | {r.get('regs', '')} | {r['smem']} |")
+            md.append(f"| {r['d']} | {r['dtype']} | {r['causal']} | {r['dkdv']} | {r['dq']} | {val} | "
+                      f"{r.get('regs', '')} | {r['smem']} |")
     return "\n".join(md)
 
 
@@ -258,9 +274,9 @@ def main(argv=None):
     result = {"meta": bench.metadata(command, simulator=False)}
     t0 = time.perf_counter()
     if args.sweep:
-        print("backward config sweep (B4 H16 N4096 d128):", flush=True)
-        result["sweep"] = [r for dt in args.dtypes for c in (False, True)
-                           for r in sweep(dtype=dt, causal=c, budget_s=args.budget_s)]
+        print("backward config sweep (B4 H16 N4096, not causal):", flush=True)
+        result["sweep"] = [r for d in SWEEP_CANDIDATES for dt in args.dtypes
+                           for r in sweep(d=d, dtype=dt, budget_s=args.budget_s)]
     result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
     stem = os.path.join(args.out, f"backward-{result['meta']['date'][:10]}" + ("-quick" if args.quick else ""))

@@ -45,9 +45,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from numba import config as nb_config
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
-from ..configs import HEAD_DIMS, SMEM_PER_BLOCK_MAX, head_dim_bucket
+from ..configs import HEAD_DIMS, REGS_PER_SM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 from .simt_forward import FASTMATH, LOG2E, STORAGE, _allow_dynamic_smem, _device_id
 
@@ -77,6 +78,7 @@ class BackwardConfig:
     row_threads: int
     col_threads: int
     head_dim: int  # compiled (padded) head dim
+    max_registers: int | None = None  # ptxas -maxrregcount, e.g. to fit 2 blocks per SM
 
     @property
     def threads(self) -> int:
@@ -153,6 +155,8 @@ class BackwardConfig:
             out.append(f"{self.threads} threads per block (1..1024 allowed)")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
             out.append(f"{self.smem_bytes} B shared memory > {SMEM_PER_BLOCK_MAX}")
+        if self.max_registers is not None and self.max_registers * self.threads > REGS_PER_SM:
+            out.append(f"max_registers={self.max_registers} x {self.threads} threads > {REGS_PER_SM}")
         if self.accumulators_per_thread > 128:  # more and NVVM leaves local arrays in memory
             out.append(f"{self.accumulators_per_thread} accumulator registers per thread > 128")
         return out
@@ -163,9 +167,12 @@ def _configs_for(head_dim: int) -> tuple[BackwardConfig, BackwardConfig]:
     # thread then holds 4-16 head-dim columns. Up to d = 128: 64 x 64 tiles and 256 threads
     # (128 for d = 16), so dK + dV are 2 x 4 x 8 = 64 accumulators at d = 128, the most that
     # stays in registers beside the S and dP slices. Above: 32 x 32 tiles, same slice sizes.
+    # At d = 32 and 64 both kernels fit 128 registers without spilling (ptxas -v) and two blocks'
+    # shared memory fit an SM, so the cap doubles the warps per SM (d = 16 has 128 threads).
     col = max(c for c in (4, 8, 16) if head_dim % (4 * c) == 0)
     if head_dim <= 128:
-        tiles = dict(block_q=64, block_k=64, row_threads=min(256 // col, 32), col_threads=col)
+        tiles = dict(block_q=64, block_k=64, row_threads=min(256 // col, 32), col_threads=col,
+                     max_registers=128 if 32 <= head_dim <= 64 else None)
     else:
         tiles = dict(block_q=32, block_k=32, row_threads=16, col_threads=col)
     return (BackwardConfig("dkdv", head_dim=head_dim, **tiles),
@@ -575,7 +582,8 @@ def make_backward_kernel(cfg: BackwardConfig, causal: bool, dtype: str):
         raise ValueError(f"backward config {cfg} cannot run: {'; '.join(problems)}")
     if dtype not in STORAGE:
         raise ValueError(f"dtype {dtype!r} not in {sorted(STORAGE)}")
-    return cuda.jit(kernel_signature(cfg, dtype), fastmath=FASTMATH)(kernel_source(cfg, causal, dtype))
+    cap = {} if cfg.max_registers is None or nb_config.ENABLE_CUDASIM else {"max_registers": cfg.max_registers}
+    return cuda.jit(kernel_signature(cfg, dtype), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype))
 
 
 # --------------------------------------------------------------------------------------------
