@@ -5,7 +5,9 @@
 See ``forward`` for the full contract and ``explain`` for which kernel runs and why.
 """
 from .api import KERNELS, PerformanceWarning, explain, forward, validate
+from .backward import backward, explain_backward
 from .decode import decode
 
-__all__ = ["forward", "decode", "explain", "validate", "KERNELS", "PerformanceWarning"]
+__all__ = ["forward", "backward", "decode", "explain", "explain_backward", "validate", "KERNELS",
+           "PerformanceWarning"]
 __version__ = "0.1.0"
