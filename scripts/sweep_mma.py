@@ -49,6 +49,7 @@ VARIANTS = {
         ("128x32 8w r128", dict(BLOCK_Q=128, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
         ("64x32 r128", dict(BLOCK_Q=64, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
         ("64x64 oldloads", dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False), D128_FIRST),
+        ("64x64 3syncs", dict(BLOCK_Q=64, BLOCK_K=64, TWO_SYNCS=False), D128_FIRST),
     ],
     64: [
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
@@ -80,7 +81,7 @@ def kernel_for(cfg, head_dim, causal, dtype):
         cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim, bool(causal),
         "bfloat16" if dtype == torch.bfloat16 else "float16", cfg.get("Q_IN_REGS"),
         bool(cfg.get("FAST_LOADS", True)), bool(cfg.get("UNROLL_QK", True)), cfg.get("MAX_REGS"),
-        int(cfg.get("M_TILES", 1)))
+        int(cfg.get("M_TILES", 1)), bool(cfg.get("TWO_SYNCS", True)))
 
 
 def as_numba(t):
@@ -131,7 +132,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--max-seconds", type=float, default=160.0, help="start no new variant after this")
+    ap.add_argument("--max-seconds", type=float, default=150.0, help="start no new variant after this")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("sweep_mma.py needs a CUDA GPU with torch")

@@ -164,7 +164,7 @@ def test_two_warps_head_dim_128_unfixed_swizzle_sim():
 
 
 @in_simulator
-@pytest.mark.parametrize("config", [dict(FAST_LOADS=False), dict(UNROLL_QK=False)])
+@pytest.mark.parametrize("config", [dict(FAST_LOADS=False), dict(UNROLL_QK=False), dict(TWO_SYNCS=False)])
 def test_older_code_paths_sim(config):
     """The v3 loads and the rolled k-step loop (kept for the sweep) still compute the same thing."""
     r = run_forward(1, 2, 1, 40, 90, 64, True, "bfloat16", seed=13, **config)

@@ -100,7 +100,7 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1):
 
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
-                  M_TILES=1):
+                  M_TILES=1, TWO_SYNCS=True):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
@@ -111,6 +111,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     on a loop counter and ptxas could not schedule loads of step kk+1 under the mma of step kk).
     M_TILES: 16-row m-tiles per warp (warps = BLOCK_Q / (16 M_TILES)); with 2, every K and V
     fragment loaded by ldmatrix feeds two m-tiles' mma (FA2's 4 warps x 32 rows).
+    TWO_SYNCS: two barriers per K/V tile instead of three: V_j is issued after the barrier at the
+    top of the tile (which already proves every warp finished P·V_{j-1}), so the barrier that
+    guarded V's buffer at the end of the tile goes; the overlap (V_j under Q·K_jᵀ and softmax,
+    K_{j+1} under P·V_j) is unchanged.
     """
     if Q_IN_REGS is None:  # d = 128 keeps Q in shared memory: its 32 registers would spill
         Q_IN_REGS = HEAD_DIM <= 64
@@ -307,14 +311,18 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 
         for j in range(n_tiles):
             k0 = j * BLOCK_K
+            if TWO_SYNCS:  # FA2's order: one barrier says K_j landed and every warp left P·V_{j-1}
+                cp_wait(0)  # K_j (the only group in flight)
+                cuda.syncthreads()
             # V_j streams in while S = Q K_jᵀ and the softmax run.
             if FAST_LOADS:
                 load_tile_fast(sv, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
             else:
                 load_tile(sv, v, b, h_kv, k0, n_k, d, KV_COPIES)
             cp_commit()
-            cp_wait(1)  # K_j has landed, V_j may still be in flight
-            cuda.syncthreads()
+            if not TWO_SYNCS:
+                cp_wait(1)  # K_j has landed, V_j may still be in flight
+                cuda.syncthreads()
 
             # S = Q K_jᵀ
             for nt in range(M_TILES * S_TILES):
@@ -412,7 +420,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                         acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
                             a0, a1, a2, a3, b2, b3,
                             acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
-            cuda.syncthreads()  # every warp is done reading V_j before V_{j+1} is copied over it
+            if not TWO_SYNCS:
+                cuda.syncthreads()  # every warp is done reading V_j before V_{j+1} is copied over it
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
 
@@ -444,7 +453,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
-                        MAX_REGS=None, M_TILES=1):
+                        MAX_REGS=None, M_TILES=1, TWO_SYNCS=True):
     """The compiled kernel for one specialisation; cached so each compiles once.
 
     MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
@@ -454,7 +463,7 @@ def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=Non
         raise ValueError(f"mma forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, {DTYPE}, M_TILES={M_TILES}) cannot be built: "
                          f"{'; '.join(bad)}")
     source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK),
-                           M_TILES)
+                           M_TILES, bool(TWO_SYNCS))
     if MAX_REGS:
         return cuda.jit(kernel_signature(), max_registers=int(MAX_REGS))(source)
     return cuda.jit(kernel_signature())(source)
@@ -466,7 +475,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
-           Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1):
+           Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1, TWO_SYNCS=True):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -479,7 +488,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     HEAD_DIM and Q_IN_REGS (None: the factory's default) pick the specialisation; FAST_LOADS and
     UNROLL_QK (default on) switch the v4 code paths (False: the older ones, kept for the sweep to
     compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount; M_TILES (1 or 2) is the number of
-    16-row m-tiles per warp (threads per block = 32 * BLOCK_Q / (16 * M_TILES)).
+    16-row m-tiles per warp (threads per block = 32 * BLOCK_Q / (16 * M_TILES)); TWO_SYNCS (default
+    on): two barriers per K/V tile (False: the older three).
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -494,7 +504,7 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     if B * H > 65535:
         raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
-                                 bool(UNROLL_QK), MAX_REGS, int(M_TILES))
+                                 bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS))
     grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
     kernel[grid, threads_per_block(BLOCK_Q, M_TILES), stream](
         _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E)
