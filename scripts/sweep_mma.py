@@ -114,9 +114,9 @@ def kernel_info(kernel, cfg, head_dim):
             return next(iter(x.values())) if isinstance(x, dict) else x
         except Exception:  # noqa: BLE001 - best effort; older Numba lacks some getters
             return None
-    regs = one(kernel.get_regs_per_thread)
-    local = one(kernel.get_local_mem_per_thread)
-    smem = one(kernel.get_shared_mem_per_block)
+    regs = one(lambda: kernel.get_regs_per_thread())
+    local = one(lambda: kernel.get_local_mem_per_thread())
+    smem = one(lambda: kernel.get_shared_mem_per_block())
     warps = cfg.get("BLOCK_Q", 64) // (16 * cfg.get("M_TILES", 1))
     blocks = None
     if regs:
