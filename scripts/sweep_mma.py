@@ -35,16 +35,19 @@ import numba_flash  # noqa: E402
 from numba_flash.kernels import mma_forward  # noqa: E402
 
 # (name, config for mma_forward.launch); order = priority (a deadline skips the tail).
-# "mt2" = M_TILES=2 (32 query rows per warp, warps = BQ / 32); "8w" = 8 warps of 16 rows; rNNN = MAX_REGS.
+# "mt2" = M_TILES=2 (32 query rows per warp, warps = BQ / 32); "8w" = 8 warps of 16 rows; rNNN = MAX_REGS;
+# "qreg" = Q_IN_REGS=True (Q fragments loaded once; the d=128 default re-reads them every k-step).
 # An optional third element names the only shape a variant runs on (to keep compiles < 3 min).
 D128_FIRST = "f16 B4H16 N4096 d128"
 VARIANTS = {
     128: [
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
         ("128x32 mt2", dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)),
+        ("64x32 qreg", dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True)),
+        ("64x64 qreg", dict(BLOCK_Q=64, BLOCK_K=64, Q_IN_REGS=True)),
         ("64x64 r168", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
-        ("64x32", dict(BLOCK_Q=64, BLOCK_K=32)),
-        ("128x32 8w", dict(BLOCK_Q=128, BLOCK_K=32)),
+        ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
+        ("128x32 8w", dict(BLOCK_Q=128, BLOCK_K=32), D128_FIRST),
         ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2), D128_FIRST),
         ("128x32 8w r128", dict(BLOCK_Q=128, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
         ("64x32 r128", dict(BLOCK_Q=64, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
