@@ -149,6 +149,13 @@ def test_head_dim_128_sim():
 
 
 @in_simulator
+def test_head_dim_128_q_in_registers_sim():
+    """d = 128 with Q kept in registers (the 64x32 sweep candidate), ragged tiles, non-causal."""
+    r = run_forward(1, 1, 1, 70, 50, 128, False, "float16", seed=17, BLOCK_K=32, Q_IN_REGS=True)
+    assert_close(*r, "float16")
+
+
+@in_simulator
 def test_q_from_shared_and_small_tiles_sim():
     """The other Q_IN_REGS choice for d = 64, and BLOCK_Q = 32 (2 warps), BLOCK_K = 32 (4 K tiles)."""
     r = run_forward(1, 1, 1, 40, 100, 64, True, "float16", seed=6, Q_IN_REGS=False, BLOCK_Q=32, BLOCK_K=32)
@@ -233,6 +240,18 @@ SIG = mma_forward.kernel_signature()
 def test_sweep_configs_compile_without_spills(BQ, BK, D, MT, tmp_path):
     """The configs scripts/sweep_mma.py times (uncapped registers): no spills, fragments in registers."""
     source = COMPILE_SOURCE_MT.format(BQ=BQ, BK=BK, D=D, CAUSAL=True, DTYPE="float16", MT=MT)
+    text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
+    assert "ld.local" not in text and "st.local" not in text
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+
+
+@pytest.mark.parametrize("BK", [32, 64])
+def test_head_dim_128_q_in_registers_compiles_without_spills(BK, tmp_path):
+    """v4 freed enough registers to keep Q's d = 128 fragments: 64x32 in 168 (3 blocks/SM)."""
+    source = COMPILE_SOURCE.format(BQ=64, BK=BK, D=128, CAUSAL=True, DTYPE="float16").replace(
+        "'float16')", "'float16', Q_IN_REGS=True)")
+    assert "Q_IN_REGS=True" in source
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     assert "ld.local" not in text and "st.local" not in text
     report = ptxas_report(text, tmp_path)
