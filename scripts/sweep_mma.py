@@ -43,7 +43,7 @@ VARIANTS = {
     128: [
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
         ("128x32 mt2", dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)),
-        ("64x32 qreg", dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True)),
+        ("64x32 qreg r168", dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True, MAX_REGS=168)),
         ("64x64 qreg", dict(BLOCK_Q=64, BLOCK_K=64, Q_IN_REGS=True)),
         ("64x64 r168", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
         ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
