@@ -309,6 +309,27 @@ def test_gpu_other_configs(config):
     assert_close(*r, "float16")
 
 
+SWEEP_GPU_CONFIGS = [
+    (128, dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)), (128, dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True, MAX_REGS=168)),
+    (128, dict(BLOCK_Q=64, BLOCK_K=64, Q_IN_REGS=True)), (128, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
+    (128, dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)), (128, dict(BLOCK_Q=64, BLOCK_K=64, TWO_SYNCS=False)),
+    (128, dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False)), (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, Q_IN_REGS=False)), (64, dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
+    (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=128)),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,config", SWEEP_GPU_CONFIGS)
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_sweep_configs(head_dim, config, causal):
+    """Every variant scripts/sweep_mma.py times, on ragged GQA shapes (d = head_dim - 8 padded)."""
+    for d in (head_dim, head_dim - 8):
+        r = run_forward(1, 4, 2, 333, 517, d, causal, "bfloat16", seed=d + 18, HEAD_DIM=head_dim, **config)
+        assert_close(*r, "bfloat16")
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_strided_and_large_logits():
