@@ -1,6 +1,7 @@
 """Public entry points: one validation function, then dispatch to a kernel family."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -137,7 +138,7 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
     if p.d > MMA_MAX_HEAD_DIM:
         out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
     if not nb_config.ENABLE_CUDASIM and cuda.is_available():
-        cc = cuda.get_current_device().compute_capability
+        cc = _compute_capability(p.device)
         if cc < (8, 0):
             out.append(f"GPU compute capability {cc} < (8, 0): no mma.sync m16n8k16 / cp.async")
     if views is None and not out and (p.d * 2) % 16:  # NumPy inputs are copied C-contiguous
@@ -152,6 +153,27 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device: int | None) -> tuple:
+    return cuda.get_current_device().compute_capability if device is None else cuda.gpus[device].compute_capability
+
+
+def mma_config(d: int, causal: bool) -> dict:
+    """Tensor-core tile config, from the H200 sweep (benchmarks/mma_ladder.md, sweep_mma.json).
+
+    Two m-tiles (32 query rows) per warp reuse each K/V fragment twice: best for d=64 at 128x64
+    (256 vs 216 TFLOP/s) and non-causal d=128 at 64x32 (280 vs 230). Causal d=128 was best at
+    64x64 with one m-tile (230 vs 214): smaller Q tiles waste less on the diagonal; causal d=64
+    was not swept and keeps the same 64x64.
+    """
+    head_dim = 64 if d <= 64 else 128
+    if causal:
+        return {"BLOCK_Q": 64, "BLOCK_K": 64, "HEAD_DIM": head_dim}
+    if head_dim == 64:
+        return {"BLOCK_Q": 128, "BLOCK_K": 64, "M_TILES": 2, "HEAD_DIM": 64}
+    return {"BLOCK_Q": 64, "BLOCK_K": 32, "M_TILES": 2, "HEAD_DIM": 128}
+
+
 def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
     """(family, config, reasons): which kernel runs for a validated problem, and why.
 
@@ -164,12 +186,15 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
-        head_dim = 64 if p.d <= 64 else 128
+        cfg = mma_config(p.d, p.causal)
+        head_dim, m_tiles = cfg["HEAD_DIM"], cfg.get("M_TILES", 1)
+        warps = mma_forward.threads_per_block(cfg["BLOCK_Q"], m_tiles) // 32
         reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
-                   f"64x64 tiles, 4 warps, head dim {head_dim}"]
+                   f"{cfg['BLOCK_Q']}x{cfg['BLOCK_K']} tiles, {warps} warps x {16 * m_tiles} rows, "
+                   f"head dim {head_dim}"]
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernel")
-        return "mma", {"BLOCK_Q": 64, "BLOCK_K": 64, "HEAD_DIM": head_dim}, reasons
+        return "mma", cfg, reasons
     cfg = simt_config(p.d)
     reasons = [f"simt: {cfg.block_q}x{cfg.block_k} tiles, {cfg.threads} threads, "
                f"{cfg.smem_bytes} B shared memory, fp32 FMA"]
@@ -185,8 +210,8 @@ def _on_device(device: int | None):
     """Context manager that makes the inputs' GPU current (a no-op when unknown or simulated)."""
     import contextlib
 
-    if device is None or nb_config.ENABLE_CUDASIM:
-        return contextlib.nullcontext()
+    if device is None or nb_config.ENABLE_CUDASIM or cuda.get_current_device().id == device:
+        return contextlib.nullcontext()  # switching contexts costs a driver round trip per call
     return cuda.gpus[device]
 
 

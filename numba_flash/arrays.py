@@ -6,6 +6,7 @@ the results copied back, which is also how the CUDA simulator runs everything.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,13 +86,18 @@ def current_stream(x: Any):
     if k == CUPY:
         import cupy
 
-        ptr = cupy.cuda.get_current_stream().ptr
-        return cuda.external_stream(ptr) if ptr else 0
+        return _external_stream(cupy.cuda.get_current_stream().ptr)
     if k == TORCH:
         import torch
 
-        return cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
+        return _external_stream(torch.cuda.current_stream(x.device).cuda_stream)
     return 0
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(ptr: int):
+    """Numba's wrapper of a framework stream, made once per stream (it costs a driver query)."""
+    return cuda.external_stream(ptr) if ptr else 0
 
 
 def as_4d(dev: Any) -> Any:
@@ -120,6 +126,8 @@ def to_device_view(x: Any, stream) -> Any:
         import torch
 
         x = x.view(torch.int16)
+    if k == TORCH:  # a tensor that requires grad refuses __cuda_array_interface__; detach is a view
+        x = x.detach()
     dev = cuda.as_cuda_array(x, sync=False)  # we launch on x's own stream, so no host sync
     if name == "bfloat16":
         dev = dev.view(np.uint16)

@@ -114,7 +114,7 @@ def test_forward_empty_sequences(rng, n_q, n_k):
 # ---- many tiles, small configs ---------------------------------------------------------------
 SMALL_CONFIGS = [  # (block_q, block_k, row_threads, col_threads, share_kv): few threads, many tiles
     (8, 8, 2, 2, False),
-    (16, 8, 2, 2, True),
+    (16, 8, 4, 2, True),
     (8, 16, 1, 4, True),
     (16, 16, 4, 1, False),
 ]
