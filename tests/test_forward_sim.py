@@ -116,7 +116,7 @@ SMALL_CONFIGS = [  # (block_q, block_k, row_threads, col_threads, share_kv): few
     (8, 8, 2, 2, False),
     (16, 8, 4, 2, True),
     (8, 16, 1, 4, True),
-    (16, 16, 4, 1, False),
+    (16, 16, 4, 2, False),
 ]
 
 
