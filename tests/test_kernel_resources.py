@@ -77,11 +77,15 @@ def test_shipped_simt_configs_fit(dtype, tmp_path):
     for rep in reports:
         where = f"{dtype} d={rep['d']} causal={rep['causal']}: {rep}"
         assert rep["rc"] == 0, where
-        assert rep["stack"] == 0 and rep["spill_stores"] == 0 and rep["spill_loads"] == 0, where
-        assert rep["ld_local"] == 0, where
+        cfg = SIMT_CONFIGS[rep["d"]]
+        if cfg.max_registers is None:
+            assert rep["stack"] == 0 and rep["spill_stores"] == 0 and rep["spill_loads"] == 0, where
+            assert rep["ld_local"] == 0, where
+        else:  # a deliberate cap (measured faster: 2 blocks/SM) may spill a few words, not arrays
+            assert rep["stack"] <= 32 and rep["spill_loads"] <= 64, where
+            assert rep["registers"] <= cfg.max_registers, where
         assert rep["registers"] <= 255, where
         assert rep["ex2"] > 0 and rep["ld_shared"] > 0, where  # exp is one ex2; tiles come from smem
-        cfg = SIMT_CONFIGS[rep["d"]]
         assert cfg.smem_bytes <= SMEM_PER_BLOCK_MAX
         # registers x threads must leave room for at least one block per SM
         assert rep["registers"] * cfg.threads <= 65536, where
