@@ -20,21 +20,25 @@ except ImportError:  # torch is optional
     HAVE_TORCH_CUDA = False
 
 
-def attention_f64_torch(q, k, v, causal, scale=None):
-    """float64 attention on the GPU (torch), same conventions as reference.standard_attention."""
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    q, k, v = (t.double() for t in (q, k, v))
+def _masked_scores(q, k, v, causal, scale):
+    """S = q kᵀ · scale with GQA heads repeated and the bottom-right causal mask; returns (S, v)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     H, Hkv = q.shape[-3], k.shape[-3]
     if H != Hkv:
         k = k.repeat_interleave(H // Hkv, dim=-3)
         v = v.repeat_interleave(H // Hkv, dim=-3)
     s = (q @ k.transpose(-1, -2)) * scale
-    n_q, n_k = s.shape[-2:]
     if causal:
+        n_q, n_k = s.shape[-2:]
         i = torch.arange(n_q, device=q.device)[:, None]
         j = torch.arange(n_k, device=q.device)[None, :]
         s = s.masked_fill(j > i + n_k - n_q, -math.inf)
+    return s, v
+
+
+def attention_f64_torch(q, k, v, causal, scale=None):
+    """float64 attention on the GPU (torch), same conventions as reference.standard_attention."""
+    s, v = _masked_scores(*(t.double() for t in (q, k, v)), causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
     return p @ v, lse
@@ -42,17 +46,6 @@ def attention_f64_torch(q, k, v, causal, scale=None):
 
 def attention_naive_same_dtype(q, k, v, causal, scale=None):
     """The 'naive same-dtype implementation' of the flash-attention error rule: every step in q's dtype."""
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    H, Hkv = q.shape[-3], k.shape[-3]
-    if H != Hkv:
-        k = k.repeat_interleave(H // Hkv, dim=-3)
-        v = v.repeat_interleave(H // Hkv, dim=-3)
-    s = (q @ k.transpose(-1, -2)) * scale
-    n_q, n_k = s.shape[-2:]
-    if causal:
-        i = torch.arange(n_q, device=q.device)[:, None]
-        j = torch.arange(n_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + n_k - n_q, -math.inf)
+    s, v = _masked_scores(q, k, v, causal, scale)
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)
     return torch.nan_to_num(p @ v)

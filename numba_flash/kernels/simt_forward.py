@@ -109,6 +109,23 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                             load(src, b, h, row, e, n_rows, d), load(src, b, h, row, e + 1, n_rows, d),
                             load(src, b, h, row, e + 2, n_rows, d), load(src, b, h, row, e + 3, n_rows, d))
 
+    @cuda.jit(device=True, inline=True)
+    def load_groups(frag, smem, base, n_groups, group_step):
+        """frag[4g:4g+4] = smem[base + g*group_step :][:4]: one 16-byte load per group of 4."""
+        for g in range(n_groups):
+            x0, x1, x2, x3 = ld_shared_f32x4(smem, U(base + g * group_step))
+            frag[4 * g] = x0
+            frag[4 * g + 1] = x1
+            frag[4 * g + 2] = x2
+            frag[4 * g + 3] = x3
+
+    @cuda.jit(device=True, inline=True)
+    def outer_fma(acc, a, b, M, N):
+        """acc += a bᵀ: one inner-product step of both GEMMs (register tiling)."""
+        for i in range(M):
+            for j in range(N):
+                acc[i, j] = cuda.fma(a[i], b[j], acc[i, j])
+
     def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         smem = cuda.shared.array(0, float32)
         tid = cuda.threadIdx.x
@@ -164,21 +181,9 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             for e0 in range(0, HEAD_DIM, UNROLL):
                 for u in range(UNROLL):  # constant trip count: fully unrolled, loads run ahead
                     e = e0 + u
-                    for g in range(ROW_GROUPS):
-                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(Q_OFF + e * QT + g * ROW_STEP + 4 * tr))
-                        a_frag[4 * g] = x0
-                        a_frag[4 * g + 1] = x1
-                        a_frag[4 * g + 2] = x2
-                        a_frag[4 * g + 3] = x3
-                    for g in range(S_GROUPS):
-                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(K_OFF + e * KT + g * COL_STEP + 4 * tc))
-                        k_frag[4 * g] = x0
-                        k_frag[4 * g + 1] = x1
-                        k_frag[4 * g + 2] = x2
-                        k_frag[4 * g + 3] = x3
-                    for i in range(ROWS):
-                        for jj in range(S_COLS):
-                            s[i, jj] = cuda.fma(a_frag[i], k_frag[jj], s[i, jj])
+                    load_groups(a_frag, smem, Q_OFF + e * QT + 4 * tr, ROW_GROUPS, ROW_STEP)
+                    load_groups(k_frag, smem, K_OFF + e * KT + 4 * tc, S_GROUPS, COL_STEP)
+                    outer_fma(s, a_frag, k_frag, ROWS, S_COLS)
 
             # Mask only where the tile crosses the end of the keys or the causal diagonal.
             needs_mask = k0 + BLOCK_K > n_k
@@ -229,21 +234,9 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             for t0 in range(0, BLOCK_K, UNROLL):
                 for u in range(UNROLL):
                     t = t0 + u
-                    for g in range(ROW_GROUPS):
-                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(P_OFF + t * PT + g * ROW_STEP + 4 * tr))
-                        a_frag[4 * g] = x0
-                        a_frag[4 * g + 1] = x1
-                        a_frag[4 * g + 2] = x2
-                        a_frag[4 * g + 3] = x3
-                    for g in range(O_GROUPS):
-                        x0, x1, x2, x3 = ld_shared_f32x4(smem, U(V_OFF + t * VS + g * COL_STEP + 4 * tc))
-                        v_frag[4 * g] = x0
-                        v_frag[4 * g + 1] = x1
-                        v_frag[4 * g + 2] = x2
-                        v_frag[4 * g + 3] = x3
-                    for i in range(ROWS):
-                        for c in range(O_COLS):
-                            acc[i, c] = cuda.fma(a_frag[i], v_frag[c], acc[i, c])
+                    load_groups(a_frag, smem, P_OFF + t * PT + 4 * tr, ROW_GROUPS, ROW_STEP)
+                    load_groups(v_frag, smem, V_OFF + t * VS + 4 * tc, O_GROUPS, COL_STEP)
+                    outer_fma(acc, a_frag, v_frag, ROWS, O_COLS)
             cuda.syncthreads()  # before the next tile overwrites K, V, P and the row buffer
 
         # l_i: sum the per-thread partials of each row.
@@ -287,7 +280,10 @@ def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str):
         raise ValueError(f"SIMT config {cfg} cannot run: {'; '.join(problems)}")
     if dtype not in STORAGE:
         raise ValueError(f"dtype {dtype!r} not in {sorted(STORAGE)}")
-    cap = {"max_registers": cfg.max_registers} if cfg.max_registers else {}  # the simulator takes none
+    from numba import config as nb_config
+
+    # A register cap is a ptxas option: the simulator's jit() has no such argument.
+    cap = {"max_registers": cfg.max_registers} if cfg.max_registers and not nb_config.ENABLE_CUDASIM else {}
     return cuda.jit(kernel_signature(dtype), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype))
 
 
