@@ -5,19 +5,20 @@ import functools
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from numba import config as nb_config
 from numba import cuda
 
 from . import arrays
-from .configs import MAX_HEAD_DIM, head_dim_bucket, simt_config
+from .configs import MAX_HEAD_DIM, simt_config
 from .kernels import mma_forward, simt_forward
 
 KERNELS = ("auto", "simt", "mma")
 MMA_MAX_HEAD_DIM = 128
 GRID_Y_MAX = 65535
+
 
 class PerformanceWarning(UserWarning):
     """forward ran a slower kernel than the inputs' dtype could use (explain() says why)."""
@@ -45,7 +46,6 @@ class Problem:
     causal: bool
     softmax_scale: float
     device: int | None
-    notes: list = field(default_factory=list)
 
     @property
     def lse_shape(self) -> tuple:

@@ -31,7 +31,6 @@ try:
     import reference
 except ImportError:  # run from a checkout without installing: the repository root holds reference/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import reference
 
 from reference import costs, online_softmax_trace
 
@@ -179,7 +178,7 @@ def report(r: dict) -> str:
         f" towards (or past) the ridge, where the GEMMs rather than HBM set the time. Re-reading K/V once per Q block caps it at 2·block_q/bytes = "
         f"{e3['flash_intensity_per_kv_byte']:.0f} FLOP/B; L2 reuse between Q blocks of one head closes the rest.",
         "",
-        f"Exercise 4 — backward, same shape",
+        "Exercise 4 — backward, same shape",
         f"  stored for the backward: L (fp32, one per row) {e4['stored_L_bytes'] / MiB:g} MiB "
         f"vs P {e4['stored_P_bytes'] / GiB:g} GiB ({e4['P_over_L']:,.0f}× more)",
         f"  recomputing S = Q Kᵀ: {e4['recompute_flops']:.3e} FLOPs (+{e4['recompute_fraction_of_backward_flops']:.0%} "

@@ -28,7 +28,6 @@ try:
     import reference
 except ImportError:  # run from a checkout without installing: the repository root holds reference/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import reference
 
 from reference import format_trace, online_softmax_trace
 

@@ -5,9 +5,7 @@ err(ours vs fp64) <= 2 * err(naive same-dtype vs fp64) + small.
 """
 from __future__ import annotations
 
-import itertools
 
-import numpy as np
 import pytest
 
 from gpu_helpers import HAVE_TORCH_CUDA, attention_f64_torch, attention_naive_same_dtype, needs_gpu, torch

@@ -6,16 +6,13 @@ simulated thread is a Python thread (128 per block). Simulator tests re-run them
 process with NUMBA_ENABLE_CUDASIM=1 when this process does not have it; compile tests always run
 in a child without it (see tests/test_ptx.py).
 """
-import functools
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from numba import config, cuda
+from numba import cuda
 
 from numba_flash.kernels import mma_forward
 

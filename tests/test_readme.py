@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 from numba import config as nb_config
 
 ROOT = Path(__file__).resolve().parents[1]

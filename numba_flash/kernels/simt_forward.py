@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
+from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
 # Indices are cast to unsigned (a no-op bitcast from int64) before indexing: Numba then skips the negative-index
 # wraparound test it otherwise emits for every access (64-bit compare, shift, add).
