@@ -268,7 +268,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
             out4, lse3 = out_dev.reshape(_as_4d(p.q_shape)), lse_dev.reshape((p.B, p.H, p.n_q))
             if family == "mma":
                 mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
-                                   stream=stream, **cfg)
+                                   stream=stream, layout_checked=True, **cfg)
             else:
                 simt_forward.launch(cfg, qd, kd, vd, out4, lse3, causal=p.causal,
                                     softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream)

@@ -475,7 +475,8 @@ def _words(x):
 
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
-           Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1, TWO_SYNCS=True):
+           Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1, TWO_SYNCS=True,
+           layout_checked=False):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -489,14 +490,16 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     UNROLL_QK (default on) switch the v4 code paths (False: the older ones, kept for the sweep to
     compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount; M_TILES (1 or 2) is the number of
     16-row m-tiles per warp (threads per block = 32 * BLOCK_Q / (16 * M_TILES)); TWO_SYNCS (default
-    on): two barriers per K/V tile (False: the older three).
+    on): two barriers per K/V tile (False: the older three). layout_checked=True skips the stride and
+    alignment checks for a caller that has made them (numba_flash.forward: they are per-call host time).
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     if HEAD_DIM is None:
         HEAD_DIM = 64 if d <= 64 else 128
     dtype = "bfloat16" if q.dtype == WORD else "float16"
-    _check_layout(q, k, v, out, lse, d, HEAD_DIM)
+    if not layout_checked:  # numba_flash.forward has checked strides and alignment already
+        _check_layout(q, k, v, out, lse, d, HEAD_DIM)
     if B * H * n_q == 0:
         return
     if not softmax_scale > 0:
