@@ -22,9 +22,6 @@ An indexing, masking or scaling bug gives errors of the order of M itself, far a
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -42,7 +39,7 @@ from numba_flash.kernels import simt_backward
 from numba_flash.kernels.simt_backward import BACKWARD_CONFIGS, BackwardConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_ptx import NO_GPU_PATCH, find_ptxas  # noqa: E402
+from test_ptx import NO_GPU_PATCH, run_compile_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
@@ -361,19 +358,7 @@ def test_shipped_configs_compile_without_spills(group, tmp_path):
     otherwise they land in local memory (a stack frame in ptxas -v), a silent slowdown."""
     import json
 
-    ptxas = find_ptxas()
-    if ptxas is None:
-        pytest.skip("ptxas not found (CUDA toolkit not installed)")
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, str(script), json.dumps(PTXAS_CASES[group]), ptxas],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode and re.search(r"libNVVM|NVVM.*not found|nvrtc", r.stderr, re.I):
-        pytest.skip(f"no NVVM/NVRTC: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    reports = json.loads(r.stdout.strip().splitlines()[-1])
+    reports = run_compile_child(CHILD, [json.dumps(PTXAS_CASES[group])], tmp_path)
     assert len(reports) == len(PTXAS_CASES[group])
     for rep in reports:
         print(rep)

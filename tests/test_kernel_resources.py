@@ -9,19 +9,13 @@ toolchain: NVVM via nvidia-cuda-nvrtc, and ptxas).
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from numba_flash.configs import HEAD_DIMS, SIMT_CONFIGS, SMEM_PER_BLOCK_MAX
-from test_ptx import NO_GPU_PATCH, find_ptxas
+from test_ptx import NO_GPU_PATCH, run_compile_child
 
-ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {
     "float32": [(d, c) for d in HEAD_DIMS for c in (False, True)],
@@ -60,19 +54,7 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
 
 @pytest.mark.parametrize("dtype", sorted(CASES))
 def test_shipped_simt_configs_fit(dtype, tmp_path):
-    ptxas = find_ptxas()
-    if ptxas is None:
-        pytest.skip("ptxas not found (CUDA toolkit not installed)")
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, str(script), dtype, json.dumps(CASES[dtype]), ptxas],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode and re.search(r"libNVVM|NVVM.*not found|nvrtc", r.stderr, re.I):
-        pytest.skip(f"no NVVM/NVRTC: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    reports = json.loads(r.stdout.strip().splitlines()[-1])
+    reports = run_compile_child(CHILD, [dtype, json.dumps(CASES[dtype])], tmp_path)
     assert len(reports) == len(CASES[dtype])
     for rep in reports:
         where = f"{dtype} d={rep['d']} causal={rep['causal']}: {rep}"

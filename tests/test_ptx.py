@@ -98,6 +98,26 @@ def compile_in_subprocess(source, sig, name, tmp_path):
     return out.read_text()
 
 
+def run_compile_child(source, argv, tmp_path):
+    """Run ``source`` (a script that compiles kernels and prints one JSON line) in a child without
+    the simulator, with ptxas as its last argument; return the parsed JSON. Skips without ptxas/NVVM."""
+    import json
+
+    exe = find_ptxas()
+    if exe is None:
+        pytest.skip("ptxas not found (CUDA toolkit not installed)")
+    script = tmp_path / "child.py"
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = _pythonpath()
+    r = subprocess.run([sys.executable, str(script), *argv, exe], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    if r.returncode and re.search(r"libNVVM|NVVM.*not found|nvrtc", r.stderr, re.I):
+        pytest.skip(f"no NVVM/NVRTC: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def ptxas_report(ptx_text, tmp_path):
     """ptxas -v for sm_90: dict(registers, spill_stores, spill_loads, stack); skip if no ptxas."""
     exe = find_ptxas()
