@@ -14,6 +14,7 @@ from numba import cuda
 from . import arrays
 from .configs import MAX_HEAD_DIM, simt_config
 from .kernels import mma_forward, simt_forward
+from .launch import address
 
 KERNELS = ("auto", "simt", "mma")
 MMA_MAX_HEAD_DIM = 128
@@ -148,7 +149,7 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
             if x.strides[-1] != x.dtype.itemsize or any(st % 16 for st in x.strides[:-1]):
                 out.append(f"{name} strides {tuple(x.strides)} B: cp.async needs a unit-stride last dim "
                            "and other strides that are multiples of 16 B (8 elements)")
-            elif mma_forward._address(x) % 16:
+            elif address(x) % 16:
                 out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
     return out
 

@@ -7,12 +7,13 @@ the results copied back, which is also how the CUDA simulator runs everything.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numba import config as nb_config
 from numba import cuda
+
+from .launch import DeviceView, view_of
 
 NUMPY, CUPY, TORCH, NUMBA, CAI = "numpy", "cupy", "torch", "numba", "cuda_array_interface"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -68,16 +69,6 @@ def last_dim_contiguous(x: Any) -> bool:
     return strides is None or strides[-1] == np.dtype(x.__cuda_array_interface__["typestr"]).itemsize
 
 
-@dataclass
-class Prepared:
-    """Numba device views of the user's arrays, and how to hand results back."""
-
-    kind: str
-    dev: Any  # numba device array, (B, H, N, d)
-    original: Any
-    stream: Any
-
-
 def current_stream(x: Any):
     """The stream work on x should run on: the framework's current stream, else the default."""
     k = kind_of(x)
@@ -100,58 +91,51 @@ def _external_stream(ptr: int):
     return cuda.external_stream(ptr) if ptr else 0
 
 
-def as_4d(dev: Any) -> Any:
-    """View a (N, d) or (H, N, d) device array as (1, 1, N, d) / (1, H, N, d), strides kept."""
-    if dev.ndim == 4:
+def as_4d(dev: Any, ndim: int = 4) -> Any:
+    """View a device array with unit dims added in front up to ``ndim`` dims, strides kept."""
+    if dev.ndim == ndim:
         return dev
-    lead = 4 - dev.ndim
-    if nb_config.ENABLE_CUDASIM:
-        return dev.reshape((1,) * lead + tuple(dev.shape))
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
-
-    strides = (0,) * lead + tuple(dev.strides)  # unit dims: any stride is never used
-    return DeviceNDArray((1,) * lead + tuple(dev.shape), strides, dev.dtype, gpu_data=dev.gpu_data)
+    if isinstance(dev, DeviceView):
+        return dev.leading(ndim)
+    return dev.reshape((1,) * (ndim - dev.ndim) + tuple(dev.shape))  # simulator arrays
 
 
-def to_device_view(x: Any, stream) -> Any:
-    """A 4-D Numba device array viewing x (bfloat16 as uint16 bits); NumPy is copied over."""
+def to_device_view(x: Any, stream, ndim: int = 4) -> Any:
+    """An ``ndim``-D device view of x (bfloat16 as uint16 bits); NumPy is copied over.
+
+    On a GPU this is a ``launch.DeviceView`` read straight from the framework (pointer, shape,
+    strides: no driver call, no copy); under the simulator, the simulator's own array.
+    """
     k = kind_of(x)
     name = dtype_name(x)
     if k == NUMPY:
         host = np.ascontiguousarray(x)
         if name == "bfloat16":  # ml_dtypes.bfloat16
             host = host.view(np.uint16)
-        return as_4d(cuda.to_device(host, stream=stream))
-    if k == TORCH and name == "bfloat16":
-        import torch
-
-        x = x.view(torch.int16)
-    if k == TORCH:  # a tensor that requires grad refuses __cuda_array_interface__; detach is a view
-        x = x.detach()
-    dev = cuda.as_cuda_array(x, sync=False)  # we launch on x's own stream, so no host sync
-    if name == "bfloat16":
-        dev = dev.view(np.uint16)
-    return as_4d(dev)
+        dev = cuda.to_device(host, stream=stream)
+        return as_4d(dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI), ndim)
+    if not nb_config.ENABLE_CUDASIM:
+        return as_4d(view_of(x, k), ndim)  # PyTorch bfloat16 becomes uint16 here
+    dev = cuda.as_cuda_array(x, sync=False)  # simulator arrays (nothing else exists there)
+    return as_4d(dev.view(np.uint16) if name == "bfloat16" else dev, ndim)
 
 
 def empty_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
-    """Allocate (original-kind object, numba view) for an output of the given shape and dtype."""
+    """Allocate (original-kind object, device view) for an output of the given shape and dtype."""
     if kind == CUPY:
         import cupy
 
         with cupy.cuda.Device(ref.device.id):
             obj = cupy.empty(shape, dtype=dtype)
-        return obj, cuda.as_cuda_array(obj, sync=False)
+        return obj, view_of(obj, CUPY)
     if kind == TORCH:
         import torch
 
         obj = torch.empty(shape, dtype=getattr(torch, dtype), device=ref.device)
-        view = obj.view(torch.int16) if dtype == "bfloat16" else obj
-        dev = cuda.as_cuda_array(view, sync=False)
-        return obj, (dev.view(np.uint16) if dtype == "bfloat16" else dev)
+        return obj, view_of(obj, TORCH)
     storage = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
     dev = cuda.device_array(shape, dtype=storage, stream=stream)
-    return dev, dev
+    return dev, (dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI))
 
 
 def to_host_kind(kind: str, obj: Any, dtype: str, stream):

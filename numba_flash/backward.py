@@ -137,7 +137,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None):
         dv_obj, dv_dev = arrays.empty_like_kind(kinds[2], v, kv_shape, p.dtype, stream)
         _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
         qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))
-        lse_d = arrays.to_device_view(lse, stream)[0]  # as_4d made it (1, B, H, Nq)
+        lse_d = arrays.to_device_view(lse, stream, ndim=3)
         simt_backward.launch(
             # the gradients are fresh and contiguous, so reshape is a view
             cfgs, qd, kd, vd, od, dod, lse_d, delta, dq_dev.reshape(_as_4d(p.q_shape)),

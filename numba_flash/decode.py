@@ -17,6 +17,7 @@ from .api import _on_device, validate
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
 from .kernels.decode import DecodeConfig, decode_config
+from .launch import DeviceView, view_of
 
 MAX_DECODE_QUERIES = 16
 H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
@@ -207,9 +208,15 @@ def _kv_words(dev, dtype: str):
 
 
 def _seqlens_view(cache_seqlens, stream):
-    """A 1-D Numba device array of lengths; a 0-length one means 'Nmax for every sequence'."""
+    """A 1-D device view of the lengths; a 0-length one means 'Nmax for every sequence'."""
+    sim = nb_config.ENABLE_CUDASIM
     if cache_seqlens is None:
-        return cuda.device_array(0, dtype=np.int32, stream=stream)
+        if sim:
+            return cuda.device_array(0, dtype=np.int32, stream=stream)
+        return DeviceView(0, (0,), (4,), np.int32)  # never dereferenced: the kernel checks the length
     if arrays.kind_of(cache_seqlens) == arrays.NUMPY:
-        return cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
-    return cuda.as_cuda_array(cache_seqlens, sync=False)
+        dev = cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
+        return dev if sim else view_of(dev, arrays.CAI)
+    if sim:
+        return cuda.as_cuda_array(cache_seqlens, sync=False)
+    return view_of(cache_seqlens, arrays.kind_of(cache_seqlens))

@@ -41,23 +41,21 @@ from numba_flash.kernels import mma_forward  # noqa: E402
 D128_FIRST = "f16 B4H16 N4096 d128"
 VARIANTS = {
     128: [
-        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
+        ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)),  # shipped, non-causal
+        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # shipped, causal
+        ("128x64 mt2", dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),  # FA2's d=128 tile; 64 KiB dynamic smem
+        ("128x64 8w", dict(BLOCK_Q=128, BLOCK_K=64)),
         ("128x32 mt2", dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)),
-        ("64x32 qreg r168", dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True, MAX_REGS=168)),
-        ("64x64 qreg", dict(BLOCK_Q=64, BLOCK_K=64, Q_IN_REGS=True)),
-        ("64x64 r168", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
+        ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
+        ("128x128 8w", dict(BLOCK_Q=128, BLOCK_K=128), D128_FIRST),
+        ("64x32 qreg r168", dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True, MAX_REGS=168), D128_FIRST),
         ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
-        ("128x32 8w", dict(BLOCK_Q=128, BLOCK_K=32), D128_FIRST),
-        ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2), D128_FIRST),
-        ("128x32 8w r128", dict(BLOCK_Q=128, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
-        ("64x32 r128", dict(BLOCK_Q=64, BLOCK_K=32, MAX_REGS=128), D128_FIRST),
-        ("64x64 oldloads", dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False), D128_FIRST),
-        ("64x64 3syncs", dict(BLOCK_Q=64, BLOCK_K=64, TWO_SYNCS=False), D128_FIRST),
     ],
     64: [
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
         ("128x64 mt2", dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),
-        ("128x64 mt2 qsmem", dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, Q_IN_REGS=False)),
+        ("128x128 mt2", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2)),
+        ("256x64 mt2", dict(BLOCK_Q=256, BLOCK_K=64, M_TILES=2)),
         ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
         ("128x64 8w", dict(BLOCK_Q=128, BLOCK_K=64)),
         ("128x128 8w", dict(BLOCK_Q=128, BLOCK_K=128)),
@@ -169,7 +167,7 @@ def main(argv=None):
             grid = ((N + 63) // 64, B * H)
             words = [x if x.dtype == np.uint16 else x.view(np.uint16) for x in (qn, kn, vn, on)]
             sl2 = float32(scale * mma_forward.LOG2E)
-            t_kernel = time_ms(lambda: kern[grid, 128, 0](*words, ln, N, N, d, 1, sl2), args.warmup, args.iters)
+            t_kernel = time_ms(lambda: kern[grid, 128, 0, mma_forward.smem_bytes(64, 64, hd)](*words, ln, N, N, d, 1, sl2), args.warmup, args.iters)
             t_launch = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
                                                           **cfg0), args.warmup, args.iters)
             t_fwd = time_ms(lambda: numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale),

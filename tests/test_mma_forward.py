@@ -210,7 +210,8 @@ def test_large_logits_sim():
 def test_shipped_configs_are_valid():
     for head_dim in (64, 128):
         assert mma_forward.problems(64, 64, head_dim, "float16") == []
-    assert mma_forward.problems(64, 128, 128, "float16")  # 80 KiB: over the static limit
+    assert mma_forward.problems(128, 64, 128, "float16", M_TILES=2) == []  # 64 KiB: dynamic smem
+    assert "shared memory" in " ".join(mma_forward.problems(256, 512, 128, "float16"))  # 320 KiB > 227
     with pytest.raises(ValueError, match="HEAD_DIM=96"):
         mma_forward.make_forward_kernel(64, 64, 96, False, "float16")
 
@@ -257,12 +258,13 @@ def test_head_dim_128_q_in_registers_compiles_without_spills(BK, tmp_path):
 
 
 def test_head_dim_128_register_budget(tmp_path):
-    """v4's copy plans and unrolled k-steps: 64x64x128 took 240 registers in v3, 174 now."""
+    """v4's copy plans and unrolled k-steps: 64x64x128 took 240 registers in v3, 174 in v4, 209 with
+    one dynamic shared buffer (v6; ptxas's choice, no spills)."""
     source = COMPILE_SOURCE.format(BQ=64, BK=64, D=128, CAUSAL=False, DTYPE="float16")
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     assert text.count("mma.sync.aligned") == 2 * 64  # both GEMMs fully unrolled (8x8 + 4x16)
     report = ptxas_report(text, tmp_path)
-    assert report["registers"] <= 200, report["text"]
+    assert report["registers"] <= 216, report["text"]  # 216 x 128 threads: still 2 blocks per SM
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -51,12 +51,14 @@ from functools import lru_cache
 
 import numpy as np
 from llvmlite import ir
-from numba import config as nb_config
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 from numba.cuda.extending import intrinsic
 
+from ..launch import address
+from ..launch import launch as launch_kernel
+
 from .. import ptx
-from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, SMEM_STATIC_MAX, head_dim_bucket
+from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..ptx import SMEM_ALIGN, inline_device
 
 # Indices are cast to unsigned before indexing: Numba then skips its negative-index wraparound code.
@@ -728,20 +730,13 @@ def make_merge_kernel(dtype: str):
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def _address(x) -> int:
-    iface = getattr(x, "__cuda_array_interface__", None)
-    if iface is None:  # simulator arrays wrap a NumPy array
-        return ptx._numpy_of(x).ctypes.data
-    return iface["data"][0]
-
-
 def cp_async_ok(x, d: int) -> bool:
     """Can cp.async copy x's rows: unit last stride, other strides and the base 16-byte aligned."""
     shape, strides = tuple(x.shape), tuple(x.strides)  # tuples: simulator arrays refuse index -1
     if shape[-1] > 1 and strides[-1] != x.dtype.itemsize:
         return False
     outer = [s for s, n in zip(strides[:-1], shape[:-1]) if n > 1]
-    return all(s % 16 == 0 for s in outer) and _address(x) % 16 == 0
+    return all(s % 16 == 0 for s in outer) and address(x) % 16 == 0
 
 
 def scratch_shapes(B: int, H: int, n_q: int, num_splits: int, d: int) -> tuple:
@@ -751,25 +746,6 @@ def scratch_shapes(B: int, H: int, n_q: int, num_splits: int, d: int) -> tuple:
 
 def n_row_chunks(cfg: DecodeConfig, group: int, n_q: int) -> int:
     return -(-group * n_q // cfg.rows)
-
-
-def _allow_dynamic_smem(kernel, nbytes: int) -> None:
-    """Opt in to more than 48 KiB of dynamic shared memory (a no-op under the simulator)."""
-    if nbytes <= SMEM_STATIC_MAX or nb_config.ENABLE_CUDASIM:
-        return
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    for compiled in kernel.overloads.values():
-        cufunc = compiled._codelibrary.get_cufunc()
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
-
-
-_opted_in: set = set()
-
-
-def _device_id() -> int:
-    return 0 if nb_config.ENABLE_CUDASIM else cuda.get_current_device().id
 
 
 def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: float, d: int,
@@ -791,10 +767,6 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     vec = cp_async_ok(k, d) and cp_async_ok(v, d)
     lens_dtype = str(seqlens.dtype)
     kernel = make_split_kernel(cfg, vec, split, lens_dtype)
-    key = (cfg, vec, split, lens_dtype, _device_id())
-    if key not in _opted_in:
-        _allow_dynamic_smem(kernel, cfg.smem_bytes)
-        _opted_in.add(key)
     blocks_y = B * Hkv * n_row_chunks(cfg, group, n_q)
     if blocks_y > 65535:
         raise ValueError(f"B·Hkv·row chunks = {blocks_y} exceeds the grid's y limit of 65535")
@@ -803,8 +775,8 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     else:  # never written: any arrays of the right types will do
         m_part = l_part = lse.reshape((B, H, n_q, 1))
         acc_part = lse.reshape((B, H, n_q, 1, 1))
-    kernel[(num_splits, blocks_y), cfg.threads, stream, cfg.smem_bytes](
-        q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, float32(softmax_scale * LOG2E))
+    launch_kernel(kernel, (num_splits, blocks_y), cfg.threads, stream, cfg.smem_bytes,
+                  q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, float32(softmax_scale * LOG2E))
     if split:
         merge = make_merge_kernel(cfg.dtype)
-        merge[B * H * n_q, MERGE_THREADS, stream, 4 * num_splits](m_part, l_part, acc_part, out, lse)
+        launch_kernel(merge, B * H * n_q, MERGE_THREADS, stream, 4 * num_splits, m_part, l_part, acc_part, out, lse)

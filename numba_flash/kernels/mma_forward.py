@@ -51,13 +51,16 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
+from ..launch import address
+from ..launch import launch as launch_kernel
+
 from .. import ptx
-from ..ptx import SMEM_ALIGN, inline_device
+from ..configs import SMEM_PER_BLOCK_MAX
+from ..ptx import inline_device
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
-STATIC_SMEM_MAX = 48 * 1024
 WORD, F16, F32 = np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32)
 
 
@@ -94,8 +97,8 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1):
     for name, rows in (("Q", BLOCK_Q), ("K/V", BLOCK_K)):
         if (rows * HEAD_DIM // 8) % max(threads, 1):
             out.append(f"{name} tile of {rows}x{HEAD_DIM} is not a whole number of 16-byte copies per thread")
-    if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM) > STATIC_SMEM_MAX:
-        out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM)} B of shared memory > {STATIC_SMEM_MAX} (static)")
+    if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM) > SMEM_PER_BLOCK_MAX:
+        out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out
 
 
@@ -137,6 +140,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     Q_FRAGS = QK_STEPS if Q_IN_REGS else 1  # per m-tile
     MT_Q = 16 * HEAD_DIM  # shared offset between a warp's m-tiles of Q (16 rows: same row % 8)
     Q_SLOTS, S_ALL, O_ALL, ROWS_L = M_TILES * Q_FRAGS, M_TILES * S_TILES, M_TILES * O_TILES, 2 * M_TILES
+    SQ, SK, SV = 0, BLOCK_Q * HEAD_DIM, (BLOCK_Q + BLOCK_K) * HEAD_DIM  # word offsets of the tiles in smem
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
@@ -165,7 +169,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         frag[slot, 3] = a3
 
     @inline_device
-    def load_tile(smem, src, b, h, row0, n_rows, d, COPIES):
+    def load_tile(smem, base, src, b, h, row0, n_rows, d, COPIES):
         """cp.async one tile of src[b, h] (rows, d): rows past n_rows and columns past d are zero-filled."""
         tid = cuda.threadIdx.x
         for i in range(COPIES):
@@ -178,7 +182,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             # A zero-byte copy still names an address: keep it inside the array.
             src_row = min(row, n_rows - 1)
             src_col = col if nbytes > 0 else 0
-            cp_async(smem, swizzle(r, chunk), src[b, h, uint32(src_row)], src_col, nbytes)
+            cp_async(smem, base + swizzle(r, chunk), src[b, h, uint32(src_row)], src_col, nbytes)
 
     @inline_device
     def copy_plan(src, b, h, d):
@@ -195,19 +199,20 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         return base, row_stride, col_bytes, swizzle(r0, chunk)
 
     @inline_device
-    def load_tile_fast(smem, src, base, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
-        """cp.async rows row0.. of the tile by the plan of copy_plan (zero fill past n_rows / d)."""
+    def load_tile_fast(smem, tile0, src, base, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
+        """cp.async rows row0.. of the tile at word tile0 of smem by the plan of copy_plan (zero fill
+        past n_rows / d)."""
         tile = base + row0 * row_stride
         r0 = cuda.threadIdx.x // CHUNKS
         if row0 + COPIES * ROW_STEP <= n_rows:  # the whole tile is inside: no row checks
             for i in range(COPIES):
-                dst = dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
-                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS)
+                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS))
                 cp_async(smem, dst, src, tile + i * (ROW_STEP * row_stride), col_bytes)
         else:
             for i in range(COPIES):
-                dst = dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
-                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS)
+                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS))
                 row = row0 + r0 + i * ROW_STEP
                 # A zero-byte copy still names an address: the last row, inside the array.
                 inside = row < n_rows
@@ -236,9 +241,12 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
 
     def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
-        sq = cuda.shared.array((BLOCK_Q, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
-        sk = cuda.shared.array((BLOCK_K, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
-        sv = cuda.shared.array((BLOCK_K, HEAD_DIM), uint16, alignment=SMEM_ALIGN)
+        # One dynamic allocation, Q | K | V tiles at word offsets SQ, SK, SV: 128-row tiles at
+        # d = 128 need 64 KiB, over the 48 KiB static limit (offsets, not slices: a slice of a
+        # dynamic array is clamped to its run-time length). ptxas: 64x64x128 174 -> 209
+        # registers (unshipped), the shipped configs +0..4 (ptxas 13.0).
+        smem = cuda.shared.array(0, uint16)
+        sq = sk = sv = smem
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
@@ -268,9 +276,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         v_row = (mat & 1) * 8 + (lane & 7)  # B via .trans: (keys 0-7 | 8-15) per d-tile pair
         v_chunk = mat >> 1
 
-        q_base = q_row * HEAD_DIM  # ldmatrix lane offsets: row base and x = chunk ^ row % 8
+        q_base = SQ + q_row * HEAD_DIM  # ldmatrix lane offsets: row base and x = chunk ^ row % 8
         q_x = q_chunk ^ (q_row & 7)
-        k_base = k_row * HEAD_DIM
+        k_base = SK + k_row * HEAD_DIM
         k_x = k_chunk ^ (k_row & 7)
         if FAST_LOADS:
             k_src, k_stride, col_bytes, kv_dst = copy_plan(k, b, h_kv, d)
@@ -279,15 +287,15 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         # Prologue: Q, then K_0 (two groups); Q goes straight into A fragments, kept in registers.
         if FAST_LOADS:
             q_src, q_stride, _, q_dst = copy_plan(q, b, h, d)
-            load_tile_fast(sq, q, q_src, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
+            load_tile_fast(sq, SQ, q, q_src, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         else:
-            load_tile(sq, q, b, h, q0, n_q, d, Q_COPIES)
+            load_tile(sq, SQ, q, b, h, q0, n_q, d, Q_COPIES)
         cp_commit()
         if n_tiles > 0:
             if FAST_LOADS:
-                load_tile_fast(sk, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                load_tile_fast(sk, SK, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
             else:
-                load_tile(sk, k, b, h_kv, 0, n_k, d, KV_COPIES)
+                load_tile(sk, SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
         cp_commit()
         cp_wait(1)
         cuda.syncthreads()
@@ -316,9 +324,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 cuda.syncthreads()
             # V_j streams in while S = Q K_jᵀ and the softmax run.
             if FAST_LOADS:
-                load_tile_fast(sv, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                load_tile_fast(sv, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
             else:
-                load_tile(sv, v, b, h_kv, k0, n_k, d, KV_COPIES)
+                load_tile(sv, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
             cp_commit()
             if not TWO_SYNCS:
                 cp_wait(1)  # K_j has landed, V_j may still be in flight
@@ -396,9 +404,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
             if j + 1 < n_tiles:  # K_{j+1} under P·V_j
                 if FAST_LOADS:
-                    load_tile_fast(sk, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                    load_tile_fast(sk, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
                 else:
-                    load_tile(sk, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
+                    load_tile(sk, SK, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
             cp_commit()
 
             # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
@@ -411,7 +419,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     p_frag[mt, 2] = pack(s[st + 1, 0], s[st + 1, 1])
                     p_frag[mt, 3] = pack(s[st + 1, 2], s[st + 1, 3])
                 for dp in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldsm_t(sv, swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
+                    b0, b1, b2, b3 = ldsm_t(sv, SV + swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
                     for mt in range(M_TILES):  # one V fragment, M_TILES m-tiles
                         a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
                         dt = mt * O_TILES + 2 * dp
@@ -509,9 +517,9 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
                                  bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS))
     grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
-    kernel[grid, threads_per_block(BLOCK_Q, M_TILES), stream](
-        _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E)
-    )
+    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q, M_TILES), stream, smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM),
+                  _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv,
+                  float32(softmax_scale * LOG2E))
 
 
 def _check_layout(q, k, v, out, lse, d, HEAD_DIM):
@@ -526,15 +534,7 @@ def _check_layout(q, k, v, out, lse, d, HEAD_DIM):
             raise ValueError(f"{name}: last dim must have unit stride, strides are {x.strides}")
         if name != "out" and any(s % 16 for s in x.strides[:-1]):
             raise ValueError(f"{name}: strides {x.strides} (bytes) must be multiples of 16 for cp.async; pad the rows")
-        if name != "out" and _address(x) % 16:
+        if name != "out" and address(x) % 16:
             raise ValueError(f"{name}: data pointer is not 16-byte aligned")
     if lse.dtype != F32:
         raise ValueError(f"lse must be float32, got {lse.dtype}")
-
-
-def _address(x):
-    iface = getattr(x, "__cuda_array_interface__", None) or getattr(x, "__array_interface__", None)
-    if iface is None:  # simulator arrays wrap a NumPy array
-        return ptx._numpy_of(x).ctypes.data
-    return iface["data"][0]
-

@@ -48,9 +48,11 @@ from functools import lru_cache
 from numba import config as nb_config
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
+from ..launch import launch as launch_kernel
+
 from ..configs import HEAD_DIMS, REGS_PER_SM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
-from .simt_forward import FASTMATH, LOG2E, STORAGE, _allow_dynamic_smem, _device_id
+from .simt_forward import FASTMATH, LOG2E, STORAGE
 
 # Unsigned indices: Numba then skips its negative-index wraparound test (see simt_forward).
 U = uint64
@@ -589,16 +591,8 @@ def make_backward_kernel(cfg: BackwardConfig, causal: bool, dtype: str):
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-_opted_in: set = set()
-
-
 def _prepared(cfg: BackwardConfig, causal: bool, dtype: str):
-    kernel = make_backward_kernel(cfg, bool(causal), dtype)
-    key = (cfg, bool(causal), dtype, _device_id())
-    if key not in _opted_in:
-        _allow_dynamic_smem(kernel, cfg.smem_bytes)
-        _opted_in.add(key)
-    return kernel
+    return make_backward_kernel(cfg, bool(causal), dtype)
 
 
 def launch(cfgs, q, k, v, out, dout, lse, delta, dq, dk, dv, *, causal: bool, softmax_scale: float,
@@ -615,13 +609,13 @@ def launch(cfgs, q, k, v, out, dout, lse, delta, dq, dk, dv, *, causal: bool, so
     scalars = (n_q, n_k, d, group, float32(softmax_scale * LOG2E), float32(softmax_scale))
     if B * H * n_q > 0:
         delta_grid = ((n_q + DELTA_ROWS - 1) // DELTA_ROWS, B * H)
-        make_delta_kernel(dtype)[delta_grid, DELTA_ROWS * DELTA_LANES, stream, 0](
-            out, dout, delta, n_q, d)
+        launch_kernel(make_delta_kernel(dtype), delta_grid, DELTA_ROWS * DELTA_LANES, stream, 0,
+                      out, dout, delta, n_q, d)
     if B * Hkv * n_k > 0:  # runs for Nq = 0 too: it writes dK = dV = 0
         grid = ((n_k + cfg_kv.block_k - 1) // cfg_kv.block_k, B * Hkv)
-        _prepared(cfg_kv, causal, dtype)[grid, cfg_kv.threads, stream, cfg_kv.smem_bytes](
-            q, k, v, dout, lse, delta, dk, dv, *scalars)
+        launch_kernel(_prepared(cfg_kv, causal, dtype), grid, cfg_kv.threads, stream, cfg_kv.smem_bytes,
+                      q, k, v, dout, lse, delta, dk, dv, *scalars)
     if B * H * n_q > 0:  # runs for Nk = 0 too: it writes dQ = 0
         grid = ((n_q + cfg_q.block_q - 1) // cfg_q.block_q, B * H)
-        _prepared(cfg_q, causal, dtype)[grid, cfg_q.threads, stream, cfg_q.smem_bytes](
-            q, k, v, dout, lse, delta, dq, *scalars)
+        launch_kernel(_prepared(cfg_q, causal, dtype), grid, cfg_q.threads, stream, cfg_q.smem_bytes,
+                      q, k, v, dout, lse, delta, dq, *scalars)

@@ -30,11 +30,13 @@ from functools import lru_cache
 
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
+from ..launch import launch as launch_kernel
+
 # Indices are cast to unsigned (a no-op bitcast from int64) before indexing: Numba then skips the negative-index
 # wraparound test it otherwise emits for every access (64-bit compare, shift, add).
 U = uint64
 
-from ..configs import SMEM_STATIC_MAX, SimtConfig
+from ..configs import SimtConfig
 from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 
 LOG2E = 1.4426950408889634
@@ -287,23 +289,6 @@ def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str):
     return cuda.jit(kernel_signature(dtype), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype))
 
 
-def _allow_dynamic_smem(kernel, nbytes: int) -> None:
-    """Opt in to more than 48 KiB of dynamic shared memory (a no-op under the simulator)."""
-    from numba import config as nb_config
-
-    if nbytes <= SMEM_STATIC_MAX or nb_config.ENABLE_CUDASIM:
-        return
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    for compiled in kernel.overloads.values():
-        cufunc = compiled._codelibrary.get_cufunc()
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
-
-
-_opted_in: set = set()
-
-
 def launch(cfg: SimtConfig, q, k, v, out, lse, *, causal: bool, softmax_scale: float,
            dtype: str, d: int, stream=0) -> None:
     """Launch on numba device arrays: q/out (B, H, Nq, d), k/v (B, Hkv, Nk, d), lse (B, H, Nq)."""
@@ -312,19 +297,6 @@ def launch(cfg: SimtConfig, q, k, v, out, lse, *, causal: bool, softmax_scale: f
     if B * H * n_q == 0:
         return
     kernel = make_forward_kernel(cfg, bool(causal), dtype)
-    key = (cfg, bool(causal), dtype, _device_id())
-    if key not in _opted_in:
-        _allow_dynamic_smem(kernel, cfg.smem_bytes)
-        _opted_in.add(key)
     grid = ((n_q + cfg.block_q - 1) // cfg.block_q, B * H)
-    kernel[grid, cfg.threads, stream, cfg.smem_bytes](
-        q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E)
-    )
-
-
-def _device_id() -> int:
-    from numba import config as nb_config
-
-    if nb_config.ENABLE_CUDASIM:
-        return 0
-    return cuda.get_current_device().id
+    launch_kernel(kernel, grid, cfg.threads, stream, cfg.smem_bytes,
+                  q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))

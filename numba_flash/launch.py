@@ -1,0 +1,201 @@
+"""Kernel launches without Numba's per-call array machinery.
+
+Numba's dispatcher wraps every device argument in a ``DeviceNDArray`` (for objects with
+``__cuda_array_interface__`` that is a driver query, a memory-pointer object and a finalizer
+each), types it, then flattens it into the kernel's parameter list. With five to nine array
+arguments per launch that Python work was 0.3-0.6 ms per ``forward`` call on the H200
+(benchmarks/NOTES.md), longer than the kernel itself at N = 1024.
+
+Every kernel here is compiled eagerly for one signature, so the types are known in advance.
+``DeviceView`` holds what the kernel needs of an array (pointer, shape, byte strides, dtype),
+read straight from PyTorch / CuPy / the interface dict, and ``launch`` flattens views into
+Numba's array ABI: (meminfo, parent, size, itemsize, data, *shape, *strides), checked against
+the compiled signature (dtype, ndim) so a wrong argument raises instead of reading garbage.
+
+Under the CUDA simulator there is no ABI: ``launch`` calls the dispatcher as usual, with the
+simulator's own arrays (``arrays.to_device_view`` returns those there).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import numpy as np
+from numba import config as nb_config
+
+from .configs import SMEM_STATIC_MAX
+
+_TORCH_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,  # bf16 as its bits
+                 "float64": np.float64, "int32": np.int32, "int64": np.int64, "int16": np.int16,
+                 "uint16": np.uint16, "uint8": np.uint8, "int8": np.int8, "bool": np.bool_}
+
+
+class DeviceView:
+    """A strided device array as a kernel sees it; ``owner`` keeps the memory alive."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "owner")
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, dtype, owner: Any = None):
+        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
+        self.dtype, self.owner = np.dtype(dtype), owner
+        if len(self.strides) != len(self.shape):
+            raise ValueError(f"strides {self.strides} do not match shape {self.shape}")
+
+    def __repr__(self) -> str:
+        return f"DeviceView(ptr=0x{self.ptr:x}, shape={self.shape}, strides={self.strides}, dtype={self.dtype})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:  # lets Numba, CuPy or PyTorch read a view too
+        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
+                "data": (self.ptr, False), "version": 3}
+
+    def is_c_contiguous(self) -> bool:
+        expect = self.dtype.itemsize
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n > 1 and st != expect:
+                return False
+            expect *= n
+        return True
+
+    def view(self, dtype) -> "DeviceView":
+        """The same bytes as another dtype of the same size (f16 or bf16 as uint16 words)."""
+        dtype = np.dtype(dtype)
+        if dtype.itemsize != self.dtype.itemsize:
+            raise ValueError(f"cannot view {self.dtype} as {dtype}: item sizes differ")
+        return DeviceView(self.ptr, self.shape, self.strides, dtype, self.owner)
+
+    def reshape(self, shape: tuple) -> "DeviceView":
+        """A C-contiguous view with another shape (fresh outputs only: no copies are made here)."""
+        shape = tuple(int(n) for n in shape)
+        if math.prod(shape) != self.size or not self.is_c_contiguous():
+            raise ValueError(f"cannot view {self!r} as shape {shape} without a copy")
+        return DeviceView(self.ptr, shape, c_strides(shape, self.dtype.itemsize), self.dtype, self.owner)
+
+    def leading(self, ndim: int) -> "DeviceView":
+        """View as ``ndim`` dims by adding unit dims in front (their strides are never used)."""
+        lead = ndim - self.ndim
+        if lead < 0:
+            raise ValueError(f"{self!r} has more than {ndim} dims")
+        return DeviceView(self.ptr, (1,) * lead + self.shape, (0,) * lead + self.strides, self.dtype, self.owner)
+
+
+def c_strides(shape: tuple, itemsize: int) -> tuple:
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def view_of(x: Any, kind: str) -> DeviceView:
+    """A DeviceView of a device array; kind is ``arrays.kind_of(x)`` (torch, cupy or any CAI)."""
+    if kind == "torch":
+        dtype = _TORCH_DTYPES[str(x.dtype).replace("torch.", "")]
+        item = np.dtype(dtype).itemsize
+        return DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()), dtype, x)
+    if kind == "cupy":
+        return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
+    cai = x.__cuda_array_interface__
+    if cai.get("mask") is not None:
+        raise ValueError("arrays with a __cuda_array_interface__ mask are not supported")
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides") or c_strides(shape, dtype.itemsize)
+    return DeviceView(cai["data"][0] or 0, shape, strides, dtype, x)
+
+
+def address(x: Any) -> int:
+    """Device address of x's first element (simulator arrays: the host address of their data)."""
+    if isinstance(x, DeviceView):
+        return x.ptr
+    iface = getattr(x, "__cuda_array_interface__", None)
+    if iface is None:  # simulator arrays wrap a NumPy array
+        from . import ptx
+
+        return ptx._numpy_of(x).ctypes.data
+    return iface["data"][0] or 0
+
+
+# --- the launch ------------------------------------------------------------------------------------
+
+
+class _Launcher:
+    """Flattens DeviceViews and scalars into the parameter list of one compiled kernel."""
+
+    def __init__(self, dispatcher):
+        from numba.cuda import types
+
+        overloads = list(dispatcher.overloads.values())
+        if len(overloads) != 1:
+            raise ValueError(f"expected one compiled signature, found {len(overloads)}")
+        self.compiled = overloads[0]
+        self.smem_opt_in: dict = {}  # device id -> dynamic shared bytes this kernel may use there
+        self.params = []  # per argument: ("array", np.dtype, ndim) or ("scalar", ctypes type)
+        for ty in self.compiled.argument_types:
+            if isinstance(ty, types.Array):
+                self.params.append(("array", np.dtype(str(ty.dtype)), ty.ndim))
+            elif isinstance(ty, types.Integer):
+                self.params.append(("scalar", getattr(ctypes, f"c_{ty}")))
+            elif ty == types.float32:
+                self.params.append(("scalar", ctypes.c_float))
+            elif ty == types.float64:
+                self.params.append(("scalar", ctypes.c_double))
+            else:
+                raise TypeError(f"launch: argument type {ty} is not handled")
+
+    def flatten(self, args) -> list:
+        if len(args) != len(self.params):
+            raise TypeError(f"kernel takes {len(self.params)} arguments; got {len(args)}")
+        flat = []
+        for i, (param, a) in enumerate(zip(self.params, args)):
+            if param[0] == "scalar":
+                flat.append(param[1](a))
+                continue
+            if not isinstance(a, DeviceView):
+                a = view_of(a, "cai")
+            if a.dtype != param[1] or a.ndim != param[2]:
+                raise TypeError(f"kernel argument {i}: expected a {param[2]}-d {param[1]} array; "
+                                f"got {a.ndim}-d {a.dtype}")
+            flat += [0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides]
+        return flat
+
+
+_LAUNCHERS: dict = {}
+
+
+def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
+    """``dispatcher[grid, block, stream, shared_bytes](*args)``, minus Numba's per-array work.
+
+    args: DeviceViews (or anything with ``__cuda_array_interface__``) for array parameters,
+    Python numbers for scalars. stream: 0 or a Numba stream.
+    """
+    if nb_config.ENABLE_CUDASIM:
+        dispatcher[grid, block, stream, shared_bytes](*args)
+        return
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+    from numba.cuda.cudadrv import driver
+
+    launcher = _LAUNCHERS.get(dispatcher)
+    if launcher is None:
+        launcher = _LAUNCHERS[dispatcher] = _Launcher(dispatcher)
+    core_stream = driver._to_core_stream(stream)
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    block = block if isinstance(block, tuple) else (block,)
+    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+    cufunc = launcher.compiled._codelibrary.get_cufunc()
+    if shared_bytes > SMEM_STATIC_MAX and launcher.smem_opt_in.get(cufunc.device.id, 0) < shared_bytes:
+        # Above 48 KiB a kernel must opt in to dynamic shared memory, once per device.
+        attr = driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, cufunc.device.id)
+        launcher.smem_opt_in[cufunc.device.id] = shared_bytes
+    core_launch(core_stream, config, cufunc.kernel, *launcher.flatten(args))

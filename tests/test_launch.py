@@ -1,0 +1,145 @@
+"""numba_flash.launch: device views and the flattened kernel ABI.
+
+The CPU part checks views (strides, reshape, dtype views) and the parameter list against
+Numba's array ABI as ``numba.cuda.dispatcher._Kernel._prepare_args`` writes it. The GPU part
+launches every kernel family both ways (Numba's dispatcher and ``launch``) on the same inputs
+and asks for the same bits.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from numba import types
+
+from gpu_helpers import HAVE_TORCH_CUDA, needs_gpu
+from numba_flash.launch import DeviceView, _Launcher, address, c_strides, view_of
+
+
+class _CAI:
+    def __init__(self, **iface):
+        self.__cuda_array_interface__ = {"version": 3, **iface}
+
+
+def test_view_of_cai_fills_c_strides_and_keeps_owner():
+    x = _CAI(shape=(2, 3, 5), typestr="<f2", data=(4096, False), strides=None)
+    v = view_of(x, "cuda_array_interface")
+    assert (v.ptr, v.shape, v.strides, v.dtype, v.owner) == (4096, (2, 3, 5), (30, 10, 2), np.float16, x)
+    assert v.is_c_contiguous() and v.size == 30 and address(v) == 4096
+
+
+def test_view_of_rejects_masks():
+    x = _CAI(shape=(4,), typestr="<f4", data=(64, False), mask=object())
+    with pytest.raises(ValueError, match="mask"):
+        view_of(x, "cuda_array_interface")
+
+
+def test_reshape_view_and_leading(rng):
+    shape = tuple(int(n) for n in rng.integers(1, 6, size=3))
+    v = DeviceView(256, shape, c_strides(shape, 4), np.float32)
+    r = v.reshape((1,) + shape)
+    assert r.strides == c_strides((1,) + shape, 4) and r.ptr == v.ptr
+    assert v.view(np.int32).dtype == np.int32 and v.view(np.int32).strides == v.strides
+    with pytest.raises(ValueError, match="item sizes differ"):
+        v.view(np.float16)
+    lead = v.leading(5)
+    assert lead.shape == (1, 1) + shape and lead.strides[2:] == v.strides
+    # A strided (non-contiguous) view cannot be reshaped without a copy: refused, not guessed.
+    strided = DeviceView(0, (4, 8), (64, 4), np.float32)
+    assert not strided.is_c_contiguous()
+    with pytest.raises(ValueError, match="without a copy"):
+        strided.reshape((32,))
+    # The interface a view exports reads back as the same view.
+    back = view_of(r, "cuda_array_interface")
+    assert (back.ptr, back.shape, back.strides, back.dtype) == (r.ptr, r.shape, r.strides, r.dtype)
+
+
+def test_c_strides_match_numpy(rng):
+    for _ in range(20):
+        shape = tuple(int(n) for n in rng.integers(0, 5, size=int(rng.integers(1, 5))))
+        assert c_strides(shape, 2) == np.empty(shape, np.float16).strides or 0 in shape
+
+
+class _FakeCompiled:
+    def __init__(self, argument_types):
+        self.argument_types = argument_types
+
+
+class _FakeDispatcher:
+    def __init__(self, *argument_types):
+        self.overloads = {argument_types: _FakeCompiled(argument_types)}
+
+
+def test_flatten_follows_numbas_array_abi(rng):
+    """(meminfo, parent, nitems, itemsize, data, *shape, *strides) per array, ctypes per scalar."""
+    disp = _FakeDispatcher(types.Array(types.uint16, 4, "A"), types.Array(types.float32, 3, "A"),
+                           types.int32, types.float32)
+    shape = tuple(int(n) for n in rng.integers(1, 9, size=4))
+    strides = (4096, 1024, 256, 2)
+    a = DeviceView(1 << 20, shape, strides, np.uint16)
+    b = DeviceView(1 << 24, shape[:3], c_strides(shape[:3], 4), np.float32)
+    flat = _Launcher(disp).flatten((a, b, 7, 0.5))
+    assert flat[:13] == [0, 0, a.size, 2, a.ptr, *shape, *strides]
+    assert flat[13:24] == [0, 0, b.size, 4, b.ptr, *b.shape, *b.strides]
+    assert isinstance(flat[24], ctypes.c_int32) and flat[24].value == 7
+    assert isinstance(flat[25], ctypes.c_float) and flat[25].value == 0.5
+
+
+def test_flatten_refuses_wrong_dtype_rank_or_count():
+    disp = _FakeDispatcher(types.Array(types.float32, 3, "A"), types.int32)
+    launcher = _Launcher(disp)
+    good = DeviceView(0, (1, 2, 3), c_strides((1, 2, 3), 4), np.float32)
+    with pytest.raises(TypeError, match="expected a 3-d float32 array; got 3-d float16"):
+        launcher.flatten((DeviceView(0, (1, 2, 3), (12, 6, 2), np.float16), 1))
+    with pytest.raises(TypeError, match="expected a 3-d float32 array; got 2-d float32"):
+        launcher.flatten((DeviceView(0, (2, 3), (12, 4), np.float32), 1))
+    with pytest.raises(TypeError, match="takes 2 arguments; got 1"):
+        launcher.flatten((good,))
+
+
+# --- on the GPU: launch vs Numba's dispatcher, bit for bit ---------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")
+@pytest.mark.parametrize("dtype,causal", [("float32", False), ("float32", True), ("float16", False),
+                                          ("bfloat16", True)])
+def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
+    """forward, backward and decode through ``launch`` and through Numba's dispatcher: same bits."""
+    import torch
+    from numba import cuda
+
+    import numba_flash
+
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", generator=g).to(tdt) for _ in range(3))
+    dout = torch.randn(2, 4, 300, 64, device="cuda", generator=g).to(tdt)
+    lens = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
+
+    def everything():
+        out, lse = numba_flash.forward(q, k, v, causal=causal)
+        grads = numba_flash.backward(q, k, v, out, lse, dout, causal=causal)
+        dec = numba_flash.decode(q[:, :, :3].contiguous(), k, v, cache_seqlens=lens, num_splits=4)
+        return (out, lse, *grads, *dec)
+
+    fast = everything()
+    calls = []
+
+    def via_dispatcher(dispatcher, grid, block, stream, shared, *args):
+        calls.append(dispatcher)
+        args = [cuda.as_cuda_array(a, sync=False) if isinstance(a, DeviceView) else a for a in args]
+        dispatcher[grid, block, stream, shared](*args)
+
+    from numba_flash.kernels import decode, mma_forward, simt_backward, simt_forward
+
+    for mod in (decode, mma_forward, simt_backward, simt_forward):
+        monkeypatch.setattr(mod, "launch_kernel", via_dispatcher)
+    slow = everything()
+    torch.cuda.synchronize()
+    assert len(calls) >= 6, "the dispatcher path did not run every kernel"
+    bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert torch.equal(bits(a), bits(b)), f"output {i} differs ({dtype}, causal={causal})"
