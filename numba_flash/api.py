@@ -12,9 +12,9 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays
-from .configs import MAX_HEAD_DIM, simt_config
+from .configs import MAX_HEAD_DIM, MMA_TABLE, simt_config
 from .kernels import mma_forward, simt_forward
-from .launch import address
+from .launch import address, current_device_id
 
 KERNELS = ("auto", "simt", "mma")
 MMA_MAX_HEAD_DIM = 128
@@ -160,19 +160,10 @@ def _compute_capability(device: int | None) -> tuple:
 
 
 def mma_config(d: int, causal: bool) -> dict:
-    """Tensor-core tile config, from the H200 sweep (benchmarks/mma_ladder.md, sweep_mma.json).
-
-    Two m-tiles (32 query rows) per warp reuse each K/V fragment twice: best for d=64 at 128x64
-    (256 vs 216 TFLOP/s) and non-causal d=128 at 64x32 (280 vs 230). Causal d=128 was best at
-    64x64 with one m-tile (230 vs 214): smaller Q tiles waste less on the diagonal; causal d=64
-    was not swept and keeps the same 64x64.
-    """
+    """Tensor-core tile config (configs.MMA_TABLE, from the H200 sweeps in benchmarks/mma_ladder.md)."""
     head_dim = 64 if d <= 64 else 128
-    if causal:
-        return {"BLOCK_Q": 64, "BLOCK_K": 64, "HEAD_DIM": head_dim}
-    if head_dim == 64:
-        return {"BLOCK_Q": 128, "BLOCK_K": 64, "M_TILES": 2, "HEAD_DIM": 64}
-    return {"BLOCK_Q": 64, "BLOCK_K": 32, "M_TILES": 2, "HEAD_DIM": 128}
+    bq, bk, m_tiles = MMA_TABLE[head_dim, bool(causal)]
+    return {"BLOCK_Q": bq, "BLOCK_K": bk, "M_TILES": m_tiles, "HEAD_DIM": head_dim}
 
 
 def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
@@ -211,7 +202,7 @@ def _on_device(device: int | None):
     """Context manager that makes the inputs' GPU current (a no-op when unknown or simulated)."""
     import contextlib
 
-    if device is None or nb_config.ENABLE_CUDASIM or cuda.get_current_device().id == device:
+    if device is None or nb_config.ENABLE_CUDASIM or current_device_id() == device:
         return contextlib.nullcontext()  # switching contexts costs a driver round trip per call
     return cuda.gpus[device]
 

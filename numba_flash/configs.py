@@ -123,6 +123,20 @@ _SIMT_TABLE = {  # head_dim: (block_q, block_k, row_threads, col_threads, share_
 }
 
 
+# Tensor-core forward, (head dim, causal): (BLOCK_Q, BLOCK_K, M_TILES). H200 sweep v6
+# (results/sweep-mma-2026-11-29-v6.txt): FA2's 128x64 tile with 4 warps x 32 rows, in 64 KiB of dynamic
+# shared memory at d = 128: 307.8 TFLOP/s vs 274.5 (64x32) non-causal, 251.0 vs 232.4 (64x64) causal,
+# 344.5 vs 297.3 bf16 N16384, although ptxas spills 64-72 B of it at 255 registers (MMA_SPILL_OK).
+# d = 64 causal was not swept and keeps 64x64.
+MMA_TABLE = {
+    (64, False): (128, 64, 2),
+    (64, True): (64, 64, 1),
+    (128, False): (128, 64, 2),
+    (128, True): (128, 64, 2),
+}
+MMA_SPILL_OK = {(128, 64, 128, 2): 80}  # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes measured faster
+
+
 def _simt_for(head_dim: int) -> SimtConfig:
     bq, bk, rt, ct, share, *cap = _SIMT_TABLE[head_dim]
     return SimtConfig(bq, bk, rt, ct, head_dim, share_kv=share, max_registers=cap[0] if cap else None)

@@ -138,6 +138,7 @@ class _Launcher:
         if len(overloads) != 1:
             raise ValueError(f"expected one compiled signature, found {len(overloads)}")
         self.compiled = overloads[0]
+        self.cufuncs: dict = {}  # device id -> loaded function
         self.smem_opt_in: dict = {}  # device id -> dynamic shared bytes this kernel may use there
         self.params = []  # per argument: ("array", np.dtype, ndim) or ("scalar", ctypes type)
         for ty in self.compiled.argument_types:
@@ -153,6 +154,8 @@ class _Launcher:
                 raise TypeError(f"launch: argument type {ty} is not handled")
 
     def flatten(self, args) -> list:
+        """Numba's parameter list: per array (meminfo, parent, nitems, itemsize, data, *shape,
+        *strides) as Python ints, per scalar a ctypes value of the compiled type."""
         if len(args) != len(self.params):
             raise TypeError(f"kernel takes {len(self.params)} arguments; got {len(args)}")
         flat = []
@@ -168,8 +171,37 @@ class _Launcher:
             flat += [0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides]
         return flat
 
+    def cufunc(self, device_id):
+        fn = self.cufuncs.get(device_id)
+        if fn is None:  # loads the module into the current context the first time
+            fn = self.cufuncs[device_id] = self.compiled._codelibrary.get_cufunc()
+        return fn
+
+
+def param_buffer(flat: list):
+    """cuLaunchKernel's ``void **kernelParams`` for a flattened list: one 8-byte slot per parameter
+    (4-byte scalars in the low half, little-endian), and the array of pointers to the slots."""
+    slots = (ctypes.c_int64 * len(flat))()
+    for i, x in enumerate(flat):
+        if isinstance(x, int):
+            slots[i] = x
+        else:  # a ctypes scalar: copy its bytes into the slot
+            ctypes.memmove(ctypes.addressof(slots) + 8 * i, ctypes.addressof(x), ctypes.sizeof(x))
+    base = ctypes.addressof(slots)
+    pointers = (ctypes.c_void_p * len(flat))(*range(base, base + 8 * len(flat), 8))
+    return slots, pointers
+
+
+def current_device_id() -> int | None:
+    """The device of the current CUDA context (one driver call), or None when there is none."""
+    from cuda.bindings import driver as cu
+
+    err, dev = cu.cuCtxGetDevice()
+    return int(dev) if err == cu.CUresult.CUDA_SUCCESS else None
+
 
 _LAUNCHERS: dict = {}
+_RAW = {"ok": True}  # cuLaunchKernel straight from the bindings; False after a binding refuses our call
 
 
 def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
@@ -181,21 +213,39 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     if nb_config.ENABLE_CUDASIM:
         dispatcher[grid, block, stream, shared_bytes](*args)
         return
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as core_launch
+    from cuda.bindings import driver as cu
     from numba.cuda.cudadrv import driver
 
     launcher = _LAUNCHERS.get(dispatcher)
     if launcher is None:
         launcher = _LAUNCHERS[dispatcher] = _Launcher(dispatcher)
-    core_stream = driver._to_core_stream(stream)
-    grid = grid if isinstance(grid, tuple) else (grid,)
-    block = block if isinstance(block, tuple) else (block,)
-    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-    cufunc = launcher.compiled._codelibrary.get_cufunc()
-    if shared_bytes > SMEM_STATIC_MAX and launcher.smem_opt_in.get(cufunc.device.id, 0) < shared_bytes:
+    device_id = current_device_id()
+    cufunc = launcher.cufunc(device_id) if device_id is not None else launcher.compiled._codelibrary.get_cufunc()
+    device_id = cufunc.device.id if device_id is None else device_id
+    if shared_bytes > SMEM_STATIC_MAX and launcher.smem_opt_in.get(device_id, 0) < shared_bytes:
         # Above 48 KiB a kernel must opt in to dynamic shared memory, once per device.
         attr = driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, cufunc.device.id)
-        launcher.smem_opt_in[cufunc.device.id] = shared_bytes
-    core_launch(core_stream, config, cufunc.kernel, *launcher.flatten(args))
+        driver.driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, device_id)
+        launcher.smem_opt_in[device_id] = shared_bytes
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    block = block if isinstance(block, tuple) else (block,)
+    flat = launcher.flatten(args)
+    if _RAW["ok"]:
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        slots, pointers = param_buffer(flat)
+        try:
+            (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, shared_bytes,
+                                      stream.handle if stream else 0, ctypes.addressof(pointers), 0)
+        except TypeError:  # a bindings version that takes other argument types: cuda.core below
+            _RAW["ok"] = False
+        else:
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
+                                   f"{shared_bytes} B dynamic shared memory)")
+            return
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+
+    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+    core_launch(driver._to_core_stream(stream), config, cufunc.kernel, *flat)

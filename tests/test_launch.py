@@ -14,7 +14,7 @@ import pytest
 from numba import types
 
 from gpu_helpers import HAVE_TORCH_CUDA, needs_gpu
-from numba_flash.launch import DeviceView, _Launcher, address, c_strides, view_of
+from numba_flash.launch import DeviceView, _Launcher, address, c_strides, param_buffer, view_of
 
 
 class _CAI:
@@ -84,6 +84,17 @@ def test_flatten_follows_numbas_array_abi(rng):
     assert flat[13:24] == [0, 0, b.size, 4, b.ptr, *b.shape, *b.strides]
     assert isinstance(flat[24], ctypes.c_int32) and flat[24].value == 7
     assert isinstance(flat[25], ctypes.c_float) and flat[25].value == 0.5
+
+
+def test_param_buffer_slots(rng):
+    """One 8-byte slot per parameter; 4-byte scalars in the low half; pointers point at the slots."""
+    ints = [int(x) for x in rng.integers(-2**40, 2**40, size=5)]
+    i32, f32 = int(rng.integers(-2**31, 2**31)), float(np.float32(rng.standard_normal()))
+    slots, pointers = param_buffer([*ints, ctypes.c_int32(i32), ctypes.c_float(f32)])
+    assert list(slots[:5]) == ints
+    raw = bytes(slots)
+    assert np.frombuffer(raw[40:44], np.int32)[0] == i32 and np.frombuffer(raw[48:52], np.float32)[0] == f32
+    assert [pointers[i] for i in range(7)] == [ctypes.addressof(slots) + 8 * i for i in range(7)]
 
 
 def test_flatten_refuses_wrong_dtype_rank_or_count():

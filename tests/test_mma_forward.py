@@ -270,14 +270,20 @@ def test_head_dim_128_register_budget(tmp_path):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_compiles_for_sm90_without_spills(head_dim, causal, dtype, tmp_path):
-    source = COMPILE_SOURCE.format(BQ=64, BK=64, D=head_dim, CAUSAL=causal, DTYPE=dtype)
+def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
+    """Each config forward ships (configs.MMA_TABLE): tensor cores, fragments in registers, and no
+    spills beyond the few bytes MMA_SPILL_OK records for a config the sweep measured faster."""
+    from numba_flash.configs import MMA_SPILL_OK, MMA_TABLE
+
+    bq, bk, mt = MMA_TABLE[head_dim, causal]
+    source = COMPILE_SOURCE_MT.format(BQ=bq, BK=bk, D=head_dim, CAUSAL=causal, DTYPE=dtype, MT=mt)
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.{0}.{0}.f32".format("f16" if dtype == "float16" else "bf16")
     assert mma in text and "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
-    assert "ld.local" not in text and "st.local" not in text  # fragments live in registers
+    assert "ld.local" not in text and "st.local" not in text  # NVVM keeps every fragment in registers
     report = ptxas_report(text, tmp_path)
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+    allowed = MMA_SPILL_OK.get((bq, bk, head_dim, mt), 0)
+    assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
 # --------------------------------------------------------------------------------------------
