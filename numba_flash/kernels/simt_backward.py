@@ -81,6 +81,9 @@ class BackwardConfig:
     col_threads: int
     head_dim: int  # compiled (padded) head dim
     max_registers: int | None = None  # ptxas -maxrregcount, e.g. to fit 2 blocks per SM
+    # Tile-load trips (4 floats each) whose global loads are all issued before their shared
+    # stores; 0: one trip at a time (a runtime-trip loop: fewest registers, for capped configs).
+    stage_trips: int = 0
 
     @property
     def threads(self) -> int:
@@ -172,9 +175,13 @@ def _configs_for(head_dim: int) -> tuple[BackwardConfig, BackwardConfig]:
     # At d = 32 and 64 both kernels fit 128 registers without spilling (ptxas -v) and two blocks'
     # shared memory fit an SM, so the cap doubles the warps per SM (d = 16 has 128 threads).
     col = max(c for c in (4, 8, 16) if head_dim % (4 * c) == 0)
+    # At d = 128 shared memory allows one block per SM anyway, so registers are free to stage
+    # 16 loads of each tile at once (ptxas: 220 and 168 registers, no spills); capped or 2-block
+    # configs keep the one-trip loop (staging spills at the 128-register cap).
     if head_dim <= 128:
         tiles = dict(block_q=64, block_k=64, row_threads=min(256 // col, 32), col_threads=col,
-                     max_registers=128 if 32 <= head_dim <= 64 else None)
+                     max_registers=128 if 32 <= head_dim <= 64 else None,
+                     stage_trips=4 if head_dim == 128 else 0)
     else:
         tiles = dict(block_q=32, block_k=32, row_threads=16, col_threads=col)
     return (BackwardConfig("dkdv", head_dim=head_dim, **tiles),
@@ -294,18 +301,56 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
     NEG_INF = float32(-math.inf)
     POS_INF = float32(math.inf)
     ZERO = float32(0.0)
+    STAGE_TRIPS = cfg.stage_trips
     load, store = _element_io(dtype == "bfloat16")
 
-    @cuda.jit(device=True, inline=True)
-    def load_rows(src, b, h, row0, n_rows, d, smem, off, TILE_ROWS):
-        """tile[r, e] -> smem[off + r·STRIDE + e], four head-dim entries per 16-byte store."""
-        for idx in range(cuda.threadIdx.x, TILE_ROWS * (HEAD_DIM // 4), THREADS):
-            r = idx // (HEAD_DIM // 4)
-            e = 4 * (idx - r * (HEAD_DIM // 4))  # fastest across lanes: coalesced global reads
-            row = row0 + r
-            st_shared_f32x4(smem, U(off + r * STRIDE + e),
-                            load(src, b, h, row, e, n_rows, d), load(src, b, h, row, e + 1, n_rows, d),
-                            load(src, b, h, row, e + 2, n_rows, d), load(src, b, h, row, e + 3, n_rows, d))
+    def tile_loader(TILE_ROWS):
+        """load(src, b, h, row0, n_rows, d, smem, off): tile[r, e] -> smem[off + r·STRIDE + e],
+        four head-dim entries per 16-byte store.
+
+        The global loads go out in batches of STAGE_TRIPS x 4 before their shared stores: the
+        loads are generic (they may alias shared memory), so one placed after a store waits for
+        it, and with one block per SM each such round trip to L2 stalls the whole SM."""
+        CHUNKS = HEAD_DIM // 4
+        TOTAL = TILE_ROWS * CHUNKS
+        TRIPS = (TOTAL + THREADS - 1) // THREADS
+        BATCH = max(1, min(STAGE_TRIPS, TRIPS))
+        BATCHES = (TRIPS + BATCH - 1) // BATCH  # constant trip counts: staging stays in registers
+
+        @cuda.jit(device=True, inline=True)
+        def load_tile_staged(src, b, h, row0, n_rows, d, smem, off):
+            stage = cuda.local.array((BATCH, 4), float32)
+            tid = cuda.threadIdx.x
+            for n0 in range(BATCHES):
+                for n in range(BATCH):
+                    idx = tid + (n0 * BATCH + n) * THREADS
+                    r = idx // CHUNKS
+                    e = 4 * (idx - r * CHUNKS)  # fastest across lanes: coalesced global reads
+                    row = row0 + r
+                    if idx < TOTAL:
+                        for u in range(4):
+                            stage[n, u] = load(src, b, h, row, e + u, n_rows, d)
+                for n in range(BATCH):
+                    idx = tid + (n0 * BATCH + n) * THREADS
+                    r = idx // CHUNKS
+                    e = 4 * (idx - r * CHUNKS)
+                    if idx < TOTAL:
+                        st_shared_f32x4(smem, U(off + r * STRIDE + e), stage[n, 0], stage[n, 1], stage[n, 2], stage[n, 3])
+
+        @cuda.jit(device=True, inline=True)
+        def load_tile_loop(src, b, h, row0, n_rows, d, smem, off):
+            for idx in range(cuda.threadIdx.x, TOTAL, THREADS):
+                r = idx // CHUNKS
+                e = 4 * (idx - r * CHUNKS)  # fastest across lanes: coalesced global reads
+                row = row0 + r
+                st_shared_f32x4(smem, U(off + r * STRIDE + e),
+                                load(src, b, h, row, e, n_rows, d), load(src, b, h, row, e + 1, n_rows, d),
+                                load(src, b, h, row, e + 2, n_rows, d), load(src, b, h, row, e + 3, n_rows, d))
+
+        return load_tile_staged if STAGE_TRIPS else load_tile_loop
+
+    load_q_tile = tile_loader(BLOCK_Q)  # Q and dO rows
+    load_k_tile = tile_loader(BLOCK_K)  # K and V rows
 
     @cuda.jit(device=True, inline=True)
     def row_stats(lse, delta, b, h, row, n_q):
@@ -374,8 +419,8 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
             h_kv = bh - b * n_kv_heads
             shift = n_k - n_q  # bottom-right causal alignment: query i sees key j iff j <= i + shift
 
-            load_rows(k, b, h_kv, k0, n_k, d, smem, K_OFF, BLOCK_K)
-            load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, BLOCK_K)
+            load_k_tile(k, b, h_kv, k0, n_k, d, smem, K_OFF)
+            load_k_tile(v, b, h_kv, k0, n_k, d, smem, V_OFF)
 
             dk_acc = cuda.local.array((K_ROWS, D_COLS), float32)
             dv_acc = cuda.local.array((K_ROWS, D_COLS), float32)
@@ -411,8 +456,8 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
             for h in range(h_kv * group, h_kv * group + group):  # GQA: the group's query heads
                 for i_tile in range(first_q_tile, n_q_tiles):
                     q0 = i_tile * BLOCK_Q
-                    load_rows(q, b, h, q0, n_q, d, smem, Q_OFF, BLOCK_Q)
-                    load_rows(do, b, h, q0, n_q, d, smem, DO_OFF, BLOCK_Q)
+                    load_q_tile(q, b, h, q0, n_q, d, smem, Q_OFF)
+                    load_q_tile(do, b, h, q0, n_q, d, smem, DO_OFF)
                     for r in range(tid, BLOCK_Q, THREADS):
                         l2, dd = row_stats(lse, delta, b, h, q0 + r, n_q)
                         smem[U(ROWS_OFF + r)] = l2
@@ -485,8 +530,8 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
         q0 = q_tile * BLOCK_Q
         shift = n_k - n_q
 
-        load_rows(q, b, h, q0, n_q, d, smem, Q_OFF, BLOCK_Q)
-        load_rows(do, b, h, q0, n_q, d, smem, DO_OFF, BLOCK_Q)
+        load_q_tile(q, b, h, q0, n_q, d, smem, Q_OFF)
+        load_q_tile(do, b, h, q0, n_q, d, smem, DO_OFF)
 
         dq_acc = cuda.local.array((Q_ROWS, D_COLS), float32)
         s = cuda.local.array((Q_ROWS, K_COLS), float32)   # S slice
@@ -524,8 +569,8 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
 
         for j in range(n_tiles):
             k0 = j * BLOCK_K
-            load_rows(k, b, h_kv, k0, n_k, d, smem, K_OFF, BLOCK_K)
-            load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, BLOCK_K)
+            load_k_tile(k, b, h_kv, k0, n_k, d, smem, K_OFF)
+            load_k_tile(v, b, h_kv, k0, n_k, d, smem, V_OFF)
             cuda.syncthreads()
 
             # S = Q Kᵀ and dP = dO Vᵀ for this thread's Q_ROWS x K_COLS slice.
