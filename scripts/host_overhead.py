@@ -111,7 +111,7 @@ def measure(label: str) -> dict:
     return res
 
 
-def profile_forward(n=300) -> str:
+def profile_forward(dtype: str, n=300) -> str:
     import cProfile
     import io
     import pstats
@@ -120,8 +120,9 @@ def profile_forward(n=300) -> str:
 
     import numba_flash
 
-    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda").to(getattr(torch, dtype)) for _ in range(3))
     numba_flash.forward(q, k, v)
+    torch.cuda.synchronize()
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(n):
@@ -156,7 +157,7 @@ def main() -> None:
         except (ValueError, IndexError):
             results["old_error"] = (proc.stdout + proc.stderr)[-2000:]
     if args.profile:
-        results["profile_forward"] = profile_forward()
+        results["profile_forward"] = {dt: profile_forward(dt) for dt in ("float16", "bfloat16")}
     for run in results["runs"]:
         print(f"# {run['label']}: {run['numba_flash']}")
         for key, us in run["issue_us"].items():
@@ -165,8 +166,8 @@ def main() -> None:
             print(f"  single {key:45s} {ms:8.3f} ms")
     if "old_error" in results:
         print("old package failed:\n" + results["old_error"])
-    if args.profile:
-        print(results["profile_forward"])
+    for dt, text in results.get("profile_forward", {}).items():
+        print(f"# cProfile, 300 forward calls, {dt}\n{text}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU host, one call: the launch path bit-for-bit against Numba's dispatcher, host time per call
+# with profiles, backward GPU tests and benchmark, decode GPU tests and benchmark. Outputs are
+# re-packed into $OUT/session.tgz after every step, so a call cut short keeps what finished.
+#   bash scripts/gpu/session_backward.sh $OUT
+out=${1:-/tmp/out}; work=$(mktemp -d); mkdir -p "$out" "$work/results"
+export PYTHONUNBUFFERED=1
+run() {
+  local name=$1 limit=$2; shift 2; echo "== $name"
+  timeout "$limit" "$@" > "$work/$name.log" 2>&1; echo "rc=$?" >> "$work/$name.log"
+  grep -vE "Warning|warn\(" "$work/$name.log" | tail -n 4
+  tar czf "$out/session.tgz" -C "$work" .
+}
+P="python3 -m pytest -q -p no:warnings -p no:cacheprovider -m gpu"
+run t_launch 90 $P tests/test_launch.py
+run host_overhead 60 python3 scripts/host_overhead.py --profile --json "$work/results/host_overhead.json"
+run t_backward 110 $P tests/test_gpu_backward.py
+run b_backward 120 python3 scripts/bench_backward.py --quick --budget-s 0.3 --out "$work/results"
+run b_decode 60 python3 scripts/bench_decode.py --quick --out "$work/results"
+run t_decode 100 $P tests/test_gpu_decode.py
