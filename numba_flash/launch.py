@@ -153,15 +153,17 @@ class _Launcher:
             else:
                 raise TypeError(f"launch: argument type {ty} is not handled")
 
-    def flatten(self, args) -> list:
+    def flatten(self, args, raw: bool = False) -> list:
         """Numba's parameter list: per array (meminfo, parent, nitems, itemsize, data, *shape,
-        *strides) as Python ints, per scalar a ctypes value of the compiled type."""
+        *strides) as Python ints; per scalar a ctypes value of the compiled type, or with ``raw``
+        the int whose low 4 or 8 little-endian bytes are that value (one cuLaunchKernel slot)."""
         if len(args) != len(self.params):
             raise TypeError(f"kernel takes {len(self.params)} arguments; got {len(args)}")
         flat = []
         for i, (param, a) in enumerate(zip(self.params, args)):
             if param[0] == "scalar":
-                flat.append(param[1](a))
+                value = param[1](a)
+                flat.append(int.from_bytes(bytes(value), "little") if raw else value)
                 continue
             if not isinstance(a, DeviceView):
                 a = view_of(a, "cai")
@@ -178,18 +180,14 @@ class _Launcher:
         return fn
 
 
-def param_buffer(flat: list):
-    """cuLaunchKernel's ``void **kernelParams`` for a flattened list: one 8-byte slot per parameter
-    (4-byte scalars in the low half, little-endian), and the array of pointers to the slots."""
-    slots = (ctypes.c_int64 * len(flat))()
-    for i, x in enumerate(flat):
-        if isinstance(x, int):
-            slots[i] = x
-        else:  # a ctypes scalar: copy its bytes into the slot
-            ctypes.memmove(ctypes.addressof(slots) + 8 * i, ctypes.addressof(x), ctypes.sizeof(x))
-    base = ctypes.addressof(slots)
-    pointers = (ctypes.c_void_p * len(flat))(*range(base, base + 8 * len(flat), 8))
-    return slots, pointers
+def param_buffer(slots: list):
+    """cuLaunchKernel's ``void **kernelParams`` for ``flatten(..., raw=True)``: one 8-byte slot per
+    parameter (a 4-byte scalar in its low half) and the array of pointers to the slots."""
+    n = len(slots)
+    # uint64 slots: the two's complement of a negative stride is the same 8 bytes
+    buf = (ctypes.c_uint64 * n)(*[x & 0xFFFFFFFFFFFFFFFF for x in slots])
+    base = ctypes.addressof(buf)
+    return buf, (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
 
 
 def current_device_id() -> int | None:
@@ -229,11 +227,10 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
         launcher.smem_opt_in[device_id] = shared_bytes
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
-    flat = launcher.flatten(args)
     if _RAW["ok"]:
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
-        slots, pointers = param_buffer(flat)
+        slots, pointers = param_buffer(launcher.flatten(args, raw=True))
         try:
             (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, shared_bytes,
                                       stream.handle if stream else 0, ctypes.addressof(pointers), 0)
@@ -248,4 +245,4 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     from cuda.core import launch as core_launch
 
     config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-    core_launch(driver._to_core_stream(stream), config, cufunc.kernel, *flat)
+    core_launch(driver._to_core_stream(stream), config, cufunc.kernel, *launcher.flatten(args))

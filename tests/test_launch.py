@@ -88,13 +88,16 @@ def test_flatten_follows_numbas_array_abi(rng):
 
 def test_param_buffer_slots(rng):
     """One 8-byte slot per parameter; 4-byte scalars in the low half; pointers point at the slots."""
-    ints = [int(x) for x in rng.integers(-2**40, 2**40, size=5)]
+    disp = _FakeDispatcher(types.Array(types.float32, 2, "A"), types.int32, types.float32)
+    ptr = int(rng.integers(1, 2**40)) * 16
+    view = DeviceView(ptr, (3, 5), (-20, 4), np.float32)  # a negative stride survives the round trip
     i32, f32 = int(rng.integers(-2**31, 2**31)), float(np.float32(rng.standard_normal()))
-    slots, pointers = param_buffer([*ints, ctypes.c_int32(i32), ctypes.c_float(f32)])
-    assert list(slots[:5]) == ints
+    flat = _Launcher(disp).flatten((view, i32, f32), raw=True)
+    slots, pointers = param_buffer(flat)
     raw = bytes(slots)
-    assert np.frombuffer(raw[40:44], np.int32)[0] == i32 and np.frombuffer(raw[48:52], np.float32)[0] == f32
-    assert [pointers[i] for i in range(7)] == [ctypes.addressof(slots) + 8 * i for i in range(7)]
+    assert list(np.frombuffer(raw[:72], np.int64)) == [0, 0, 15, 4, ptr, 3, 5, -20, 4]
+    assert np.frombuffer(raw[72:76], np.int32)[0] == i32 and np.frombuffer(raw[80:84], np.float32)[0] == f32
+    assert [pointers[i] for i in range(11)] == [ctypes.addressof(slots) + 8 * i for i in range(11)]
 
 
 def test_flatten_refuses_wrong_dtype_rank_or_count():

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU host, one call: half-precision forward tests at real sizes (tensor-core configs), backward GPU
-# tests, then the forward / backward / decode benchmarks and the plots. Work happens in a scratch
+# GPU host, one call: the launch path against Numba's dispatcher, host time per call, the full
+# forward benchmark (N 1024..16384, fp32 and fp16, causal and not, bf16 N16384, memory) and its
+# plots, then the fp32 forward GPU tests. Work happens in a scratch
 # folder that is re-packed into $OUT/session.tgz after every step, so a call cut short keeps
 # everything finished so far.
 #   bash scripts/gpu/session_bench.sh $OUT
@@ -13,9 +14,8 @@ run() {
   tar czf "$out/session.tgz" -C "$work" .
 }
 P="python3 -m pytest -q -p no:warnings -p no:cacheprovider -m gpu"
-run t_forward_half 70 $P tests/test_gpu_forward.py -k "(float16 or bfloat16) and (-64- or -128-)"
-run t_backward 60 $P tests/test_gpu_backward.py
-run b_forward 100 python3 scripts/bench_forward.py --quick --dtypes float32 float16 --out "$work/results"
-run b_backward 45 python3 scripts/bench_backward.py --quick --budget-s 0.3 --out "$work/results"
-run b_decode 35 python3 scripts/bench_decode.py --quick --out "$work/results"
-run plots 15 python3 -m numba_flash plot "$(ls "$work"/results/forward-*.json | head -1)" --out "$work/results/plots"
+run t_launch 80 $P tests/test_launch.py
+run host_overhead 45 python3 scripts/host_overhead.py --json "$work/results/host_overhead.json"
+run b_forward 330 python3 scripts/bench_forward.py --dtypes float32 float16 --out "$work/results"
+run plots 20 python3 -m numba_flash plot "$(ls "$work"/results/forward-*.json | head -1)" --out "$work/results/plots"
+run t_forward_fp32 60 $P tests/test_gpu_forward.py -k float32
