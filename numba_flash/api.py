@@ -256,8 +256,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
             family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
             if family == "simt" and kernel == "auto" and p.dtype in mma_forward.DTYPES:
                 warnings.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning, stacklevel=2)
-            # out and lse are fresh and contiguous, so reshape is a view
-            out4, lse3 = out_dev.reshape(_as_4d(p.q_shape)), lse_dev.reshape((p.B, p.H, p.n_q))
+            out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":
                 mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
                                    stream=stream, layout_checked=True, **cfg)

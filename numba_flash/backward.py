@@ -14,7 +14,7 @@ import numpy as np
 from numba import cuda
 
 from . import arrays
-from .api import _ACCEPTED_ARRAYS, Problem, _as_4d, _on_device, validate
+from .api import _ACCEPTED_ARRAYS, Problem, _on_device, validate
 from .kernels import simt_backward
 
 
@@ -139,9 +139,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None):
         qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))
         lse_d = arrays.to_device_view(lse, stream, ndim=3)
         simt_backward.launch(
-            # the gradients are fresh and contiguous, so reshape is a view
-            cfgs, qd, kd, vd, od, dod, lse_d, delta, dq_dev.reshape(_as_4d(p.q_shape)),
-            dk_dev.reshape(_as_4d(kv_shape)), dv_dev.reshape(_as_4d(kv_shape)),
+            cfgs, qd, kd, vd, od, dod, lse_d, delta, arrays.as_4d(dq_dev), arrays.as_4d(dk_dev),
+            arrays.as_4d(dv_dev),
             causal=p.causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
         )
         return tuple(arrays.to_host_kind(kind, obj, p.dtype, stream)

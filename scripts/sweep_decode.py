@@ -1,0 +1,72 @@
+"""Decode tile-config sweep on the GPU: K/V bandwidth of numba_flash.decode per DecodeConfig.
+
+For each case (fp16, B8 H32, Hkv 32 or 8, Nk 32768, d 128: the decode issue's target shapes) and each
+candidate (block_n, stages, warps) x num_splits, times ``numba_flash.decode(..., config=cfg,
+num_splits=s)`` (median of CUDA events) and reports GB/s of K and V read, with the shipped choice
+(config=None, num_splits=None) first. Checks every result against the shipped one (max |diff|).
+Writes JSON to ``--json``.
+
+    python scripts/sweep_decode.py [--json PATH] [--budget-s 0.3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+CASES = [(8, 32, 32, 32768, 128), (8, 32, 8, 32768, 128)]
+CANDIDATES = [  # (block_n, stages, warps)
+    (64, 3, 4), (64, 2, 4), (32, 4, 4), (32, 3, 4), (64, 4, 4), (64, 3, 8),
+]
+SPLITS = (1, 2, 4, 8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--budget-s", type=float, default=0.3)
+    args = ap.parse_args()
+    import torch
+
+    import numba_flash
+    from numba_flash import bench
+    from numba_flash.kernels.decode import DecodeConfig, decode_config
+
+    rows = []
+    for B, H, Hkv, n_k, d in CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, H, 1, d, device="cuda", generator=g).half()
+        k, v = (torch.randn(B, Hkv, n_k, d, device="cuda", generator=g).half() for _ in range(2))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        ref, _ = numba_flash.decode(q, k, v)
+        shipped = decode_config(d, "float16", H // Hkv)
+        for cand in [None] + CANDIDATES:
+            cfg = None if cand is None else DecodeConfig(d, "float16", shipped.rows, *cand)
+            if cfg is not None and cfg.problems():
+                rows.append(dict(case=[B, H, Hkv, n_k, d], config=cand, error="; ".join(cfg.problems())))
+                continue
+            for splits in (SPLITS if cand is not None else (None,)):
+                run = lambda: numba_flash.decode(q, k, v, config=cfg, num_splits=splits)  # noqa: E731
+                try:
+                    out, _ = run()
+                    err = (out.float() - ref.float()).abs().max().item()
+                    ms, _ = bench.time_call(run, budget_s=args.budget_s)
+                except Exception as e:  # noqa: BLE001  (a config that cannot launch is a result too)
+                    rows.append(dict(case=[B, H, Hkv, n_k, d], config=cand, splits=splits, error=repr(e)[:200]))
+                    print(f"B{B} H{H} Hkv{Hkv} {cand} splits={splits}: {e!r}"[:160], flush=True)
+                    continue
+                gbs = kv_bytes / ms / 1e6
+                rows.append(dict(case=[B, H, Hkv, n_k, d], config=cand or "shipped", splits=splits, ms=ms,
+                                 gbs=gbs, max_diff=err, smem=(cfg or shipped).smem_bytes))
+                print(f"B{B} H{H} Hkv{Hkv} Nk{n_k} {str(cand or 'shipped'):14s} splits={splits}: "
+                      f"{ms:.4f} ms {gbs:7.0f} GB/s  diff {err:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
