@@ -502,6 +502,13 @@ def _shfl_xor_sync_twin(mask, value, lane_mask):
     return warp_exchange(value, lambda vals: [vals[lane ^ int(lane_mask)] for lane in range(32)], "shfl_xor")
 
 
+def _syncwarp_twin(mask=FULL_MASK):
+    """__syncwarp(): the 32 lanes meet (the simulator has no syncwarp)."""
+    if int(mask) != FULL_MASK:
+        raise NotImplementedError("the syncwarp twin supports only the full-warp mask")
+    warp_exchange(0, lambda vals: vals, "syncwarp")
+
+
 # --------------------------------------------------------------------------------------------
 # Device helpers for kernels, callable from a kernel like any function: compiled as device
 # functions and inlined by NVVM (so fragment arrays passed to them still become registers).
@@ -528,6 +535,7 @@ if SIMULATOR:
     pack_bf16x2 = _make_pack_twin(bf16_bits)
     ex2_approx = _ex2_approx_twin
     shfl_xor_sync = _shfl_xor_sync_twin
+    syncwarp = _syncwarp_twin
 else:
     mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
@@ -542,11 +550,15 @@ else:
     ex2_approx = _ex2_approx_intrinsic
     shfl_xor_sync = cuda.shfl_xor_sync
 
+    @inline_device
+    def syncwarp():  # cuda.syncwarp is a typing stub, callable only as an attribute of cuda
+        cuda.syncwarp()
+
 __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
-    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "inline_device",
+    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "inline_device",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

@@ -161,7 +161,7 @@ def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0)
     grads = [torch.empty_like(x) for x in (q, k, v)]
     delta = torch.empty_like(lse)
     views = ([to_device_view(t, 0) for t in (q, k, v, out, dout)]
-             + [to_device_view(t, 0)[0] for t in (lse, delta)]  # (1, B, H, N) -> (B, H, N)
+             + [to_device_view(t, 0, ndim=3) for t in (lse, delta)]
              + [to_device_view(t, 0) for t in grads])
     rows = []
     for kv_t, q_t in SWEEP_CANDIDATES[d]:

@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck  python scripts/sanitize_case.py
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py
     compute-sanitizer --tool synccheck python scripts/sanitize_case.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_case.py decode   # one family
 
 Shapes cut tiles at odd places (N not a tile multiple, Nq != Nk, padded head dims) so that
 out-of-bounds loads and stores would show; exits non-zero if any result is wrong.
@@ -30,9 +31,10 @@ CASES = [  # (B, H, Hkv, Nq, Nk, d, dtype, causal)
 
 
 def main() -> int:
+    only = sys.argv[1] if len(sys.argv) > 1 else None  # forward | backward | decode: one family
     rng = np.random.default_rng(0)
     bad = 0
-    for B, H, Hkv, n_q, n_k, d, dtype, causal in CASES:
+    for B, H, Hkv, n_q, n_k, d, dtype, causal in (CASES if only in (None, "forward") else []):
         q = rng.standard_normal((B, H, n_q, d)).astype(dtype)
         k = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
         v = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
@@ -48,7 +50,7 @@ def main() -> int:
         bad += not ok
         print(f"forward {kernel:5s} {dtype} B{B} H{H}/{Hkv} Nq{n_q} Nk{n_k} d{d} causal={causal}: "
               f"max err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
-    for B, H, Hkv, n_q, n_k, d, dtype, causal in CASES[:2] + CASES[3:4]:  # backward: SIMT, both dtypes
+    for B, H, Hkv, n_q, n_k, d, dtype, causal in (CASES[:2] + CASES[3:4] if only in (None, "backward") else []):
         q = rng.standard_normal((B, H, n_q, d)).astype(dtype)
         k = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
         v = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
@@ -63,7 +65,7 @@ def main() -> int:
         bad += not ok
         print(f"backward {dtype} B{B} H{H}/{Hkv} Nq{n_q} Nk{n_k} d{d} causal={causal}: "
               f"max rel err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
-    for dtype in ("float32", "float16"):  # decode: ragged caches, GQA 4, two queries
+    for dtype in (("float32", "float16") if only in (None, "decode") else ()):  # decode: ragged, GQA 4, 2 queries
         q = rng.standard_normal((2, 8, 2, 128)).astype(dtype)
         kc = rng.standard_normal((2, 2, 300, 128)).astype(dtype)
         vc = rng.standard_normal((2, 2, 300, 128)).astype(dtype)

@@ -366,6 +366,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     HIGH = uint32(0xFFFF0000)
     FULL = ptx.FULL_MASK
     shfl_xor = ptx.shfl_xor_sync
+    syncwarp = ptx.syncwarp
     cp_async = ptx.cp_async_16_zfill
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
@@ -585,6 +586,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                             row_sum += pr
                     for sh in range(5):
                         row_sum += shfl_xor(FULL, row_sum, 16 >> sh)
+                    syncwarp()  # every lane has read m_old before lane 0 overwrites it (racecheck)
                     if lane == 0:
                         smem_f[U(L_OFF + r)] = alpha * smem_f[U(L_OFF + r)] + row_sum
                         smem_f[U(M_OFF + r)] = m_new
