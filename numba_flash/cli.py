@@ -230,10 +230,14 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
     if family == "mma":
         from numba_flash.kernels import mma_forward as m
 
-        bq, bk, hd = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"]
-        return KernelFacts(bq, bk, 2 * bq, m.smem_bytes(bq, bk, hd), "bf16" if dtype == "bfloat16" else "fp16",
-                           jit=lambda: m.make_forward_kernel(bq, bk, hd, causal, dtype),
-                           source=lambda: (m.kernel_source(bq, bk, hd, causal, dtype), m.kernel_signature(), None))
+        bq, bk, hd, mt = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], cfg.get("M_TILES", 1)
+        # the same positional key as mma_forward.launch, so a GPU run reuses its compiled kernel
+        return KernelFacts(bq, bk, m.threads_per_block(bq, mt), m.smem_bytes(bq, bk, hd),
+                           "bf16" if dtype == "bfloat16" else "fp16",
+                           jit=lambda: m.make_forward_kernel(bq, bk, hd, bool(causal), dtype, None, True, True, None,
+                                                             int(mt), True),
+                           source=lambda: (m.kernel_source(bq, bk, hd, causal, dtype, M_TILES=mt),
+                                           m.kernel_signature(), None))
     return KernelFacts(128, 128, None, None, "fp16" if dtype != "float32" else "fp32")  # a family explain predates
 
 

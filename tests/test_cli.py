@@ -110,6 +110,9 @@ def test_explain_names_kernel_config_and_costs(tmp_path, dtype):
     assert f"config: {cli._config_line(cfg)}" in out
     assert f"shared memory: {facts.smem_bytes} B per block" in out
     assert f"grid: {-(-4096 // facts.block_q)} Q tiles × 16" in out
+    # one warp per 16·M_TILES query rows (the SIMT block is its thread grid)
+    threads = 32 * cfg["BLOCK_Q"] // (16 * cfg["M_TILES"]) if family == "mma" else cfg.threads
+    assert f"thread blocks of {threads} threads" in out
     assert "registers: " in out
     if dtype == "float32":
         assert family == "simt" and cfg == simt_config(128)

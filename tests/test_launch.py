@@ -157,3 +157,28 @@ def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
     bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert torch.equal(bits(a), bits(b)), f"output {i} differs ({dtype}, causal={causal})"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")
+def test_launch_on_a_side_stream_orders_with_torch():
+    """forward and decode launched on a non-default PyTorch stream: the raw launch passes that stream,
+    so the work is ordered after the producer kernel on it, and the bits equal the default-stream run."""
+    import torch
+
+    import numba_flash
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 257, 64, device="cuda", generator=g).half() for _ in range(3))
+    ref = numba_flash.forward(q, k, v, causal=True)
+    ref_dec = numba_flash.decode(q[:, :, :2].contiguous(), k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # keep the side stream busy: a launch on stream 0 would overtake it
+        q2 = q * 1  # produced on the side stream, consumed by forward on the same stream
+        out, lse = numba_flash.forward(q2, k, v, causal=True)
+        dec, _ = numba_flash.decode(q2[:, :, :2].contiguous(), k, v)
+    side.synchronize()
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]) and torch.equal(dec, ref_dec[0])
