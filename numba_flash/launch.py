@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,8 @@ class DeviceView:
                 "data": (self.ptr, False), "version": 3}
 
     def is_c_contiguous(self) -> bool:
+        if self.size == 0:
+            return True
         expect = self.dtype.itemsize
         for n, st in zip(reversed(self.shape), reversed(self.strides)):
             if n > 1 and st != expect:
@@ -143,6 +146,8 @@ class _Launcher:
         self.params = []  # per argument: ("array", np.dtype, ndim) or ("scalar", ctypes type)
         for ty in self.compiled.argument_types:
             if isinstance(ty, types.Array):
+                if ty.layout != "A":  # views carry any strides; a C/F signature would need checks here
+                    raise TypeError(f"launch: array argument {ty} must have layout 'A'")
                 self.params.append(("array", np.dtype(str(ty.dtype)), ty.ndim))
             elif isinstance(ty, types.Integer):
                 self.params.append(("scalar", getattr(ctypes, f"c_{ty}")))
@@ -199,7 +204,9 @@ def current_device_id() -> int | None:
 
 
 _LAUNCHERS: dict = {}
-_RAW = {"ok": True}  # cuLaunchKernel straight from the bindings; False after a binding refuses our call
+# cuLaunchKernel straight from the bindings: None until the first launch, then True, or False if
+# the installed cuda.bindings refused that first call's argument types (then cuda.core launches).
+_RAW = {"ok": None}
 
 
 def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
@@ -223,23 +230,33 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     if shared_bytes > SMEM_STATIC_MAX and launcher.smem_opt_in.get(device_id, 0) < shared_bytes:
         # Above 48 KiB a kernel must opt in to dynamic shared memory, once per device.
         attr = driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, device_id)
+        try:
+            driver.driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, device_id)
+        except driver.CudaAPIError as e:  # e.g. a 64 KiB tile on a GPU with less opt-in shared memory
+            limit = cufunc.device.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            raise ValueError(f"{cufunc.name}: {shared_bytes} B of dynamic shared memory requested; device "
+                             f"{device_id} allows at most {limit} B per block ({e})") from e
         launcher.smem_opt_in[device_id] = shared_bytes
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
-    if _RAW["ok"]:
-        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        bx, by, bz = (tuple(block) + (1, 1))[:3]
+    if _RAW["ok"] is not False:
+        gx, gy, gz = (int(n) for n in (tuple(grid) + (1, 1))[:3])
+        bx, by, bz = (int(n) for n in (tuple(block) + (1, 1))[:3])
         slots, pointers = param_buffer(launcher.flatten(args, raw=True))
         try:
-            (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, shared_bytes,
+            (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, int(shared_bytes),
                                       stream.handle if stream else 0, ctypes.addressof(pointers), 0)
-        except TypeError:  # a bindings version that takes other argument types: cuda.core below
-            _RAW["ok"] = False
+        except TypeError as e:
+            if _RAW["ok"]:  # it worked before: this is a real error, not a bindings mismatch
+                raise
+            _RAW["ok"] = False  # these bindings take other argument types: cuda.core from now on
+            warnings.warn(f"numba_flash.launch: cuLaunchKernel refused the call ({e}); launching through "
+                          "cuda.core instead (slower per call)", RuntimeWarning, stacklevel=2)
         else:
             if err != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
-                                   f"{shared_bytes} B dynamic shared memory)")
+                raise driver.CudaAPIError(err, f"cuLaunchKernel of {cufunc.name} (grid {grid}, block {block}, "
+                                               f"{shared_bytes} B dynamic shared memory)")
+            _RAW["ok"] = True
             return
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch

@@ -91,7 +91,7 @@ def test_param_buffer_slots(rng):
     disp = _FakeDispatcher(types.Array(types.float32, 2, "A"), types.int32, types.float32)
     ptr = int(rng.integers(1, 2**40)) * 16
     view = DeviceView(ptr, (3, 5), (-20, 4), np.float32)  # a negative stride survives the round trip
-    i32, f32 = int(rng.integers(-2**31, 2**31)), float(np.float32(rng.standard_normal()))
+    i32, f32 = -1 - int(rng.integers(0, 2**31 - 1)), float(np.float32(rng.standard_normal()))  # negative int32
     flat = _Launcher(disp).flatten((view, i32, f32), raw=True)
     slots, pointers = param_buffer(flat)
     raw = bytes(slots)
@@ -126,11 +126,13 @@ def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
     from numba import cuda
 
     import numba_flash
+    import numba_flash.launch as launch_mod
 
     g = torch.Generator(device="cuda").manual_seed(1234)
     tdt = getattr(torch, dtype)
-    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", generator=g).to(tdt) for _ in range(3))
-    dout = torch.randn(2, 4, 300, 64, device="cuda", generator=g).to(tdt)
+    # d = 128: the tensor-core tile and the SIMT forward use > 48 KiB of dynamic shared memory (opt-in)
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", generator=g).to(tdt) for _ in range(3))
+    dout = torch.randn(2, 4, 300, 128, device="cuda", generator=g).to(tdt)
     lens = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
 
     def everything():
@@ -154,6 +156,7 @@ def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
     slow = everything()
     torch.cuda.synchronize()
     assert len(calls) >= 6, "the dispatcher path did not run every kernel"
+    assert launch_mod._RAW["ok"] is True, "the fast path fell back to cuda.core"
     bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert torch.equal(bits(a), bits(b)), f"output {i} differs ({dtype}, causal={causal})"
@@ -182,3 +185,27 @@ def test_launch_on_a_side_stream_orders_with_torch():
         dec, _ = numba_flash.decode(q2[:, :, :2].contiguous(), k, v)
     side.synchronize()
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]) and torch.equal(dec, ref_dec[0])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")
+def test_cuda_core_fallback_gives_the_same_bits(monkeypatch):
+    """The path taken when cuda.bindings refuses cuLaunchKernel's arguments: cuda.core's launch."""
+    import torch
+
+    import numba_flash
+    import numba_flash.launch as launch_mod
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 200, 128, device="cuda", generator=g).half() for _ in range(3))
+    fast = numba_flash.forward(q, k, v)
+    monkeypatch.setitem(launch_mod._RAW, "ok", False)
+    slow = numba_flash.forward(q, k, v)
+    torch.cuda.synchronize()
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
+def test_zero_size_views_are_contiguous():
+    v = DeviceView(0, (2, 4, 0), c_strides((2, 4, 0), 4), np.float32)
+    assert v.is_c_contiguous() and v.reshape((8, 0)).shape == (8, 0)

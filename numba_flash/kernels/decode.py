@@ -54,11 +54,10 @@ from llvmlite import ir
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from ..launch import address
-from ..launch import launch as launch_kernel
-
 from .. import ptx
 from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, head_dim_bucket
+from ..launch import address
+from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 
 # Indices are cast to unsigned before indexing: Numba then skips its negative-index wraparound code.

@@ -51,12 +51,11 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from ..launch import address
-from ..launch import launch as launch_kernel
-
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
-from ..ptx import inline_device
+from ..launch import address
+from ..launch import launch as launch_kernel
+from ..ptx import SMEM_ALIGN, inline_device
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -245,7 +244,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         # d = 128 need 64 KiB, over the 48 KiB static limit (offsets, not slices: a slice of a
         # dynamic array is clamped to its run-time length). ptxas: 64x64x128 174 -> 209
         # registers (unshipped), the shipped configs +0..4 (ptxas 13.0).
-        smem = cuda.shared.array(0, uint16)
+        smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # ldmatrix / cp.async: 16 B
         sq = sk = sv = smem
         tid = cuda.threadIdx.x
         warp = tid >> 5

@@ -48,9 +48,8 @@ from functools import lru_cache
 from numba import config as nb_config
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
-from ..launch import launch as launch_kernel
-
 from ..configs import HEAD_DIMS, REGS_PER_SM, SMEM_PER_BLOCK_MAX, head_dim_bucket
+from ..launch import launch as launch_kernel
 from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 from .simt_forward import FASTMATH, LOG2E, STORAGE
 

@@ -30,13 +30,12 @@ from functools import lru_cache
 
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
-from ..launch import launch as launch_kernel
-
 # Indices are cast to unsigned (a no-op bitcast from int64) before indexing: Numba then skips the negative-index
 # wraparound test it otherwise emits for every access (64-bit compare, shift, add).
 U = uint64
 
 from ..configs import SimtConfig
+from ..launch import launch as launch_kernel
 from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 
 LOG2E = 1.4426950408889634
