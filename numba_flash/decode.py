@@ -6,6 +6,7 @@ numba_flash.kernels.decode (a split kernel, then a merge kernel when there is mo
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -17,7 +18,7 @@ from .api import _on_device, validate
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
 from .kernels.decode import DecodeConfig, decode_config
-from .launch import DeviceView, view_of
+from .launch import DeviceView, current_device_id, view_of
 
 MAX_DECODE_QUERIES = 16
 H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
@@ -32,6 +33,11 @@ _LENS_ACCEPTED = "an int32 or int64 array of shape (B,), NumPy or the same kind 
 def _sm_count() -> int:
     if nb_config.ENABLE_CUDASIM:
         return H200_SMS
+    return _sm_count_of(current_device_id())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_id: int | None) -> int:  # one driver query per device, not per call
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 

@@ -282,6 +282,7 @@ def keep(configs):
 ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+@lru_cache(maxsize=512)  # a pure function of its arguments, asked on every decode call
 def decode_config(d: int, dtype: str, rows_needed: int) -> DecodeConfig:
     """The shipped config for head dim d, dtype and G·Nq rows: rows padded to a power of two,
     capped where acc would not fit in registers (larger groups then take several blocks).
