@@ -752,7 +752,8 @@ def n_row_chunks(cfg: DecodeConfig, group: int, n_q: int) -> int:
 
 def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: float, d: int,
            num_splits: int, partials=None, stream=0) -> None:
-    """Run both phases on Numba device arrays; the caller has validated the problem.
+    """Run both phases on device arrays (``launch.DeviceView``s, Numba device arrays, or anything with
+    ``__cuda_array_interface__``); the caller has validated the problem.
 
     q, out: (B, H, Nq, d) in Q_STORAGE[cfg.dtype]; k, v: (B, Hkv, Nmax, d) in KV_STORAGE (16-bit
     caches as uint16 words); seqlens: (B,) int32/int64, or a 0-length array meaning Nmax for all;

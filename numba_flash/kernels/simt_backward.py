@@ -641,7 +641,7 @@ def _prepared(cfg: BackwardConfig, causal: bool, dtype: str):
 
 def launch(cfgs, q, k, v, out, dout, lse, delta, dq, dk, dv, *, causal: bool, softmax_scale: float,
            dtype: str, d: int, stream=0) -> None:
-    """Launch the three kernels on Numba device arrays.
+    """Launch the three kernels on device arrays (``launch.DeviceView``s or any CUDA array interface).
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d); lse, delta: (B, H, Nq) fp32
     (delta is scratch, written here). ``cfgs`` = (dkdv config, dq config).

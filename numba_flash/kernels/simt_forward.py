@@ -290,7 +290,8 @@ def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str):
 
 def launch(cfg: SimtConfig, q, k, v, out, lse, *, causal: bool, softmax_scale: float,
            dtype: str, d: int, stream=0) -> None:
-    """Launch on numba device arrays: q/out (B, H, Nq, d), k/v (B, Hkv, Nk, d), lse (B, H, Nq)."""
+    """Launch on device arrays (``launch.DeviceView``s or any CUDA array interface): q/out (B, H, Nq, d),
+    k/v (B, Hkv, Nk, d), lse (B, H, Nq)."""
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     if B * H * n_q == 0:
