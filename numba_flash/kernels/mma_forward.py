@@ -220,15 +220,15 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 cp_async(smem, dst, src, src_off, nbytes)
 
     @inline_device
-    def qk_step(s, q_frag, sq, sk, kk, q_base, q_x, k_base, k_x):
+    def qk_step(s, q_frag, smem, kk, q_base, q_x, k_base, k_x):
         """k-step kk of S += Q_w K_jᵀ. Swizzled chunk (2kk + c) ^ (row % 8) = 2kk ^ (c ^ row % 8), so
         the lane's x = c ^ row % 8 is fixed and kk enters as a constant XOR."""
         if not Q_IN_REGS:  # re-read this k-step of Q: 4 registers per m-tile instead of 4 * QK_STEPS
             for mt in range(M_TILES):
-                load_a(q_frag, mt, sq, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
+                load_a(q_frag, mt, smem, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
         k_off = k_base + (((2 * kk) ^ k_x) << 3)
         for np2 in range(S_TILES // 2):
-            b0, b1, b2, b3 = ldsm(sk, k_off + np2 * 16 * HEAD_DIM)
+            b0, b1, b2, b3 = ldsm(smem, k_off + np2 * 16 * HEAD_DIM)
             for mt in range(M_TILES):  # one K fragment, M_TILES m-tiles
                 qk = mt * Q_FRAGS + (kk if Q_IN_REGS else 0)
                 nt = mt * S_TILES + 2 * np2
@@ -245,7 +245,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         # dynamic array is clamped to its run-time length). ptxas: 64x64x128 174 -> 209
         # registers (unshipped), the shipped configs +0..4 (ptxas 13.0).
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # ldmatrix / cp.async: 16 B
-        sq = sk = sv = smem
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
@@ -286,15 +285,15 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         # Prologue: Q, then K_0 (two groups); Q goes straight into A fragments, kept in registers.
         if FAST_LOADS:
             q_src, q_stride, _, q_dst = copy_plan(q, b, h, d)
-            load_tile_fast(sq, SQ, q, q_src, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
+            load_tile_fast(smem, SQ, q, q_src, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         else:
-            load_tile(sq, SQ, q, b, h, q0, n_q, d, Q_COPIES)
+            load_tile(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
         cp_commit()
         if n_tiles > 0:
             if FAST_LOADS:
-                load_tile_fast(sk, SK, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
             else:
-                load_tile(sk, SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
+                load_tile(smem, SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
         cp_commit()
         cp_wait(1)
         cuda.syncthreads()
@@ -302,7 +301,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         if Q_IN_REGS:
             for mt in range(M_TILES):
                 for kk in range(QK_STEPS):
-                    load_a(q_frag, mt * Q_FRAGS + kk, sq, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
+                    load_a(q_frag, mt * Q_FRAGS + kk, smem, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
 
         # Fragments of m-tile mt: s[mt * S_TILES + nt], acc[mt * O_TILES + dt], rows 2 mt + {0, 1}.
         s = cuda.local.array((S_ALL, 4), float32)
@@ -323,9 +322,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 cuda.syncthreads()
             # V_j streams in while S = Q K_jᵀ and the softmax run.
             if FAST_LOADS:
-                load_tile_fast(sv, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
             else:
-                load_tile(sv, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
+                load_tile(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
             cp_commit()
             if not TWO_SYNCS:
                 cp_wait(1)  # K_j has landed, V_j may still be in flight
@@ -336,28 +335,28 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 for r in range(4):
                     s[nt, r] = ZERO
             if UNROLL_QK:  # one call per k-step (NVVM inlines each; kk becomes a constant)
-                qk_step(s, q_frag, sq, sk, 0, q_base, q_x, k_base, k_x)
-                qk_step(s, q_frag, sq, sk, 1, q_base, q_x, k_base, k_x)
-                qk_step(s, q_frag, sq, sk, 2, q_base, q_x, k_base, k_x)
-                qk_step(s, q_frag, sq, sk, 3, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, smem, 0, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, smem, 1, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, smem, 2, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, smem, 3, q_base, q_x, k_base, k_x)
                 if QK_STEPS > 4:
-                    qk_step(s, q_frag, sq, sk, 4, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 5, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 6, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 7, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 4, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 5, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 6, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 7, q_base, q_x, k_base, k_x)
                 if QK_STEPS > 8:
-                    qk_step(s, q_frag, sq, sk, 8, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 9, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 10, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 11, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 8, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 9, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 10, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 11, q_base, q_x, k_base, k_x)
                 if QK_STEPS > 12:
-                    qk_step(s, q_frag, sq, sk, 12, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 13, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 14, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, sq, sk, 15, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 12, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 13, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 14, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 15, q_base, q_x, k_base, k_x)
             else:
                 for kk in range(QK_STEPS):
-                    qk_step(s, q_frag, sq, sk, kk, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, kk, q_base, q_x, k_base, k_x)
 
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
             needs_mask = k0 + BLOCK_K > n_k
@@ -403,9 +402,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
             if j + 1 < n_tiles:  # K_{j+1} under P·V_j
                 if FAST_LOADS:
-                    load_tile_fast(sk, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                    load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
                 else:
-                    load_tile(sk, SK, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
+                    load_tile(smem, SK, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
             cp_commit()
 
             # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
@@ -418,7 +417,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     p_frag[mt, 2] = pack(s[st + 1, 0], s[st + 1, 1])
                     p_frag[mt, 3] = pack(s[st + 1, 2], s[st + 1, 3])
                 for dp in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldsm_t(sv, SV + swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
+                    b0, b1, b2, b3 = ldsm_t(smem, SV + swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
                     for mt in range(M_TILES):  # one V fragment, M_TILES m-tiles
                         a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
                         dt = mt * O_TILES + 2 * dp
