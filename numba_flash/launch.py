@@ -178,10 +178,12 @@ class _Launcher:
             flat += [0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides]
         return flat
 
-    def cufunc(self, device_id):
+    def cufunc(self, device_id: int | None):
+        """The function loaded on the current context's device (device_id; None: no context yet)."""
         fn = self.cufuncs.get(device_id)
-        if fn is None:  # loads the module into the current context the first time
-            fn = self.cufuncs[device_id] = self.compiled._codelibrary.get_cufunc()
+        if fn is None:  # loads the module (creating a context if there is none) the first time
+            fn = self.compiled._codelibrary.get_cufunc()
+            self.cufuncs[fn.device.id] = fn
         return fn
 
 
@@ -224,9 +226,8 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     launcher = _LAUNCHERS.get(dispatcher)
     if launcher is None:
         launcher = _LAUNCHERS[dispatcher] = _Launcher(dispatcher)
-    device_id = current_device_id()
-    cufunc = launcher.cufunc(device_id) if device_id is not None else launcher.compiled._codelibrary.get_cufunc()
-    device_id = cufunc.device.id if device_id is None else device_id
+    cufunc = launcher.cufunc(current_device_id())
+    device_id = cufunc.device.id
     if shared_bytes > SMEM_STATIC_MAX and launcher.smem_opt_in.get(device_id, 0) < shared_bytes:
         # Above 48 KiB a kernel must opt in to dynamic shared memory, once per device.
         attr = driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -240,8 +241,8 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
     if _RAW["ok"] is not False:
-        gx, gy, gz = (int(n) for n in (tuple(grid) + (1, 1))[:3])
-        bx, by, bz = (int(n) for n in (tuple(block) + (1, 1))[:3])
+        gx, gy, gz = (int(n) for n in (grid + (1, 1))[:3])
+        bx, by, bz = (int(n) for n in (block + (1, 1))[:3])
         slots, pointers = param_buffer(launcher.flatten(args, raw=True))
         try:
             (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, int(shared_bytes),

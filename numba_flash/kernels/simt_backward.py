@@ -635,10 +635,6 @@ def make_backward_kernel(cfg: BackwardConfig, causal: bool, dtype: str):
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def _prepared(cfg: BackwardConfig, causal: bool, dtype: str):
-    return make_backward_kernel(cfg, bool(causal), dtype)
-
-
 def launch(cfgs, q, k, v, out, dout, lse, delta, dq, dk, dv, *, causal: bool, softmax_scale: float,
            dtype: str, d: int, stream=0) -> None:
     """Launch the three kernels on device arrays (``launch.DeviceView``s or any CUDA array interface).
@@ -657,9 +653,9 @@ def launch(cfgs, q, k, v, out, dout, lse, delta, dq, dk, dv, *, causal: bool, so
                       out, dout, delta, n_q, d)
     if B * Hkv * n_k > 0:  # runs for Nq = 0 too: it writes dK = dV = 0
         grid = ((n_k + cfg_kv.block_k - 1) // cfg_kv.block_k, B * Hkv)
-        launch_kernel(_prepared(cfg_kv, causal, dtype), grid, cfg_kv.threads, stream, cfg_kv.smem_bytes,
+        launch_kernel(make_backward_kernel(cfg_kv, bool(causal), dtype), grid, cfg_kv.threads, stream, cfg_kv.smem_bytes,
                       q, k, v, dout, lse, delta, dk, dv, *scalars)
     if B * H * n_q > 0:  # runs for Nk = 0 too: it writes dQ = 0
         grid = ((n_q + cfg_q.block_q - 1) // cfg_q.block_q, B * H)
-        launch_kernel(_prepared(cfg_q, causal, dtype), grid, cfg_q.threads, stream, cfg_q.smem_bytes,
+        launch_kernel(make_backward_kernel(cfg_q, bool(causal), dtype), grid, cfg_q.threads, stream, cfg_q.smem_bytes,
                       q, k, v, dout, lse, delta, dq, *scalars)
