@@ -40,20 +40,10 @@ def issue_us(fn, n=400):
 
 
 def event_ms(fn, n=30):
-    import torch
+    """Median ms of single calls between CUDA events, the GPU idle before each (as the benchmarks)."""
+    from numba_flash import bench
 
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return bench.time_call(fn, warmup=5, reps=n)[0]
 
 
 def measure(label: str) -> dict:

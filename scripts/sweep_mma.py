@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -32,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from numba import cuda, float32  # noqa: E402
 
 import numba_flash  # noqa: E402
+from numba_flash import bench  # noqa: E402
 from numba_flash.kernels import mma_forward  # noqa: E402
 
 # (name, config for mma_forward.launch); order = priority (a deadline skips the tail).
@@ -93,18 +93,8 @@ def as_numba(t):
 
 
 def time_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    """Median ms of ``iters`` single calls between CUDA events (numba_flash.bench.time_call)."""
+    return bench.time_call(fn, warmup=warmup, reps=iters)[0]
 
 
 def kernel_info(kernel, cfg, head_dim):

@@ -3,15 +3,7 @@
 # with profiles, backward GPU tests and benchmark, decode GPU tests and benchmark. Outputs are
 # re-packed into $OUT/session.tgz after every step, so a call cut short keeps what finished.
 #   bash scripts/gpu/session_backward.sh $OUT
-out=${1:-/tmp/out}; work=$(mktemp -d); mkdir -p "$out" "$work/results"
-export PYTHONUNBUFFERED=1
-run() {
-  local name=$1 limit=$2; shift 2; echo "== $name"
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1; echo "rc=$?" >> "$work/$name.log"
-  grep -vE "Warning|warn\(" "$work/$name.log" | tail -n 4
-  tar czf "$out/session.tgz" -C "$work" .
-}
-P="python3 -m pytest -q -p no:warnings -p no:cacheprovider -m gpu"
+source "$(dirname "$0")/common.sh"
 run t_launch 90 $P tests/test_launch.py
 run host_overhead 60 python3 scripts/host_overhead.py --profile --json "$work/results/host_overhead.json"
 run t_backward 110 $P tests/test_gpu_backward.py

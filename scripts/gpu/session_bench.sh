@@ -5,15 +5,8 @@
 # folder that is re-packed into $OUT/session.tgz after every step, so a call cut short keeps
 # everything finished so far.
 #   bash scripts/gpu/session_bench.sh $OUT
-out=${1:-/tmp/out}; work=$(mktemp -d); mkdir -p "$out" "$work/results"
-export PYTHONUNBUFFERED=1 NUMBA_FLASH_BENCH_BUDGET_S=${NUMBA_FLASH_BENCH_BUDGET_S:-0.3}
-run() {
-  local name=$1 limit=$2; shift 2; echo "== $name"
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1; echo "rc=$?" >> "$work/$name.log"
-  grep -vE "Warning|warn\(" "$work/$name.log" | tail -n 3
-  tar czf "$out/session.tgz" -C "$work" .
-}
-P="python3 -m pytest -q -p no:warnings -p no:cacheprovider -m gpu"
+source "$(dirname "$0")/common.sh"
+export NUMBA_FLASH_BENCH_BUDGET_S=${NUMBA_FLASH_BENCH_BUDGET_S:-0.3}
 run t_launch 80 $P tests/test_launch.py
 run host_overhead 45 python3 scripts/host_overhead.py --json "$work/results/host_overhead.json"
 run b_forward 330 python3 scripts/bench_forward.py --dtypes float32 float16 --out "$work/results"

@@ -3,14 +3,7 @@
 # DeviceView launch path and the dynamic-smem tensor-core kernel included), the decode and
 # backward config sweeps, and host time per call. Re-packs $OUT/session.tgz after every step.
 #   bash scripts/gpu/session_final.sh $OUT
-out=${1:-/tmp/out}; work=$(mktemp -d); mkdir -p "$out" "$work/results"
-export PYTHONUNBUFFERED=1
-run() {
-  local name=$1 limit=$2; shift 2; echo "== $name"
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1; echo "rc=$?" >> "$work/$name.log"
-  grep -vE "Warning|warn\(" "$work/$name.log" | tail -n 4
-  tar czf "$out/session.tgz" -C "$work" .
-}
+source "$(dirname "$0")/common.sh"
 run san_memcheck 110 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py
 run san_racecheck 110 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py
 run host_overhead 35 python3 scripts/host_overhead.py --json "$work/results/host_overhead.json"

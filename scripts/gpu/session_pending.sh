@@ -3,15 +3,7 @@
 # side stream, the cuda.core fallback, the >48 KiB opt-in; the tail of the decode tests; the mma
 # unit tests), then host time per call after the last changes. Re-packs $OUT/session.tgz per step.
 #   bash scripts/gpu/session_pending.sh $OUT
-out=${1:-/tmp/out}; work=$(mktemp -d); mkdir -p "$out" "$work/results"
-export PYTHONUNBUFFERED=1
-run() {
-  local name=$1 limit=$2; shift 2; echo "== $name"
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1; echo "rc=$?" >> "$work/$name.log"
-  grep -vE "Warning|warn\(" "$work/$name.log" | tail -n 4
-  tar czf "$out/session.tgz" -C "$work" .
-}
-P="python3 -m pytest -q -p no:warnings -p no:cacheprovider -m gpu"
+source "$(dirname "$0")/common.sh"
 run t_launch 120 $P tests/test_launch.py
 run t_decode 150 $P tests/test_gpu_decode.py
 run t_mma 120 $P tests/test_mma_forward.py tests/test_gpu_ptx.py -k "not gpu_sweep"
