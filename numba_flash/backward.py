@@ -3,19 +3,22 @@
     out, lse = numba_flash.forward(q, k, v, causal=True)
     dq, dk, dv = numba_flash.backward(q, k, v, out, lse, dout, causal=True)
 
-The forward's checks (``api.validate``) plus the backward's own arguments, then the three SIMT
-kernels of ``kernels.simt_backward`` (D, dK/dV, dQ). For PyTorch autograd see ``numba_flash.torch``.
+The forward's checks (``api.validate``) plus the backward's own arguments, then three kernels (D,
+dK/dV, dQ): ``kernels.mma_backward`` (tensor cores) for float16/bfloat16 where the forward would
+use tensor cores too, else ``kernels.simt_backward``. For PyTorch autograd see ``numba_flash.torch``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 from numba import cuda
 
 from . import arrays
-from .api import _ACCEPTED_ARRAYS, Problem, _on_device, validate
-from .kernels import simt_backward
+from .api import _ACCEPTED_ARRAYS, KERNELS, PerformanceWarning, Problem, _mma_blockers, _on_device, validate
+from .configs import MMA_BWD_TABLE
+from .kernels import mma_backward, simt_backward
 
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
@@ -49,24 +52,68 @@ def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_s
     return p
 
 
-def explain_backward(q, k, v, *, causal=False, softmax_scale=None) -> str:
+def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
+    """(family, config, reasons): which backward kernels run for a validated problem, and why.
+
+    The tensor-core path takes what the tensor-core forward takes (float16/bfloat16, d <= 128,
+    sm_80+, cp.async-able layouts), with dout's layout checked as well: ``views`` = device views of
+    (q, k, v, dout), or None to assume contiguous arrays (explain on NumPy inputs).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    blockers = _mma_blockers(p, None if views is None else views[:3])
+    if views is not None and not blockers:
+        do = views[3]
+        if do.strides[-1] != do.dtype.itemsize or any(st % 16 for st in do.strides[:-1]):
+            blockers.append(f"dout strides {tuple(do.strides)} B: cp.async needs a unit-stride last dim and "
+                            "other strides that are multiples of 16 B (8 elements)")
+        elif mma_backward.address(do) % 16:
+            blockers.append("dout data pointer is not 16-byte aligned (cp.async)")
+    if kernel == "mma" and blockers:
+        raise ValueError("kernel='mma' cannot run this backward: " + "; ".join(blockers))
+    if kernel in ("auto", "mma") and not blockers:
+        head_dim = 64 if p.d <= 64 else 128
+        cfg = dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim)
+        (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
+        reasons = [
+            f"mma backward: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate); D and L·log2(e), "
+            "then dK/dV over K/V tiles, then dQ over Q tiles (no atomics)",
+            f"dkdv: {bn}-key tiles x {bm}-query tiles, {mma_backward.threads_per_block('dkdv', bn)} threads, "
+            f"{mma_backward.smem_bytes('dkdv', bn, bm, head_dim)} B shared memory",
+            f"dq: {bq}-query tiles x {bk}-key tiles, {mma_backward.threads_per_block('dq', bq)} threads, "
+            f"{mma_backward.smem_bytes('dq', bq, bk, head_dim)} B shared memory",
+        ]
+        if head_dim != p.d:
+            reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
+    else:
+        cfg = simt_backward.backward_configs(p.d)
+        cfg_kv, cfg_q = cfg
+        reasons = [
+            "simt backward: D = rowsum(dO∘O), then dK/dV over K/V tiles, then dQ over Q tiles (no atomics)",
+            f"dkdv: {cfg_kv.block_k}-row K/V tiles x {cfg_kv.block_q}-row Q tiles, {cfg_kv.threads} threads, "
+            f"{cfg_kv.smem_bytes} B shared memory",
+            f"dq: {cfg_q.block_q}-row Q tiles x {cfg_q.block_k}-row K/V tiles, {cfg_q.threads} threads, "
+            f"{cfg_q.smem_bytes} B shared memory",
+        ]
+        if cfg_kv.head_dim != p.d:
+            reasons.append(f"head dim {p.d} is zero-padded to {cfg_kv.head_dim} inside the kernels")
+        if p.dtype in mma_backward.DTYPES:
+            why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
+            reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
+    if p.H != p.Hkv:
+        reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
+    family = "mma" if kernel in ("auto", "mma") and not blockers else "simt"
+    return family, cfg, reasons
+
+
+def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
     """Which kernels ``backward`` runs for inputs like these, their tile configs, and why."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    cfg_kv, cfg_q = simt_backward.backward_configs(p.d)
-    lines = [
-        "simt backward: D = rowsum(dO∘O), then dK/dV over K/V tiles, then dQ over Q tiles (no atomics)",
-        f"dkdv: {cfg_kv.block_k}-row K/V tiles x {cfg_kv.block_q}-row Q tiles, {cfg_kv.threads} threads, "
-        f"{cfg_kv.smem_bytes} B shared memory",
-        f"dq: {cfg_q.block_q}-row Q tiles x {cfg_q.block_k}-row K/V tiles, {cfg_q.threads} threads, "
-        f"{cfg_q.smem_bytes} B shared memory",
-    ]
-    if cfg_kv.head_dim != p.d:
-        lines.append(f"head dim {p.d} is zero-padded to {cfg_kv.head_dim} inside the kernels")
-    if p.dtype in ("float16", "bfloat16"):
-        lines.append(f"{p.dtype}: widened to fp32 and computed on the SIMT cores (no tensor-core backward)")
-    if p.H != p.Hkv:
-        lines.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
-    return "\n".join(lines)
+    views = None
+    if p.kind != arrays.NUMPY:  # device arrays: check their real layout (q's stands in for dout's)
+        with _on_device(p.device):
+            views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v, q))
+    return "\n".join(choose_backward(p, kernel, views)[2])
 
 
 def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
@@ -85,7 +132,7 @@ def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
     return arrays.to_host_kind(kind, dev, dtype, stream)
 
 
-def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None):
+def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto"):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from the saved L.
 
     Args:
@@ -100,6 +147,10 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None):
             are read correctly; a last dim that is not contiguous costs coalescing.
         causal, softmax_scale: as for ``forward`` (mask aligned bottom-right: query i sees key
             j iff j <= i + Nk - Nq; scale defaults to 1/sqrt(d)).
+        kernel: "auto" (default), "mma" or "simt", as for ``forward``: auto runs the tensor-core
+            kernels for float16/bfloat16 with d <= 128 on sm_80+ when q, k, v and dout rows start
+            16-byte aligned, else the SIMT kernels (with a ``PerformanceWarning`` for half
+            precision); ``explain_backward`` prints the choice and the reason.
 
     Returns:
         (dq, dk, dv) with the shape, dtype and kind of q, k and v respectively. For GQA/MQA,
@@ -111,12 +162,13 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None):
     registers while recomputing P = exp(S·scale - L) and dS = P ∘ (dO Vᵀ - D) over the Q tiles;
     a second kernel over Q tiles recomputes P and dS and accumulates dQ = scale·dS K. No atomic
     adds anywhere, so the same inputs give bitwise the same gradients every run. Accumulation
-    is fp32. float16 / bfloat16 are widened to fp32 and run on the SIMT cores: there is no
-    tensor-core backward yet, so half precision is not faster than float32 (``explain_backward``
-    says which configs run). Head dims are zero-padded to the next compiled size as in forward.
+    is fp32. float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
+    dtype for their products, as in FA2), float32 on the SIMT cores. Head dims are zero-padded to
+    the next compiled size as in forward.
 
     Stream: as ``forward`` (the inputs' framework stream; device inputs return without
-    synchronising, NumPy inputs after the copy back). Scratch: one fp32 array of lse's size.
+    synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row
+    (SIMT), two per query row padded to a multiple of 128 rows (tensor cores).
 
     Raises:
         TypeError / ValueError naming what was given and what is accepted: the forward's checks
@@ -124,7 +176,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None):
         (float32), all six on one device (or all NumPy).
     """
     p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale)
-    cfgs = simt_backward.backward_configs(p.d)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     kv_shape = arrays.shape_of(k)
     kinds = (p.kind, arrays.kind_of(k), arrays.kind_of(v))
     with _on_device(p.device):
@@ -132,16 +185,26 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None):
         if p.B * p.H * p.n_q * p.n_k == 0:
             return tuple(_zeros_like_kind(kind, ref, shape, p.dtype, stream)
                          for kind, ref, shape in zip(kinds, (q, k, v), (p.q_shape, kv_shape, kv_shape)))
+        qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))
+        family, cfg, reasons = choose_backward(p, kernel, (qd, kd, vd, dod))
+        if family == "simt" and kernel == "auto" and p.dtype in mma_backward.DTYPES:
+            warnings.warn("numba_flash.backward: " + reasons[-1], PerformanceWarning, stacklevel=2)
         dq_obj, dq_dev = arrays.empty_like_kind(kinds[0], q, p.q_shape, p.dtype, stream)
         dk_obj, dk_dev = arrays.empty_like_kind(kinds[1], k, kv_shape, p.dtype, stream)
         dv_obj, dv_dev = arrays.empty_like_kind(kinds[2], v, kv_shape, p.dtype, stream)
-        _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
-        qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))
         lse_d = arrays.to_device_view(lse, stream, ndim=3)
-        simt_backward.launch(
-            cfgs, qd, kd, vd, od, dod, lse_d, delta, arrays.as_4d(dq_dev), arrays.as_4d(dk_dev),
-            arrays.as_4d(dv_dev),
-            causal=p.causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
-        )
+        grads = (arrays.as_4d(dq_dev), arrays.as_4d(dk_dev), arrays.as_4d(dv_dev))
+        if family == "mma":
+            rows = (p.B * p.H, mma_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
+            _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
+            _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
+            mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream)
+        else:
+            _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
+            simt_backward.launch(
+                cfg, qd, kd, vd, od, dod, lse_d, delta, *grads,
+                causal=p.causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
+            )
         return tuple(arrays.to_host_kind(kind, obj, p.dtype, stream)
                      for kind, obj in zip(kinds, (dq_obj, dk_obj, dv_obj)))

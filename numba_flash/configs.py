@@ -40,6 +40,16 @@ class SimtConfig:
     head_dim: int  # compiled (padded) head dim
     share_kv: bool = False  # V reuses K's buffer once S is computed: less smem, more blocks per SM
     max_registers: int | None = None  # cap (ptxas -maxrregcount) so that 2 blocks fit on an SM
+    # K/V tile copies (global -> shared). A "trip" is one thread's 4-element group of a tile (one
+    # 16-byte shared store); a d=128 64-row tile is 8 trips per thread at 256 threads.
+    # stage_trips = 0 and prefetch_trips = 0: the original per-trip loop (load 4, store, repeat).
+    # stage_trips > 0: the tile's global loads go out in batches of stage_trips trips before their
+    # shared stores (read-only ld.global.nc, in-bounds tiles without per-element checks).
+    # prefetch_trips > 0: the first prefetch_trips trips of V_j are loaded into registers before
+    # S_j = Q K_jᵀ is computed and those of K_{j+1} before P V_j, so the global latency hides
+    # behind the GEMMs; the rest of each tile is copied, staged, where it is stored.
+    stage_trips: int = 0
+    prefetch_trips: int = 0
 
     @property
     def threads(self) -> int:
@@ -102,6 +112,8 @@ class SimtConfig:
             out.append(f"{self.smem_bytes} B shared memory > {SMEM_PER_BLOCK_MAX}")
         if self.max_registers is not None and self.max_registers * self.threads > REGS_PER_SM:
             out.append(f"max_registers={self.max_registers} x {self.threads} threads > {REGS_PER_SM}")
+        if self.stage_trips < 0 or self.prefetch_trips < 0:
+            out.append(f"stage_trips={self.stage_trips}, prefetch_trips={self.prefetch_trips}: must be >= 0")
         if self.accumulators_per_thread > 160:
             out.append(f"{self.accumulators_per_thread} accumulator registers per thread > 160")
         return out
@@ -135,6 +147,14 @@ MMA_TABLE = {
     (128, True): (128, 64, 2),
 }
 MMA_SPILL_OK = {(128, 64, 128, 2): 80}  # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes measured faster
+
+# Tensor-core backward, head dim: {"dkdv": (BLOCK_N keys own, BLOCK_M queries streamed),
+# "dq": (BLOCK_M queries own, BLOCK_N keys streamed)}. dkdv holds dK and dV (2 x HEAD_DIM/2 fp32
+# per lane) plus Sᵀ and dPᵀ (2 x BLOCK_M/2): 32-query tiles keep d = 128 near 160 of them.
+MMA_BWD_TABLE = {
+    64: {"dkdv": (64, 64), "dq": (64, 64)},
+    128: {"dkdv": (64, 32), "dq": (64, 64)},
+}
 
 
 def _simt_for(head_dim: int) -> SimtConfig:

@@ -1,0 +1,610 @@
+"""Tensor-core FlashAttention-2 backward (fp16 / bf16 in, fp32 accumulation) on mma.sync m16n8k16.
+
+Maths (reference/backward.py, section 3.6.7), with S = Q Kᵀ and P rebuilt from the forward's
+saved logsumexp L, never stored as an N×N array:
+
+    L2 = L·log2(e)                   base-2 logsumexp (+inf for a row that sees no key, so its
+                                     P = exp2(… − inf) = 0, never exp(−inf + inf) = nan)
+    P  = exp2(S·scale·log2(e) − L2)  the forward's probabilities, tile by tile
+    D  = rowsum(dO ∘ O)              one fp32 number per query row
+    dP = dO Vᵀ,   dS = P ∘ (dP − D)
+    dV = Pᵀ dO,   dK = scale · dSᵀ Q,   dQ = scale · dS K
+
+Three kernels on one stream, no atomics anywhere (bitwise repeatable, like the SIMT path):
+
+1. ``prep``: D and L2 per query row into fp32 scratch of shape (B·H, NQ_PAD), rows padded to a
+   multiple of 128 with D = 0, L2 = +inf, so every query tile's L2 and D arrive by cp.async and a
+   padded query row has P = 0 without a mask.
+2. ``dkdv``: one block per (K/V tile of BLOCK_N keys, batch · kv head), warp w owning keys
+   16w..16w+15 — the forward's structure with the roles of Q and K/V exchanged (the transposed
+   orientation). K_j and V_j stay in shared memory; dK_j and dV_j accumulate in registers while
+   the block streams the Q / dO tiles of every query head of its group (so the GQA sum needs no
+   atomics):
+
+       Sᵀ  (16 x BLOCK_M) = K_w · Q_iᵀ        A = K rows (ldmatrix), B = Q rows (ldmatrix)
+       dPᵀ (16 x BLOCK_M) = V_w · dO_iᵀ       A = V rows, B = dO rows
+       Pᵀ = exp2(Sᵀ·scale·log2 e − L2[col]),  dSᵀ = Pᵀ ∘ (dPᵀ − D[col])
+       dV_w (16 x d) += Pᵀ · dO_i             A = Pᵀ re-packed in registers, B = dO by ldmatrix.trans
+       dK_w (16 x d) += dSᵀ · Q_i             A = dSᵀ re-packed in registers, B = Q by ldmatrix.trans
+
+   The Sᵀ accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk (as P in
+   the forward's P·V), so no fragment passes through shared memory.
+3. ``dq``: one block per (Q tile of BLOCK_M rows, batch · head), warp w owning rows 16w..16w+15 —
+   the forward's loop with a second GEMM and no online softmax (L is known):
+
+       S = Q_w K_jᵀ,  dP = dO_w V_jᵀ         A = Q / dO rows, B = K / V rows (ldmatrix)
+       dS = exp2(S·scale·log2 e − L2[row]) ∘ (dP − D[row])
+       dQ_w += dS · K_j                       A = dS re-packed, B = K by ldmatrix.trans
+
+   This repeats the two products of ``dkdv`` (7 tile GEMMs instead of FA2's 5) in exchange for no
+   atomic adds and a deterministic dQ.
+
+Shared memory: 16-bit tiles with rows of HEAD_DIM, 16-byte chunks XOR-swizzled by row % 8 (the
+forward's layout: every ldmatrix phase hits 8 distinct bank groups). The streamed tiles (Q, dO,
+L2, D in ``dkdv``; K, V in ``dq``) are double-buffered: at the top of step i one barrier says tile
+i has landed and that every warp has left step i−1, whose buffer then receives tile i+1 by cp.async
+while step i computes. Out-of-range rows and head-dim columns are zero-filled by cp.async's
+src-size operand.
+
+Causal (bottom-right, query i sees key j iff j <= i + Nk − Nq): ``dkdv`` starts at the first Q
+tile that sees its keys, ``dq`` stops after the last K/V tile its rows see; only tiles that cross
+the diagonal (or, in ``dq``, the end of the keys) pay for the mask.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint16, uint32
+
+from .. import ptx
+from ..configs import SMEM_PER_BLOCK_MAX
+from ..launch import address
+from ..launch import launch as launch_kernel
+from ..ptx import SMEM_ALIGN, inline_device
+from .simt_backward import _element_io
+
+LOG2E = 1.4426950408889634
+DTYPES = ("float16", "bfloat16")
+KERNELS = ("dkdv", "dq")
+WORD = np.dtype(np.uint16)
+PREP_ROWS, PREP_LANES = 8, 32
+ROW_PAD = 128  # scratch rows padded to this: every query tile (BLOCK_M <= 128) reads inside them
+
+
+def padded_rows(n_q: int) -> int:
+    """NQ_PAD: the scratch row length for n_q queries."""
+    return -(-n_q // ROW_PAD) * ROW_PAD
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes of a specialisation (data the launcher, the tests and explain share)
+# --------------------------------------------------------------------------------------------
+def threads_per_block(kernel: str, block_own: int) -> int:
+    """One warp per 16 rows of the block's own tile (keys in dkdv, queries in dq)."""
+    return 32 * (block_own // 16)
+
+
+def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int) -> int:
+    """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D."""
+    streamed = 2 * block_streamed * head_dim + (4 * block_streamed if kernel == "dkdv" else 0)
+    return 2 * (2 * block_own * head_dim + 2 * streamed)
+
+
+def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dtype: str) -> list[str]:
+    """Why a specialisation cannot be built (empty when it can)."""
+    out = []
+    if kernel not in KERNELS:
+        return [f"kernel={kernel!r} not in {KERNELS}"]
+    if block_own % 16 or not 16 <= block_own <= 256:
+        out.append(f"own tile of {block_own} rows: one warp per 16 rows, 1..16 warps")
+    if block_streamed % 16 or not 16 <= block_streamed <= ROW_PAD:
+        out.append(f"streamed tile of {block_streamed} rows: a multiple of 16 (the k of m16n8k16), <= {ROW_PAD}")
+    if head_dim % 64 or head_dim <= 0:
+        out.append(f"HEAD_DIM={head_dim}: a multiple of 64 (the 8-chunk XOR swizzle)")
+    if dtype not in DTYPES:
+        out.append(f"dtype={dtype!r} not in {DTYPES}")
+    threads = threads_per_block(kernel, block_own) if block_own % 16 == 0 and block_own >= 16 else 32
+    for name, rows in (("own", block_own), ("streamed", block_streamed)):
+        if (rows * head_dim // 8) % threads:
+            out.append(f"{name} tile of {rows}x{head_dim} is not a whole number of 16-byte copies per thread")
+    if kernel == "dkdv" and block_streamed // 2 > threads:
+        out.append(f"{block_streamed} query rows of L2 and D need {block_streamed // 2} copying threads, have {threads}")
+    nbytes = smem_bytes(kernel, block_own, block_streamed, head_dim)
+    if nbytes > SMEM_PER_BLOCK_MAX:
+        out.append(f"{nbytes} B of shared memory > {SMEM_PER_BLOCK_MAX}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel sources
+# --------------------------------------------------------------------------------------------
+def prep_signature(dtype: str):
+    io = types.Array(types.float16 if dtype == "float16" else types.uint16, 4, "A")
+    rows = types.Array(types.float32, 2, "A")
+    return types.void(io, io, types.Array(types.float32, 3, "A"), rows, rows, int32, int32)
+
+
+def prep_source(dtype: str):
+    """D = rowsum(dO ∘ O) and L2 = L·log2(e) (+inf where L = -inf) into padded (B·H, NQ_PAD) rows."""
+    load, _ = _element_io(dtype == "bfloat16")
+    ROWS, LANES = PREP_ROWS, PREP_LANES
+    INF, NEG_INF = float32(math.inf), float32(-math.inf)
+
+    def mma_backward_prep(out, dout, lse, l2, dd, n_q, d):
+        partial = cuda.shared.array((ROWS, LANES), float32)
+        tid = cuda.threadIdx.x
+        tr = tid // LANES
+        lane = tid - tr * LANES
+        bh = cuda.blockIdx.y
+        b = bh // out.shape[1]
+        h = bh - b * out.shape[1]
+        row = cuda.blockIdx.x * ROWS + tr
+        acc = float32(0.0)
+        for c in range(lane, d, LANES):  # neighbouring lanes, neighbouring addresses
+            acc = cuda.fma(load(out, b, h, row, c, n_q, d), load(dout, b, h, row, c, n_q, d), acc)
+        partial[tr, lane] = acc
+        cuda.syncthreads()
+        if lane == 0:
+            total = float32(0.0)
+            for i in range(LANES):
+                total += partial[tr, i]
+            if row < n_q:
+                x = lse[b, h, row]
+                dd[bh, row] = total
+                l2[bh, row] = INF if x == NEG_INF else x * float32(LOG2E)
+            else:  # padding: P = exp2(… − inf) = 0, and dS = 0 · (dP − 0) stays finite
+                dd[bh, row] = float32(0.0)
+                l2[bh, row] = INF
+
+    return mma_backward_prep
+
+
+def kernel_signature(kernel: str):
+    """dkdv(q, k, v, do, l2, dd, dk, dv, ...) / dq(q, k, v, do, l2, dd, dq, ...): 16-bit words."""
+    io = types.Array(types.uint16, 4, "A")
+    rows = types.Array(types.float32, 2, "A")
+    grads = (io, io) if kernel == "dkdv" else (io,)
+    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32)
+
+
+def _common(HEAD_DIM, DTYPE, THREADS):
+    """Device helpers both kernels use: the swizzled tile layout and its cp.async copies."""
+    CHUNKS = HEAD_DIM // 8
+    cp_async = ptx.cp_async_16_zfill
+
+    @inline_device
+    def swizzle(row, chunk):
+        """Element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR row % 8)."""
+        return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
+
+    @inline_device
+    def load_rows(smem, tile0, src, b, h, row0, n_rows, d, COPIES):
+        """cp.async rows row0.. of src[b, h] into the tile at word tile0; rows past n_rows and
+        columns past d are zero-filled."""
+        tid = cuda.threadIdx.x
+        row_stride = src.strides[2] // 2
+        base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2)
+        for i in range(COPIES):
+            c = tid + i * THREADS
+            r = c // CHUNKS
+            chunk = c - r * CHUNKS
+            col = chunk * 8
+            row = row0 + r
+            nbytes = min(max(d - col, 0), 8) * 2 if row < n_rows else 0
+            # A zero-byte copy still names an address: keep it inside the array.
+            src_row = max(min(row, n_rows - 1), 0)
+            src_col = col if nbytes > 0 else 0
+            cp_async(smem, tile0 + swizzle(r, chunk), src, base + src_row * row_stride + src_col, nbytes)
+
+    return swizzle, load_rows
+
+
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
+    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed."""
+    WARPS = BLOCK_N // 16
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 8
+    KV_COPIES = BLOCK_N * CHUNKS // THREADS
+    Q_COPIES = BLOCK_M * CHUNKS // THREADS
+    D_STEPS = HEAD_DIM // 16  # k-steps of Sᵀ and dPᵀ (over the head dim)
+    Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
+    M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
+    O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
+    SK, SV = 0, BLOCK_N * HEAD_DIM  # word offsets: K and V once, then two stages of
+    STAGE0 = 2 * BLOCK_N * HEAD_DIM  # [Q | dO | L2 (fp32) | D (fp32)]
+    STAGE = 2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M
+    SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
+    ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
+    CAUSAL = bool(CAUSAL)
+    swizzle, load_rows = _common(HEAD_DIM, DTYPE, THREADS)
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    cp_async = ptx.cp_async_16
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ldsm = ptx.ldmatrix_x4
+    ldsm_t = ptx.ldmatrix_x4_trans
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def load_stage(smem, st, q, dout, l2, dd, b, h, i0, n_q, d, nq_pad):
+        """Q_i, dO_i rows i0.. and their L2, D into the stage at word st (one cp.async group's worth)."""
+        load_rows(smem, st + SQ, q, b, h, i0, n_q, d, Q_COPIES)
+        load_rows(smem, st + SDO, dout, b, h, i0, n_q, d, Q_COPIES)
+        tid = cuda.threadIdx.x
+        row = (b * q.shape[1] + h) * nq_pad + i0  # scratch rows are padded: always inside
+        if tid < ROW_CHUNKS:
+            cp_async(smem, st + SL + 8 * tid, l2, row + 4 * tid)
+        elif tid < 2 * ROW_CHUNKS:
+            cp_async(smem, st + SD + 8 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS))
+
+    def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+        smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
+        smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        bh = cuda.blockIdx.y
+        n_kv_heads = k.shape[1]
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        k0 = cuda.blockIdx.x * BLOCK_N
+        kw = k0 + warp * 16  # this warp's first key
+        shift = n_k - n_q  # query i sees key j iff j <= i + shift
+        nq_pad = l2.shape[1]
+
+        n_qt = (n_q + BLOCK_M - 1) // BLOCK_M
+        qt0 = 0
+        if CAUSAL:  # the first query that sees key k0 is k0 - shift
+            qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt)
+        per_head = n_qt - qt0
+        steps = group * per_head  # (query head of the group, Q tile) pairs, head-major
+
+        # ldmatrix lane addresses (matrix lane >> 3 of the x4 takes its row from lanes 8j..8j+7).
+        mat = lane >> 3
+        a_row = warp * 16 + (lane & 15)  # A (K, V rows): quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+        a_x = (lane >> 4) ^ (a_row & 7)
+        b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (Q, dO rows): (rows, d 0-7 | 8-15)
+        b_x = (mat & 1) ^ (b_row & 7)
+        t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (dO, Q as k x n): (rows 0-7 | 8-15) per d pair
+        t_chunk = mat >> 1
+
+        load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
+        load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
+        if steps > 0:
+            load_stage(smem, STAGE0, q, dout, l2, dd, b, h_kv * group, qt0 * BLOCK_M, n_q, d, nq_pad)
+        cp_commit()
+
+        acc_k = cuda.local.array((O_TILES, 4), float32)
+        acc_v = cuda.local.array((O_TILES, 4), float32)
+        s = cuda.local.array((Q_TILES, 4), float32)  # Sᵀ, then Pᵀ
+        dp = cuda.local.array((Q_TILES, 4), float32)  # dPᵀ, then dSᵀ
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc_k[dt, r] = ZERO
+                acc_v[dt, r] = ZERO
+
+        for step in range(steps):
+            cp_wait(0)  # this step's tiles (the only group in flight) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left the previous step
+            if step + 1 < steps:  # the next tiles into the buffer the previous step used
+                nxt = step + 1
+                hh = nxt // per_head
+                load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh,
+                           (qt0 + nxt - hh * per_head) * BLOCK_M, n_q, d, nq_pad)
+            cp_commit()
+            hh = step // per_head
+            i0 = (qt0 + step - hh * per_head) * BLOCK_M
+            st = STAGE0 + (step & 1) * STAGE
+
+            # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ, one k-step of the head dim at a time.
+            for nt in range(Q_TILES):
+                for r in range(4):
+                    s[nt, r] = ZERO
+                    dp[nt, r] = ZERO
+            for kk in range(D_STEPS):
+                a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)
+                k0_, k1_, k2_, k3_ = ldsm(smem, SK + a_off)
+                v0_, v1_, v2_, v3_ = ldsm(smem, SV + a_off)
+                b_off = st + b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
+                for np2 in range(Q_TILES // 2):
+                    nt = 2 * np2
+                    b0, b1, b2, b3 = ldsm(smem, SQ + b_off + np2 * 16 * HEAD_DIM)
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
+                        k0_, k1_, k2_, k3_, b0, b1, s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
+                    s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
+                        k0_, k1_, k2_, k3_, b2, b3, s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
+                    b0, b1, b2, b3 = ldsm(smem, SDO + b_off + np2 * 16 * HEAD_DIM)
+                    dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3] = mma(
+                        v0_, v1_, v2_, v3_, b0, b1, dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3])
+                    dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3] = mma(
+                        v0_, v1_, v2_, v3_, b2, b3, dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3])
+
+            # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries
+            # have L2 = +inf. Mask only where this warp's keys cross the tile's diagonal.
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
+            l2_s = (st + SL) >> 1
+            d_s = (st + SD) >> 1
+            for nt in range(Q_TILES):
+                for r in range(4):
+                    col = nt * 8 + 2 * t + (r & 1)
+                    x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
+                        x = NEG_INF
+                    p = ex2(x)
+                    s[nt, r] = p
+                    dp[nt, r] = p * (dp[nt, r] - smem_f[d_s + col])
+
+            # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i: accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk.
+            for kk in range(M_STEPS):
+                nt = 2 * kk
+                p0 = pack(s[nt, 0], s[nt, 1])
+                p1 = pack(s[nt, 2], s[nt, 3])
+                p2 = pack(s[nt + 1, 0], s[nt + 1, 1])
+                p3 = pack(s[nt + 1, 2], s[nt + 1, 3])
+                d0 = pack(dp[nt, 0], dp[nt, 1])
+                d1 = pack(dp[nt, 2], dp[nt, 3])
+                d2 = pack(dp[nt + 1, 0], dp[nt + 1, 1])
+                d3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
+                for dp2 in range(O_TILES // 2):
+                    dt = 2 * dp2
+                    t_off = st + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk)
+                    b0, b1, b2, b3 = ldsm_t(smem, SDO + t_off)
+                    acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3] = mma(
+                        p0, p1, p2, p3, b0, b1, acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3])
+                    acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3] = mma(
+                        p0, p1, p2, p3, b2, b3,
+                        acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3])
+                    b0, b1, b2, b3 = ldsm_t(smem, SQ + t_off)
+                    acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3] = mma(
+                        d0, d1, d2, d3, b0, b1, acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3])
+                    acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3] = mma(
+                        d0, d1, d2, d3, b2, b3,
+                        acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3])
+
+        cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
+
+        # dV = Σ Pᵀ dO, dK = scale · Σ dSᵀ Q, rounded to 16 bits; keys past n_k are not stored.
+        for half in range(2):
+            row = kw + g + 8 * half
+            if row < n_k:
+                for dt in range(O_TILES):
+                    col = dt * 8 + 2 * t
+                    bits_v = pack(acc_v[dt, 2 * half], acc_v[dt, 2 * half + 1])
+                    bits_k = pack(acc_k[dt, 2 * half] * scale, acc_k[dt, 2 * half + 1] * scale)
+                    if col < d:
+                        dv[b, h_kv, row, col] = uint16(bits_v & 0xFFFF)
+                        dk[b, h_kv, row, col] = uint16(bits_k & 0xFFFF)
+                    if col + 1 < d:
+                        dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
+                        dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+
+    return mma_backward_dkdv
+
+
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
+    """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed."""
+    WARPS = BLOCK_M // 16
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 8
+    Q_COPIES = BLOCK_M * CHUNKS // THREADS
+    KV_COPIES = BLOCK_N * CHUNKS // THREADS
+    D_STEPS = HEAD_DIM // 16  # k-steps of S and dP
+    K_TILES = BLOCK_N // 8  # n-tiles of S / dP (key columns)
+    N_STEPS = BLOCK_N // 16  # k-steps of dQ (over the keys)
+    O_TILES = HEAD_DIM // 8  # n-tiles of dQ
+    SQ, SDO = 0, BLOCK_M * HEAD_DIM  # word offsets: Q and dO once, then two stages of [K | V]
+    STAGE0 = 2 * BLOCK_M * HEAD_DIM
+    STAGE = 2 * BLOCK_N * HEAD_DIM
+    SK, SV = 0, BLOCK_N * HEAD_DIM
+    CAUSAL = bool(CAUSAL)
+    swizzle, load_rows = _common(HEAD_DIM, DTYPE, THREADS)
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ldsm = ptx.ldmatrix_x4
+    ldsm_t = ptx.ldmatrix_x4_trans
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    def mma_backward_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+        smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        # Heaviest causal tiles first: they start while the light ones fill the tail.
+        q0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M
+        bh = cuda.blockIdx.y
+        n_heads = q.shape[1]
+        b = bh // n_heads
+        h = bh - b * n_heads
+        h_kv = h // group
+        qw = q0 + warp * 16  # this warp's first query row
+        shift = n_k - n_q
+
+        n_tiles = (n_k + BLOCK_N - 1) // BLOCK_N
+        if CAUSAL:
+            visible = min(q0 + BLOCK_M, n_q) + shift  # keys the tile's last row can see
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_N - 1) // BLOCK_N)
+
+        mat = lane >> 3
+        a_row = warp * 16 + (lane & 15)  # A (Q, dO rows)
+        a_x = (lane >> 4) ^ (a_row & 7)
+        b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (K, V rows)
+        b_x = (mat & 1) ^ (b_row & 7)
+        t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (K as k x n)
+        t_chunk = mat >> 1
+
+        load_rows(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
+        load_rows(smem, SDO, dout, b, h, q0, n_q, d, Q_COPIES)
+        if n_tiles > 0:
+            load_rows(smem, STAGE0 + SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
+            load_rows(smem, STAGE0 + SV, v, b, h_kv, 0, n_k, d, KV_COPIES)
+        cp_commit()
+
+        # L2 and D of this lane's rows g and g + 8 (padded scratch: always inside).
+        l2_r = cuda.local.array(2, float32)
+        d_r = cuda.local.array(2, float32)
+        for half in range(2):
+            l2_r[half] = l2[bh, qw + g + 8 * half]
+            d_r[half] = dd[bh, qw + g + 8 * half]
+
+        acc = cuda.local.array((O_TILES, 4), float32)
+        s = cuda.local.array((K_TILES, 4), float32)  # S, then P
+        dp = cuda.local.array((K_TILES, 4), float32)  # dP, then dS
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc[dt, r] = ZERO
+
+        for j in range(n_tiles):
+            k0 = j * BLOCK_N
+            cp_wait(0)  # K_j, V_j (the only group in flight) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1
+            if j + 1 < n_tiles:  # K_{j+1}, V_{j+1} into the buffer tile j - 1 used
+                nxt = STAGE0 + ((j + 1) & 1) * STAGE
+                load_rows(smem, nxt + SK, k, b, h_kv, k0 + BLOCK_N, n_k, d, KV_COPIES)
+                load_rows(smem, nxt + SV, v, b, h_kv, k0 + BLOCK_N, n_k, d, KV_COPIES)
+            cp_commit()
+            st = STAGE0 + (j & 1) * STAGE
+
+            # S = Q_w K_jᵀ and dP = dO_w V_jᵀ
+            for nt in range(K_TILES):
+                for r in range(4):
+                    s[nt, r] = ZERO
+                    dp[nt, r] = ZERO
+            for kk in range(D_STEPS):
+                a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)
+                q0_, q1_, q2_, q3_ = ldsm(smem, SQ + a_off)
+                o0_, o1_, o2_, o3_ = ldsm(smem, SDO + a_off)
+                b_off = st + b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
+                for np2 in range(K_TILES // 2):
+                    nt = 2 * np2
+                    b0, b1, b2, b3 = ldsm(smem, SK + b_off + np2 * 16 * HEAD_DIM)
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
+                        q0_, q1_, q2_, q3_, b0, b1, s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
+                    s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
+                        q0_, q1_, q2_, q3_, b2, b3, s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
+                    b0, b1, b2, b3 = ldsm(smem, SV + b_off + np2 * 16 * HEAD_DIM)
+                    dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3] = mma(
+                        o0_, o1_, o2_, o3_, b0, b1, dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3])
+                    dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3] = mma(
+                        o0_, o1_, o2_, o3_, b2, b3, dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3])
+
+            # dS = exp2(S·scale·log2 e − L2[row]) ∘ (dP − D[row]); mask keys past n_k and the diagonal.
+            needs_mask = k0 + BLOCK_N > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k0 + BLOCK_N - 1 > qw + shift)
+            for nt in range(K_TILES):
+                for r in range(4):
+                    half = r >> 1
+                    x = s[nt, r] * scale_log2 - l2_r[half]
+                    if needs_mask:
+                        col = k0 + nt * 8 + 2 * t + (r & 1)
+                        if col >= n_k or (CAUSAL and col > qw + g + 8 * half + shift):
+                            x = NEG_INF
+                    dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
+
+            # dQ_w += dS K_j: dS accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk; K by .trans.
+            for kk in range(N_STEPS):
+                nt = 2 * kk
+                a0 = pack(dp[nt, 0], dp[nt, 1])
+                a1 = pack(dp[nt, 2], dp[nt, 3])
+                a2 = pack(dp[nt + 1, 0], dp[nt + 1, 1])
+                a3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
+                for dp2 in range(O_TILES // 2):
+                    dt = 2 * dp2
+                    b0, b1, b2, b3 = ldsm_t(smem, st + SK + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk))
+                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
+                        a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                    acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
+
+        cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
+
+        for half in range(2):
+            row = qw + g + 8 * half
+            if row < n_q:
+                for dt in range(O_TILES):
+                    col = dt * 8 + 2 * t
+                    bits = pack(acc[dt, 2 * half] * scale, acc[dt, 2 * half + 1] * scale)
+                    if col < d:
+                        dq[b, h, row, col] = uint16(bits & 0xFFFF)
+                    if col + 1 < d:
+                        dq[b, h, row, col + 1] = uint16(bits >> 16)
+
+    return mma_backward_dq
+
+
+def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype):
+    """The Python kernel of one specialisation (before cuda.jit; the compile tests use it)."""
+    if kernel == "dkdv":
+        return dkdv_source(block_own, block_streamed, head_dim, causal, dtype)
+    return dq_source(block_own, block_streamed, head_dim, causal, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel factories
+# --------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def make_prep_kernel(dtype: str):
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
+    return cuda.jit(prep_signature(dtype))(prep_source(dtype))
+
+
+@lru_cache(maxsize=None)
+def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
+                max_registers: int | None = None):
+    """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once."""
+    bad = problems(kernel, block_own, block_streamed, head_dim, dtype)
+    if bad:
+        raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
+                         f"built: {'; '.join(bad)}")
+    source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype)
+    cap = {"max_registers": int(max_registers)} if max_registers else {}
+    return cuda.jit(kernel_signature(kernel), **cap)(source)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+def _words(x):
+    """The array as 16-bit words (bf16 already arrives as uint16; f16 is reinterpreted)."""
+    return x if x.dtype == WORD else x.view(WORD)
+
+
+def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, dtype, d, config,
+           stream=0):
+    """Run prep, dkdv and dq on device arrays; the caller has validated the problem and the layout.
+
+    q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d), all 16-bit (float16, or uint16
+    holding bf16 bits); q, k, v, dout with unit last stride, other strides multiples of 16 B and
+    16-byte aligned data (cp.async); lse: (B, H, Nq) fp32; l2, dd: fp32 scratch of shape
+    (B·H, padded_rows(Nq)), C-contiguous. ``config``: {"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M,
+    BLOCK_N), "head_dim": HEAD_DIM}, as configs.MMA_BWD_TABLE holds them. Nq, Nk > 0.
+    """
+    B, H, n_q, _ = q.shape
+    Hkv, n_k = k.shape[1], k.shape[2]
+    head_dim = config["head_dim"]
+    scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
+    launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, B * H), PREP_ROWS * PREP_LANES, stream, 0,
+                  out, dout, lse, l2, dd, n_q, d)
+    words = tuple(_words(x) for x in (q, k, v, dout))
+    bn, bm = config["dkdv"]
+    launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype), ((n_k + bn - 1) // bn, B * Hkv),
+                  threads_per_block("dkdv", bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
+                  *words, l2, dd, _words(dk), _words(dv), *scalars)
+    bm, bn = config["dq"]
+    launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), dtype), ((n_q + bm - 1) // bm, B * H),
+                  threads_per_block("dq", bm), stream, smem_bytes("dq", bm, bn, head_dim),
+                  *words, l2, dd, _words(dq), *scalars)
