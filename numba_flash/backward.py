@@ -19,6 +19,7 @@ from . import arrays
 from .api import _ACCEPTED_ARRAYS, KERNELS, PerformanceWarning, Problem, _mma_blockers, _on_device, validate
 from .configs import MMA_BWD_TABLE
 from .kernels import mma_backward, simt_backward
+from .launch import address
 
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
@@ -67,7 +68,7 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
         if do.strides[-1] != do.dtype.itemsize or any(st % 16 for st in do.strides[:-1]):
             blockers.append(f"dout strides {tuple(do.strides)} B: cp.async needs a unit-stride last dim and "
                             "other strides that are multiples of 16 B (8 elements)")
-        elif mma_backward.address(do) % 16:
+        elif address(do) % 16:
             blockers.append("dout data pointer is not 16-byte aligned (cp.async)")
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this backward: " + "; ".join(blockers))

@@ -56,11 +56,10 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint16, uint32
+from numba import cuda, float32, int32, types, uint16
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
-from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from .simt_backward import _element_io
@@ -101,8 +100,8 @@ def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dt
         out.append(f"own tile of {block_own} rows: one warp per 16 rows, 1..16 warps")
     if block_streamed % 16 or not 16 <= block_streamed <= ROW_PAD:
         out.append(f"streamed tile of {block_streamed} rows: a multiple of 16 (the k of m16n8k16), <= {ROW_PAD}")
-    if head_dim % 64 or head_dim <= 0:
-        out.append(f"HEAD_DIM={head_dim}: a multiple of 64 (the 8-chunk XOR swizzle)")
+    if head_dim not in (64, 128):
+        out.append(f"HEAD_DIM={head_dim}: 64 or 128 (the 8-chunk XOR swizzle, the unrolled k-steps)")
     if dtype not in DTYPES:
         out.append(f"dtype={dtype!r} not in {DTYPES}")
     threads = threads_per_block(kernel, block_own) if block_own % 16 == 0 and block_own >= 16 else 32
@@ -201,6 +200,51 @@ def _common(HEAD_DIM, DTYPE, THREADS):
     return swizzle, load_rows
 
 
+def two_products(HEAD_DIM, N_TILES, mma):
+    """X = A1 B1ᵀ and Y = A2 B2ᵀ over the head dim (Sᵀ, dPᵀ in dkdv; S, dP in dq): A of 16 rows per
+    warp, B of N_TILES n-tiles, all from swizzled tiles. The k-steps are written out one call each:
+    NVVM leaves the loop rolled at d = 128 (half the mma in the PTX), as in the forward's Q·Kᵀ."""
+    ldsm = ptx.ldmatrix_x4
+    D_STEPS = HEAD_DIM // 16
+
+    @inline_device
+    def step(x, y, smem, kk, a1, a2, b1, b2, a_row, a_x, b_row, b_x):
+        a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)
+        p0, p1, p2, p3 = ldsm(smem, a1 + a_off)
+        r0, r1, r2, r3 = ldsm(smem, a2 + a_off)
+        b_off = b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
+        for np2 in range(N_TILES // 2):
+            nt = 2 * np2
+            c0, c1, c2, c3 = ldsm(smem, b1 + b_off + np2 * 16 * HEAD_DIM)
+            x[nt, 0], x[nt, 1], x[nt, 2], x[nt, 3] = mma(p0, p1, p2, p3, c0, c1, x[nt, 0], x[nt, 1], x[nt, 2], x[nt, 3])
+            x[nt + 1, 0], x[nt + 1, 1], x[nt + 1, 2], x[nt + 1, 3] = mma(
+                p0, p1, p2, p3, c2, c3, x[nt + 1, 0], x[nt + 1, 1], x[nt + 1, 2], x[nt + 1, 3])
+            c0, c1, c2, c3 = ldsm(smem, b2 + b_off + np2 * 16 * HEAD_DIM)
+            y[nt, 0], y[nt, 1], y[nt, 2], y[nt, 3] = mma(r0, r1, r2, r3, c0, c1, y[nt, 0], y[nt, 1], y[nt, 2], y[nt, 3])
+            y[nt + 1, 0], y[nt + 1, 1], y[nt + 1, 2], y[nt + 1, 3] = mma(
+                r0, r1, r2, r3, c2, c3, y[nt + 1, 0], y[nt + 1, 1], y[nt + 1, 2], y[nt + 1, 3])
+
+    @inline_device
+    def unrolled(x, y, smem, a1, a2, b1, b2, a_row, a_x, b_row, b_x):
+        for nt in range(N_TILES):
+            for r in range(4):
+                x[nt, r] = float32(0.0)
+                y[nt, r] = float32(0.0)
+        step(x, y, smem, 0, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        step(x, y, smem, 1, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        step(x, y, smem, 2, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        step(x, y, smem, 3, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        if D_STEPS > 4:
+            step(x, y, smem, 4, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, smem, 5, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, smem, 6, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, smem, 7, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+
+    if D_STEPS not in (4, 8):
+        raise ValueError(f"HEAD_DIM={HEAD_DIM}: the unrolled products take 64 or 128")
+    return unrolled
+
+
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed."""
     WARPS = BLOCK_N // 16
@@ -208,7 +252,6 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     CHUNKS = HEAD_DIM // 8
     KV_COPIES = BLOCK_N * CHUNKS // THREADS
     Q_COPIES = BLOCK_M * CHUNKS // THREADS
-    D_STEPS = HEAD_DIM // 16  # k-steps of Sᵀ and dPᵀ (over the head dim)
     Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
     O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
@@ -220,12 +263,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     CAUSAL = bool(CAUSAL)
     swizzle, load_rows = _common(HEAD_DIM, DTYPE, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    unrolled = two_products(HEAD_DIM, Q_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
     cp_async = ptx.cp_async_16
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
-    ldsm = ptx.ldmatrix_x4
     ldsm_t = ptx.ldmatrix_x4_trans
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
@@ -303,28 +346,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
             i0 = (qt0 + step - hh * per_head) * BLOCK_M
             st = STAGE0 + (step & 1) * STAGE
 
-            # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ, one k-step of the head dim at a time.
-            for nt in range(Q_TILES):
-                for r in range(4):
-                    s[nt, r] = ZERO
-                    dp[nt, r] = ZERO
-            for kk in range(D_STEPS):
-                a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)
-                k0_, k1_, k2_, k3_ = ldsm(smem, SK + a_off)
-                v0_, v1_, v2_, v3_ = ldsm(smem, SV + a_off)
-                b_off = st + b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
-                for np2 in range(Q_TILES // 2):
-                    nt = 2 * np2
-                    b0, b1, b2, b3 = ldsm(smem, SQ + b_off + np2 * 16 * HEAD_DIM)
-                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
-                        k0_, k1_, k2_, k3_, b0, b1, s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
-                    s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
-                        k0_, k1_, k2_, k3_, b2, b3, s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
-                    b0, b1, b2, b3 = ldsm(smem, SDO + b_off + np2 * 16 * HEAD_DIM)
-                    dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3] = mma(
-                        v0_, v1_, v2_, v3_, b0, b1, dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3])
-                    dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3] = mma(
-                        v0_, v1_, v2_, v3_, b2, b3, dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3])
+            # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ
+            unrolled(s, dp, smem, SK, SV, st + SQ, st + SDO, a_row, a_x, b_row, b_x)
 
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries
             # have L2 = +inf. Mask only where this warp's keys cross the tile's diagonal.
@@ -395,7 +418,6 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     CHUNKS = HEAD_DIM // 8
     Q_COPIES = BLOCK_M * CHUNKS // THREADS
     KV_COPIES = BLOCK_N * CHUNKS // THREADS
-    D_STEPS = HEAD_DIM // 16  # k-steps of S and dP
     K_TILES = BLOCK_N // 8  # n-tiles of S / dP (key columns)
     N_STEPS = BLOCK_N // 16  # k-steps of dQ (over the keys)
     O_TILES = HEAD_DIM // 8  # n-tiles of dQ
@@ -406,11 +428,11 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     CAUSAL = bool(CAUSAL)
     swizzle, load_rows = _common(HEAD_DIM, DTYPE, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    unrolled = two_products(HEAD_DIM, K_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
-    ldsm = ptx.ldmatrix_x4
     ldsm_t = ptx.ldmatrix_x4_trans
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
@@ -478,27 +500,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
             st = STAGE0 + (j & 1) * STAGE
 
             # S = Q_w K_jᵀ and dP = dO_w V_jᵀ
-            for nt in range(K_TILES):
-                for r in range(4):
-                    s[nt, r] = ZERO
-                    dp[nt, r] = ZERO
-            for kk in range(D_STEPS):
-                a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)
-                q0_, q1_, q2_, q3_ = ldsm(smem, SQ + a_off)
-                o0_, o1_, o2_, o3_ = ldsm(smem, SDO + a_off)
-                b_off = st + b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
-                for np2 in range(K_TILES // 2):
-                    nt = 2 * np2
-                    b0, b1, b2, b3 = ldsm(smem, SK + b_off + np2 * 16 * HEAD_DIM)
-                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
-                        q0_, q1_, q2_, q3_, b0, b1, s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3])
-                    s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
-                        q0_, q1_, q2_, q3_, b2, b3, s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
-                    b0, b1, b2, b3 = ldsm(smem, SV + b_off + np2 * 16 * HEAD_DIM)
-                    dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3] = mma(
-                        o0_, o1_, o2_, o3_, b0, b1, dp[nt, 0], dp[nt, 1], dp[nt, 2], dp[nt, 3])
-                    dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3] = mma(
-                        o0_, o1_, o2_, o3_, b2, b3, dp[nt + 1, 0], dp[nt + 1, 1], dp[nt + 1, 2], dp[nt + 1, 3])
+            unrolled(s, dp, smem, SQ, SDO, st + SK, st + SV, a_row, a_x, b_row, b_x)
 
             # dS = exp2(S·scale·log2 e − L2[row]) ∘ (dP − D[row]); mask keys past n_k and the diagonal.
             needs_mask = k0 + BLOCK_N > n_k
