@@ -3,6 +3,7 @@
     python scripts/bench_backward.py              # B4 H16 N {1024, 4096} d {64, 128}, fp32 + fp16, causal and not
     python scripts/bench_backward.py --quick      # N 4096 d 128 only
     python scripts/bench_backward.py --sweep      # also time candidate backward tile configs (B4 H16 N4096 d128)
+    python scripts/bench_backward.py --sweep-mma  # time the tensor-core kernels' candidate tiles one by one
 
 Writes benchmarks/results/backward-<date>.{json,md} (GPU, date, command, commit). ``numba-flash bench``
 also runs it as the "backward" suite through ``run_suite``.
@@ -189,6 +190,61 @@ def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0)
     return rows
 
 
+# head_dim -> candidate tiles of the tensor-core kernels, each timed on its own (prep once):
+# dkdv (BLOCK_N keys, BLOCK_M queries), dq (BLOCK_M queries, BLOCK_N keys); first = shipped.
+MMA_SWEEP = {
+    128: {"dkdv": [(64, 32), (128, 32), (64, 16), (64, 64)], "dq": [(64, 64), (64, 32), (128, 64), (128, 32)]},
+    64: {"dkdv": [(64, 64), (128, 64), (64, 32), (128, 32)], "dq": [(64, 64), (128, 64), (64, 32), (128, 32)]},
+}
+
+
+def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=0.5):
+    """Time prep, then each candidate dkdv and dq tile of the tensor-core backward, kernel by kernel.
+
+    TFLOP/s credit each kernel with its own products: dkdv 4 of the 5 backward GEMMs (Sᵀ, dPᵀ, dV,
+    dK: 2·F), dq 3 (S, dP, dQ: 1.5·F), where F = 4·B·H·N²·d/2 per GEMM pair (halved for causal)."""
+    import torch
+    from numba import cuda
+
+    from numba_flash.arrays import to_device_view
+    from numba_flash.configs import MMA_BWD_TABLE
+    from numba_flash.kernels import mma_backward
+
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = (torch.randn(B, H, N, d, device="cuda").to(tdt) for _ in range(4))
+    out, lse = numba_flash.forward(q, k, v, causal=causal)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    rows_shape = (B * H, mma_backward.padded_rows(N))
+    l2, dd = (torch.empty(rows_shape, device="cuda", dtype=torch.float32) for _ in range(2))
+    views = [to_device_view(t, 0) for t in (q, k, v, out, dout)] + [to_device_view(lse, 0, ndim=3)]
+    views += [to_device_view(t, 0) for t in (l2, dd)] + [to_device_view(t, 0) for t in grads]
+    stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    f = bench.flops(B, H, N, N, d, causal)  # the forward's two GEMMs
+    shipped = dict(MMA_BWD_TABLE[d], head_dim=d)
+    rows = []
+    for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()):
+        for tile in tiles:
+            config = dict(shipped, **({kernel: tile} if tile else {}))
+            row = {"kernel": kernel, "tile": list(tile) if tile else None, "d": d, "dtype": dtype, "causal": causal,
+                   "B": B, "H": H, "N": N}
+            run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
+                                              d=d, config=config, stream=stream, kernels=(kernel,))
+            try:
+                ms, _ = bench.time_call(run, budget_s=budget_s)
+            except Exception as e:  # a launch failure (too many resources) is a result
+                rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
+                continue
+            row["ms"] = ms
+            if tile:
+                fn = mma_backward.make_kernel(kernel, *tile, d, causal, dtype)
+                row["regs"] = next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs
+                row["tflops"] = (2.0 if kernel == "dkdv" else 1.5) * f / ms / 1e9
+            rows.append(row)
+            print(f"  mma {dtype} d{d} causal={causal} {kernel} {tile}: {ms:.3f} ms"
+                  + (f", {row['tflops']:.1f} TFLOP/s, regs {row['regs']}" if tile else ""), flush=True)
+    return rows
+
+
 def _line(rows):
     r0 = rows[0]
     head = f"{r0['dtype']:8s} causal={r0['causal']!s:5s} B{r0['B']} H{r0['H']} N{r0['N']} d{r0['d']}: "
@@ -253,6 +309,15 @@ def markdown(result: dict) -> str:
             val = f"{r['tflops']:.1f}" if r.get("tflops") else r.get("error", "")
             md.append(f"| {r['d']} | {r['dtype']} | {r['causal']} | {r['dkdv']} | {r['dq']} | {val} | "
                       f"{r.get('regs', '')} | {r['smem']} |")
+    if result.get("sweep_mma"):
+        md.append("\n## Tensor-core tiles (B4 H16 N4096 fp16, each kernel alone; the first per kernel and d is "
+                  "shipped; dkdv credited 2·F, dq 1.5·F)\n")
+        md.append("| d | causal | kernel | tile | ms | TFLOP/s | regs |")
+        md.append("|---|---|---|---|---|---|---|")
+        for r in result["sweep_mma"]:
+            val = f"{r['tflops']:.1f}" if r.get("tflops") else r.get("error", "")
+            ms = f"{r['ms']:.3f}" if r.get("ms") else ""
+            md.append(f"| {r['d']} | {r['causal']} | {r['kernel']} | {r['tile']} | {ms} | {val} | {r.get('regs', '')} |")
     return "\n".join(md)
 
 
@@ -260,6 +325,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time the candidate tile configs (fp32 and fp16)")
+    ap.add_argument("--sweep-mma", action="store_true", help="time the tensor-core kernels' candidate tiles (fp16)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement (s)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
@@ -278,6 +344,10 @@ def main(argv=None):
         print("backward config sweep (B4 H16 N4096, not causal):", flush=True)
         result["sweep"] = [r for d in SWEEP_CANDIDATES for dt in args.dtypes
                            for r in sweep(d=d, dtype=dt, budget_s=args.budget_s)]
+    if args.sweep_mma:
+        print("tensor-core backward tiles (B4 H16 N4096 fp16), kernel by kernel:", flush=True)
+        result["sweep_mma"] = [r for d in MMA_SWEEP for causal in (False, True)
+                               for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5))]
     result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
     stem = os.path.join(args.out, f"backward-{result['meta']['date'][:10]}" + ("-quick" if args.quick else ""))

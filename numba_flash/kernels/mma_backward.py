@@ -586,27 +586,31 @@ def _words(x):
 
 
 def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, dtype, d, config,
-           stream=0):
+           stream=0, kernels=("prep", "dkdv", "dq")):
     """Run prep, dkdv and dq on device arrays; the caller has validated the problem and the layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d), all 16-bit (float16, or uint16
     holding bf16 bits); q, k, v, dout with unit last stride, other strides multiples of 16 B and
     16-byte aligned data (cp.async); lse: (B, H, Nq) fp32; l2, dd: fp32 scratch of shape
     (B·H, padded_rows(Nq)), C-contiguous. ``config``: {"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M,
-    BLOCK_N), "head_dim": HEAD_DIM}, as configs.MMA_BWD_TABLE holds them. Nq, Nk > 0.
+    BLOCK_N), "head_dim": HEAD_DIM}, as configs.MMA_BWD_TABLE holds them. Nq, Nk > 0. ``kernels``
+    picks which of the three run (the sweep times them one by one; dkdv and dq read prep's scratch).
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     head_dim = config["head_dim"]
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
-    launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, B * H), PREP_ROWS * PREP_LANES, stream, 0,
-                  out, dout, lse, l2, dd, n_q, d)
+    if "prep" in kernels:
+        launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, B * H), PREP_ROWS * PREP_LANES, stream, 0,
+                      out, dout, lse, l2, dd, n_q, d)
     words = tuple(_words(x) for x in (q, k, v, dout))
     bn, bm = config["dkdv"]
-    launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype), ((n_k + bn - 1) // bn, B * Hkv),
-                  threads_per_block("dkdv", bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
-                  *words, l2, dd, _words(dk), _words(dv), *scalars)
+    if "dkdv" in kernels:
+        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype), ((n_k + bn - 1) // bn, B * Hkv),
+                      threads_per_block("dkdv", bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
+                      *words, l2, dd, _words(dk), _words(dv), *scalars)
     bm, bn = config["dq"]
-    launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), dtype), ((n_q + bm - 1) // bm, B * H),
-                  threads_per_block("dq", bm), stream, smem_bytes("dq", bm, bn, head_dim),
-                  *words, l2, dd, _words(dq), *scalars)
+    if "dq" in kernels:
+        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), dtype), ((n_q + bm - 1) // bm, B * H),
+                      threads_per_block("dq", bm), stream, smem_bytes("dq", bm, bn, head_dim),
+                      *words, l2, dd, _words(dq), *scalars)

@@ -1,0 +1,217 @@
+"""Tensor-core backward (numba_flash.kernels.mma_backward): simulator, sm_90 build, and the real GPU.
+
+The simulator runs the kernels' fragment indexing through numba_flash.ptx's twins (mma, ldmatrix,
+cp.async with poisoned in-flight bytes), so a wrong lane mapping, a read before a copy lands or a
+buffer overwritten while another warp reads it fails here without a GPU. Each simulated block is
+128 Python threads: the shapes stay small and few.
+
+Error rule (fp16 / bf16), flash-attention's: err(ours vs float64) <= 2 · err(naive same-dtype vs
+float64) + one unit of rounding of max |ref|. The naive same-dtype backward is
+reference.attention_backward evaluated in float16; NumPy has no bfloat16, so bf16 is held to
+the fp16 rule widened by the ratio of the two unit roundoffs (2^-8 / 2^-11 = 8).
+"""
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import reference
+from numba_flash.configs import MMA_BWD_TABLE
+from numba_flash.kernels import mma_backward
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_ptx import compile_in_subprocess, in_simulator, ptxas_report  # noqa: E402
+
+
+def _bf16_bits(x):
+    u = np.asarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_value(bits):
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def problem(seed, B, H, Hkv, n_q, n_k, d, causal, dtype, big=1.0):
+    """(q, k, v, out, lse, dout) as the values the kernels see (float64) and as their 16-bit storage."""
+    rng = np.random.default_rng(seed)
+    x32 = [rng.standard_normal((B, h, n, d)).astype(np.float32) * s
+           for h, n, s in ((H, n_q, big), (Hkv, n_k, big), (Hkv, n_k, 1.0), (H, n_q, 1.0))]
+    if dtype == "float16":
+        store = [x.astype(np.float16) for x in x32]
+        vals = [x.astype(np.float64) for x in store]
+    else:
+        store = [_bf16_bits(x) for x in x32]
+        vals = [_bf16_value(x).astype(np.float64) for x in store]
+    q, k, v, do = vals
+    o, lse = reference.standard_attention(q, k, v, causal=causal)
+    if dtype == "float16":
+        o_store = o.astype(np.float16)
+        o = o_store.astype(np.float64)
+    else:
+        o_store = _bf16_bits(o)
+        o = _bf16_value(o_store).astype(np.float64)
+    lse = lse.astype(np.float32)
+    return (q, k, v, o, lse, do), (store[0], store[1], store[2], o_store, lse, store[3])
+
+
+def run_backward(stored, d, causal, dtype, config, scale=None):
+    """mma_backward.launch on device arrays (simulator or GPU); returns (dq, dk, dv) as float64."""
+    q, k, v, o, lse, do = (cuda.to_device(x) for x in stored)
+    B, H, n_q, _ = stored[0].shape
+    rows = (B * H, mma_backward.padded_rows(n_q))
+    l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
+    grads = [cuda.to_device(np.full(x.shape, 0x7E00 if dtype == "float16" else 0x7FC0, np.uint16)
+                            .view(x.dtype)) for x in (stored[0], stored[1], stored[2])]  # NaN: unwritten shows
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    mma_backward.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, dtype=dtype, d=d,
+                        config=config)
+    out = [g.copy_to_host() for g in grads]
+    if dtype == "float16":
+        return [g.astype(np.float64) for g in out]
+    return [_bf16_value(g).astype(np.float64) for g in out]
+
+
+def check_error_rule(grads, vals, causal, dtype, scale=None):
+    q, k, v, o, lse, do = vals
+    refs = reference.attention_backward(q, k, v, o, lse, do, causal=causal, softmax_scale=scale)
+    naive = reference.attention_backward(*(x.astype(np.float16) for x in (q, k, v, o)), lse,
+                                         do.astype(np.float16), causal=causal, softmax_scale=scale, dtype=np.float16)
+    widen = 1.0 if dtype == "float16" else 8.0
+    for name, ours, ref, nv in zip(("dq", "dk", "dv"), grads, refs, naive):
+        assert np.all(np.isfinite(ours)), f"{name}: non-finite (unwritten or nan) entries"
+        err = np.abs(ours - ref).max()
+        naive_err = np.abs(nv.astype(np.float64) - ref).max()
+        bound = widen * (2 * naive_err + 2.0**-11 * np.abs(ref).max())
+        assert err <= bound, f"{name}: ours {err:.3e} > {bound:.3e} (naive fp16 {naive_err:.3e})"
+
+
+def shipped(head_dim):
+    return dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Simulator
+# --------------------------------------------------------------------------------------------
+@in_simulator
+@pytest.mark.parametrize(
+    "B,H,Hkv,n_q,n_k,d,causal,dtype",
+    [
+        (1, 2, 1, 40, 72, 64, True, "float16"),   # GQA 2, Nq < Nk, 2 K/V tiles, the second partial
+        (1, 1, 1, 70, 30, 24, True, "bfloat16"),  # Nq > Nk: rows 0..39 see no key; d 24 padded to 64
+        (1, 1, 1, 33, 45, 128, False, "float16"),  # d = 128: 32-query dkdv tiles, 2 of them
+    ],
+)
+def test_shipped_configs_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
+    vals, stored = problem(B * n_q + n_k + d, B, H, Hkv, n_q, n_k, d, causal, dtype)
+    grads = run_backward(stored, d, causal, dtype, shipped(64 if d <= 64 else 128))
+    check_error_rule(grads, vals, causal, dtype)
+    if n_q > n_k and causal:  # rows that see no key: dQ exactly zero
+        assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+@in_simulator
+def test_other_tiles_and_large_logits_sim():
+    """16-key dkdv tiles (1 warp) streaming 16-query tiles over 3 query heads, 32-row dq tiles with
+    16-key tiles: many pipeline steps and buffer flips; logits ~ 1e2 (P = exp(S - L) stays finite)."""
+    config = {"dkdv": (16, 16), "dq": (32, 16), "head_dim": 64}
+    vals, stored = problem(5, 1, 3, 1, 37, 29, 64, True, "float16", big=3.0)
+    assert np.abs(vals[4]).max() > 50
+    grads = run_backward(stored, 64, True, "float16", config)
+    check_error_rule(grads, vals, True, "float16")
+
+
+def test_problems_and_configs():
+    for head_dim, cfg in MMA_BWD_TABLE.items():
+        assert mma_backward.problems("dkdv", *cfg["dkdv"], head_dim, "float16") == []
+        assert mma_backward.problems("dq", *cfg["dq"], head_dim, "bfloat16") == []
+    assert "HEAD_DIM=96" in " ".join(mma_backward.problems("dq", 64, 64, 96, "float16"))
+    assert "shared memory" in " ".join(mma_backward.problems("dq", 256, 128, 128, "float16"))
+    assert "copying threads" in " ".join(mma_backward.problems("dkdv", 16, 128, 64, "float16"))
+    with pytest.raises(ValueError, match="cannot be built"):
+        mma_backward.make_kernel("dq", 64, 24, 64, False, "float16")
+    assert mma_backward.padded_rows(1) == 128 and mma_backward.padded_rows(256) == 256
+
+
+# --------------------------------------------------------------------------------------------
+# sm_90 build of the shipped configs
+# --------------------------------------------------------------------------------------------
+COMPILE_SOURCE = """
+from numba_flash.kernels import mma_backward
+kern = mma_backward.kernel_source({K!r}, {O}, {S}, {D}, {C}, {DT!r})
+SIG = mma_backward.kernel_signature({K!r})
+"""
+
+
+def expected_mma(kernel, own, streamed, head_dim):
+    """mma.sync count of one fully unrolled step: two head-dim GEMMs, then one (dq) or two (dkdv)
+    GEMMs over the streamed rows."""
+    first = 2 * (head_dim // 16) * (streamed // 8)
+    second = (2 if kernel == "dkdv" else 1) * (streamed // 16) * (head_dim // 8)
+    return first + second
+
+
+@pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
+    """Tensor cores, every GEMM unrolled, fragments in registers, and no spills."""
+    own, streamed = MMA_BWD_TABLE[head_dim][kernel]
+    source = COMPILE_SOURCE.format(K=kernel, O=own, S=streamed, D=head_dim, C=causal, DT="float16")
+    text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
+    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == expected_mma(
+        kernel, own, streamed, head_dim)
+    assert "ld.local" not in text and "st.local" not in text
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+
+
+# --------------------------------------------------------------------------------------------
+# Real GPU (marked gpu; skipped without one): python -m pytest -m gpu tests/test_mma_backward.py
+# --------------------------------------------------------------------------------------------
+from gpu_helpers import needs_gpu  # noqa: E402
+
+gpu = [pytest.mark.gpu, needs_gpu]
+SWEEP = [  # non-shipped configs scripts/bench_backward.py --sweep-mma times: each must be right too
+    {"dkdv": (128, 32), "dq": (128, 64), "head_dim": 128},
+    {"dkdv": (64, 64), "dq": (64, 32), "head_dim": 128},
+    {"dkdv": (128, 64), "dq": (128, 64), "head_dim": 64},
+    {"dkdv": (64, 32), "dq": (64, 128), "head_dim": 64},
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 40, 96])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300), (1, 2, 1, 129, 517), (1, 4, 1, 517, 129)])
+def test_gpu_grid(shape, d, causal, dtype):
+    B, H, Hkv, n_q, n_k = shape
+    vals, stored = problem(n_q * 7 + d, B, H, Hkv, n_q, n_k, d, causal, dtype)
+    grads = run_backward(stored, d, causal, dtype, shipped(64 if d <= 64 else 128))
+    check_error_rule(grads, vals, causal, dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("config", SWEEP)
+def test_gpu_sweep_configs(config):
+    d = config["head_dim"]
+    vals, stored = problem(d, 1, 4, 2, 300, 333, d, True, "float16")
+    check_error_rule(run_backward(stored, d, True, "float16", config), vals, True, "float16")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_deterministic():
+    """No atomics: 20 runs, bitwise the same gradients."""
+    vals, stored = problem(1, 2, 4, 2, 700, 900, 128, True, "bfloat16")
+    first = run_backward(stored, 128, True, "bfloat16", shipped(128))
+    for _ in range(20):
+        for a, b in zip(first, run_backward(stored, 128, True, "bfloat16", shipped(128))):
+            np.testing.assert_array_equal(a, b)
