@@ -1,12 +1,15 @@
 """Decode tile-config sweep on the GPU: K/V bandwidth of numba_flash.decode per DecodeConfig.
 
 For each case (fp16, B8 H32, Hkv 32 or 8, Nk 32768, d 128: the decode issue's target shapes) and each
-candidate (block_n, stages, warps) x num_splits, times ``numba_flash.decode(..., config=cfg,
-num_splits=s)`` (median of CUDA events) and reports GB/s of K and V read, with the shipped choice
-(config=None, num_splits=None) first. Checks every result against the shipped one (max |diff|).
-Writes JSON to ``--json``.
+candidate (block_n, stages, warps, warp_split) x num_splits, times ``numba_flash.decode(...,
+config=cfg, num_splits=s)`` (median of CUDA events) and reports GB/s of K and V read, with the
+shipped choice (config=None, num_splits=None) first; ``splits=auto`` rows are what
+``choose_num_splits`` would pick for that config, where it is not already among SPLITS. Checks
+every result against the shipped one (max |diff|). Writes JSON to ``--json``. warp_split
+candidates (split-in-block, see numba_flash/kernels/decode.py) take block_n as one warp's tile.
+About 60-90 s on an H200, most of it compiling (2 kernels per config and case).
 
-    python scripts/sweep_decode.py [--json PATH] [--budget-s 0.3]
+    python scripts/sweep_decode.py [--json PATH] [--budget-s 0.25] [--only warp|block]
 """
 from __future__ import annotations
 
@@ -18,8 +21,13 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 CASES = [(8, 32, 32, 32768, 128), (8, 32, 8, 32768, 128)]
-CANDIDATES = [  # (block_n, stages, warps)
-    (64, 3, 4), (64, 2, 4), (32, 4, 4), (32, 3, 4), (64, 4, 4), (64, 3, 8),
+CANDIDATES = [  # (block_n, stages, warps, warp_split); the block-wide (32, *, 4), (64, 4, 4), (64, 3, 8)
+    # were timed in results/sweep-decode-2026-11-29.txt and lost to (64, 2, 4)
+    (64, 3, 4, False), (64, 2, 4, False),
+    (16, 2, 4, True),   # 4 warps x 16-key rings, 74 KiB: 3 blocks/SM, 12 warps, 32 KiB in flight per block
+    (16, 3, 4, True),   # 111 KiB: 2 blocks/SM, 64 KiB in flight per block
+    (32, 2, 2, True),   # one lane per key, 70 KiB: 3 blocks/SM, 6 warps
+    (32, 3, 2, True),   # 104 KiB: 2 blocks/SM, 64 KiB in flight per block
 ]
 SPLITS = (1, 2, 4, 8)
 
@@ -27,13 +35,15 @@ SPLITS = (1, 2, 4, 8)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
-    ap.add_argument("--budget-s", type=float, default=0.3)
+    ap.add_argument("--budget-s", type=float, default=0.25)
+    ap.add_argument("--only", choices=("warp", "block"), help="time only warp_split or only block-wide candidates")
     args = ap.parse_args()
     import torch
 
     import numba_flash
     from numba_flash import bench
-    from numba_flash.kernels.decode import DecodeConfig, decode_config
+    from numba_flash.decode import choose_num_splits
+    from numba_flash.kernels.decode import DecodeConfig, decode_config, n_row_chunks
 
     rows = []
     for B, H, Hkv, n_k, d in CASES:
@@ -43,12 +53,17 @@ def main() -> None:
         kv_bytes = 2 * k.numel() * k.element_size()
         ref, _ = numba_flash.decode(q, k, v)
         shipped = decode_config(d, "float16", H // Hkv)
-        for cand in [None] + CANDIDATES:
-            cfg = None if cand is None else DecodeConfig(d, "float16", shipped.rows, *cand)
+        cands = [c for c in CANDIDATES if args.only is None or c[3] == (args.only == "warp")]
+        for cand in [None] + cands:
+            cfg = None if cand is None else DecodeConfig(d, "float16", shipped.rows, *cand[:3], warp_split=cand[3])
             if cfg is not None and cfg.problems():
                 rows.append(dict(case=[B, H, Hkv, n_k, d], config=cand, error="; ".join(cfg.problems())))
                 continue
-            for splits in (SPLITS if cand is not None else (None,)):
+            splits_list = (None,)
+            if cfg is not None:
+                auto = choose_num_splits(B * Hkv * n_row_chunks(cfg, H // Hkv, 1), n_k, cfg)
+                splits_list = SPLITS + ((auto,) if auto not in SPLITS else ())
+            for splits in splits_list:
                 run = lambda: numba_flash.decode(q, k, v, config=cfg, num_splits=splits)  # noqa: E731
                 try:
                     out, _ = run()
@@ -60,8 +75,9 @@ def main() -> None:
                     continue
                 gbs = kv_bytes / ms / 1e6
                 rows.append(dict(case=[B, H, Hkv, n_k, d], config=cand or "shipped", splits=splits, ms=ms,
-                                 gbs=gbs, max_diff=err, smem=(cfg or shipped).smem_bytes))
-                print(f"B{B} H{H} Hkv{Hkv} Nk{n_k} {str(cand or 'shipped'):14s} splits={splits}: "
+                                 gbs=gbs, max_diff=err, smem=(cfg or shipped).smem_bytes,
+                                 blocks_per_sm=(cfg or shipped).blocks_per_sm))
+                print(f"B{B} H{H} Hkv{Hkv} Nk{n_k} {str(cand or 'shipped'):22s} splits={splits}: "
                       f"{ms:.4f} ms {gbs:7.0f} GB/s  diff {err:.1e}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
