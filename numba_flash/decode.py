@@ -26,6 +26,10 @@ MIN_TILES_PER_SPLIT = 4  # a split shorter than this pays more for its prologue 
 MAX_SPLITS = 128  # of the automatic rule
 MAX_USER_SPLITS = 8192  # the merge kernel keeps one weight per split in (<= 32 KiB of) shared memory
 WAVE_EFFICIENCY_SLACK = 0.85
+# Resident warps per SM a wave aims at: the H200 sweep (results/sweep-decode-2026-11-29.txt) saw
+# 2-stage 4-warp blocks fastest at 2 per SM (1 split at B8 Hkv32, 4 at Hkv8), not at the 3 their
+# shared memory allows; filling the third slot only added splits and merge traffic.
+RESIDENT_WARPS_TARGET = 8
 
 _LENS_ACCEPTED = "an int32 or int64 array of shape (B,), NumPy or the same kind as q, or None"
 
@@ -44,22 +48,24 @@ def _sm_count_of(device_id: int | None) -> int:  # one driver query per device, 
 def choose_num_splits(base_blocks: int, n_max: int, cfg: DecodeConfig, n_sms: int | None = None) -> int:
     """How many splits of the keys: the fewest that fill the GPU in whole waves.
 
-    base_blocks = B · Hkv · row chunks blocks exist without splitting; each SM holds
-    ``cfg.blocks_per_sm`` of them at once (shared memory decides: 2 for fp16 d = 128), so a wave is
-    n_sms · blocks_per_sm blocks. With S splits the wave efficiency is
+    base_blocks = B · Hkv · row chunks blocks exist without splitting; a wave is n_sms · R blocks,
+    R = min(cfg.blocks_per_sm, max(1, 8 // cfg.warps)): as many as shared memory lets an SM hold
+    (2 for the shipped fp16 d = 128 tile), but no more than 8 resident warps need (measured: more
+    blocks of the 2-stage tile did not help). With S splits the wave efficiency is
 
         eff(S) = base·S / (waves(S) · wave),   waves(S) = ceil(base·S / wave)
 
     (the fraction of block slots doing work, all splits taking equally long). The rule takes the
     smallest S within 85 % of the best eff over 1 <= S <= S_max, where S_max = min(128,
-    n_tiles // 4) keeps every split at least 4 K/V tiles long (n_tiles = ceil(Nmax / block_n),
-    the longest cache: device lengths are not read on the host). Examples on an H200 (wave = 264
+    n_tiles // 4) keeps every split at least 4 K/V tiles long (n_tiles = ceil(Nmax / split_keys),
+    the longest cache: device lengths are not read on the host; split_keys = block_n, or
+    warps · block_n for warp_split configs, whose warps each take every warps-th tile). Examples on an H200 (wave = 264
     for fp16 d = 128): B8 Hkv32 -> 256 blocks, eff(1) = 0.97, so 1 split (no merge); B8 Hkv8 ->
     64 blocks, 4 splits; B1 Hkv8 at Nmax = 32768 -> 29 splits.
     """
     n_sms = n_sms or _sm_count()
-    wave = n_sms * cfg.blocks_per_sm
-    n_tiles = -(-n_max // cfg.block_n)
+    wave = n_sms * min(cfg.blocks_per_sm, max(1, RESIDENT_WARPS_TARGET // cfg.warps))
+    n_tiles = -(-n_max // cfg.split_keys)
     s_max = max(1, min(MAX_SPLITS, n_tiles // MIN_TILES_PER_SPLIT))
     if base_blocks <= 0:
         return 1

@@ -107,6 +107,95 @@ def test_scalar_load_path_and_strided_cache_sim(dtype, rng):
     check(out2, lse2, q2, k2[:, :, :21], v2[:, :, :21], None)
 
 
+# --------------------------------------------------------------------------------------------
+# warp_split (split-in-block): each warp its own tiles and ring, states merged at the end
+# --------------------------------------------------------------------------------------------
+def small_warp(dtype, rows, block_n=16, stages=2, warps=2):
+    """warp_split at head dim 16: block_n keys per warp tile (16: 2 lanes per key; 32: one)."""
+    return DecodeConfig(16, dtype, rows, block_n=block_n, stages=stages, warps=warps, warp_split=True)
+
+
+WARP_GRID = [  # dtype, G, Hkv, Nq, num_splits, rows, block_n, stages, warps
+    ("float32", 1, 2, 1, 1, 1, 16, 2, 2),    # one split: O and L written after the warps' merge
+    ("float16", 1, 2, 1, 1, 1, 32, 3, 1),    # one lane per key, one warp
+    ("float16", 4, 2, 1, 2, 4, 16, 2, 2),    # GQA 4
+    ("float32", 4, 1, 3, 3, 8, 32, 2, 2),    # GQA 4 x Nq 3 = 12 rows over two 8-row blocks
+    ("float16", 8, 1, 1, 4, 8, 16, 3, 2),    # GQA 8, 3-stage rings
+    ("float32", 8, 1, 1, None, 8, 16, 2, 1),  # automatic num_splits
+    ("float16", 1, 2, 3, 9, 2, 16, 2, 2),    # more splits than tiles; warps with no tile
+]
+
+
+@in_simulator
+@pytest.mark.parametrize("dtype, G, Hkv, n_q, n_splits, rows, block_n, stages, warps", WARP_GRID)
+def test_warp_split_against_reference_sim(dtype, G, Hkv, n_q, n_splits, rows, block_n, stages, warps, rng):
+    n_max, d = 70, 16
+    q, k, v = make_inputs(rng, 3, G * Hkv, Hkv, n_q, n_max, d, dtype)
+    lens = np.array([n_max, 23, 0], dtype=np.int32)  # full, ragged, and an empty cache
+    cfg = small_warp(dtype, rows, block_n, stages, warps)
+    assert cfg.problems() == []
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits, config=cfg)
+    check(out, lse, q, k, v, lens)
+
+
+@in_simulator
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_warp_split_scalar_path_strided_and_bf16_sim(dtype, rng):
+    """Unaligned rows (scalar loads), an aligned strided slice (cp.async), bf16 bits, large logits."""
+    d = 12 if dtype == "float16" else 7
+    q, k_big, v_big = make_inputs(rng, 2, 2, 2, 3, 60, d, dtype)
+    k, v = k_big[:, :, :37], v_big[:, :, :37]
+    lens = np.array([37, 5], dtype=np.int64)
+    assert not dk.cp_async_ok(k, d)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=2, config=small_warp(dtype, 4))
+    check(out, lse, q, k, v, lens)
+    q2, k2, v2 = make_inputs(rng, 1, 1, 1, 2, 60, 16, dtype)
+    q2 *= 40.0
+    lens2 = np.array([1], dtype=np.int32)  # query 0 sees no key
+    ks, vs = k2[:, :, :45], v2[:, :, :45]
+    assert dk.cp_async_ok(ks, 16)
+    out2, lse2 = decode(q2, ks, vs, cache_seqlens=lens2, num_splits=1, config=small_warp(dtype, 2, 32, 2, 1))
+    assert np.isneginf(lse2[0, 0, 0]) and np.isfinite(lse2[0, 0, 1])
+    check(out2, lse2, q2, ks, vs, lens2)
+    out3, lse3 = decode(q2, ks, vs, num_splits=3, config=small_warp(dtype, 2, 16, 3, 2))
+    check(out3, lse3, q2, ks, vs, None)
+
+
+@in_simulator
+def test_warp_split_bfloat16_and_deterministic_sim(rng):
+    from numba import cuda
+
+    B, H, Hkv, n_q, n_max, d = 2, 4, 1, 2, 50, 16
+    (qb, qv), (kb, kv), (vb, vv) = (to_bf16(rng.standard_normal(s)) for s in
+                                    ((B, H, n_q, d), (B, Hkv, n_max, d), (B, Hkv, n_max, d)))
+    lens = np.array([50, 6], dtype=np.int32)
+    outs = []
+    for _ in range(2):
+        out = cuda.device_array((B, H, n_q, d), np.uint16)
+        lse = cuda.device_array((B, H, n_q), np.float32)
+        partials = tuple(cuda.device_array(s, np.float32) for s in dk.scratch_shapes(B, H, n_q, 2, d))
+        dk.launch(small_warp("bfloat16", 8), cuda.to_device(qb), cuda.to_device(kb), cuda.to_device(vb),
+                  cuda.to_device(lens), out, lse, softmax_scale=d ** -0.5, d=d, num_splits=2, partials=partials)
+        outs.append((out.copy_to_host(), lse.copy_to_host()))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    got = (outs[0][0].astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    ref_o, ref_l = decode_attention(qv, kv, vv, cache_seqlens=lens)
+    assert np.abs(got - ref_o).max() <= 2 ** -7 * max(1.0, np.abs(ref_o).max())
+    np.testing.assert_allclose(outs[0][1], ref_l, rtol=1e-5, atol=1e-5)
+
+
+def test_warp_split_configs():
+    ok = DecodeConfig(128, "float16", 1, block_n=16, stages=2, warps=4, warp_split=True)
+    assert ok.problems() == [] and ok.kq == 2 and ok.row_words == 64 + 4 and ok.split_keys == 64
+    assert ok.blocks_per_sm == 3 and ok.bytes_in_flight == 4 * 2 * 16 * 256
+    assert DecodeConfig(128, "float16", 1, block_n=48, warps=2, warp_split=True).problems()
+    assert DecodeConfig(128, "float16", 16, block_n=16, warps=2, warp_split=True).problems()  # 16 score rows
+    assert DecodeConfig(16, "float16", 1, block_n=8, warps=1, warp_split=True).problems()  # 4 lanes, 2 chunks
+    with pytest.raises(ValueError, match="cannot run"):
+        dk.make_split_kernel(DecodeConfig(128, "float16", 1, block_n=48, warp_split=True), True, True)
+
+
 def to_bf16(x):
     """float -> (bf16 bits as uint16, the values they hold as float64), rounding to nearest even."""
     u = np.asarray(x, np.float32).view(np.uint32)
@@ -226,6 +315,12 @@ def test_num_splits_rule_on_an_h200():
     assert choose_num_splits(1 * 8, 32768, cfg, n_sms=132) == 29  # 8 blocks -> 232 (within 85 % of 264)
     assert choose_num_splits(1 * 8, 1024, cfg, n_sms=132) == 4  # capped: every split >= 4 tiles
     assert choose_num_splits(1, 10, cfg, n_sms=132) == 1  # a single tile is never split
+    two = DecodeConfig(128, "float16", 1, block_n=64, stages=2, warps=4)  # 3 blocks/SM by shared memory
+    assert two.blocks_per_sm == 3
+    assert choose_num_splits(8 * 32, 32768, two, n_sms=132) == 1  # waves of 2/SM: measured best, not 3 splits
+    assert choose_num_splits(8 * 8, 32768, two, n_sms=132) == 4
+    ws = DecodeConfig(128, "float16", 1, block_n=16, stages=2, warps=4, warp_split=True)
+    assert choose_num_splits(1, 64 * 4 * 3 + 1, ws, n_sms=132) == 3  # 13 steps of 64 keys: splits of >= 4
     for base in (1, 3, 17, 100, 500):
         for n_max in (1, 64, 4096, 100000):
             s = choose_num_splits(base, n_max, cfg, n_sms=132)
@@ -254,16 +349,28 @@ SHIPPED = [  # (d, dtype, G·Nq, vec, split): the benchmark's shapes, the extrem
     (128, "float16", 1, False, True), (256, "float32", 32, True, True),
 ]
 
+# Variants the sweep times: (d, dtype, G·Nq, vec, split, (block_n, stages, warps, warp_split)).
+VARIANTS = [
+    (128, "float16", 1, True, False, (64, 2, 4, False)), (128, "float16", 4, True, True, (64, 2, 4, False)),
+    (128, "float16", 1, True, False, (16, 2, 4, True)), (128, "float16", 1, True, True, (16, 3, 4, True)),
+    (128, "float16", 4, True, True, (16, 2, 4, True)), (128, "float16", 4, True, True, (32, 2, 2, True)),
+    (128, "float16", 1, True, True, (32, 3, 2, True)), (128, "bfloat16", 8, True, True, (16, 2, 4, True)),
+    (128, "float32", 1, True, True, (16, 2, 4, True)), (128, "float16", 1, False, True, (16, 2, 4, True)),
+]
+
 BATCH_COMPILE = """
 import re, subprocess, sys
 from numba import cuda
 from numba_flash.kernels import decode as dk
 out = []
-for d, dtype, rows, vec, split in {specs!r}:
+for d, dtype, rows, vec, split, *tile in {specs!r}:
     cfg = dk.decode_config(d, dtype, rows)
+    if tile:
+        bn, st, w, ws = tile[0]
+        cfg = dk.DecodeConfig(cfg.head_dim, dtype, cfg.rows, block_n=bn, stages=st, warps=w, warp_split=ws)
     ptx, _ = cuda.compile_ptx(dk.kernel_source(cfg, vec, split), dk.kernel_signature(dtype), cc=(9, 0),
                               fastmath=dk.FASTMATH)
-    out.append((repr((d, dtype, rows, vec, split)), ptx))
+    out.append((repr((d, dtype, rows, vec, split, *tile)), ptx))
 for dtype in dk.DTYPES:
     ptx, _ = cuda.compile_ptx(dk.merge_source(dtype), dk.merge_signature(dtype), cc=(9, 0), fastmath=dk.FASTMATH)
     out.append((repr(("merge", dtype)), ptx))
@@ -279,7 +386,8 @@ def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
     if find_ptxas() is None:
         pytest.skip("ptxas not found")
     script = tmp_path / "compile_all.py"
-    script.write_text(NO_GPU_PATCH + textwrap.dedent(BATCH_COMPILE.format(specs=SHIPPED, tmp=str(tmp_path))))
+    specs = SHIPPED + VARIANTS
+    script.write_text(NO_GPU_PATCH + textwrap.dedent(BATCH_COMPILE.format(specs=specs, tmp=str(tmp_path))))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = _pythonpath()
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -287,7 +395,7 @@ def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
         pytest.skip(f"no NVVM to compile with: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-4000:]
     lines = []
-    for i in range(len(SHIPPED) + len(dk.DTYPES)):
+    for i in range(len(specs) + len(dk.DTYPES)):
         name = (tmp_path / f"k{i}.name").read_text()
         ptx_text = (tmp_path / f"k{i}.ptx").read_text()
         src = tmp_path / f"k{i}.ptx"

@@ -39,6 +39,23 @@ Work per tile, from shared memory (rows of the K/V tiles are padded by 16 bytes)
 * acc += P·V: a thread owns word columns c, c + 32, ... of some rows, for one key group; a warp
   reads 32 consecutive words of one V row. The key groups' partial acc are summed once, at the end.
 
+Per 64-key tile that is 2 block barriers, a softmax run by ceil(rows / warps) warps while the
+others wait (for one row: 1 of 4 warps, 10 shuffles in a chain), and 16 cp.async per thread, each
+with its own bounds and 64-bit address arithmetic: the H200 sweep found it bound by this chain,
+not by bytes in flight (NOTES.md, decode).
+
+Split-in-block (DecodeConfig.warp_split, FlashDecoding++ / FA2 style): warp w takes tiles
+t_begin + w, t_begin + w + warps, ... of the split (block_n keys each, one lane per key, or 32 /
+block_n lanes per key) through its own cp.async ring, ordered by cp.async.wait_group and
+__syncwarp only. S = Q·Kᵀ reads 16 bytes of a K row per LDS.128 (the 8 lanes of a phase read 8
+keys' rows, 4 banks apart) against q broadcast from shared memory; m_i stays in registers (the
+same on every lane), and l_i as each lane's share, summed once after the loop. The probabilities
+go to the warp's slice of shared memory and P·V reads them 4 per LDS.128. At the end each warp
+writes (m_w, l_w, acc_w) and the block merges its warps exactly like the merge kernel merges
+splits: m = max_w m_w, O = sum_w exp2(m_w - m) acc_w. Per tile: no block barrier, 2 __syncwarp,
+log2(block_n) shuffles per row for the maximum (none for ℓ), and full tiles issue each cp.async
+as one add to a flat offset.
+
 Shuffles are numba_flash.ptx.shfl_xor_sync (its simulator twin exchanges values between the 32
 simulated lanes), so the simulator runs this kernel unchanged. Every sum has a fixed order: the
 result is bitwise deterministic for a given num_splits.
@@ -55,6 +72,7 @@ from numba import cuda, float32, int32, types, uint16, uint32, uint64
 from numba.cuda.extending import intrinsic
 
 from .. import ptx
+from .. import vec as vec4
 from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..launch import address
 from ..launch import launch as launch_kernel
@@ -123,6 +141,34 @@ def _f16x2_to_f32_intrinsic(typingctx, word):
     return sig, codegen
 
 
+@intrinsic
+def _ld_shared_u32x4_intrinsic(typingctx, smem, offset):
+    """Four 32-bit words of a uint32 shared array at a 16-byte aligned word offset: one LDS.128.
+
+    (Bit-casting the lanes of numba_flash.vec's float32 load makes NVVM fail to compile.)
+    """
+    if not (isinstance(smem, types.Array) and smem.dtype == types.uint32 and isinstance(offset, types.Integer)):
+        return None
+    sig = types.UniTuple(types.uint32, 4)(smem, offset)
+
+    def codegen(context, builder, sig, args):
+        vec_t = ir.VectorType(ir.IntType(32), 4)
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        elem = builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)])
+        ptr = builder.addrspacecast(builder.bitcast(elem, ir.PointerType(vec_t)), ir.PointerType(vec_t, 3))
+        vec = builder.load(ptr, align=16)
+        items = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i)) for i in range(4)]
+        return context.make_tuple(builder, sig.return_type, items)
+
+    return sig, codegen
+
+
+def _ld_shared_u32x4_twin(smem, offset):
+    o = int(offset)
+    assert o % 4 == 0, f"ld_shared_u32x4 at word {o}: not 16-byte aligned"
+    return tuple(np.uint32(x) for x in smem[o:o + 4])
+
+
 def _f32_from_bits_twin(bits):
     return np.array(int(bits) & 0xFFFFFFFF, dtype=np.uint32).view(np.float32)[()]
 
@@ -141,6 +187,7 @@ if ptx.SIMULATOR:
 else:
     f32_from_bits, bits_from_f32 = _f32_from_bits_intrinsic, _bits_from_f32_intrinsic
     f16x2_to_f32 = _f16x2_to_f32_intrinsic
+ld_shared_u32x4 = _ld_shared_u32x4_twin if ptx.SIMULATOR else _ld_shared_u32x4_intrinsic
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,6 +200,9 @@ class DecodeConfig:
     rows: query rows per block (G·Nq of a group, padded up; larger groups take several blocks).
     block_n: keys per K/V tile. stages: depth of the cp.async ring (stages - 1 tiles in flight).
     warps: 32-thread warps per block.
+    warp_split: each warp streams its own tiles (t_begin + w, + 2·warps, ...) through its own
+    ring with its own (m, l, acc) in registers, and the warps' states merge once at the end
+    (split-in-block); block_n is then one warp's tile (8..64 keys). False: the block-wide kernel.
     """
 
     head_dim: int  # compiled (padded) head dim, a multiple of 16
@@ -161,6 +211,7 @@ class DecodeConfig:
     block_n: int = 64
     stages: int = 3
     warps: int = 4
+    warp_split: bool = False
 
     # Sizes in 4-byte words. A word holds 2 elements of a 16-bit dtype or 1 float32.
     @property
@@ -178,6 +229,21 @@ class DecodeConfig:
     @property
     def row_words(self) -> int:
         return self.words + 4  # +16 bytes: rows 4 banks apart, still 16-byte aligned for cp.async
+
+    @property
+    def kq(self) -> int:
+        """warp_split: lanes per key in S = Q·Kᵀ (32 // block_n for tiles shorter than a warp)."""
+        return max(1, 32 // self.block_n)
+
+    @property
+    def keys_per_lane(self) -> int:
+        """warp_split: keys whose scores one lane holds."""
+        return max(1, self.block_n // 32)
+
+    @property
+    def split_keys(self) -> int:
+        """Keys the whole block consumes per step: the unit of choose_num_splits' minimum split."""
+        return self.block_n * (self.warps if self.warp_split else 1)
 
     @property
     def chunks(self) -> int:
@@ -219,6 +285,14 @@ class DecodeConfig:
     @property
     def smem_words(self) -> dict:
         pipeline = self.stages * 2 * self.block_n * self.row_words
+        if self.warp_split:
+            return {
+                "q": self.rows * self.head_dim,
+                "s": self.warps * self.rows * self.block_n,  # each warp's P, read back 4 keys at a time
+                "m": self.warps * self.rows, "l": self.warps * self.rows, "alpha": 0, "limit": 0,
+                # one ring per warp; after the last tile each warp's acc (rows x head_dim)
+                "kv": self.warps * max(pipeline, self.rows * self.head_dim),
+            }
         return {
             "q": self.rows * self.head_dim,
             "s": self.rows * self.block_n,  # S, then P in place
@@ -246,7 +320,8 @@ class DecodeConfig:
     @property
     def bytes_in_flight(self) -> int:
         """K/V bytes one block has requested and not yet used, at steady state."""
-        return (self.stages - 1) * 2 * self.block_n * self.head_dim * ITEMSIZE[self.dtype]
+        per_ring = (self.stages - 1) * 2 * self.block_n * self.head_dim * ITEMSIZE[self.dtype]
+        return per_ring * (self.warps if self.warp_split else 1)
 
     def problems(self) -> list[str]:
         """Why this config cannot run (empty when it can)."""
@@ -260,15 +335,35 @@ class DecodeConfig:
             out.append(f"rows={self.rows}: a power of two <= 128")
         if not 1 <= self.warps <= 32:
             out.append(f"warps={self.warps}: 1..32")
-        if self.block_n % (8 * self.warps) or self.block_n < 8 * self.warps:
-            out.append(f"block_n={self.block_n}: a multiple of 8 keys per warp ({8 * self.warps})")
         if self.stages < 2:
             out.append(f"stages={self.stages}: at least 2 (one tile used, one in flight)")
+        if self.warp_split:
+            return out + self._warp_split_problems()
+        if self.block_n % (8 * self.warps) or self.block_n < 8 * self.warps:
+            out.append(f"block_n={self.block_n}: a multiple of 8 keys per warp ({8 * self.warps})")
         if self.rows // self.row_groups * self.o_words * self.per_word > 64:
             out.append(f"{self.rows} rows x head_dim {self.head_dim}: acc needs more than 64 registers "
                        f"per thread even split over {self.row_groups} row groups")
         if self.threads % (self.col_threads * self.row_groups):
             out.append(f"{self.threads} threads do not tile {self.col_threads} columns x {self.row_groups} row groups")
+        if self.smem_bytes > SMEM_PER_BLOCK_MAX:
+            out.append(f"{self.smem_bytes} B shared memory > {SMEM_PER_BLOCK_MAX}")
+        return out
+
+
+    def _warp_split_problems(self) -> list[str]:
+        out = []
+        if self.block_n not in (8, 16, 32, 64):
+            out.append(f"block_n={self.block_n}: one warp's tile is 8, 16, 32 or 64 keys with warp_split")
+        elif self.chunks % self.kq:
+            out.append(f"block_n={self.block_n}: {self.kq} lanes per key do not share {self.chunks} 16-byte chunks")
+        elif self.block_n // (32 // self.col_threads) % 4:
+            out.append(f"block_n={self.block_n}: each of {32 // self.col_threads} key-lane groups needs a "
+                       f"multiple of 4 keys")
+        if self.rows * self.keys_per_lane > 8:
+            out.append(f"rows={self.rows} x {self.keys_per_lane} keys per lane: more than 8 scores per lane")
+        if self.rows * self.o_words * self.per_word > 64:
+            out.append(f"{self.rows} rows x head_dim {self.head_dim}: acc needs more than 64 registers per lane")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
             out.append(f"{self.smem_bytes} B shared memory > {SMEM_PER_BLOCK_MAX}")
         return out
@@ -320,15 +415,52 @@ def kernel_signature(dtype: str, lens_dtype: str = "int32"):
     return types.void(qio, kv, kv, lens, qio, lse, part, part, acc, int32, int32, int32, float32)
 
 
+def element_helpers(dtype: str):
+    """(q_to_f32, store_out, unpack): q elements to fp32, fp32 to out's storage, a K/V word to fp32."""
+    F32, F16, BF16 = dtype == "float32", dtype == "float16", dtype == "bfloat16"
+    ZERO = float32(0.0)
+    SIXTEEN = uint32(16)
+    HIGH = uint32(0xFFFF0000)
+
+    @inline_device
+    def q_to_f32(x):
+        if BF16:
+            return f32_from_bits(uint32(x) << SIXTEEN)
+        return float32(x)
+
+    @inline_device
+    def store_out(out, b, h, i, e, x):
+        if BF16:  # round to nearest even
+            bits = bits_from_f32(x)
+            bits = bits + uint32(0x7FFF) + ((bits >> SIXTEEN) & uint32(1))
+            out[U(b), U(h), U(i), U(e)] = uint16(bits >> SIXTEEN)
+        else:
+            out[U(b), U(h), U(i), U(e)] = x
+
+    @inline_device
+    def unpack(smem_u, smem_f, addr):
+        """Word addr of a K/V tile -> (first, second) element as float32 (second = 0 for fp32)."""
+        if F32:
+            return smem_f[U(addr)], ZERO
+        if F16:
+            return f16x2_to_f32(smem_u[U(addr)])
+        bits = smem_u[U(addr)]
+        return f32_from_bits(bits << SIXTEEN), f32_from_bits(bits & HIGH)
+
+    return q_to_f32, store_out, unpack
+
+
 def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     """The phase-1 kernel for one specialisation (before cuda.jit; compile tests use it).
 
     vec: K/V rows are 16-byte aligned, copied by cp.async (else scalar loads). split: write the
     partial state (m, l, acc) of split blockIdx.x; else (one split) write O and L directly.
     """
+    if cfg.warp_split:
+        return warp_split_source(cfg, vec, split)
     HEAD_DIM, ROWS, BLOCK_N, STAGES = cfg.head_dim, cfg.rows, cfg.block_n, cfg.stages
     WARPS, THREADS = cfg.warps, cfg.threads
-    F32, F16, BF16 = cfg.dtype == "float32", cfg.dtype == "float16", cfg.dtype == "bfloat16"
+    F32 = cfg.dtype == "float32"
     EPW = cfg.per_word  # elements per word
     WORDS, ROW_WORDS, CHUNKS = cfg.words, cfg.row_words, cfg.chunks
     CHUNK_ELEMS = 16 // ITEMSIZE[cfg.dtype]
@@ -362,8 +494,6 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     VEC, SPLIT = bool(vec), bool(split)
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
-    SIXTEEN = uint32(16)
-    HIGH = uint32(0xFFFF0000)
     FULL = ptx.FULL_MASK
     shfl_xor = ptx.shfl_xor_sync
     syncwarp = ptx.syncwarp
@@ -371,21 +501,6 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     exp2, log2 = math.exp2, math.log2
-
-    @inline_device
-    def q_to_f32(x):
-        if BF16:
-            return f32_from_bits(uint32(x) << SIXTEEN)
-        return float32(x)
-
-    @inline_device
-    def store_out(out, b, h, i, e, x):
-        if BF16:  # round to nearest even
-            bits = bits_from_f32(x)
-            bits = bits + uint32(0x7FFF) + ((bits >> SIXTEEN) & uint32(1))
-            out[U(b), U(h), U(i), U(e)] = uint16(bits >> SIXTEEN)
-        else:
-            out[U(b), U(h), U(i), U(e)] = x
 
     @inline_device
     def load_tile(smem_u, smem_h, smem_f, src, b, h, k0, length, d, dst):
@@ -421,15 +536,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                         x = src[U(b), U(h), U(row), U(e)] if ok else uint16(0)
                         smem_h[U(2 * (dst + r * ROW_WORDS) + e)] = x
 
-    @inline_device
-    def unpack(smem_u, smem_f, addr):
-        """Word addr of a K/V tile -> (first, second) element as float32 (second = 0 for fp32)."""
-        if F32:
-            return smem_f[U(addr)], ZERO
-        if F16:
-            return f16x2_to_f32(smem_u[U(addr)])
-        bits = smem_u[U(addr)]
-        return f32_from_bits(bits << SIXTEEN), f32_from_bits(bits & HIGH)
+    q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
 
     def decode_split(q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
@@ -653,6 +760,344 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                 if e == 0:
                     lse[U(b), U(h), U(i)] = (
                         (smem_f[U(M_OFF + r)] + log2(l_row)) * float32(LN2) if l_row > ZERO else NEG_INF)
+
+    return decode_split
+
+
+def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
+    """The split-in-block phase-1 kernel (cfg.warp_split): same signature and outputs as kernel_source.
+
+    Warp w streams tiles t_begin + w, t_begin + w + WARPS, ... of the block's split through its own
+    STAGES-deep cp.async ring; cp.async.wait_group + __syncwarp order its tiles, so no block barrier
+    runs inside the key loop. m_i, l_i (a lane's share) and acc live in registers; the warps'
+    states merge once at the end with the same logsumexp combine as the merge kernel.
+    """
+    HEAD_DIM, ROWS, BLOCK_N, STAGES = cfg.head_dim, cfg.rows, cfg.block_n, cfg.stages
+    WARPS, THREADS = cfg.warps, cfg.threads
+    F32, BF16 = cfg.dtype == "float32", cfg.dtype == "bfloat16"
+    EPW = cfg.per_word  # elements per word
+    ROW_WORDS, CHUNKS = cfg.row_words, cfg.chunks
+    CHUNK_ELEMS = 16 // ITEMSIZE[cfg.dtype]
+    ITEM = ITEMSIZE[cfg.dtype]
+    KQ, KPL = cfg.kq, cfg.keys_per_lane  # lanes per key, keys per lane (S phase)
+    LOG_KQ = KQ.bit_length() - 1
+    KEYS_PER_PASS = 32 // KQ  # keys one pass of the warp's lanes covers
+    LOG_KEYS = KEYS_PER_PASS.bit_length() - 1
+    LANE_CHUNKS = CHUNKS // KQ  # 16-byte chunks of a key row one lane multiplies
+    QPC = 4 * EPW  # q elements per chunk: one LDS.128 of q per 4 of them
+    COL_THREADS, O_WORDS = cfg.col_threads, cfg.o_words
+    LOG_COL = COL_THREADS.bit_length() - 1
+    O_ELEMS = O_WORDS * EPW
+    KPG = BLOCK_N // (32 // COL_THREADS)  # P·V keys per key-lane group
+    TILE_WORDS = BLOCK_N * ROW_WORDS
+    STAGE_WORDS = 2 * TILE_WORDS
+    words = cfg.smem_words
+    RING_WORDS = words["kv"] // WARPS
+    Q_OFF = 0
+    P_OFF = Q_OFF + words["q"]
+    M_OFF = P_OFF + words["s"]
+    L_OFF = M_OFF + words["m"]
+    KV_OFF = cfg.kv_offset
+    WARP_COPIES = -(-BLOCK_N * CHUNKS // 32)
+    EXACT_COPIES = BLOCK_N * CHUNKS % 32 == 0
+    WARP_LOADS = -(-BLOCK_N * HEAD_DIM // 32)
+    LANE_FIXED_CHUNK = 32 % CHUNKS == 0 and EXACT_COPIES  # each lane copies one chunk column
+    ROWS_PER_PASS = max(1, 32 // CHUNKS)
+    WAIT_N = STAGES - 2
+    VEC, SPLIT = bool(vec), bool(split)
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+    SIXTEEN = uint32(16)
+    HIGH = uint32(0xFFFF0000)
+    FULL = ptx.FULL_MASK
+    shfl_xor = ptx.shfl_xor_sync
+    syncwarp = ptx.syncwarp
+    cp_async = ptx.cp_async_16_zfill
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ld4 = vec4.ld_shared_f32x4
+    exp2, log2 = math.exp2, math.log2
+    q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
+
+    @inline_device
+    def unpack_bits(bits):
+        """A K word (its 32 bits) -> (first, second) element as float32 (second = 0 for fp32)."""
+        if F32:
+            return f32_from_bits(bits), ZERO
+        if BF16:
+            return f32_from_bits(bits << SIXTEEN), f32_from_bits(bits & HIGH)
+        return f16x2_to_f32(bits)
+
+    @inline_device
+    def load_tile(smem_u, smem_h, smem_f, src, row_elems, k0, length, d, dst, lane):
+        """One warp: keys [k0, k0 + BLOCK_N) of src (the rows of one (b, kv head)) to dst; zero past length / d.
+
+        A full tile (the common case) skips the per-copy bounds: a lane's chunk column is fixed, its
+        rows step by 32 / CHUNKS, so a copy costs one add to a flat element offset.
+        """
+        if VEC:
+            if LANE_FIXED_CHUNK and k0 + BLOCK_N <= length:
+                ch = lane % CHUNKS
+                col = ch * CHUNK_ELEMS
+                nbytes = min(max(d - col, 0), CHUNK_ELEMS) * ITEM
+                off = (k0 + lane // CHUNKS) * row_elems + (col if nbytes > 0 else 0)
+                step = ROWS_PER_PASS * row_elems
+                s_dst = dst + (lane // CHUNKS) * ROW_WORDS + ch * 4
+                for it in range(WARP_COPIES):
+                    cp_async(smem_u, s_dst + it * ROWS_PER_PASS * ROW_WORDS, src, off, nbytes)
+                    off += step
+                return
+            for it in range(WARP_COPIES):
+                c = lane + 32 * it
+                if EXACT_COPIES or c < BLOCK_N * CHUNKS:
+                    r = c // CHUNKS
+                    ch = c - r * CHUNKS
+                    row = k0 + r
+                    col = ch * CHUNK_ELEMS
+                    nbytes = min(max(d - col, 0), CHUNK_ELEMS) * ITEM if row < length else 0
+                    src_row = min(row, length - 1)  # a zero-byte copy still names an address
+                    src_col = col if nbytes > 0 else 0
+                    cp_async(smem_u, dst + r * ROW_WORDS + ch * 4, src, src_row * row_elems + src_col, nbytes)
+        else:
+            for it in range(WARP_LOADS):
+                idx = lane + 32 * it
+                if idx < BLOCK_N * HEAD_DIM:
+                    r = idx // HEAD_DIM
+                    e = idx - r * HEAD_DIM
+                    row = k0 + r
+                    ok = row < length and e < d
+                    if F32:
+                        smem_f[U(dst + r * ROW_WORDS + e)] = src[U(row), U(e)] if ok else ZERO
+                    else:
+                        x = src[U(row), U(e)] if ok else uint16(0)
+                        smem_h[U(2 * (dst + r * ROW_WORDS) + e)] = x
+
+    def decode_split(q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2):
+        smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
+        smem_u = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # same bytes, as bits
+        smem_h = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # same bytes, as 16-bit words
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        split_id = cuda.blockIdx.x
+        n_splits = cuda.gridDim.x
+        n_kv_heads = k.shape[1]
+        n_max = k.shape[2]
+        rows_total = group * n_q
+        n_chunks = (rows_total + ROWS - 1) // ROWS
+        blk = cuda.blockIdx.y
+        bh = blk // n_chunks
+        r0 = (blk - bh * n_chunks) * ROWS  # first row (of G·Nq) of this block
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        length = n_max
+        if seqlens.shape[0] > 0:  # device lengths are not checked on the host: clamp
+            length = min(max(seqlens[U(b)], 0), n_max)
+
+        # Q (fp32, zero rows past G·Nq and columns past d), read by every warp.
+        for idx in range(tid, ROWS * HEAD_DIM, THREADS):
+            r = idx // HEAD_DIM
+            e = idx - r * HEAD_DIM
+            rg = r0 + r
+            x = ZERO
+            if rg < rows_total and e < d:
+                g = rg // n_q
+                x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
+            smem_f[U(Q_OFF + idx)] = x
+        cuda.syncthreads()  # the only barrier before the merge
+
+        # Row r = query i of head g (r0 + r = g·Nq + i) sees keys <= i + len - Nq; padding rows none.
+        limit = cuda.local.array(ROWS, int32)
+        for i in range(ROWS):
+            rg = r0 + i
+            limit[i] = rg - (rg // n_q) * n_q + length - n_q if rg < rows_total else -1
+        n_tiles = (length + BLOCK_N - 1) // BLOCK_N
+        per_split = (n_tiles + n_splits - 1) // n_splits
+        t_begin = min(split_id * per_split, n_tiles)
+        t_end = min(t_begin + per_split, n_tiles)
+        first_limit = length - n_q  # row i = 0 sees keys <= this; tiles past it need the mask
+        n_mine = (t_end - t_begin - warp + WARPS - 1) // WARPS if t_end - t_begin > warp else 0
+        kb = k[U(b), U(h_kv)]  # (Nmax, d) rows of this kv head
+        vb = v[U(b), U(h_kv)]
+        k_row = kb.strides[0] // ITEM  # row stride in elements (a multiple of 16 bytes on the cp.async path)
+        v_row = vb.strides[0] // ITEM
+        ring = KV_OFF + warp * RING_WORDS
+        p_base = P_OFF + warp * ROWS * BLOCK_N
+        # S phase: keys key_lane + KEYS_PER_PASS·kk, chunks part + KQ·jc. The 8 lanes of an LDS.128
+        # phase read 8 different keys' rows (4 banks apart), so the reads are conflict-free.
+        part = lane // KEYS_PER_PASS
+        key_lane = lane - part * KEYS_PER_PASS
+        c = lane % COL_THREADS  # P·V phase: word columns c + COL_THREADS·ow, keys kg·KPG + n
+        kg = lane // COL_THREADS
+
+        # Online softmax state (m, ℓ, O of 3.6.4): m_i is the warp's, l_i this lane's share of ℓ.
+        m_i = cuda.local.array(ROWS, float32)
+        l_i = cuda.local.array(ROWS, float32)
+        acc = cuda.local.array((ROWS, O_ELEMS), float32)
+        s_lo = cuda.local.array((ROWS, KPL), float32)  # two FMA chains per score: half the latency
+        s_hi = cuda.local.array((ROWS, KPL), float32)
+        kx = cuda.local.array((KPL, QPC), float32)
+        p4 = cuda.local.array((ROWS, 4), float32)
+        v_val = cuda.local.array(O_ELEMS, float32)
+        for i in range(ROWS):
+            m_i[i] = NEG_INF
+            l_i[i] = ZERO
+            for x in range(O_ELEMS):
+                acc[i, x] = ZERO
+
+        for st in range(STAGES - 1):  # prologue: this warp's first STAGES - 1 tiles in flight
+            if st < n_mine:
+                k0 = (t_begin + warp + st * WARPS) * BLOCK_N
+                dst = ring + st * STAGE_WORDS
+                load_tile(smem_u, smem_h, smem_f, kb, k_row, k0, length, d, dst, lane)
+                load_tile(smem_u, smem_h, smem_f, vb, v_row, k0, length, d, dst + TILE_WORDS, lane)
+            if VEC:
+                cp_commit()
+
+        for j in range(n_mine):
+            if VEC:
+                cp_wait(WAIT_N)  # this lane's copies of tile j have landed
+            syncwarp()  # every lane's have; and every lane is done with tile j - 1 and its P
+            if j + STAGES - 1 < n_mine:  # refill the stage that tile j - 1 used
+                k0 = (t_begin + warp + (j + STAGES - 1) * WARPS) * BLOCK_N
+                dst = ring + ((j + STAGES - 1) % STAGES) * STAGE_WORDS
+                load_tile(smem_u, smem_h, smem_f, kb, k_row, k0, length, d, dst, lane)
+                load_tile(smem_u, smem_h, smem_f, vb, v_row, k0, length, d, dst + TILE_WORDS, lane)
+            if VEC:
+                cp_commit()  # always, so that WAIT_N counts tiles
+            k0 = (t_begin + warp + j * WARPS) * BLOCK_N
+            k_off = ring + (j % STAGES) * STAGE_WORDS
+            v_off = k_off + TILE_WORDS
+            needs_mask = k0 + BLOCK_N - 1 > first_limit
+
+            # S = Q Kᵀ: 16 bytes of a K row per LDS.128, q broadcast from shared memory.
+            for i in range(ROWS):
+                for kk in range(KPL):
+                    s_lo[i, kk] = ZERO
+                    s_hi[i, kk] = ZERO
+            for jc in range(LANE_CHUNKS):
+                ch = part + KQ * jc
+                for kk in range(KPL):
+                    w0, w1, w2, w3 = ld_shared_u32x4(smem_u, k_off + (key_lane + KEYS_PER_PASS * kk) * ROW_WORDS + 4 * ch)
+                    lo0, hi0 = unpack_bits(w0)
+                    lo1, hi1 = unpack_bits(w1)
+                    lo2, hi2 = unpack_bits(w2)
+                    lo3, hi3 = unpack_bits(w3)
+                    if EPW == 2:
+                        kx[kk, 0], kx[kk, 1], kx[kk, 2], kx[kk, 3] = lo0, hi0, lo1, hi1
+                        kx[kk, 4], kx[kk, 5], kx[kk, 6], kx[kk, 7] = lo2, hi2, lo3, hi3
+                    else:
+                        kx[kk, 0], kx[kk, 1], kx[kk, 2], kx[kk, 3] = lo0, lo1, lo2, lo3
+                for i in range(ROWS):
+                    q_addr = Q_OFF + i * HEAD_DIM + ch * QPC
+                    for qv in range(EPW):
+                        q0, q1, q2, q3 = ld4(smem_f, q_addr + 4 * qv)
+                        for kk in range(KPL):
+                            s_lo[i, kk] = cuda.fma(q0, kx[kk, 4 * qv], s_lo[i, kk])
+                            s_hi[i, kk] = cuda.fma(q1, kx[kk, 4 * qv + 1], s_hi[i, kk])
+                            s_lo[i, kk] = cuda.fma(q2, kx[kk, 4 * qv + 2], s_lo[i, kk])
+                            s_hi[i, kk] = cuda.fma(q3, kx[kk, 4 * qv + 3], s_hi[i, kk])
+
+            # Online softmax in registers: KQ lanes finish a score, the warp's maximum by shuffles.
+            for i in range(ROWS):
+                m_tile = NEG_INF
+                for kk in range(KPL):
+                    x = s_lo[i, kk] + s_hi[i, kk]
+                    for sh in range(LOG_KQ):
+                        x += shfl_xor(FULL, x, KEYS_PER_PASS << sh)
+                    x *= scale_log2
+                    if needs_mask and k0 + key_lane + KEYS_PER_PASS * kk > limit[i]:
+                        x = NEG_INF
+                    s_lo[i, kk] = x
+                    m_tile = max(m_tile, x)
+                for sh in range(LOG_KEYS):
+                    m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1 << sh))
+                m_new = max(m_i[i], m_tile)
+                m_use = ZERO if m_new == NEG_INF else m_new  # nothing visible yet: exp2 gives 0, not nan
+                alpha = exp2(m_i[i] - m_use)
+                m_i[i] = m_new
+                row_sum = ZERO
+                for kk in range(KPL):
+                    pr = exp2(s_lo[i, kk] - m_use)
+                    row_sum += pr
+                    if part == 0:
+                        smem_f[U(p_base + i * BLOCK_N + key_lane + KEYS_PER_PASS * kk)] = pr
+                l_i[i] = alpha * l_i[i] + row_sum  # lanes are summed once, after the loop
+                for x in range(O_ELEMS):
+                    acc[i, x] *= alpha
+            syncwarp()  # P visible to the warp
+
+            # acc += P V over this lane's key group, 4 probabilities per LDS.128.
+            v_lane = v_off + kg * KPG * ROW_WORDS + c
+            p_lane = p_base + kg * KPG
+            for n4 in range(0, KPG, 4):
+                for i in range(ROWS):
+                    p4[i, 0], p4[i, 1], p4[i, 2], p4[i, 3] = ld4(smem_f, p_lane + i * BLOCK_N + n4)
+                for u in range(4):
+                    for ow in range(O_WORDS):
+                        lo, hi = unpack(smem_u, smem_f, v_lane + (n4 + u) * ROW_WORDS + ow * COL_THREADS)
+                        v_val[ow * EPW] = lo
+                        if EPW == 2:
+                            v_val[ow * EPW + 1] = hi
+                    for i in range(ROWS):
+                        pr = p4[i, u]
+                        for x in range(O_ELEMS):
+                            acc[i, x] = cuda.fma(pr, v_val[x], acc[i, x])
+
+        if VEC:
+            cp_wait(0)  # nothing may be in flight when the ring is reused or the block exits
+        # The warp's state: l over the lanes of distinct keys, acc over the key-lane groups.
+        for i in range(ROWS):
+            x = l_i[i]
+            for sh in range(LOG_KEYS):
+                x += shfl_xor(FULL, x, 1 << sh)
+            l_i[i] = x
+            for e in range(O_ELEMS):
+                a = acc[i, e]
+                for sh in range(LOG_COL, 5):
+                    a += shfl_xor(FULL, a, 1 << sh)
+                acc[i, e] = a
+        syncwarp()  # every lane is done with the ring before it holds the warp's acc
+        if kg == 0:
+            for i in range(ROWS):
+                for ow in range(O_WORDS):
+                    for e in range(EPW):
+                        smem_f[U(ring + i * HEAD_DIM + (c + ow * COL_THREADS) * EPW + e)] = acc[i, ow * EPW + e]
+        if lane == 0:
+            for i in range(ROWS):
+                smem_f[U(M_OFF + warp * ROWS + i)] = m_i[i]
+                smem_f[U(L_OFF + warp * ROWS + i)] = l_i[i]
+        cuda.syncthreads()
+
+        # Merge the warps (logsumexp combine, a fixed order) and write the block's rows.
+        n_rows = min(ROWS, rows_total - r0)
+        for idx in range(tid, n_rows * d, THREADS):
+            r = idx // d
+            e = idx - r * d
+            rg = r0 + r
+            g = rg // n_q
+            i = rg - g * n_q
+            h = h_kv * group + g
+            m = NEG_INF
+            for w in range(WARPS):
+                m = max(m, smem_f[U(M_OFF + w * ROWS + r)])
+            m_use = ZERO if m == NEG_INF else m
+            l_row = ZERO
+            a = ZERO
+            for w in range(WARPS):
+                weight = exp2(smem_f[U(M_OFF + w * ROWS + r)] - m_use)
+                l_row = cuda.fma(weight, smem_f[U(L_OFF + w * ROWS + r)], l_row)
+                a = cuda.fma(weight, smem_f[U(KV_OFF + w * RING_WORDS + r * HEAD_DIM + e)], a)
+            if SPLIT:
+                acc_part[U(b), U(h), U(i), U(split_id), U(e)] = a
+                if e == 0:
+                    m_part[U(b), U(h), U(i), U(split_id)] = m
+                    l_part[U(b), U(h), U(i), U(split_id)] = l_row
+            else:
+                # A row that sees no key (l = 0) is defined as O = 0, L = -inf.
+                store_out(out, b, h, i, e, a / l_row if l_row > ZERO else ZERO)
+                if e == 0:
+                    lse[U(b), U(h), U(i)] = (m + log2(l_row)) * float32(LN2) if l_row > ZERO else NEG_INF
 
     return decode_split
 
