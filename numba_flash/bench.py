@@ -476,9 +476,11 @@ def metadata(command: str, *, simulator: bool) -> dict:
         torch_version = torch.__version__
     except ImportError:
         torch_version = None
+    # NUMBA_FLASH_COMMIT: set where the tree was copied without its current git metadata (GPU host).
+    commit = os.environ.get("NUMBA_FLASH_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=REPO_ROOT).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=REPO_ROOT).stdout.strip()
     except OSError:  # no git: a result without a commit is still a result
         commit = ""
     return {

@@ -217,7 +217,7 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     rows_shape = (B * H, mma_backward.padded_rows(N))
     l2, dd = (torch.empty(rows_shape, device="cuda", dtype=torch.float32) for _ in range(2))
     views = [to_device_view(t, 0) for t in (q, k, v, out, dout)] + [to_device_view(lse, 0, ndim=3)]
-    views += [to_device_view(t, 0) for t in (l2, dd)] + [to_device_view(t, 0) for t in grads]
+    views += [to_device_view(t, 0, ndim=2) for t in (l2, dd)] + [to_device_view(t, 0) for t in grads]
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
     f = bench.flops(B, H, N, N, d, causal)  # the forward's two GEMMs
     shipped = dict(MMA_BWD_TABLE[d], head_dim=d)
