@@ -55,7 +55,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None):
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
     causal alignment and the default scale are those of ``numba_flash.forward``; returns out
     (q's shape and dtype). Gradients flow to q, k and v through ``numba_flash.backward``
-    (deterministic: no atomics; fp32 accumulation; fp16/bf16 computed on the SIMT cores).
+    (deterministic: no atomics; fp32 accumulation; fp16/bf16 on tensor cores where ``forward``
+    would use them, see ``numba_flash.explain_backward``).
     Double backward is not supported.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale)

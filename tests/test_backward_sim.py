@@ -148,10 +148,11 @@ def test_backward_shipped_configs(rng, B, H, Hkv, n_q, n_k, d, causal):
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
 
 
-def test_backward_fp16(rng):
+@pytest.mark.parametrize("kernel", ["simt", "mma"])
+def test_backward_fp16(rng, kernel):
     """fp16 in, fp16 out: error within 2x that of the same formulas evaluated in fp16, + fp16 rounding."""
     args = problem(rng, 1, 2, 2, 24, 40, 32, True, dtype=np.float16)
-    grads = backward(*args, causal=True)
+    grads = backward(*args, causal=True, kernel=kernel)
     refs = reference.attention_backward(*args, causal=True)
     naive = reference.attention_backward(*args, causal=True, dtype=np.float16)
     for name, ours, ref, nv in zip(("dq", "dk", "dv"), grads, refs, naive):
@@ -172,7 +173,14 @@ def test_backward_batchless_and_explain(rng):
     check_gradients(tuple(g[None] for g in grads3), q, k, v, o, lse, do, False)
     text = explain_backward(q, k, v)
     assert "padded to 16" in text and "no atomics" in text
-    assert "tensor-core" in explain_backward(*(x.astype(np.float16) for x in (q, k, v)))
+    half = [x.astype(np.float16) for x in (q, k, v)]
+    assert text.startswith("simt backward") and explain_backward(*half).startswith("mma backward")
+    forced = explain_backward(*half, kernel="simt")
+    assert forced.startswith("simt backward") and "kernel='simt' was asked for" in forced
+    with pytest.raises(ValueError, match="kernel='mma' cannot run this backward: dtype float32"):
+        backward(q, k, v, o, lse, do, kernel="mma")
+    with pytest.raises(ValueError, match="kernel='fast'; accepted: auto, simt, mma"):
+        backward(q, k, v, o, lse, do, kernel="fast")
 
 
 @pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0)])
