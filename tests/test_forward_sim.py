@@ -150,6 +150,73 @@ def test_forward_small_tiles_property(cfg, n_q, n_k, d, group, causal, log_scale
     _check(out, lse, q, k, v, causal, scale=scale, tol=1e-4 if scale * math.sqrt(d) > 10 else F32_TOL)
 
 
+# ---- K/V copy variants (stage_trips, prefetch_trips): same maths, other copies ----------------
+# Each case: the variant must match the reference and be bitwise equal to the original per-trip
+# loop with the same tiles (only the global -> shared copies differ). Tile configs cover a copy
+# plan with a constant row jump between trips (16 threads, d <= 16), per-trip index maths (6 or
+# 4 threads), and trips that only some threads have (48 threads, 32 K groups).
+COPY_VARIANTS = [
+    dict(stage_trips=1),
+    dict(stage_trips=3),
+    dict(prefetch_trips=1),
+    dict(prefetch_trips=2, stage_trips=1),
+    dict(prefetch_trips=64),  # more than any tile has: the whole tile travels in registers
+]
+COPY_CASES = [  # (block_q, block_k, row_threads, col_threads, share_kv), n_q, n_k, d, group, causal
+    ((16, 16, 4, 4, True), 37, 45, 16, 2, True),    # row-jump plan; last K/V tile partial; GQA
+    ((16, 16, 4, 4, False), 30, 48, 16, 1, False),  # row-jump plan, every tile whole (no checks)
+    ((16, 16, 4, 4, True), 20, 33, 5, 1, False),    # odd d: the checked copy
+    ((12, 8, 3, 2, True), 25, 19, 24, 2, True),     # 6 threads: trips by index maths, uneven
+    ((8, 8, 2, 2, False), 9, 30, 7, 1, True),       # Nq < Nk causal (bottom-right)
+    ((96, 8, 24, 2, True), 40, 21, 16, 1, False),   # 48 threads, 32 K groups: partial trip
+]
+
+
+def _launch_cfg(cfg, q, k, v, causal, scale, dtype=None):
+    out = cuda.device_array(q.shape, q.dtype)
+    lse = cuda.device_array(q.shape[:-1], np.float32)
+    dev = lambda x: cuda.to_device(x) if isinstance(x, np.ndarray) else x  # noqa: E731
+    simt_forward.launch(cfg, dev(q), dev(k), dev(v), out, lse,
+                        causal=causal, softmax_scale=scale, dtype=dtype or str(q.dtype), d=q.shape[-1])
+    return out.copy_to_host(), lse.copy_to_host()
+
+
+@pytest.mark.parametrize("variant", COPY_VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("case", COPY_CASES, ids=lambda c: f"{c[0][:4]}-share{int(c[0][4])}-d{c[3]}")
+def test_forward_copy_variants(rng, variant, case):
+    (bq, bk, rt, ct, share), n_q, n_k, d, group, causal = case
+    q, k, v = _qkv(rng, 1, 2, 2 // group, n_q, n_k, d)
+    scale = 1.0 / math.sqrt(d)
+    base = SimtConfig(bq, bk, rt, ct, head_dim_bucket(d), share_kv=share)
+    cfg = SimtConfig(bq, bk, rt, ct, head_dim_bucket(d), share_kv=share, **variant)
+    assert not cfg.problems()
+    out, lse = _launch_cfg(cfg, q, k, v, causal, scale)
+    _check(out, lse, q, k, v, causal, scale=scale)
+    out0, lse0 = _launch_cfg(base, q, k, v, causal, scale)
+    np.testing.assert_array_equal(out, out0)
+    np.testing.assert_array_equal(lse, lse0)
+
+
+def test_forward_copy_variant_strided_bf16(rng):
+    """A strided (non-contiguous) K/V view and bf16 storage through the planned copies."""
+    cfg = SimtConfig(16, 16, 4, 4, 16, share_kv=True, prefetch_trips=2, stage_trips=1)
+    q, k, v = _qkv(rng, 1, 2, 1, 21, 40, 16)
+    kk = np.zeros((1, 1, 40, 40), np.float32)
+    kk[..., 3:19] = k  # rows of 40 floats, head dim at column 3: strides the wrapper never makes
+    k_view = cuda.to_device(kk)[..., 3:19]
+    out, lse = _launch_cfg(cfg, q, k_view, v, True, 0.25)
+    _check(out, lse, q, k, v, True, scale=0.25)
+    bits = lambda x: (x.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731 - truncate to bf16
+    widen = lambda b: (b.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    qb, kb, vb = bits(q), bits(k), bits(v)
+    out_b, lse_b = _launch_cfg(cfg, qb, kb, vb, True, 0.25, "bfloat16")
+    base = SimtConfig(16, 16, 4, 4, 16, share_kv=True)
+    out_0, lse_0 = _launch_cfg(base, qb, kb, vb, True, 0.25, "bfloat16")
+    np.testing.assert_array_equal(out_b, out_0)
+    ref_o, _ = reference.standard_attention(widen(qb), widen(kb), widen(vb), causal=True, softmax_scale=0.25)
+    assert np.abs(widen(out_b).astype(np.float64) - ref_o).max() < 1e-2
+
+
 # ---- validation: one function, clear messages --------------------------------------------------
 def _ok(rng, d=8):
     return _qkv(rng, 1, 2, 1, 4, 4, d)

@@ -71,3 +71,61 @@ def test_shipped_simt_configs_fit(dtype, tmp_path):
         assert cfg.smem_bytes <= SMEM_PER_BLOCK_MAX
         # registers x threads must leave room for at least one block per SM
         assert rep["registers"] * cfg.threads <= 65536, where
+
+
+# K/V copy variants swept on the GPU (scripts/sweep_simt.py): (head dim, SimtConfig overrides, most
+# spill bytes allowed). Their stage / prefetch arrays must stay in registers (no ld.local in the PTX:
+# constant trip counts, addresses without per-trip invariants) and a capped kernel keeps its cap.
+VARIANT_CASES = [
+    (128, dict(stage_trips=4), 128),
+    (128, dict(stage_trips=8), 192),
+    (128, dict(prefetch_trips=8), 160),
+    (128, dict(prefetch_trips=2, stage_trips=2), 160),
+    (64, dict(stage_trips=4), 0),
+    (64, dict(prefetch_trips=4), 0),
+    (64, dict(prefetch_trips=4, max_registers=128), 256),
+]
+
+VARIANT_CHILD = NO_GPU_PATCH + textwrap.dedent(
+    """
+    import dataclasses, json, re, subprocess, sys, tempfile
+    from numba import cuda
+    from numba_flash.configs import SIMT_CONFIGS
+    from numba_flash.kernels.simt_forward import FASTMATH, kernel_signature, kernel_source
+
+    cases, ptxas = json.loads(sys.argv[1]), sys.argv[2]
+    out = []
+    for d, extra, causal in cases:
+        cfg = dataclasses.replace(SIMT_CONFIGS[d], **extra)
+        ptx, _ = cuda.compile_ptx(kernel_source(cfg, causal, "float32"), kernel_signature("float32"),
+                                  cc=(9, 0), fastmath=FASTMATH)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        flags = [f"-maxrregcount={cfg.max_registers}"] if cfg.max_registers else []
+        r = subprocess.run([ptxas, "-arch=sm_90", "-v", *flags, f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True)
+        rep = r.stderr + r.stdout
+        m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+        regs = re.search(r"Used (\\d+) registers", rep)
+        out.append(dict(d=d, extra=extra, causal=causal, rc=r.returncode, stack=int(m.group(1)),
+                        spill_stores=int(m.group(2)), spill_loads=int(m.group(3)), registers=int(regs.group(1)),
+                        ld_local=ptx.count("ld.local"), ldg=ptx.count("ld.global.nc"), smem=cfg.smem_bytes,
+                        cap=cfg.max_registers, threads=cfg.threads))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_simt_copy_variants_fit(tmp_path):
+    cases = [(d, extra, causal) for d, extra, _ in VARIANT_CASES for causal in (False, True)]
+    reports = run_compile_child(VARIANT_CHILD, [json.dumps(cases)], tmp_path)
+    allowed = {(d, json.dumps(extra, sort_keys=True)): spill for d, extra, spill in VARIANT_CASES}
+    for rep in reports:
+        where = f"d={rep['d']} {rep['extra']} causal={rep['causal']}: {rep}"
+        assert rep["rc"] == 0, where
+        assert rep["ld_local"] == 0, where  # stage/prefetch arrays promoted to registers
+        assert rep["ldg"] > 0, where  # the planned copies read through ld.global.nc
+        assert rep["smem"] == SIMT_CONFIGS[rep["d"]].smem_bytes, where  # copies add no shared memory
+        assert max(rep["spill_stores"], rep["spill_loads"]) <= allowed[rep["d"], json.dumps(rep["extra"], sort_keys=True)], where
+        cap = rep["cap"] or 255
+        assert rep["registers"] <= cap and rep["registers"] * rep["threads"] <= 65536, where

@@ -34,9 +34,16 @@ from numba import cuda, float32, int32, types, uint16, uint32, uint64
 # wraparound test it otherwise emits for every access (64-bit compare, shift, add).
 U = uint64
 
+import ctypes
+
+import numpy as np
+from llvmlite import ir
+from numba.cuda.extending import intrinsic
+
+from .. import ptx
 from ..configs import SimtConfig
 from ..launch import launch as launch_kernel
-from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
+from ..vec import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -47,6 +54,39 @@ STORAGE = {"float32": types.float32, "float16": types.float16, "bfloat16": types
 
 # Only the flags that cannot change -inf/nan semantics: masking relies on exact -inf.
 FASTMATH = {"contract", "arcp", "afn"}
+
+
+@intrinsic
+def _ldg(typingctx, src, offset):
+    """src's element at flat element offset ``offset`` from its data pointer (strides are the
+    caller's), as an ``ld.global.nc``: a global-space load of memory that the kernel never writes.
+    Unlike Numba's generic ``ld`` it cannot alias shared memory, so NVVM and ptxas may issue it
+    ahead of earlier shared stores (a generic load waits for them)."""
+    if not (isinstance(src, types.Array) and isinstance(offset, types.Integer)):
+        return None
+    sig = src.dtype(src, offset)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        elem = builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)])
+        value = builder.load(builder.addrspacecast(elem, ir.PointerType(elem.type.pointee, 1)))
+        value.set_metadata("invariant.load", builder.module.add_metadata([]))
+        return value
+
+    return sig, codegen
+
+
+def _ldg_twin(src, offset):
+    ary = ptx._numpy_of(src)
+    low, high = np.lib.array_utils.byte_bounds(ary)
+    address = ary.ctypes.data + int(offset) * ary.itemsize
+    if not low <= address <= high - ary.itemsize:
+        raise IndexError(f"ldg: element offset {offset} outside the {high - low} bytes the array spans")
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * ary.itemsize).from_address(address))
+    return raw.view(ary.dtype)[0]
+
+
+ldg = _ldg_twin if SIMULATOR else _ldg
 
 
 def kernel_signature(dtype: str):
@@ -73,7 +113,11 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
     SHARE_KV = cfg.share_kv
     CAUSAL = bool(causal)
     BF16 = dtype == "bfloat16"
+    ITEMSIZE = 4 if dtype == "float32" else 2
     UNROLL = 4  # inner-product steps per unrolled group (divides every HEAD_DIM and BLOCK_K)
+    STAGE_TRIPS, PREFETCH_TRIPS = cfg.stage_trips, cfg.prefetch_trips
+    PLANNED = bool(STAGE_TRIPS or PREFETCH_TRIPS)  # K/V copies by tile_copier, not the loops below
+    V_LATE = SHARE_KV or PREFETCH_TRIPS > 0  # V_j is stored after S_j (its registers were in flight)
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
@@ -109,6 +153,106 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             st_shared_f32x4(smem, U(off + r * stride + e),
                             load(src, b, h, row, e, n_rows, d), load(src, b, h, row, e + 1, n_rows, d),
                             load(src, b, h, row, e + 2, n_rows, d), load(src, b, h, row, e + 3, n_rows, d))
+
+    @cuda.jit(device=True, inline=True)
+    def widen(x):
+        if BF16:
+            return f32_from_bits(uint32(x) << 16)
+        return float32(x)
+
+    def tile_copier(TRANSPOSED, STRIDE, OFF):
+        """(fetch, store, copy, PRE) for one BLOCK_K-row tile of K (TRANSPOSED: tile[row, e] ->
+        smem[OFF + e*STRIDE + row]) or V (tile[row, e] -> smem[OFF + row*STRIDE + e]).
+
+        Trip n of thread tid is group tid + n*THREADS of the tile: 4 elements, one 16-byte shared
+        store (four rows of one column when transposed, else four columns of one row; consecutive
+        lanes read consecutive columns, so the global reads stay coalesced).
+        fetch(stage, ..., n0, COUNT) loads trips n0..n0+COUNT-1 into stage[0:COUNT, 0:4] (zeros
+        past the tile); store(stage, smem, n0, COUNT) writes them to shared memory; copy(...,
+        N_LO) does both for trips N_LO.. in batches of STAGE_TRIPS (all at once when 0). COUNT
+        is a constant and stage is indexed by it alone, so stage arrays stay in registers. A tile
+        wholly inside the keys at d = HEAD_DIM skips the element checks; otherwise rows past n_k
+        and columns past d read as 0, as load() does."""
+        GROUPS = HEAD_DIM if TRANSPOSED else HEAD_DIM // 4  # groups per 4 rows (T) / per row
+        TOTAL = HEAD_DIM * (BLOCK_K // 4)
+        TRIPS = (TOTAL + THREADS - 1) // THREADS
+        EVEN = TOTAL % THREADS == 0  # then trip n exists for every thread iff n < TRIPS
+        # Tile rows between a thread's trips when THREADS is a multiple of GROUPS (every shipped
+        # config): its column is the same each trip, so addresses are one base plus constants.
+        ROW_JUMP = (THREADS // GROUPS) * (4 if TRANSPOSED else 1) if THREADS % GROUPS == 0 else 0
+        DR, DC = (1, 0) if TRANSPOSED else (0, 1)  # element u of a group: (row + u*DR, col + u*DC)
+
+        @cuda.jit(device=True, inline=True)
+        def group_of(idx):
+            """(tile row, column, shared offset) of group idx's first element."""
+            a = idx // GROUPS
+            c = idx - a * GROUPS
+            if TRANSPOSED:
+                return 4 * a, c, OFF + c * STRIDE + 4 * a
+            return a, 4 * c, OFF + a * STRIDE + 4 * c
+
+        @cuda.jit(device=True, inline=True)
+        def fetch(stage, src, b, h, row0, n_rows, d, n0, COUNT):
+            tid = cuda.threadIdx.x
+            s_row = src.strides[2] // ITEMSIZE  # element strides: a constant divisor is a shift
+            s_col = src.strides[3] // ITEMSIZE
+            base = b * (src.strides[0] // ITEMSIZE) + h * (src.strides[1] // ITEMSIZE)
+            inside = row0 + BLOCK_K <= n_rows and d == HEAD_DIM  # the whole tile: no element checks
+            # Trips addressed as one base plus constant row jumps: computed per trip instead, each
+            # trip's (loop-invariant) offset is hoisted out of the K/V loop into its own 64-bit
+            # register, up to 32 of them live through the GEMMs (255 registers, or spills at a cap).
+            if ROW_JUMP:
+                r, c, _ = group_of(tid)
+                row_t = row0 + r
+                at = base + row_t * s_row + c * s_col
+                for m in range(COUNT):
+                    n = n0 + m
+                    ok = n < TRIPS if EVEN else tid + n * THREADS < TOTAL
+                    for u in range(4):
+                        x = ZERO
+                        if inside:
+                            if ok:
+                                x = widen(ldg(src, U(at + (n * ROW_JUMP + u * DR) * s_row + u * DC * s_col)))
+                        elif ok and row_t + n * ROW_JUMP + u * DR < n_rows and c + u * DC < d:
+                            x = widen(ldg(src, U(at + (n * ROW_JUMP + u * DR) * s_row + u * DC * s_col)))
+                        stage[m, u] = x
+            else:
+                for m in range(COUNT):
+                    idx = tid + (n0 + m) * THREADS
+                    r, c, _ = group_of(idx)
+                    for u in range(4):
+                        row = row0 + r + u * DR
+                        col = c + u * DC
+                        x = ZERO
+                        if idx < TOTAL and row < n_rows and col < d:
+                            x = widen(ldg(src, U(base + row * s_row + col * s_col)))
+                        stage[m, u] = x
+
+        @cuda.jit(device=True, inline=True)
+        def store(stage, smem, n0, COUNT):
+            tid = cuda.threadIdx.x
+            for m in range(COUNT):
+                idx = tid + (n0 + m) * THREADS
+                if idx < TOTAL:
+                    _, _, at = group_of(idx)
+                    st_shared_f32x4(smem, U(at), stage[m, 0], stage[m, 1], stage[m, 2], stage[m, 3])
+
+        REST = max(0, TRIPS - min(PREFETCH_TRIPS, TRIPS))
+        BATCH = max(1, min(STAGE_TRIPS or REST, REST))
+        BATCHES = (REST + BATCH - 1) // BATCH
+
+        @cuda.jit(device=True, inline=True)
+        def copy(src, b, h, row0, n_rows, d, smem, N_LO):
+            stage = cuda.local.array((BATCH, 4), float32)
+            for i in range(BATCHES):
+                fetch(stage, src, b, h, row0, n_rows, d, N_LO + i * BATCH, BATCH)
+                store(stage, smem, N_LO + i * BATCH, BATCH)
+
+        return fetch, store, copy, min(PREFETCH_TRIPS, TRIPS)
+
+    fetch_k, store_k, copy_k, PRE_K = tile_copier(True, KT, K_OFF)
+    fetch_v, store_v, copy_v, PRE_V = tile_copier(False, VS, V_OFF)
+    PRE = max(1, PRE_K, PRE_V)
 
     @cuda.jit(device=True, inline=True)
     def load_groups(frag, smem, base, n_groups, group_step):
@@ -167,12 +311,26 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             else:
                 n_tiles = min(n_tiles, (visible + BLOCK_K - 1) // BLOCK_K)
 
+        pre = cuda.local.array((PRE, 4), float32)  # prefetched trips: K_{j+1} or V_j, in turn
+        if PREFETCH_TRIPS and n_tiles > 0:
+            fetch_k(pre, k, b, h_kv, 0, n_k, d, 0, PRE_K)
         for j in range(n_tiles):
             k0 = j * BLOCK_K
-            load_transposed(k, b, h_kv, k0, n_k, d, smem, K_OFF, KT, BLOCK_K)
-            if not SHARE_KV:
-                load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, VS, BLOCK_K)
+            if PREFETCH_TRIPS:
+                store_k(pre, smem, 0, PRE_K)
+                copy_k(k, b, h_kv, k0, n_k, d, smem, PRE_K)
+            elif PLANNED:
+                copy_k(k, b, h_kv, k0, n_k, d, smem, 0)
+            else:
+                load_transposed(k, b, h_kv, k0, n_k, d, smem, K_OFF, KT, BLOCK_K)
+            if not V_LATE:
+                if PLANNED:
+                    copy_v(v, b, h_kv, k0, n_k, d, smem, 0)
+                else:
+                    load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, VS, BLOCK_K)
             cuda.syncthreads()
+            if PREFETCH_TRIPS:  # V_j's loads fly while S_j is computed
+                fetch_v(pre, v, b, h_kv, k0, n_k, d, 0, PRE_V)
 
             # S = Q K^T for this thread's ROWS x S_COLS slice: per head-dim step e, one 16-byte
             # load per group of 4 rows / columns, then ROWS x S_COLS FMAs.
@@ -203,8 +361,15 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                     row_max = max(row_max, x)
                 smem[U(RED_OFF + r * COL_THREADS + tc)] = row_max
             cuda.syncthreads()
-            if SHARE_KV:  # every thread is past S = QK^T, so K's buffer is free for V
-                load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, VS, BLOCK_K)
+            # Every thread is past S = QK^T, so K's buffer is free for V (share_kv).
+            if PREFETCH_TRIPS:
+                store_v(pre, smem, 0, PRE_V)
+                copy_v(v, b, h_kv, k0, n_k, d, smem, PRE_V)
+            elif SHARE_KV:
+                if PLANNED:
+                    copy_v(v, b, h_kv, k0, n_k, d, smem, 0)
+                else:
+                    load_rows(v, b, h_kv, k0, n_k, d, smem, V_OFF, VS, BLOCK_K)
 
             for i in range(ROWS):
                 r = (i // 4) * ROW_STEP + 4 * tr + i % 4
@@ -230,6 +395,8 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                     st_shared_f32x4(smem, U(P_OFF + col * PT + g * ROW_STEP + 4 * tr),
                                     s[4 * g, jj], s[4 * g + 1, jj], s[4 * g + 2, jj], s[4 * g + 3, jj])
             cuda.syncthreads()
+            if PREFETCH_TRIPS and j + 1 < n_tiles:  # K_{j+1}'s loads fly while P V_j is computed
+                fetch_k(pre, k, b, h_kv, k0 + BLOCK_K, n_k, d, 0, PRE_K)
 
             # acc += P V_j
             for t0 in range(0, BLOCK_K, UNROLL):
