@@ -124,12 +124,16 @@ def keep(configs):
     return [c for c in configs if not c.problems()]
 
 
-_SIMT_TABLE = {  # head_dim: (block_q, block_k, row_threads, col_threads, share_kv[, max_registers])
+# head_dim: (block_q, block_k, row_threads, col_threads, share_kv[, max_registers[, stage_trips[, prefetch_trips]]])
+# d = 64 and 128 copy K/V tiles as the H200 sweep chose (results/sweep-simt-2026-11-29-copy.txt, fp32 B4
+# H16 N4096): d = 128 stage4 30.4 vs 27.1 TFLOP/s (causal 28.4 vs 25.1; stage8 31.2 spills 36 B),
+# d = 64 pre4 31.2 vs 24.5 (pre4 + 128-register cap 31.5 spills 76 B). Other head dims: not swept.
+_SIMT_TABLE = {
     16: (128, 32, 32, 4, False),
     32: (64, 64, 16, 8, True),
-    64: (128, 64, 16, 16, True),
+    64: (128, 64, 16, 16, True, None, 0, 4),
     96: (64, 64, 16, 8, True),
-    128: (64, 64, 16, 16, True, 128),  # capped: 2 blocks/SM; 27.1 vs 24.2 TFLOP/s uncapped 128x64
+    128: (64, 64, 16, 16, True, 128, 4),  # capped: 2 blocks/SM; 27.1 vs 24.2 TFLOP/s uncapped 128x64
     192: (64, 64, 16, 16, True),
     256: (64, 64, 16, 16, True),
 }
@@ -150,16 +154,24 @@ MMA_SPILL_OK = {(128, 64, 128, 2): 80}  # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES):
 
 # Tensor-core backward, head dim: {"dkdv": (BLOCK_N keys own, BLOCK_M queries streamed),
 # "dq": (BLOCK_M queries own, BLOCK_N keys streamed)}. dkdv holds dK and dV (2 x HEAD_DIM/2 fp32
-# per lane) plus Sᵀ and dPᵀ (2 x BLOCK_M/2): 32-query tiles keep d = 128 near 160 of them.
+# per lane) plus Sᵀ and dPᵀ (2 x BLOCK_M/2).
+# H200 sweep (results/backward-2026-11-29-mma-sweep.md, fp16 B4 H16 N4096, each kernel alone): d = 128
+# dkdv 64x64 257.0 vs 64x32 244.6 TFLOP/s (causal 205.9 vs 192.8) although ptxas spills 92 B of it,
+# dq 64x64 269.3 (next 128x64 264.6); d = 64 64x64 best for both (242.5, 249.1).
 MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64)},
-    128: {"dkdv": (64, 32), "dq": (64, 64)},
+    128: {"dkdv": (64, 64), "dq": (64, 64)},
 }
+# (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
+# shipped config the sweep measured fastest anyway; the build test allows exactly these.
+MMA_BWD_SPILL_OK = {("dkdv", 64, 64, 128): 104, ("dq", 64, 64, 128): 48}
 
 
 def _simt_for(head_dim: int) -> SimtConfig:
-    bq, bk, rt, ct, share, *cap = _SIMT_TABLE[head_dim]
-    return SimtConfig(bq, bk, rt, ct, head_dim, share_kv=share, max_registers=cap[0] if cap else None)
+    entry = _SIMT_TABLE[head_dim]
+    bq, bk, rt, ct, share, cap, stage, prefetch = entry + (None, 0, 0)[len(entry) - 5:]
+    return SimtConfig(bq, bk, rt, ct, head_dim, share_kv=share, max_registers=cap, stage_trips=stage,
+                      prefetch_trips=prefetch)
 
 
 SIMT_CONFIGS = {d: _simt_for(d) for d in HEAD_DIMS}

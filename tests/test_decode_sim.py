@@ -308,15 +308,18 @@ def test_device_lengths_need_a_device_q():
 # The num_splits rule and the configs
 # --------------------------------------------------------------------------------------------
 def test_num_splits_rule_on_an_h200():
-    cfg = dk.decode_config(128, "float16", 1)
+    cfg = DecodeConfig(128, "float16", 1, block_n=64, stages=3, warps=4)  # the earlier default tile
     assert cfg.blocks_per_sm == 2  # shared memory: 2 x ~103 KiB per SM
     assert choose_num_splits(8 * 32, 32768, cfg, n_sms=132) == 1  # 256 blocks ~ one full wave of 264
     assert choose_num_splits(8 * 8, 32768, cfg, n_sms=132) == 4  # 64 blocks -> 256
     assert choose_num_splits(1 * 8, 32768, cfg, n_sms=132) == 29  # 8 blocks -> 232 (within 85 % of 264)
     assert choose_num_splits(1 * 8, 1024, cfg, n_sms=132) == 4  # capped: every split >= 4 tiles
     assert choose_num_splits(1, 10, cfg, n_sms=132) == 1  # a single tile is never split
-    two = DecodeConfig(128, "float16", 1, block_n=64, stages=2, warps=4)  # 3 blocks/SM by shared memory
-    assert two.blocks_per_sm == 3
+    two = dk.decode_config(128, "float16", 1)  # shipped: 2 stages, 3 blocks/SM by shared memory
+    assert (two.block_n, two.stages, two.warps, two.warp_split, two.blocks_per_sm) == (64, 2, 4, False, 3)
+    gqa = dk.decode_config(128, "float16", 4)  # shipped for groups of 4: warp_split, 4 splits at B8 Hkv8
+    assert (gqa.block_n, gqa.stages, gqa.warps, gqa.warp_split) == (16, 3, 4, True)
+    assert choose_num_splits(8 * 8, 32768, gqa, n_sms=132) == 4
     assert choose_num_splits(8 * 32, 32768, two, n_sms=132) == 1  # waves of 2/SM: measured best, not 3 splits
     assert choose_num_splits(8 * 8, 32768, two, n_sms=132) == 4
     ws = DecodeConfig(128, "float16", 1, block_n=16, stages=2, warps=4, warp_split=True)

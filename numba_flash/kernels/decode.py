@@ -382,16 +382,26 @@ def decode_config(d: int, dtype: str, rows_needed: int) -> DecodeConfig:
     """The shipped config for head dim d, dtype and G·Nq rows: rows padded to a power of two,
     capped where acc would not fit in registers (larger groups then take several blocks).
 
-    64-key tiles while a K+V tile is <= 34 KiB, else 32 keys; 3 stages; 4 warps, 8 for >= 64 rows
-    (more row groups keep acc in registers).
+    16-bit caches, d <= 128, 4 to 8 rows (GQA groups): warp_split, 16-key tiles per warp, 3 stages,
+    4 warps (H200, fp16 d128 B8 H32 Hkv8 N32768: 2257 GB/s vs 1955 for the block-wide tile at the
+    same 4 splits; results/sweep-decode-2026-11-29-warp-split.txt; 8 rows were not timed).
+    Otherwise block-wide: 64-key tiles while a K+V tile is <= 34 KiB, else 32 keys; 2 stages for
+    rows of <= 256 B (3561 vs 3460 GB/s for 3 at Hkv32, one split, same sweep; 1957 vs 1955 at
+    Hkv8), else 3; 4 warps, 8 for >= 64 rows (more row groups keep acc in registers).
     """
     head_dim = head_dim_bucket(d)
+    if ITEMSIZE[dtype] == 2 and head_dim <= 128 and 4 <= rows_needed <= 8:
+        cfg = DecodeConfig(head_dim, dtype, 4 if rows_needed <= 4 else 8, block_n=16, stages=3, warps=4,
+                           warp_split=True)
+        if not cfg.problems():
+            return cfg
     row_bytes = head_dim * ITEMSIZE[dtype]
     block_n = 64 if row_bytes <= 256 else 32
+    stages = 2 if row_bytes <= 256 else 3  # 2 measured at fp16 d = 128 only; larger rows keep 3
     best = None
     for rows in ROWS_BUCKETS:
         warps = 8 if rows >= 64 else 4
-        cfg = DecodeConfig(head_dim, dtype, rows, block_n=max(block_n, 8 * warps), stages=3, warps=warps)
+        cfg = DecodeConfig(head_dim, dtype, rows, block_n=max(block_n, 8 * warps), stages=stages, warps=warps)
         if cfg.problems():
             break
         best = cfg
