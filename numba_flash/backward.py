@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 import numpy as np
+from numba import config as nb_config
 from numba import cuda
 
 from . import arrays
@@ -133,7 +134,22 @@ def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
     return arrays.to_host_kind(kind, dev, dtype, stream)
 
 
-def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto"):
+def _zeros_scratch(kind: str, ref: Any, shape: tuple, stream):
+    """Zeroed fp32 device scratch, allocated (and memset) by q's framework on its stream; a view."""
+    if kind == arrays.TORCH:
+        import torch
+
+        return arrays.view_of(torch.zeros(shape, dtype=torch.float32, device=ref.device), arrays.TORCH)
+    if kind == arrays.CUPY:
+        import cupy
+
+        with cupy.cuda.Device(ref.device.id):
+            return arrays.view_of(cupy.zeros(shape, dtype=np.float32), arrays.CUPY)
+    dev = cuda.to_device(np.zeros(shape, np.float32), stream=stream)
+    return dev if nb_config.ENABLE_CUDASIM else arrays.view_of(dev, arrays.CAI)
+
+
+def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from the saved L.
 
     Args:
@@ -152,6 +168,11 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             kernels for float16/bfloat16 with d <= 128 on sm_80+ when q, k, v and dout rows start
             16-byte aligned, else the SIMT kernels (with a ``PerformanceWarning`` for half
             precision); ``explain_backward`` prints the choice and the reason.
+        deterministic: True (default): no atomic adds anywhere, the same inputs give the same
+            bits every run. False lets the tensor-core path use FA2's scheme: the dK/dV kernel
+            also adds dQ into an fp32 buffer with atomic adds (5 tile products instead of 7, one
+            kernel fewer; summation order, hence the last bits of dq, vary run to run). The SIMT
+            path is deterministic either way.
 
     Returns:
         (dq, dk, dv) with the shape, dtype and kind of q, k and v respectively. For GQA/MQA,
@@ -169,7 +190,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
 
     Stream: as ``forward`` (the inputs' framework stream; device inputs return without
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row
-    (SIMT), two per query row padded to a multiple of 128 rows (tensor cores).
+    (SIMT), two per query row padded to a multiple of 128 rows (tensor cores), plus with
+    deterministic=False a zeroed fp32 copy of dq's size (rows padded likewise, d to 64 or 128).
 
     Raises:
         TypeError / ValueError naming what was given and what is accepted: the forward's checks
@@ -179,6 +201,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
     kv_shape = arrays.shape_of(k)
     kinds = (p.kind, arrays.kind_of(k), arrays.kind_of(v))
     with _on_device(p.device):
@@ -199,8 +223,10 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             rows = (p.B * p.H, mma_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
             _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
+            dq_acc = None if deterministic else _zeros_scratch(p.kind, q, rows + (cfg["head_dim"],), stream)
             mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
-                                softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream)
+                                softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream,
+                                dq_acc=dq_acc)
         else:
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(

@@ -494,6 +494,33 @@ def _ex2_approx_twin(x):
 
 
 # --------------------------------------------------------------------------------------------
+# red.global.add.f32: an atomic add whose result is not needed (the atomic dQ of the backward)
+# --------------------------------------------------------------------------------------------
+@intrinsic
+def _red_add_f32_intrinsic(typingctx, array, offset, value):
+    if not (isinstance(array, types.Array) and array.dtype == types.float32 and _is_int(offset) and _is_num(value)):
+        return None
+    sig = types.void(array, offset, value)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        x = context.cast(builder, args[2], sig.args[2], types.float32)
+        # A generic pointer into global memory is its global address (CUDA's identity mapping).
+        _asm(builder, ir.VoidType(), [ptr, x], "red.global.add.f32 [$0], $1;", "l,f,~{memory}", True)
+
+    return sig, codegen
+
+
+_RED_LOCK = threading.Lock()
+
+
+def _red_add_f32_twin(array, offset, value):
+    flat = _numpy_of(array).reshape(-1)  # contiguous arrays only, like the flat offset on the GPU
+    with _RED_LOCK:
+        flat[int(offset)] += np.float32(value)
+
+
+# --------------------------------------------------------------------------------------------
 # Warp shuffle (the simulator has none): the quad reductions of the softmax use it.
 # --------------------------------------------------------------------------------------------
 def _shfl_xor_sync_twin(mask, value, lane_mask):
@@ -536,6 +563,7 @@ if SIMULATOR:
     ex2_approx = _ex2_approx_twin
     shfl_xor_sync = _shfl_xor_sync_twin
     syncwarp = _syncwarp_twin
+    red_add_f32 = _red_add_f32_twin
 else:
     mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
@@ -549,6 +577,7 @@ else:
     pack_bf16x2 = _make_pack_intrinsic("bf16")
     ex2_approx = _ex2_approx_intrinsic
     shfl_xor_sync = cuda.shfl_xor_sync
+    red_add_f32 = _red_add_f32_intrinsic
 
     @inline_device
     def syncwarp():  # cuda.syncwarp is a typing stub, callable only as an attribute of cuda
@@ -558,7 +587,7 @@ __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
-    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "inline_device",
+    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "inline_device",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

@@ -29,11 +29,12 @@ class FlashAttentionFunction(torch.autograd.Function):
     """out = softmax(Q Kᵀ · scale) V with a recomputing (FA2) backward; see ``attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
+    def forward(ctx, q, k, v, causal, softmax_scale, deterministic=True):
         out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
         ctx.softmax_scale = softmax_scale
+        ctx.deterministic = deterministic
         return out
 
     @staticmethod
@@ -45,18 +46,20 @@ class FlashAttentionFunction(torch.autograd.Function):
         # an expanded scalar) is copied: there each lane would read a scattered element.
         if dout.shape[-1] > 1 and dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal, softmax_scale=ctx.softmax_scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal, softmax_scale=ctx.softmax_scale,
+                              deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True):
     """Differentiable exact attention on PyTorch CUDA tensors.
 
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
     causal alignment and the default scale are those of ``numba_flash.forward``; returns out
     (q's shape and dtype). Gradients flow to q, k and v through ``numba_flash.backward``
-    (deterministic: no atomics; fp32 accumulation; fp16/bf16 on tensor cores where ``forward``
-    would use them, see ``numba_flash.explain_backward``).
-    Double backward is not supported.
+    (fp32 accumulation; fp16/bf16 on tensor cores where ``forward`` would use them, see
+    ``numba_flash.explain_backward``). deterministic=True (default): no atomics, bitwise
+    repeatable gradients; False: dq by FA2's atomic adds on the tensor-core path (faster, last
+    bits vary run to run), as ``numba_flash.backward``. Double backward is not supported.
     """
-    return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale)
+    return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic)

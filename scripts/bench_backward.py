@@ -80,6 +80,8 @@ def implementations(causal, scale):
     from numba_flash.torch import attention
 
     impls = {"numba_flash": lambda q, k, v: attention(q, k, v, causal=causal)}
+    # deterministic=False: FA2's atomic dQ on the tensor-core path (fp32 runs the deterministic SIMT kernels)
+    impls["numba_flash-atomic"] = lambda q, k, v: attention(q, k, v, causal=causal, deterministic=False)
     for name, backend in bench.sdpa_backends().items():
         if name == "sdpa-math":
             continue  # the naive row below is the materialising baseline
@@ -222,23 +224,28 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     f = bench.flops(B, H, N, N, d, causal)  # the forward's two GEMMs
     shipped = dict(MMA_BWD_TABLE[d], head_dim=d)
     rows = []
-    for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()):
+    dq_acc = torch.zeros((*rows_shape, d), device="cuda", dtype=torch.float32)
+    acc_view = to_device_view(dq_acc, 0, ndim=3)
+    for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()) + [("dkdv-atomic", [(64, 64)])]:
         for tile in tiles:
-            config = dict(shipped, **({kernel: tile} if tile else {}))
+            atomic = kernel == "dkdv-atomic"
+            config = dict(shipped, **({kernel: tile} if tile and not atomic else {}))
             row = {"kernel": kernel, "tile": list(tile) if tile else None, "d": d, "dtype": dtype, "causal": causal,
                    "B": B, "H": H, "N": N}
             run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
-                                              d=d, config=config, stream=stream, kernels=(kernel,))
+                                              d=d, config=config, stream=stream,
+                                              kernels=("dkdv", "dq") if atomic else (kernel,),
+                                              dq_acc=acc_view if atomic else None)
             try:
                 ms, _ = bench.time_call(run, budget_s=budget_s)
             except Exception as e:  # a launch failure (too many resources) is a result
                 rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
                 continue
             row["ms"] = ms
-            if tile:
-                fn = mma_backward.make_kernel(kernel, *tile, d, causal, dtype)
+            if tile:  # dkdv-atomic: its 5 products (2.5·F) and the dq conversion, timed together
+                fn = mma_backward.make_kernel("dkdv" if atomic else kernel, *tile, d, causal, dtype, atomic_dq=atomic)
                 row["regs"] = next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs
-                row["tflops"] = (2.0 if kernel == "dkdv" else 1.5) * f / ms / 1e9
+                row["tflops"] = {"dkdv": 2.0, "dq": 1.5, "dkdv-atomic": 2.5}[kernel] * f / ms / 1e9
             rows.append(row)
             print(f"  mma {dtype} d{d} causal={causal} {kernel} {tile}: {ms:.3f} ms"
                   + (f", {row['tflops']:.1f} TFLOP/s, regs {row['regs']}" if tile else ""), flush=True)

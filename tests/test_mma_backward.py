@@ -58,8 +58,9 @@ def problem(seed, B, H, Hkv, n_q, n_k, d, causal, dtype, big=1.0):
     return (q, k, v, o, lse, do), (store[0], store[1], store[2], o_store, lse, store[3])
 
 
-def run_backward(stored, d, causal, dtype, config, scale=None):
-    """mma_backward.launch on device arrays (simulator or GPU); returns (dq, dk, dv) as float64."""
+def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False):
+    """mma_backward.launch on device arrays (simulator or GPU); returns (dq, dk, dv) as float64.
+    atomic: dQ added up by the dkdv kernel with atomic adds (deterministic=False)."""
     q, k, v, o, lse, do = (cuda.to_device(x) for x in stored)
     B, H, n_q, _ = stored[0].shape
     rows = (B * H, mma_backward.padded_rows(n_q))
@@ -67,8 +68,9 @@ def run_backward(stored, d, causal, dtype, config, scale=None):
     grads = [cuda.to_device(np.full(x.shape, 0x7E00 if dtype == "float16" else 0x7FC0, np.uint16)
                             .view(x.dtype)) for x in (stored[0], stored[1], stored[2])]  # NaN: unwritten shows
     scale = 1 / math.sqrt(d) if scale is None else scale
+    dq_acc = cuda.to_device(np.zeros(rows + (config["head_dim"],), np.float32)) if atomic else None
     mma_backward.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, dtype=dtype, d=d,
-                        config=config)
+                        config=config, dq_acc=dq_acc)
     out = [g.copy_to_host() for g in grads]
     if dtype == "float16":
         return [g.astype(np.float64) for g in out]
@@ -124,6 +126,37 @@ def test_other_tiles_and_large_logits_sim():
     check_error_rule(grads, vals, True, "float16")
 
 
+@in_simulator
+@pytest.mark.parametrize(
+    "B,H,Hkv,n_q,n_k,d,causal,dtype",
+    [
+        (1, 2, 1, 70, 50, 40, True, "float16"),    # GQA 2: two query heads add into one block's dQ rows; Nq > Nk
+        (1, 1, 1, 20, 130, 128, False, "bfloat16"),  # 3 K/V blocks add into the same dQ rows; d = 128
+    ],
+)
+def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
+    """deterministic=False: dkdv adds dS K into fp32 scratch atomically, a last kernel scales and rounds."""
+    vals, stored = problem(7 + n_q, B, H, Hkv, n_q, n_k, d, causal, dtype)
+    head_dim = 64 if d <= 64 else 128
+    grads = run_backward(stored, d, causal, dtype, shipped(head_dim), atomic=True)
+    check_error_rule(grads, vals, causal, dtype)
+    if n_q > n_k and causal:
+        assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+def test_public_api_deterministic_flag():
+    from numba_flash import backward
+
+    vals, stored = problem(3, 1, 2, 2, 17, 23, 32, True, "float16")
+    q, k, v, o, lse, do = stored
+    with pytest.raises(TypeError, match="deterministic must be a bool; got 'no'"):
+        backward(q, k, v, o, lse, do, causal=True, deterministic="no")
+    grads = backward(q, k, v, o, lse, do, causal=True, deterministic=False)
+    check_error_rule([g.astype(np.float64) for g in grads], vals, True, "float16")
+    with pytest.raises(ValueError, match="atomic dQ is built into the 64x64 dkdv kernel only"):
+        mma_backward.make_kernel("dkdv", 64, 32, 128, False, "float16", atomic_dq=True)
+
+
 def test_problems_and_configs():
     for head_dim, cfg in MMA_BWD_TABLE.items():
         assert mma_backward.problems("dkdv", *cfg["dkdv"], head_dim, "float16") == []
@@ -141,8 +174,8 @@ def test_problems_and_configs():
 # --------------------------------------------------------------------------------------------
 COMPILE_SOURCE = """
 from numba_flash.kernels import mma_backward
-kern = mma_backward.kernel_source({K!r}, {O}, {S}, {D}, {C}, {DT!r})
-SIG = mma_backward.kernel_signature({K!r})
+kern = mma_backward.kernel_source({K!r}, {O}, {S}, {D}, {C}, {DT!r}, atomic_dq={A})
+SIG = mma_backward.kernel_signature({K!r}, {A})
 """
 
 
@@ -161,7 +194,7 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     """Tensor cores, every GEMM unrolled, fragments in registers, and no spills beyond the bytes
     MMA_BWD_SPILL_OK records for a config the sweep measured fastest anyway."""
     own, streamed = MMA_BWD_TABLE[head_dim][kernel]
-    source = COMPILE_SOURCE.format(K=kernel, O=own, S=streamed, D=head_dim, C=causal, DT="float16")
+    source = COMPILE_SOURCE.format(K=kernel, O=own, S=streamed, D=head_dim, C=causal, DT="float16", A=False)
     text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
     assert "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
     assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == expected_mma(
@@ -169,6 +202,18 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     assert "ld.local" not in text and "st.local" not in text
     report = ptxas_report(text, tmp_path)
     allowed = MMA_BWD_SPILL_OK.get((kernel, own, streamed, head_dim), 0)
+    assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
+
+
+@pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
+def test_atomic_dq_compiles_to_red(head_dim, tmp_path):
+    """deterministic=False: dQ leaves dkdv as red.global.add.f32 (no returned value, no generic atom)."""
+    source = COMPILE_SOURCE.format(K="dkdv", O=64, S=64, D=head_dim, C=True, DT="bfloat16", A=True)
+    text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
+    assert "red.global.add.f32" in text and "atom." not in text
+    assert "ld.local" not in text and "st.local" not in text
+    report = ptxas_report(text, tmp_path)
+    allowed = MMA_BWD_SPILL_OK.get(("dkdv-atomic", 64, 64, head_dim), 0)
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
@@ -206,6 +251,16 @@ def test_gpu_sweep_configs(config):
     d = config["head_dim"]
     vals, stored = problem(d, 1, 4, 2, 300, 333, d, True, "float16")
     check_error_rule(run_backward(stored, d, True, "float16", config), vals, True, "float16")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d,causal,dtype", [(64, False, "float16"), (128, True, "bfloat16"), (96, True, "float16")])
+def test_gpu_atomic_dq(d, causal, dtype):
+    """deterministic=False at real sizes: GQA 2, ragged lengths; the error rule as for the default."""
+    vals, stored = problem(d + 1, 2, 4, 2, 700, 900, d, causal, dtype)
+    grads = run_backward(stored, d, causal, dtype, shipped(64 if d <= 64 else 128), atomic=True)
+    check_error_rule(grads, vals, causal, dtype)
 
 
 @pytest.mark.gpu

@@ -56,7 +56,7 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint16
+from numba import cuda, float32, int32, types, uint16, uint32
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
@@ -85,10 +85,12 @@ def threads_per_block(kernel: str, block_own: int) -> int:
     return 32 * (block_own // 16)
 
 
-def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int) -> int:
-    """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D."""
+def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, atomic_dq: bool = False) -> int:
+    """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D,
+    and with atomic_dq the 16-bit dSᵀ tile."""
     streamed = 2 * block_streamed * head_dim + (4 * block_streamed if kernel == "dkdv" else 0)
-    return 2 * (2 * block_own * head_dim + 2 * streamed)
+    ds = block_own * block_streamed if atomic_dq else 0
+    return 2 * (2 * block_own * head_dim + 2 * streamed + ds)
 
 
 def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dtype: str) -> list[str]:
@@ -160,12 +162,41 @@ def prep_source(dtype: str):
     return mma_backward_prep
 
 
-def kernel_signature(kernel: str):
-    """dkdv(q, k, v, do, l2, dd, dk, dv, ...) / dq(q, k, v, do, l2, dd, dq, ...): 16-bit words."""
+def kernel_signature(kernel: str, atomic_dq: bool = False):
+    """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...) / dq(q, k, v, do, l2, dd, dq, ...): 16-bit
+    words; dq_acc (B·H, NQ_PAD, HEAD_DIM) fp32 when dkdv also adds up dQ (atomic_dq)."""
     io = types.Array(types.uint16, 4, "A")
     rows = types.Array(types.float32, 2, "A")
     grads = (io, io) if kernel == "dkdv" else (io,)
+    if atomic_dq:
+        grads += (types.Array(types.float32, 3, "A"),)
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32)
+
+
+def convert_signature(dtype: str):
+    return types.void(types.Array(types.float32, 3, "A"), types.Array(types.uint16, 4, "A"), int32, int32, float32)
+
+
+def convert_source(dtype: str):
+    """dQ = scale · dq_acc, rounded to 16 bits (the last step of the atomic path)."""
+    pack = ptx.pack_f16x2 if dtype == "float16" else ptx.pack_bf16x2
+
+    def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale):
+        bh = cuda.blockIdx.y
+        n_heads = dq.shape[1]
+        b = bh // n_heads
+        h = bh - b * n_heads
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # one pair of columns per thread
+        pairs = (d + 1) // 2
+        row = i // pairs
+        col = 2 * (i - row * pairs)
+        if row < n_q:
+            bits = pack(dq_acc[bh, row, col] * scale, dq_acc[bh, row, col + 1] * scale)
+            dq[b, h, row, col] = uint16(bits & 0xFFFF)
+            if col + 1 < d:
+                dq[b, h, row, col + 1] = uint16(bits >> 16)
+
+    return mma_backward_dq_convert
 
 
 def _common(HEAD_DIM, DTYPE, THREADS):
@@ -245,8 +276,13 @@ def two_products(HEAD_DIM, N_TILES, mma):
     return unrolled
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
-    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed."""
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
+    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
+
+    ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
+    dQ_i = dS_i K_j each step and adds it to fp32 dq_acc with atomic adds, so no dQ kernel has to
+    recompute S and dP (5 tile GEMMs in all instead of 7). dSᵀ goes through shared memory (16-bit,
+    swizzled) to change orientation: warp w then owns query rows 16w.. of dQ_i (BLOCK_M = BLOCK_N)."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -260,7 +296,13 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     STAGE = 2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M
     SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
-    CAUSAL = bool(CAUSAL)
+    SDS = STAGE0 + 2 * STAGE  # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries), rows of 8 chunks
+    DQ_COLS = 32  # dQ columns per pass: 16 accumulators per lane, added atomically after each pass
+    DQ_TILES = DQ_COLS // 8
+    CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
+    if ATOMIC_DQ and not BLOCK_M == BLOCK_N == 64:
+        raise ValueError(f"ATOMIC_DQ needs 64x64 tiles (one warp per 16 rows of dQ_i, 8-chunk dSᵀ rows); got "
+                         f"BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
     swizzle, load_rows = _common(HEAD_DIM, DTYPE, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES, mma)
@@ -270,6 +312,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     ldsm_t = ptx.ldmatrix_x4_trans
+    red_add = ptx.red_add_f32
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
@@ -285,9 +328,45 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
         elif tid < 2 * ROW_CHUNKS:
             cp_async(smem, st + SD + 8 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS))
 
-    def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+    @inline_device
+    def swizzle_m(row, chunk):
+        """Element offset in the dSᵀ tile (rows of BLOCK_M = 64 queries: 8 chunks, XOR row % 8)."""
+        return row * BLOCK_M + ((chunk ^ (row & 7)) << 3)
+
+    @inline_device
+    def add_dq(smem, dq_acc, bh, i0, warp, lane, g, t):
+        """dQ_i[16 w.., :] += dS_i K_j for this warp's 16 query rows, DQ_COLS columns per pass:
+        A = dS by ldmatrix.trans of the stored dSᵀ, B = K by ldmatrix.trans, then atomic adds."""
+        mat = lane >> 3
+        a_key = (mat >> 1) * 8 + (lane & 7)  # A (queries x keys) from dSᵀ rows (keys): transposed quarters
+        a_chunk = 2 * warp + (mat & 1)
+        t_row = (mat & 1) * 8 + (lane & 7)
+        t_chunk = mat >> 1
+        acc_q = cuda.local.array((DQ_TILES, 4), float32)
+        row0 = (bh * dq_acc.shape[1] + i0 + warp * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
+        for pc in range(HEAD_DIM // DQ_COLS):
+            for nt in range(DQ_TILES):
+                for r in range(4):
+                    acc_q[nt, r] = ZERO
+            for kk in range(BLOCK_N // 16):
+                a0, a1, a2, a3 = ldsm_t(smem, SDS + swizzle_m(kk * 16 + a_key, a_chunk))
+                for dp2 in range(DQ_COLS // 16):
+                    nt = 2 * dp2
+                    b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
+                    acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
+                        a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
+                    acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
+            for nt in range(DQ_TILES):
+                col = pc * DQ_COLS + nt * 8 + 2 * t
+                for r in range(4):  # scratch rows and columns are padded: no bounds checks
+                    red_add(dq_acc, row0 + (8 * (r >> 1)) * HEAD_DIM + col + (r & 1), acc_q[nt, r])
+
+    @inline_device
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
+        smem_w = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # ... and as 32-bit words (dSᵀ pairs)
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
@@ -364,6 +443,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
                     s[nt, r] = p
                     dp[nt, r] = p * (dp[nt, r] - smem_f[d_s + col])
 
+            if ATOMIC_DQ:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
+                for nt in range(Q_TILES):
+                    for half in range(2):
+                        key = warp * 16 + g + 8 * half
+                        smem_w[(SDS + swizzle_m(key, nt) + 2 * t) >> 1] = pack(dp[nt, 2 * half], dp[nt, 2 * half + 1])
+
             # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i: accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk.
             for kk in range(M_STEPS):
                 nt = 2 * kk
@@ -391,6 +476,10 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
                         d0, d1, d2, d3, b2, b3,
                         acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3])
 
+            if ATOMIC_DQ:
+                cuda.syncthreads()  # every warp's dSᵀ is in shared memory
+                add_dq(smem, dq_acc, bh * group + hh, i0, warp, lane, g, t)
+
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
 
         # dV = Σ Pᵀ dO, dK = scale · Σ dSᵀ Q, rounded to 16 bits; keys past n_k are not stored.
@@ -407,6 +496,13 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
                     if col + 1 < d:
                         dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
                         dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+
+    if ATOMIC_DQ:
+        def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale)
+    else:  # dq_acc is never touched: l2 stands in (the `if ATOMIC_DQ` branches are pruned at compile time)
+        def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale)
 
     return mma_backward_dkdv
 
@@ -547,10 +643,10 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     return mma_backward_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype):
+def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False):
     """The Python kernel of one specialisation (before cuda.jit; the compile tests use it)."""
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, head_dim, causal, dtype)
+        return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq)
     return dq_source(block_own, block_streamed, head_dim, causal, dtype)
 
 
@@ -565,16 +661,26 @@ def make_prep_kernel(dtype: str):
 
 
 @lru_cache(maxsize=None)
+def make_convert_kernel(dtype: str):
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
+    return cuda.jit(convert_signature(dtype))(convert_source(dtype))
+
+
+@lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
-                max_registers: int | None = None):
-    """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once."""
+                max_registers: int | None = None, atomic_dq: bool = False):
+    """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
+    atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme)."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype)
+    if atomic_dq and (kernel, block_own, block_streamed) != ("dkdv", 64, 64):
+        bad.append(f"atomic dQ is built into the 64x64 dkdv kernel only, not {kernel} {block_own}x{block_streamed}")
     if bad:
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
-    source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype)
+    source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    return cuda.jit(kernel_signature(kernel), **cap)(source)
+    return cuda.jit(kernel_signature(kernel, bool(atomic_dq)), **cap)(source)
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,7 +692,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, dtype, d, config,
-           stream=0, kernels=("prep", "dkdv", "dq")):
+           stream=0, kernels=("prep", "dkdv", "dq"), dq_acc=None):
     """Run prep, dkdv and dq on device arrays; the caller has validated the problem and the layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d), all 16-bit (float16, or uint16
@@ -595,20 +701,33 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     (B·H, padded_rows(Nq)), C-contiguous. ``config``: {"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M,
     BLOCK_N), "head_dim": HEAD_DIM}, as configs.MMA_BWD_TABLE holds them. Nq, Nk > 0. ``kernels``
     picks which of the three run (the sweep times them one by one; dkdv and dq read prep's scratch).
+    dq_acc: None (deterministic: the dq kernel), or zeroed C-contiguous fp32 scratch of shape
+    (B·H, padded_rows(Nq), HEAD_DIM): dkdv then adds dQ into it atomically (not bitwise repeatable)
+    and a last kernel writes dq = scale · dq_acc; the dq kernel does not run.
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     head_dim = config["head_dim"]
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
+    atomic = dq_acc is not None
     if "prep" in kernels:
         launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, B * H), PREP_ROWS * PREP_LANES, stream, 0,
                       out, dout, lse, l2, dd, n_q, d)
     words = tuple(_words(x) for x in (q, k, v, dout))
     bn, bm = config["dkdv"]
     if "dkdv" in kernels:
-        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype), ((n_k + bn - 1) // bn, B * Hkv),
-                      threads_per_block("dkdv", bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
-                      *words, l2, dd, _words(dk), _words(dv), *scalars)
+        extra = (dq_acc,) if atomic else ()
+        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic),
+                      ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn), stream,
+                      smem_bytes("dkdv", bn, bm, head_dim, atomic), *words, l2, dd, _words(dk), _words(dv), *extra,
+                      *scalars)
+    if atomic:
+        if "dq" in kernels:
+            threads = 256
+            grid = ((n_q * ((d + 1) // 2) + threads - 1) // threads, B * H)
+            launch_kernel(make_convert_kernel(dtype), grid, threads, stream, 0, dq_acc, _words(dq), n_q, d,
+                          float32(softmax_scale))
+        return
     bm, bn = config["dq"]
     if "dq" in kernels:
         launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), dtype), ((n_q + bm - 1) // bm, B * H),
