@@ -171,7 +171,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
         deterministic: True (default): no atomic adds anywhere, the same inputs give the same
             bits every run. False lets the tensor-core path use FA2's scheme: the dK/dV kernel
             also adds dQ into an fp32 buffer with atomic adds (5 tile products instead of 7, one
-            kernel fewer; summation order, hence the last bits of dq, vary run to run). The SIMT
+            kernel fewer; summation order, hence the last bits of dq, vary run to run). Measured
+            on an H200 it is *slower* than the default today (fp16 B4 H16 N4096 d128: 125 vs 171
+            TFLOP/s; benchmarks/NOTES.md says why), so use it only to compare schemes. The SIMT
             path is deterministic either way.
 
     Returns:
