@@ -7,6 +7,7 @@ numba_flash.kernels.decode (a split kernel, then a merge kernel when there is mo
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import numpy as np
@@ -18,7 +19,7 @@ from .api import _on_device, validate
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
 from .kernels.decode import DecodeConfig, decode_config
-from .launch import DeviceView, current_device_id, view_of
+from .launch import DeviceView, c_strides, current_device_id, view_of
 
 MAX_DECODE_QUERIES = 16
 H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
@@ -34,10 +35,11 @@ RESIDENT_WARPS_TARGET = 8
 _LENS_ACCEPTED = "an int32 or int64 array of shape (B,), NumPy or the same kind as q, or None"
 
 
-def _sm_count() -> int:
+def _sm_count(device: int | None = None) -> int:
+    """SMs of ``device``, which must be the current one (None: ask the driver which that is)."""
     if nb_config.ENABLE_CUDASIM:
         return H200_SMS
-    return _sm_count_of(current_device_id())
+    return _sm_count_of(current_device_id() if device is None else device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +65,11 @@ def choose_num_splits(base_blocks: int, n_max: int, cfg: DecodeConfig, n_sms: in
     for fp16 d = 128): B8 Hkv32 -> 256 blocks, eff(1) = 0.97, so 1 split (no merge); B8 Hkv8 ->
     64 blocks, 4 splits; B1 Hkv8 at Nmax = 32768 -> 29 splits.
     """
-    n_sms = n_sms or _sm_count()
+    return _choose_num_splits(base_blocks, n_max, cfg, n_sms or _sm_count())
+
+
+@functools.lru_cache(maxsize=1024)  # up to 2 x 128 efficiencies: ~20 us of Python per decode call uncached
+def _choose_num_splits(base_blocks: int, n_max: int, cfg: DecodeConfig, n_sms: int) -> int:
     wave = n_sms * min(cfg.blocks_per_sm, max(1, RESIDENT_WARPS_TARGET // cfg.warps))
     n_tiles = -(-n_max // cfg.split_keys)
     s_max = max(1, min(MAX_SPLITS, n_tiles // MIN_TILES_PER_SPLIT))
@@ -145,13 +151,18 @@ def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_spl
     """(Problem, config, num_splits, row chunks) that ``decode`` would use for these inputs."""
     p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                            num_splits=num_splits, config=config)
+    with _on_device(p.device):
+        return (p, *_tiles_and_splits(p, num_splits, config))
+
+
+def _tiles_and_splits(p, num_splits, config) -> tuple:
+    """(config, num_splits, row chunks) of a validated problem; p.device (if known) must be current."""
     group = p.H // p.Hkv
     cfg = config or decode_config(p.d, p.dtype, group * max(p.n_q, 1))
     chunks = decode_kernels.n_row_chunks(cfg, group, max(p.n_q, 1))
     if num_splits is None:
-        with _on_device(p.device):
-            num_splits = choose_num_splits(p.B * p.Hkv * chunks, p.n_k, cfg)
-    return p, cfg, int(num_splits), chunks
+        num_splits = choose_num_splits(p.B * p.Hkv * chunks, p.n_k, cfg, _sm_count(p.device))
+    return cfg, int(num_splits), chunks
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None):
@@ -190,9 +201,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     Raises:
         TypeError / ValueError naming what was given and what is accepted.
     """
-    p, cfg, n_splits, _ = plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                               num_splits=num_splits, config=config)
-    with _on_device(p.device):
+    p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                           num_splits=num_splits, config=config)
+    with _on_device(p.device):  # once per call: each context switch or query is a driver call
+        cfg, n_splits, _ = _tiles_and_splits(p, num_splits, config)
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
@@ -202,9 +214,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
             lens = _seqlens_view(cache_seqlens, stream)
             partials, keep_alive = None, None
             if n_splits > 1:
-                shapes = decode_kernels.scratch_shapes(p.B, p.H, p.n_q, n_splits, p.d)
-                keep_alive = [arrays.empty_like_kind(p.kind, q, s, "float32", stream) for s in shapes]
-                partials = tuple(dev for _, dev in keep_alive)
+                keep_alive, partials = _scratch(p, q, n_splits, stream)
             decode_kernels.launch(cfg, qd, kd, vd, lens, out_dev, lse_dev, softmax_scale=p.softmax_scale,
                                   d=p.d, num_splits=n_splits, partials=partials, stream=stream)
             del keep_alive  # stream-ordered allocators: freeing after the launch is safe
@@ -214,9 +224,40 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
         )
 
 
+def _scratch(p, q, n_splits: int, stream):
+    """(owner, (m_part, l_part, acc_part)): the fp32 scratch of scratch_shapes() as views of one
+    allocation of q's kind (one allocator call instead of three)."""
+    total, parts = _scratch_layout(p.B, p.H, p.n_q, n_splits, p.d)
+    obj, flat = arrays.empty_like_kind(p.kind, q, (total,), "float32", stream)
+    if isinstance(flat, DeviceView):
+        views = [DeviceView(flat.ptr + 4 * start, shape, strides, _F32, obj) for start, shape, strides in parts]
+    else:  # simulator arrays
+        views = [flat[start:start + math.prod(shape)].reshape(shape) for start, shape, _ in parts]
+    acc_part, m_part, l_part = views
+    return obj, (m_part, l_part, acc_part)
+
+
+_F32 = np.dtype(np.float32)
+
+
+@functools.lru_cache(maxsize=256)  # the same few shapes every step of a generation loop
+def _scratch_layout(B: int, H: int, n_q: int, n_splits: int, d: int) -> tuple:
+    """(total floats, ((start, shape, byte strides) of acc_part, m_part, l_part)); acc_part first,
+    at the allocation's (aligned) base."""
+    m_shape, l_shape, acc_shape = decode_kernels.scratch_shapes(B, H, n_q, n_splits, d)
+    parts, start = [], 0
+    for shape in (acc_shape, m_shape, l_shape):
+        parts.append((start, shape, c_strides(shape, 4)))
+        start += math.prod(shape)
+    return start, tuple(parts)
+
+
 def _kv_words(dev, dtype: str):
     """16-bit caches as uint16 words: the kernel only copies and unpacks them."""
     return dev.view(np.uint16) if dtype == "float16" else dev
+
+
+_NO_LENS = DeviceView(0, (0,), (4,), np.int32)  # never dereferenced: the kernel checks the length
 
 
 def _seqlens_view(cache_seqlens, stream):
@@ -225,7 +266,7 @@ def _seqlens_view(cache_seqlens, stream):
     if cache_seqlens is None:
         if sim:
             return cuda.device_array(0, dtype=np.int32, stream=stream)
-        return DeviceView(0, (0,), (4,), np.int32)  # never dereferenced: the kernel checks the length
+        return _NO_LENS
     if arrays.kind_of(cache_seqlens) == arrays.NUMPY:
         dev = cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
         return dev if sim else view_of(dev, arrays.CAI)

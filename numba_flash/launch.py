@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
+import threading
 import warnings
 from typing import Any
 
@@ -30,6 +32,7 @@ from .configs import SMEM_STATIC_MAX
 _TORCH_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,  # bf16 as its bits
                  "float64": np.float64, "int32": np.int32, "int64": np.int64, "int16": np.int16,
                  "uint16": np.uint16, "uint8": np.uint8, "int8": np.int8, "bool": np.bool_}
+_TORCH_VIEW_DTYPES: dict = {}  # torch dtype -> np.dtype of its view, filled by view_of
 
 
 class DeviceView:
@@ -102,8 +105,10 @@ def c_strides(shape: tuple, itemsize: int) -> tuple:
 def view_of(x: Any, kind: str) -> DeviceView:
     """A DeviceView of a device array; kind is ``arrays.kind_of(x)`` (torch, cupy or any CAI)."""
     if kind == "torch":
-        dtype = _TORCH_DTYPES[str(x.dtype).replace("torch.", "")]
-        item = np.dtype(dtype).itemsize
+        dtype = _TORCH_VIEW_DTYPES.get(x.dtype)
+        if dtype is None:  # once per torch dtype: str() of it and a NumPy lookup cost more than the view
+            dtype = _TORCH_VIEW_DTYPES[x.dtype] = np.dtype(_TORCH_DTYPES[str(x.dtype).replace("torch.", "")])
+        item = dtype.itemsize
         return DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()), dtype, x)
     if kind == "cupy":
         return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
@@ -144,19 +149,27 @@ class _Launcher:
         self.cufuncs: dict = {}  # device id -> loaded function
         self.smem_opt_in: dict = {}  # device id -> dynamic shared bytes this kernel may use there
         self.params = []  # per argument: ("array", np.dtype, ndim) or ("scalar", ctypes type)
+        fmt = "<"  # the 8-byte slots of flatten(raw=True) as one struct layout, for pack()
         for ty in self.compiled.argument_types:
             if isinstance(ty, types.Array):
                 if ty.layout != "A":  # views carry any strides; a C/F signature would need checks here
                     raise TypeError(f"launch: array argument {ty} must have layout 'A'")
                 self.params.append(("array", np.dtype(str(ty.dtype)), ty.ndim))
+                fmt += "16xqqQ" + "q" * (2 * ty.ndim)  # meminfo, parent (0), nitems, itemsize, data, shape, strides
             elif isinstance(ty, types.Integer):
-                self.params.append(("scalar", getattr(ctypes, f"c_{ty}")))
+                ctype = getattr(ctypes, f"c_{ty}")
+                self.params.append(("scalar", ctype))
+                fmt += _slot_format(_INT_CODES[ty.signed][ctypes.sizeof(ctype)])
             elif ty == types.float32:
                 self.params.append(("scalar", ctypes.c_float))
+                fmt += _slot_format("f")
             elif ty == types.float64:
                 self.params.append(("scalar", ctypes.c_double))
+                fmt += _slot_format("d")
             else:
                 raise TypeError(f"launch: argument type {ty} is not handled")
+        self.layout = struct.Struct(fmt)
+        self._buffers = threading.local()  # this thread's reusable (slots, pointers), see pack()
 
     def flatten(self, args, raw: bool = False) -> list:
         """Numba's parameter list: per array (meminfo, parent, nitems, itemsize, data, *shape,
@@ -178,6 +191,31 @@ class _Launcher:
             flat += [0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides]
         return flat
 
+    def pack(self, args):
+        """``param_buffer(flatten(args, raw=True))[1]`` without building ctypes arrays per call (they
+        cost ~20 us at 100 slots): the values go by one struct.pack_into into this thread's slot
+        buffer, whose pointer array is made once. cuLaunchKernel copies the parameters before it
+        returns, so the next launch may overwrite them. Raises struct.error / OverflowError for a
+        scalar its type cannot hold (launch then takes flatten's ctypes conversion instead)."""
+        if len(args) != len(self.params):
+            raise TypeError(f"kernel takes {len(self.params)} arguments; got {len(args)}")
+        values = []
+        for i, (param, a) in enumerate(zip(self.params, args)):
+            if param[0] == "scalar":
+                values.append(a)
+                continue
+            if not isinstance(a, DeviceView):
+                a = view_of(a, "cai")
+            if a.dtype != param[1] or len(a.shape) != param[2]:
+                raise TypeError(f"kernel argument {i}: expected a {param[2]}-d {param[1]} array; "
+                                f"got {a.ndim}-d {a.dtype}")
+            values += (math.prod(a.shape), a.dtype.itemsize, a.ptr, *a.shape, *a.strides)
+        buffers = getattr(self._buffers, "pair", None)
+        if buffers is None:
+            buffers = self._buffers.pair = param_buffer([0] * (self.layout.size // 8))
+        self.layout.pack_into(buffers[0], 0, *values)
+        return buffers[1]
+
     def cufunc(self, device_id: int | None):
         """The function loaded on the current context's device (device_id; None: no context yet)."""
         fn = self.cufuncs.get(device_id)
@@ -185,6 +223,15 @@ class _Launcher:
             fn = self.compiled._codelibrary.get_cufunc()
             self.cufuncs[fn.device.id] = fn
         return fn
+
+
+_INT_CODES = {True: {1: "b", 2: "h", 4: "i", 8: "q"}, False: {1: "B", 2: "H", 4: "I", 8: "Q"}}  # struct codes by size
+
+
+def _slot_format(code: str) -> str:
+    """struct format of one scalar in an 8-byte little-endian slot, zero bytes above it."""
+    pad = 8 - struct.calcsize("<" + code)
+    return code + f"{pad}x" if pad else code
 
 
 def param_buffer(slots: list):
@@ -197,10 +244,23 @@ def param_buffer(slots: list):
     return buf, (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
 
 
+def _bindings():
+    """cuda.bindings.driver, imported on first use (the simulator never needs it) and kept:
+    an import statement per call costs about a microsecond, and a launch made several."""
+    global _cu
+    if _cu is None:
+        from cuda.bindings import driver as cu
+
+        _cu = cu
+    return _cu
+
+
+_cu = None
+
+
 def current_device_id() -> int | None:
     """The device of the current CUDA context (one driver call), or None when there is none."""
-    from cuda.bindings import driver as cu
-
+    cu = _bindings()
     err, dev = cu.cuCtxGetDevice()
     return int(dev) if err == cu.CUresult.CUDA_SUCCESS else None
 
@@ -220,8 +280,7 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     if nb_config.ENABLE_CUDASIM:
         dispatcher[grid, block, stream, shared_bytes](*args)
         return
-    from cuda.bindings import driver as cu
-    from numba.cuda.cudadrv import driver
+    cu = _bindings()
 
     launcher = _LAUNCHERS.get(dispatcher)
     if launcher is None:
@@ -230,6 +289,8 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     device_id = cufunc.device.id
     if shared_bytes > SMEM_STATIC_MAX and launcher.smem_opt_in.get(device_id, 0) < shared_bytes:
         # Above 48 KiB a kernel must opt in to dynamic shared memory, once per device.
+        from numba.cuda.cudadrv import driver
+
         attr = driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         try:
             driver.driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, device_id)
@@ -243,7 +304,10 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     if _RAW["ok"] is not False:
         gx, gy, gz = (int(n) for n in (grid + (1, 1))[:3])
         bx, by, bz = (int(n) for n in (block + (1, 1))[:3])
-        slots, pointers = param_buffer(launcher.flatten(args, raw=True))
+        try:
+            pointers = launcher.pack(args)
+        except (struct.error, OverflowError):  # a scalar out of its type's range: ctypes converts as before
+            pointers = param_buffer(launcher.flatten(args, raw=True))[1]
         try:
             (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, int(shared_bytes),
                                       stream.handle if stream else 0, ctypes.addressof(pointers), 0)
@@ -255,12 +319,15 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
                           "cuda.core instead (slower per call)", RuntimeWarning, stacklevel=2)
         else:
             if err != cu.CUresult.CUDA_SUCCESS:
+                from numba.cuda.cudadrv import driver
+
                 raise driver.CudaAPIError(err, f"cuLaunchKernel of {cufunc.name} (grid {grid}, block {block}, "
                                                f"{shared_bytes} B dynamic shared memory)")
             _RAW["ok"] = True
             return
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
+    from numba.cuda.cudadrv import driver
 
     config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
     core_launch(driver._to_core_stream(stream), config, cufunc.kernel, *launcher.flatten(args))

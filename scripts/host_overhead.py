@@ -10,7 +10,13 @@ SDPA. ``--old PATH`` also runs a copy of an older numba_flash package (a folder 
 ``numba_flash/``) in a subprocess, for a before/after. ``--profile`` prints cProfile's top
 functions of forward. Writes JSON to ``--json``.
 
-    python scripts/host_overhead.py [--old .old_pkg] [--profile] [--json PATH]
+``--no-gpu`` measures the Python path alone on any machine: numba_flash in GPU mode with the
+driver stubbed out (cuCtxGetDevice, cuLaunchKernel, module loading: no-ops) and a stand-in for
+PyTorch CUDA tensors (shape, strides, pointer; ``torch.empty`` allocates nothing), so per-call
+microseconds are numba_flash's own work. Real allocations and driver calls cost extra on a GPU
+host; the table counts them per call. With ``--profile``, cProfile of decode.
+
+    python scripts/host_overhead.py [--old .old_pkg] [--profile] [--json PATH] [--no-gpu]
 """
 from __future__ import annotations
 
@@ -124,13 +130,203 @@ def profile_forward(dtype: str, n=300) -> str:
     return buf.getvalue()
 
 
+# --- --no-gpu: the Python path with the driver and PyTorch stood in for -------------------------
+STUB_COUNTS = {"driver": 0, "alloc": 0, "launch": 0}
+
+
+class _StubDtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return "torch." + self.name
+
+
+class _StubDevice:
+    type, index = "cuda", 0
+
+
+class StubTensor:
+    """What numba_flash reads of a PyTorch CUDA tensor: shape, dtype, device, stride(), data_ptr()."""
+
+    is_cuda, device, _next = True, _StubDevice(), [1 << 20]
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, strides, step = tuple(shape), dtype, [], 1
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self._strides, self._ptr = tuple(reversed(strides)), self._next[0]
+        StubTensor._next[0] += 1 << 20
+
+    def stride(self, i=None):
+        return self._strides if i is None else self._strides[i]
+
+    def data_ptr(self):
+        return self._ptr
+
+
+StubTensor.__module__ = "torch"  # arrays.kind_of goes by the module
+
+
+def install_stubs():
+    """Stand-ins for torch, the driver calls and kernel compilation; returns the torch stand-in."""
+    import types as pytypes
+
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # numba_flash's GPU path (before numba is imported)
+    torch = pytypes.ModuleType("torch")
+    for name in ("float16", "bfloat16", "float32", "int32", "int64"):
+        setattr(torch, name, _StubDtype(name))
+
+    def empty(shape, dtype=None, device=None):
+        STUB_COUNTS["alloc"] += 1
+        return StubTensor(shape, dtype)
+
+    default_stream = pytypes.SimpleNamespace(cuda_stream=0)
+    torch.empty, torch.Tensor = empty, StubTensor
+    torch.cuda = pytypes.SimpleNamespace(current_stream=lambda device=None: default_stream)
+    sys.modules["torch"] = torch
+
+    from cuda.bindings import driver as cu
+    from numba import cuda
+    from numba.core.typing.templates import Signature
+    from numba.cuda.cudadrv import driver as nb_driver
+
+    def ctx_get_device():
+        STUB_COUNTS["driver"] += 1
+        return cu.CUresult.CUDA_SUCCESS, 0
+
+    def launch_kernel(*args):
+        STUB_COUNTS["launch"] += 1
+        return (cu.CUresult.CUDA_SUCCESS,)
+
+    cu.cuCtxGetDevice, cu.cuLaunchKernel = ctx_get_device, launch_kernel
+    nb_driver.driver = pytypes.SimpleNamespace(cuKernelSetAttribute=lambda *a: None)
+    device = pytypes.SimpleNamespace(MULTIPROCESSOR_COUNT=132, compute_capability=(9, 0), id=0)
+    cuda.get_current_device, cuda.is_available, cuda.gpus = (lambda: device), (lambda: True), [device]
+    real_jit = cuda.jit
+
+    class Dispatcher:  # what launch._Launcher reads of a compiled kernel
+        def __init__(self, sig):
+            self.overloads = {sig.args: pytypes.SimpleNamespace(argument_types=sig.args)}
+
+    def jit(sig=None, **kw):  # kernels: the signature, nothing compiled; device functions as usual
+        if isinstance(sig, Signature) and not kw.get("device"):
+            return lambda fn: Dispatcher(sig)
+        return real_jit(sig, **kw)
+
+    cuda.jit = jit
+    from numba_flash import launch
+
+    cufunc = pytypes.SimpleNamespace(handle=0, device=pytypes.SimpleNamespace(id=0), name="stub")
+    launch._Launcher.cufunc = lambda self, device_id: cufunc
+    return torch
+
+
+def python_us(fn, n=2000, reps=7):
+    """Best of reps: mean microseconds per call over n calls, after a warm-up."""
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+DECODE_CASES = {  # B, H, Hkv, Nk, d, with device lengths
+    "decode float16 B1 H8 Hkv8 Nk256 d64 (lens)": (1, 8, 8, 256, 64, True),
+    "decode float16 B8 H32 Hkv8 Nk32768 d128 (4 splits)": (8, 32, 8, 32768, 128, False),
+    "decode float16 B8 H32 Hkv8 Nk32768 d128 (lens)": (8, 32, 8, 32768, 128, True),
+    "decode float16 B8 H32 Hkv32 Nk32768 d128 (1 split)": (8, 32, 32, 32768, 128, False),
+}
+
+
+def measure_no_gpu(label: str, profile: bool = False) -> dict:
+    torch = install_stubs()
+    import numba_flash
+
+    res = {"label": label, "numba_flash": numba_flash.__file__, "python_us": {}, "per_call": {}}
+
+    def run(key, fn):
+        fn()
+        for name in STUB_COUNTS:
+            STUB_COUNTS[name] = 0
+        fn()
+        res["per_call"][key] = dict(STUB_COUNTS)
+        res["python_us"][key] = python_us(fn)
+
+    for key, (B, H, Hkv, N, d, with_lens) in DECODE_CASES.items():
+        q = StubTensor((B, H, 1, d), torch.float16)
+        k, v = (StubTensor((B, Hkv, N, d), torch.float16) for _ in range(2))
+        lens = StubTensor((B,), torch.int32) if with_lens else None
+        run(key, lambda: numba_flash.decode(q, k, v, cache_seqlens=lens))
+    for dt in ("float16", "float32"):
+        q, k, v = (StubTensor((1, 1, 64, 64), getattr(torch, dt)) for _ in range(3))
+        run(f"forward {dt} B1 H1 N64 d64", lambda: numba_flash.forward(q, k, v))
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        q = StubTensor((8, 32, 1, 128), torch.float16)
+        k, v = (StubTensor((8, 8, 32768, 128), torch.float16) for _ in range(2))
+        lens = StubTensor((8,), torch.int32)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(1000):
+            numba_flash.decode(q, k, v, cache_seqlens=lens)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
+        res["profile_decode"] = buf.getvalue()
+    return res
+
+
+def main_no_gpu(args) -> None:
+    runs = [measure_no_gpu("new", args.profile)]
+    if args.old:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(args.old)] + sys.path[1:]))
+        proc = subprocess.run([sys.executable, __file__, "--child", "--no-gpu"], env=env, capture_output=True,
+                              text=True, cwd=os.path.abspath(args.old))
+        try:
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        except (ValueError, IndexError):
+            print("old package failed:\n" + (proc.stdout + proc.stderr)[-2000:])
+    old = runs[1]["python_us"] if len(runs) > 1 else {}
+    print(f"Python time per call, driver and PyTorch stubbed ({len(runs)} package(s)); per call: driver "
+          "queries, allocations, kernel launches")
+    for key, us in runs[0]["python_us"].items():
+        before = f"{old[key]:8.1f} ->" if key in old else ""
+        n = runs[0]["per_call"][key]
+        was = runs[1]["per_call"].get(key) if old else None
+        counts = f"{n['driver']} drv, {n['alloc']} alloc, {n['launch']} launch"
+        if was and was != n:
+            counts += f" (was {was['driver']}, {was['alloc']}, {was['launch']})"
+        print(f"  {key:52s} {before}{us:8.1f} us   {counts}")
+    if "profile_decode" in runs[0]:
+        print("# cProfile, 1000 decode calls, B8 H32 Hkv8 Nk32768 d128 with lengths\n" + runs[0]["profile_decode"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "runs": runs}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", help="folder holding an older numba_flash package, measured in a subprocess")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--no-gpu", action="store_true", help="the Python path only, driver and PyTorch stubbed")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child and args.no_gpu:
+        print(json.dumps(measure_no_gpu("old")))
+        return
+    if args.no_gpu:
+        main_no_gpu(args)
+        return
     if args.child:  # measuring the old package: print its JSON only
         print(json.dumps(measure("old")))
         return

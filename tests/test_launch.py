@@ -8,6 +8,7 @@ and asks for the same bits.
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import numpy as np
 import pytest
@@ -102,16 +103,41 @@ def test_param_buffer_slots(rng):
     assert [pointers[i] for i in range(11)] == [ctypes.addressof(slots) + 8 * i for i in range(11)]
 
 
-def test_flatten_refuses_wrong_dtype_rank_or_count():
+@pytest.mark.parametrize("method", ["flatten", "pack"])
+def test_flatten_refuses_wrong_dtype_rank_or_count(method):
     disp = _FakeDispatcher(types.Array(types.float32, 3, "A"), types.int32)
     launcher = _Launcher(disp)
     good = DeviceView(0, (1, 2, 3), c_strides((1, 2, 3), 4), np.float32)
     with pytest.raises(TypeError, match="expected a 3-d float32 array; got 3-d float16"):
-        launcher.flatten((DeviceView(0, (1, 2, 3), (12, 6, 2), np.float16), 1))
+        getattr(launcher, method)((DeviceView(0, (1, 2, 3), (12, 6, 2), np.float16), 1))
     with pytest.raises(TypeError, match="expected a 3-d float32 array; got 2-d float32"):
-        launcher.flatten((DeviceView(0, (2, 3), (12, 4), np.float32), 1))
+        getattr(launcher, method)((DeviceView(0, (2, 3), (12, 4), np.float32), 1))
     with pytest.raises(TypeError, match="takes 2 arguments; got 1"):
-        launcher.flatten((good,))
+        getattr(launcher, method)((good,))
+
+
+def test_pack_writes_the_bytes_of_param_buffer(rng):
+    """pack (the launch path) = param_buffer(flatten(raw=True)), for every scalar type and any strides,
+    into one reused buffer per thread; a scalar its type cannot hold raises (launch then uses flatten)."""
+    disp = _FakeDispatcher(types.Array(types.uint16, 4, "A"), types.int32, types.Array(types.float32, 1, "A"),
+                           types.int64, types.uint32, types.float32, types.float64, types.Array(types.float32, 5, "A"))
+    launcher = _Launcher(disp)
+    for _ in range(5):
+        shape = tuple(int(n) for n in rng.integers(0, 6, size=4))
+        a = DeviceView(int(rng.integers(1, 2**40)) * 16, shape, tuple(int(s) for s in rng.integers(-4096, 4096, 4)),
+                       np.uint16)
+        b = DeviceView(int(rng.integers(0, 2**40)), (int(rng.integers(0, 9)),), (4,), np.float32)
+        c = DeviceView(256, (1, 2, 3, 1, 5), c_strides((1, 2, 3, 1, 5), 4), np.float32)
+        args = (a, -1 - int(rng.integers(0, 2**31 - 1)), b, -int(rng.integers(0, 2**62)), int(rng.integers(0, 2**32)),
+                np.float32(rng.standard_normal()), float(rng.standard_normal()), c)
+        slots, _ = param_buffer(launcher.flatten(args, raw=True))
+        pointers = launcher.pack(args)
+        n = len(slots)
+        assert [pointers[i] for i in range(n)] == [pointers[0] + 8 * i for i in range(n)]
+        assert ctypes.string_at(pointers[0], 8 * n) == bytes(slots)
+        assert launcher.pack(args) is pointers  # the same buffer every call on this thread
+    with pytest.raises(struct.error):
+        launcher.pack((a, 2**31, b, 0, 0, 0.0, 0.0, c))  # ctypes would wrap it: launch converts through flatten
 
 
 # --- on the GPU: launch vs Numba's dispatcher, bit for bit ---------------------------------------
