@@ -304,10 +304,11 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     if _RAW["ok"] is not False:
         gx, gy, gz = (int(n) for n in (grid + (1, 1))[:3])
         bx, by, bz = (int(n) for n in (block + (1, 1))[:3])
+        slots = None  # keeps the fallback's slot buffer alive until cuLaunchKernel has copied it
         try:
             pointers = launcher.pack(args)
         except (struct.error, OverflowError):  # a scalar out of its type's range: ctypes converts as before
-            pointers = param_buffer(launcher.flatten(args, raw=True))[1]
+            slots, pointers = param_buffer(launcher.flatten(args, raw=True))
         try:
             (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, int(shared_bytes),
                                       stream.handle if stream else 0, ctypes.addressof(pointers), 0)
