@@ -39,6 +39,13 @@ Three kernels on one stream, no atomics anywhere (bitwise repeatable, like the S
    This repeats the two products of ``dkdv`` (7 tile GEMMs instead of FA2's 5) in exchange for no
    atomic adds and a deterministic dQ.
 
+backward(deterministic=False) swaps kernel 3 for FA2's scheme: ``dkdv`` built with ATOMIC_DQ also
+writes dSᵀ to shared memory, computes dQ_i += dS K_j for 16 query rows per warp (dS by
+ldmatrix.trans of the stored dSᵀ) and adds it to fp32 scratch with ``red.global.add.f32``; a
+``convert`` kernel then writes dq = scale · scratch. Measured slower than the deterministic path on
+an H200 (benchmarks/NOTES.md): the extra phase runs serialised inside a kernel already at 255
+registers.
+
 Shared memory: 16-bit tiles with rows of HEAD_DIM, 16-byte chunks XOR-swizzled by row % 8 (the
 forward's layout: every ldmatrix phase hits 8 distinct bank groups). The streamed tiles (Q, dO,
 L2, D in ``dkdv``; K, V in ``dq``) are double-buffered: at the top of step i one barrier says tile
