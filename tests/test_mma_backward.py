@@ -162,7 +162,8 @@ def test_problems_and_configs():
         assert mma_backward.problems("dkdv", *cfg["dkdv"], head_dim, "float16") == []
         assert mma_backward.problems("dq", *cfg["dq"], head_dim, "bfloat16") == []
     assert "HEAD_DIM=96" in " ".join(mma_backward.problems("dq", 64, 64, 96, "float16"))
-    assert "shared memory" in " ".join(mma_backward.problems("dq", 256, 128, 128, "float16"))
+    assert "shared memory" in " ".join(mma_backward.problems("dkdv", 256, 128, 128, "float16"))
+    assert "the scratch rows' padding" in " ".join(mma_backward.problems("dq", 256, 64, 64, "float16"))
     assert "copying threads" in " ".join(mma_backward.problems("dkdv", 16, 128, 64, "float16"))
     with pytest.raises(ValueError, match="cannot be built"):
         mma_backward.make_kernel("dq", 64, 24, 64, False, "float16")

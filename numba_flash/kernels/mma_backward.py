@@ -107,6 +107,8 @@ def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dt
         return [f"kernel={kernel!r} not in {KERNELS}"]
     if block_own % 16 or not 16 <= block_own <= 256:
         out.append(f"own tile of {block_own} rows: one warp per 16 rows, 1..16 warps")
+    if kernel == "dq" and block_own > ROW_PAD:  # its rows' L2 and D are read from rows padded to ROW_PAD
+        out.append(f"dq tile of {block_own} query rows > {ROW_PAD}, the scratch rows' padding")
     if block_streamed % 16 or not 16 <= block_streamed <= ROW_PAD:
         out.append(f"streamed tile of {block_streamed} rows: a multiple of 16 (the k of m16n8k16), <= {ROW_PAD}")
     if head_dim not in (64, 128):
