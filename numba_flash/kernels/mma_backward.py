@@ -208,7 +208,7 @@ def convert_source(dtype: str):
     return mma_backward_dq_convert
 
 
-def _common(HEAD_DIM, DTYPE, THREADS):
+def _common(HEAD_DIM, THREADS):
     """Device helpers both kernels use: the swizzled tile layout and its cp.async copies."""
     CHUNKS = HEAD_DIM // 8
     cp_async = ptx.cp_async_16_zfill
@@ -312,7 +312,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
     if ATOMIC_DQ and not BLOCK_M == BLOCK_N == 64:
         raise ValueError(f"ATOMIC_DQ needs 64x64 tiles (one warp per 16 rows of dQ_i, 8-chunk dSᵀ rows); got "
                          f"BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
-    swizzle, load_rows = _common(HEAD_DIM, DTYPE, THREADS)
+    swizzle, load_rows = _common(HEAD_DIM, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
@@ -531,7 +531,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     STAGE = 2 * BLOCK_N * HEAD_DIM
     SK, SV = 0, BLOCK_N * HEAD_DIM
     CAUSAL = bool(CAUSAL)
-    swizzle, load_rows = _common(HEAD_DIM, DTYPE, THREADS)
+    swizzle, load_rows = _common(HEAD_DIM, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, K_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
