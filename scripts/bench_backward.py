@@ -226,15 +226,19 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     rows = []
     dq_acc = torch.zeros((*rows_shape, d), device="cuda", dtype=torch.float32)
     acc_view = to_device_view(dq_acc, 0, ndim=3)
-    for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()) + [("dkdv-atomic", [(64, 64)])]:
+    extra = [("dkdv-split", [(64, 64)]), ("dkdv-atomic", [(64, 64)])]  # FA2's dkdv warp layout; atomic dQ
+    for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()) + extra:
         for tile in tiles:
             atomic = kernel == "dkdv-atomic"
-            config = dict(shipped, **({kernel: tile} if tile and not atomic else {}))
+            split = kernel == "dkdv-split"
+            config = dict(shipped, **({kernel: tile} if tile and not (atomic or split) else {}))
+            if split:
+                config.update(dkdv=tile, dkdv_split_d=True)
             row = {"kernel": kernel, "tile": list(tile) if tile else None, "d": d, "dtype": dtype, "causal": causal,
                    "B": B, "H": H, "N": N}
             run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
                                               d=d, config=config, stream=stream,
-                                              kernels=("dkdv", "dq") if atomic else (kernel,),
+                                              kernels=("dkdv", "dq") if atomic else ("dkdv",) if split else (kernel,),
                                               dq_acc=acc_view if atomic else None)
             try:
                 ms, _ = bench.time_call(run, budget_s=budget_s)
@@ -243,9 +247,10 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
                 continue
             row["ms"] = ms
             if tile:  # dkdv-atomic: its 5 products (2.5·F) and the dq conversion, timed together
-                fn = mma_backward.make_kernel("dkdv" if atomic else kernel, *tile, d, causal, dtype, atomic_dq=atomic)
+                fn = mma_backward.make_kernel("dkdv" if atomic or split else kernel, *tile, d, causal, dtype,
+                                              atomic_dq=atomic, split_d=split)
                 row["regs"] = next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs
-                row["tflops"] = {"dkdv": 2.0, "dq": 1.5, "dkdv-atomic": 2.5}[kernel] * f / ms / 1e9
+                row["tflops"] = {"dkdv": 2.0, "dkdv-split": 2.0, "dq": 1.5, "dkdv-atomic": 2.5}[kernel] * f / ms / 1e9
             rows.append(row)
             print(f"  mma {dtype} d{d} causal={causal} {kernel} {tile}: {ms:.3f} ms"
                   + (f", {row['tflops']:.1f} TFLOP/s, regs {row['regs']}" if tile else ""), flush=True)

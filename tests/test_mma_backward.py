@@ -146,6 +146,27 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
 
 
+@in_simulator
+def test_split_d_dkdv_sim():
+    """FA2's dkdv warp layout (two warps per 16 keys, Pᵀ / dSᵀ through shared memory): GQA 2, causal,
+    Nq > Nk, 16-key blocks of 2 warps streaming 64-query tiles. Not shipped: a sweep candidate."""
+    vals, stored = problem(2, 1, 2, 1, 40, 30, 64, True, "float16")
+    config = {"dkdv": (16, 64), "dq": (16, 16), "head_dim": 64, "dkdv_split_d": True}
+    check_error_rule(run_backward(stored, 64, True, "float16", config), vals, True, "float16")
+
+
+@pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
+def test_split_d_dkdv_compiles_without_spills(head_dim, tmp_path):
+    """ptxas sm_90: half the accumulators per warp, so no spills at d = 128 (244 registers, 8 warps)."""
+    source = COMPILE_SOURCE.format(K="dkdv", O=64, S=64, D=head_dim, C=True, DT="float16", A=False).replace(
+        "atomic_dq=False)", "atomic_dq=False, split_d=True)")
+    assert "split_d=True" in source
+    text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
+    assert text.count("mma.sync.aligned") == 2 * (head_dim // 16) * 4 + 2 * 4 * (head_dim // 16)
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+
+
 def test_public_api_deterministic_flag():
     from numba_flash import backward
 
@@ -247,6 +268,8 @@ from gpu_helpers import needs_gpu  # noqa: E402
 
 gpu = [pytest.mark.gpu, needs_gpu]
 SWEEP = [  # non-shipped configs scripts/bench_backward.py --sweep-mma times: each must be right too
+    {"dkdv": (64, 64), "dq": (64, 64), "head_dim": 128, "dkdv_split_d": True},
+    {"dkdv": (64, 64), "dq": (64, 64), "head_dim": 64, "dkdv_split_d": True},
     {"dkdv": (128, 32), "dq": (128, 64), "head_dim": 128},
     {"dkdv": (64, 32), "dq": (64, 32), "head_dim": 128},
     {"dkdv": (128, 64), "dq": (128, 64), "head_dim": 64},

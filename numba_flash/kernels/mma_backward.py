@@ -87,20 +87,22 @@ def padded_rows(n_q: int) -> int:
 # --------------------------------------------------------------------------------------------
 # Shapes of a specialisation (data the launcher, the tests and explain share)
 # --------------------------------------------------------------------------------------------
-def threads_per_block(kernel: str, block_own: int) -> int:
-    """One warp per 16 rows of the block's own tile (keys in dkdv, queries in dq)."""
-    return 32 * (block_own // 16)
+def threads_per_block(kernel: str, block_own: int, split_d: bool = False) -> int:
+    """One warp per 16 rows of the block's own tile (keys in dkdv, queries in dq); two with split_d."""
+    return 32 * (block_own // 16) * (2 if split_d else 1)
 
 
-def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, atomic_dq: bool = False) -> int:
+def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, atomic_dq: bool = False,
+               split_d: bool = False) -> int:
     """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D,
-    and with atomic_dq the 16-bit dSᵀ tile."""
+    with atomic_dq the 16-bit dSᵀ tile, with split_d the 16-bit Pᵀ and dSᵀ tiles."""
     streamed = 2 * block_streamed * head_dim + (4 * block_streamed if kernel == "dkdv" else 0)
-    ds = block_own * block_streamed if atomic_dq else 0
+    ds = block_own * block_streamed * ((1 if atomic_dq else 0) + (2 if split_d else 0))
     return 2 * (2 * block_own * head_dim + 2 * streamed + ds)
 
 
-def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dtype: str) -> list[str]:
+def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dtype: str,
+             split_d: bool = False) -> list[str]:
     """Why a specialisation cannot be built (empty when it can)."""
     out = []
     if kernel not in KERNELS:
@@ -115,13 +117,13 @@ def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dt
         out.append(f"HEAD_DIM={head_dim}: 64 or 128 (the 8-chunk XOR swizzle, the unrolled k-steps)")
     if dtype not in DTYPES:
         out.append(f"dtype={dtype!r} not in {DTYPES}")
-    threads = threads_per_block(kernel, block_own) if block_own % 16 == 0 and block_own >= 16 else 32
+    threads = threads_per_block(kernel, block_own, split_d) if block_own % 16 == 0 and block_own >= 16 else 32
     for name, rows in (("own", block_own), ("streamed", block_streamed)):
         if (rows * head_dim // 8) % threads:
             out.append(f"{name} tile of {rows}x{head_dim} is not a whole number of 16-byte copies per thread")
     if kernel == "dkdv" and block_streamed // 2 > threads:
         out.append(f"{block_streamed} query rows of L2 and D need {block_streamed // 2} copying threads, have {threads}")
-    nbytes = smem_bytes(kernel, block_own, block_streamed, head_dim)
+    nbytes = smem_bytes(kernel, block_own, block_streamed, head_dim, split_d=split_d)
     if nbytes > SMEM_PER_BLOCK_MAX:
         out.append(f"{nbytes} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out
@@ -516,6 +518,187 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
     return mma_backward_dkdv
 
 
+def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
+    """dK/dV with FA2's warp layout (``split_d``): two warps per 16 keys, each owning half of the
+    head dim of dK and dV (so half the accumulators: 64 fp32 per lane at d = 128 instead of 128)
+    and half of the query columns of Sᵀ and dPᵀ. Pᵀ and dSᵀ meet in shared memory (16-bit,
+    swizzled rows of BLOCK_M = 64 queries) and come back as A fragments by ldmatrix, one barrier
+    later. Same maths, same outputs as ``dkdv_source`` up to summation order within a tile."""
+    R_GROUPS = BLOCK_N // 16  # warps 2r, 2r + 1 own keys 16r..16r+15
+    WARPS = 2 * R_GROUPS
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 8
+    KV_COPIES = BLOCK_N * CHUNKS // THREADS
+    Q_COPIES = BLOCK_M * CHUNKS // THREADS
+    Q_HALF = BLOCK_M // 2  # query columns of Sᵀ / dPᵀ per warp
+    Q_TILES_W = Q_HALF // 8
+    M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (all queries)
+    O_TILES_W = HEAD_DIM // 16  # n-tiles of this warp's half of dK / dV
+    SK, SV = 0, BLOCK_N * HEAD_DIM
+    STAGE0 = 2 * BLOCK_N * HEAD_DIM  # then two stages of [Q | dO | L2 (fp32) | D (fp32)]
+    STAGE = 2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M
+    SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
+    SP = STAGE0 + 2 * STAGE  # Pᵀ, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
+    SDS = SP + BLOCK_N * BLOCK_M
+    ROW_CHUNKS = BLOCK_M // 4
+    CAUSAL = bool(CAUSAL)
+    if BLOCK_M != 64:
+        raise ValueError(f"split_d dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows); got BLOCK_M={BLOCK_M}")
+    swizzle, load_rows = _common(HEAD_DIM, THREADS)
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    unrolled = two_products(HEAD_DIM, Q_TILES_W, mma)
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    cp_async = ptx.cp_async_16
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ldsm = ptx.ldmatrix_x4
+    ldsm_t = ptx.ldmatrix_x4_trans
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def swizzle_m(row, chunk):
+        """Element offset in a Pᵀ / dSᵀ tile (rows of 64 queries: 8 chunks, XOR row % 8)."""
+        return row * BLOCK_M + ((chunk ^ (row & 7)) << 3)
+
+    @inline_device
+    def load_stage(smem, st, q, dout, l2, dd, b, h, i0, n_q, d, nq_pad):
+        load_rows(smem, st + SQ, q, b, h, i0, n_q, d, Q_COPIES)
+        load_rows(smem, st + SDO, dout, b, h, i0, n_q, d, Q_COPIES)
+        tid = cuda.threadIdx.x
+        row = (b * q.shape[1] + h) * nq_pad + i0  # scratch rows are padded: always inside
+        if tid < ROW_CHUNKS:
+            cp_async(smem, st + SL + 8 * tid, l2, row + 4 * tid)
+        elif tid < 2 * ROW_CHUNKS:
+            cp_async(smem, st + SD + 8 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS))
+
+    def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+        smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
+        smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
+        smem_w = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # ... and as 32-bit words (pairs)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        rg = warp >> 1  # key group: keys 16 rg..
+        half_c = warp & 1  # query half of Sᵀ / dPᵀ, head-dim half of dK / dV
+        bh = cuda.blockIdx.y
+        n_kv_heads = k.shape[1]
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        k0 = cuda.blockIdx.x * BLOCK_N
+        kw = k0 + rg * 16
+        shift = n_k - n_q
+        nq_pad = l2.shape[1]
+
+        n_qt = (n_q + BLOCK_M - 1) // BLOCK_M
+        qt0 = 0
+        if CAUSAL:
+            qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt)
+        per_head = n_qt - qt0
+        steps = group * per_head
+
+        mat = lane >> 3
+        a_row = rg * 16 + (lane & 15)  # A rows: K, V (head dim) and Pᵀ, dSᵀ (queries)
+        a_x = (lane >> 4) ^ (a_row & 7)
+        b_row = (mat >> 1) * 8 + (lane & 7)
+        b_x = (mat & 1) ^ (b_row & 7)
+        t_row = (mat & 1) * 8 + (lane & 7)
+        t_chunk = mat >> 1
+        q_off = half_c * Q_HALF * HEAD_DIM  # this warp's query rows of the Q / dO tiles
+
+        load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
+        load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
+        if steps > 0:
+            load_stage(smem, STAGE0, q, dout, l2, dd, b, h_kv * group, qt0 * BLOCK_M, n_q, d, nq_pad)
+        cp_commit()
+
+        acc_k = cuda.local.array((O_TILES_W, 4), float32)
+        acc_v = cuda.local.array((O_TILES_W, 4), float32)
+        s = cuda.local.array((Q_TILES_W, 4), float32)
+        dp = cuda.local.array((Q_TILES_W, 4), float32)
+        for dt in range(O_TILES_W):
+            for r in range(4):
+                acc_k[dt, r] = ZERO
+                acc_v[dt, r] = ZERO
+
+        for step in range(steps):
+            cp_wait(0)
+            cuda.syncthreads()  # tiles landed; every warp left the previous step (and its Pᵀ, dSᵀ)
+            if step + 1 < steps:
+                nxt = step + 1
+                hh = nxt // per_head
+                load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh,
+                           (qt0 + nxt - hh * per_head) * BLOCK_M, n_q, d, nq_pad)
+            cp_commit()
+            hh = step // per_head
+            i0 = (qt0 + step - hh * per_head) * BLOCK_M
+            st = STAGE0 + (step & 1) * STAGE
+
+            # Sᵀ and dPᵀ for keys 16 rg.. x this warp's half of the queries
+            unrolled(s, dp, smem, SK, SV, st + SQ + q_off, st + SDO + q_off, a_row, a_x, b_row, b_x)
+
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
+            l2_s = (st + SL) >> 1
+            d_s = (st + SD) >> 1
+            for nt in range(Q_TILES_W):
+                for r in range(4):
+                    col = half_c * Q_HALF + nt * 8 + 2 * t + (r & 1)
+                    x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
+                        x = NEG_INF
+                    p = ex2(x)
+                    s[nt, r] = p
+                    dp[nt, r] = p * (dp[nt, r] - smem_f[d_s + col])
+            for nt in range(Q_TILES_W):  # Pᵀ and dSᵀ to shared memory as 16-bit pairs
+                for half in range(2):
+                    off = swizzle_m(rg * 16 + g + 8 * half, half_c * Q_TILES_W + nt) + 2 * t
+                    smem_w[(SP + off) >> 1] = pack(s[nt, 2 * half], s[nt, 2 * half + 1])
+                    smem_w[(SDS + off) >> 1] = pack(dp[nt, 2 * half], dp[nt, 2 * half + 1])
+            cuda.syncthreads()  # both query halves of every key group are in shared memory
+
+            # dV[16 rg.., d half] += Pᵀ dO and dK[...] += dSᵀ Q over all BLOCK_M queries.
+            for kk in range(M_STEPS):
+                a_off = swizzle_m(a_row, 2 * kk + (lane >> 4))
+                p0, p1, p2, p3 = ldsm(smem, SP + a_off)
+                d0, d1, d2, d3 = ldsm(smem, SDS + a_off)
+                for dp2 in range(O_TILES_W // 2):
+                    dt = 2 * dp2
+                    t_off = st + swizzle(kk * 16 + t_row, half_c * O_TILES_W + dp2 * 2 + t_chunk)
+                    b0, b1, b2, b3 = ldsm_t(smem, SDO + t_off)
+                    acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3] = mma(
+                        p0, p1, p2, p3, b0, b1, acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3])
+                    acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3] = mma(
+                        p0, p1, p2, p3, b2, b3,
+                        acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3])
+                    b0, b1, b2, b3 = ldsm_t(smem, SQ + t_off)
+                    acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3] = mma(
+                        d0, d1, d2, d3, b0, b1, acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3])
+                    acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3] = mma(
+                        d0, d1, d2, d3, b2, b3,
+                        acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3])
+
+        cp_wait(0)
+
+        for half in range(2):
+            row = kw + g + 8 * half
+            if row < n_k:
+                for dt in range(O_TILES_W):
+                    col = half_c * (HEAD_DIM // 2) + dt * 8 + 2 * t
+                    bits_v = pack(acc_v[dt, 2 * half], acc_v[dt, 2 * half + 1])
+                    bits_k = pack(acc_k[dt, 2 * half] * scale, acc_k[dt, 2 * half + 1] * scale)
+                    if col < d:
+                        dv[b, h_kv, row, col] = uint16(bits_v & 0xFFFF)
+                        dk[b, h_kv, row, col] = uint16(bits_k & 0xFFFF)
+                    if col + 1 < d:
+                        dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
+                        dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+
+    return mma_backward_dkdv
+
+
 def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed."""
     WARPS = BLOCK_M // 16
@@ -652,8 +835,10 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     return mma_backward_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False):
+def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False):
     """The Python kernel of one specialisation (before cuda.jit; the compile tests use it)."""
+    if kernel == "dkdv" and split_d:
+        return dkdv_split_source(block_own, block_streamed, head_dim, causal, dtype)
     if kernel == "dkdv":
         return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq)
     return dq_source(block_own, block_streamed, head_dim, causal, dtype)
@@ -678,16 +863,21 @@ def make_convert_kernel(dtype: str):
 
 @lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
-                max_registers: int | None = None, atomic_dq: bool = False):
+                max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False):
     """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
-    atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme)."""
-    bad = problems(kernel, block_own, block_streamed, head_dim, dtype)
+    atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme).
+    split_d (dkdv only): FA2's warp layout, two warps per 16 keys (``dkdv_split_source``)."""
+    bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d)
     if atomic_dq and (kernel, block_own, block_streamed) != ("dkdv", 64, 64):
         bad.append(f"atomic dQ is built into the 64x64 dkdv kernel only, not {kernel} {block_own}x{block_streamed}")
+    if split_d and (kernel != "dkdv" or block_streamed != 64 or atomic_dq):
+        bad.append(f"split_d is a dkdv layout for 64-query tiles without atomic dQ, not {kernel} "
+                   f"{block_own}x{block_streamed} atomic_dq={atomic_dq}")
     if bad:
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
-    source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq))
+    source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq),
+                           bool(split_d))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq)), **cap)(source)
 
@@ -708,7 +898,8 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     holding bf16 bits); q, k, v, dout with unit last stride, other strides multiples of 16 B and
     16-byte aligned data (cp.async); lse: (B, H, Nq) fp32; l2, dd: fp32 scratch of shape
     (B·H, padded_rows(Nq)), C-contiguous. ``config``: {"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M,
-    BLOCK_N), "head_dim": HEAD_DIM}, as configs.MMA_BWD_TABLE holds them. Nq, Nk > 0. ``kernels``
+    BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_split_d": bool]}, as configs.MMA_BWD_TABLE holds them
+    (dkdv_split_d: FA2's two-warps-per-16-keys dkdv layout, ignored with dq_acc). Nq, Nk > 0. ``kernels``
     picks which of the three run (the sweep times them one by one; dkdv and dq read prep's scratch).
     dq_acc: None (deterministic: the dq kernel), or zeroed C-contiguous fp32 scratch of shape
     (B·H, padded_rows(Nq), HEAD_DIM): dkdv then adds dQ into it atomically (not bitwise repeatable)
@@ -724,12 +915,13 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
                       out, dout, lse, l2, dd, n_q, d)
     words = tuple(_words(x) for x in (q, k, v, dout))
     bn, bm = config["dkdv"]
+    split = bool(config.get("dkdv_split_d", False)) and not atomic
     if "dkdv" in kernels:
         extra = (dq_acc,) if atomic else ()
-        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic),
-                      ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn), stream,
-                      smem_bytes("dkdv", bn, bm, head_dim, atomic), *words, l2, dd, _words(dk), _words(dv), *extra,
-                      *scalars)
+        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split),
+                      ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn, split), stream,
+                      smem_bytes("dkdv", bn, bm, head_dim, atomic, split), *words, l2, dd, _words(dk), _words(dv),
+                      *extra, *scalars)
     if atomic:
         if "dq" in kernels:
             threads = 256
