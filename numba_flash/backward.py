@@ -99,11 +99,12 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
         ]
         if cfg_kv.head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {cfg_kv.head_dim} inside the kernels")
-        if p.dtype in mma_backward.DTYPES:
-            why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
-            reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
     if p.H != p.Hkv:
         reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
+    if blockers or kernel == "simt":
+        if p.dtype in mma_backward.DTYPES:  # last: backward's PerformanceWarning quotes this line
+            why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
+            reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
     family = "mma" if kernel in ("auto", "mma") and not blockers else "simt"
     return family, cfg, reasons
 
