@@ -287,45 +287,23 @@ def two_products(HEAD_DIM, N_TILES, mma):
     return unrolled
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
-    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
+def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
+    """What both dK/dV layouts share: the shared-memory plan, the streamed stage's copies, the
+    schedule of (query head, Q tile) steps and the epilogue. OUT_TILES: n-tiles of dK / dV per warp.
 
-    ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
-    dQ_i = dS_i K_j each step and adds it to fp32 dq_acc with atomic adds, so no dQ kernel has to
-    recompute S and dP (5 tile GEMMs in all instead of 7). dSᵀ goes through shared memory (16-bit,
-    swizzled) to change orientation: warp w then owns query rows 16w.. of dQ_i (BLOCK_M = BLOCK_N)."""
-    WARPS = BLOCK_N // 16
-    THREADS = 32 * WARPS
-    CHUNKS = HEAD_DIM // 8
-    KV_COPIES = BLOCK_N * CHUNKS // THREADS
-    Q_COPIES = BLOCK_M * CHUNKS // THREADS
-    Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
-    M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
-    O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
-    SK, SV = 0, BLOCK_N * HEAD_DIM  # word offsets: K and V once, then two stages of
-    STAGE0 = 2 * BLOCK_N * HEAD_DIM  # [Q | dO | L2 (fp32) | D (fp32)]
+    Word offsets: K and V once, then two stages of [Q | dO | L2 (fp32) | D (fp32)], then what the
+    layout adds (EXTRA0 on)."""
+    SK, SV = 0, BLOCK_N * HEAD_DIM
+    STAGE0 = 2 * BLOCK_N * HEAD_DIM
     STAGE = 2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M
     SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
+    EXTRA0 = STAGE0 + 2 * STAGE
+    Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
-    SDS = STAGE0 + 2 * STAGE  # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries), rows of 8 chunks
-    DQ_COLS = 32  # dQ columns per pass: 16 accumulators per lane, added atomically after each pass
-    DQ_TILES = DQ_COLS // 8
-    CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
-    if ATOMIC_DQ and not BLOCK_M == BLOCK_N == 64:
-        raise ValueError(f"ATOMIC_DQ needs 64x64 tiles (one warp per 16 rows of dQ_i, 8-chunk dSᵀ rows); got "
-                         f"BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
     swizzle, load_rows = _common(HEAD_DIM, THREADS)
-    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
-    unrolled = two_products(HEAD_DIM, Q_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
-    ex2 = ptx.ex2_approx
     cp_async = ptx.cp_async_16
-    cp_commit = ptx.cp_async_commit
-    cp_wait = ptx.cp_async_wait
-    ldsm_t = ptx.ldmatrix_x4_trans
-    red_add = ptx.red_add_f32
-    NEG_INF = float32(-math.inf)
-    ZERO = float32(0.0)
+    CAUSAL = bool(CAUSAL)
 
     @inline_device
     def load_stage(smem, st, q, dout, l2, dd, b, h, i0, n_q, d, nq_pad):
@@ -340,9 +318,85 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
             cp_async(smem, st + SD + 8 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS))
 
     @inline_device
+    def schedule(k0, n_q, shift, group):
+        """(first Q tile, Q tiles per query head, steps): causal starts at the first Q tile that
+        sees key k0 (query k0 - shift); steps run head-major over the group's query heads."""
+        n_qt = (n_q + BLOCK_M - 1) // BLOCK_M
+        qt0 = 0
+        if CAUSAL:
+            qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt)
+        per_head = n_qt - qt0
+        return qt0, per_head, group * per_head
+
+    @inline_device
+    def prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad):
+        """Step step + 1's tiles into the buffer step - 1 used (after the barrier that freed it)."""
+        if step + 1 < steps:
+            nxt = step + 1
+            hh = nxt // per_head
+            load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh,
+                       (qt0 + nxt - hh * per_head) * BLOCK_M, n_q, d, nq_pad)
+
+    @inline_device
     def swizzle_m(row, chunk):
-        """Element offset in the dSᵀ tile (rows of BLOCK_M = 64 queries: 8 chunks, XOR row % 8)."""
+        """Element offset in a BLOCK_N x 64 tile of queries (Pᵀ, dSᵀ: 8 chunks a row, XOR row % 8)."""
         return row * BLOCK_M + ((chunk ^ (row & 7)) << 3)
+
+    @inline_device
+    def store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, col0, n_k, d, scale):
+        """dV = Σ Pᵀ dO, dK = scale · Σ dSᵀ Q of rows kw + g (+ 8), columns col0.., rounded to 16 bits;
+        keys past n_k and columns past d are not stored."""
+        for half in range(2):
+            row = kw + g + 8 * half
+            if row < n_k:
+                for dt in range(OUT_TILES):
+                    col = col0 + dt * 8 + 2 * t
+                    bits_v = pack(acc_v[dt, 2 * half], acc_v[dt, 2 * half + 1])
+                    bits_k = pack(acc_k[dt, 2 * half] * scale, acc_k[dt, 2 * half + 1] * scale)
+                    if col < d:
+                        dv[b, h_kv, row, col] = uint16(bits_v & 0xFFFF)
+                        dk[b, h_kv, row, col] = uint16(bits_k & 0xFFFF)
+                    if col + 1 < d:
+                        dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
+                        dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+
+    layout = (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, EXTRA0)
+    return layout, swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, store_grads
+
+
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
+    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
+
+    ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
+    dQ_i = dS_i K_j each step and adds it to fp32 dq_acc with atomic adds, so no dQ kernel has to
+    recompute S and dP (5 tile GEMMs in all instead of 7). dSᵀ goes through shared memory (16-bit,
+    swizzled) to change orientation: warp w then owns query rows 16w.. of dQ_i (BLOCK_M = BLOCK_N)."""
+    WARPS = BLOCK_N // 16
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 8
+    KV_COPIES = BLOCK_N * CHUNKS // THREADS
+    Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
+    M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
+    O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
+    CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
+        store_grads = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
+    # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
+    DQ_COLS = 32  # dQ columns per pass: 16 accumulators per lane, added atomically after each pass
+    DQ_TILES = DQ_COLS // 8
+    if ATOMIC_DQ and not BLOCK_M == BLOCK_N == 64:
+        raise ValueError(f"ATOMIC_DQ needs 64x64 tiles (one warp per 16 rows of dQ_i, 8-chunk dSᵀ rows); got "
+                         f"BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    unrolled = two_products(HEAD_DIM, Q_TILES, mma)
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ldsm_t = ptx.ldmatrix_x4_trans
+    red_add = ptx.red_add_f32
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
 
     @inline_device
     def add_dq(smem, dq_acc, bh, i0, warp, lane, g, t):
@@ -392,12 +446,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
         shift = n_k - n_q  # query i sees key j iff j <= i + shift
         nq_pad = l2.shape[1]
 
-        n_qt = (n_q + BLOCK_M - 1) // BLOCK_M
-        qt0 = 0
-        if CAUSAL:  # the first query that sees key k0 is k0 - shift
-            qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt)
-        per_head = n_qt - qt0
-        steps = group * per_head  # (query head of the group, Q tile) pairs, head-major
+        qt0, per_head, steps = schedule(k0, n_q, shift, group)
 
         # ldmatrix lane addresses (matrix lane >> 3 of the x4 takes its row from lanes 8j..8j+7).
         mat = lane >> 3
@@ -426,11 +475,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
         for step in range(steps):
             cp_wait(0)  # this step's tiles (the only group in flight) ...
             cuda.syncthreads()  # ... for every thread; and every warp has left the previous step
-            if step + 1 < steps:  # the next tiles into the buffer the previous step used
-                nxt = step + 1
-                hh = nxt // per_head
-                load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh,
-                           (qt0 + nxt - hh * per_head) * BLOCK_M, n_q, d, nq_pad)
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
             cp_commit()
             hh = step // per_head
             i0 = (qt0 + step - hh * per_head) * BLOCK_M
@@ -493,20 +538,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
 
-        # dV = Σ Pᵀ dO, dK = scale · Σ dSᵀ Q, rounded to 16 bits; keys past n_k are not stored.
-        for half in range(2):
-            row = kw + g + 8 * half
-            if row < n_k:
-                for dt in range(O_TILES):
-                    col = dt * 8 + 2 * t
-                    bits_v = pack(acc_v[dt, 2 * half], acc_v[dt, 2 * half + 1])
-                    bits_k = pack(acc_k[dt, 2 * half] * scale, acc_k[dt, 2 * half + 1] * scale)
-                    if col < d:
-                        dv[b, h_kv, row, col] = uint16(bits_v & 0xFFFF)
-                        dk[b, h_kv, row, col] = uint16(bits_k & 0xFFFF)
-                    if col + 1 < d:
-                        dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
-                        dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
     if ATOMIC_DQ:
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
@@ -529,49 +561,26 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
     KV_COPIES = BLOCK_N * CHUNKS // THREADS
-    Q_COPIES = BLOCK_M * CHUNKS // THREADS
     Q_HALF = BLOCK_M // 2  # query columns of Sᵀ / dPᵀ per warp
     Q_TILES_W = Q_HALF // 8
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (all queries)
     O_TILES_W = HEAD_DIM // 16  # n-tiles of this warp's half of dK / dV
-    SK, SV = 0, BLOCK_N * HEAD_DIM
-    STAGE0 = 2 * BLOCK_N * HEAD_DIM  # then two stages of [Q | dO | L2 (fp32) | D (fp32)]
-    STAGE = 2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M
-    SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
-    SP = STAGE0 + 2 * STAGE  # Pᵀ, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
-    SDS = SP + BLOCK_N * BLOCK_M
-    ROW_CHUNKS = BLOCK_M // 4
     CAUSAL = bool(CAUSAL)
     if BLOCK_M != 64:
         raise ValueError(f"split_d dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows); got BLOCK_M={BLOCK_M}")
-    swizzle, load_rows = _common(HEAD_DIM, THREADS)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
+        store_grads = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
+    SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES_W, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
-    cp_async = ptx.cp_async_16
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     ldsm = ptx.ldmatrix_x4
     ldsm_t = ptx.ldmatrix_x4_trans
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
-
-    @inline_device
-    def swizzle_m(row, chunk):
-        """Element offset in a Pᵀ / dSᵀ tile (rows of 64 queries: 8 chunks, XOR row % 8)."""
-        return row * BLOCK_M + ((chunk ^ (row & 7)) << 3)
-
-    @inline_device
-    def load_stage(smem, st, q, dout, l2, dd, b, h, i0, n_q, d, nq_pad):
-        load_rows(smem, st + SQ, q, b, h, i0, n_q, d, Q_COPIES)
-        load_rows(smem, st + SDO, dout, b, h, i0, n_q, d, Q_COPIES)
-        tid = cuda.threadIdx.x
-        row = (b * q.shape[1] + h) * nq_pad + i0  # scratch rows are padded: always inside
-        if tid < ROW_CHUNKS:
-            cp_async(smem, st + SL + 8 * tid, l2, row + 4 * tid)
-        elif tid < 2 * ROW_CHUNKS:
-            cp_async(smem, st + SD + 8 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS))
 
     def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
@@ -593,12 +602,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
         shift = n_k - n_q
         nq_pad = l2.shape[1]
 
-        n_qt = (n_q + BLOCK_M - 1) // BLOCK_M
-        qt0 = 0
-        if CAUSAL:
-            qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt)
-        per_head = n_qt - qt0
-        steps = group * per_head
+        qt0, per_head, steps = schedule(k0, n_q, shift, group)
 
         mat = lane >> 3
         a_row = rg * 16 + (lane & 15)  # A rows: K, V (head dim) and Pᵀ, dSᵀ (queries)
@@ -627,11 +631,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
         for step in range(steps):
             cp_wait(0)
             cuda.syncthreads()  # tiles landed; every warp left the previous step (and its Pᵀ, dSᵀ)
-            if step + 1 < steps:
-                nxt = step + 1
-                hh = nxt // per_head
-                load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh,
-                           (qt0 + nxt - hh * per_head) * BLOCK_M, n_q, d, nq_pad)
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
             cp_commit()
             hh = step // per_head
             i0 = (qt0 + step - hh * per_head) * BLOCK_M
@@ -681,20 +681,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
                         acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3])
 
         cp_wait(0)
-
-        for half in range(2):
-            row = kw + g + 8 * half
-            if row < n_k:
-                for dt in range(O_TILES_W):
-                    col = half_c * (HEAD_DIM // 2) + dt * 8 + 2 * t
-                    bits_v = pack(acc_v[dt, 2 * half], acc_v[dt, 2 * half + 1])
-                    bits_k = pack(acc_k[dt, 2 * half] * scale, acc_k[dt, 2 * half + 1] * scale)
-                    if col < d:
-                        dv[b, h_kv, row, col] = uint16(bits_v & 0xFFFF)
-                        dk[b, h_kv, row, col] = uint16(bits_k & 0xFFFF)
-                    if col + 1 < d:
-                        dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
-                        dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, half_c * (HEAD_DIM // 2), n_k, d, scale)
 
     return mma_backward_dkdv
 
