@@ -460,6 +460,48 @@ def element_helpers(dtype: str):
     return q_to_f32, store_out, unpack
 
 
+def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int):
+    """What both split kernels do first: (block_rows, load_q).
+
+    block_rows(k, seqlens, group, n_q) -> (b, h_kv, r0, rows_total, length): this block's sequence,
+    kv head and first row r0 of the G·Nq rows of the group (blockIdx.y = (b·Hkv + h_kv)·chunks +
+    chunk), and the valid cache length (device lengths are not checked on the host: clamped here).
+    load_q(...) puts rows r0.. of the group's queries into smem_f[Q_OFF..] as fp32, zero past G·Nq
+    and past d; row r0 + r = g·Nq + i is query i of head g of the group."""
+    q_to_f32 = element_helpers(dtype)[0]
+    ZERO = float32(0.0)
+
+    @inline_device
+    def block_rows(k, seqlens, group, n_q):
+        n_kv_heads = k.shape[1]
+        n_max = k.shape[2]
+        rows_total = group * n_q
+        n_chunks = (rows_total + ROWS - 1) // ROWS
+        blk = cuda.blockIdx.y
+        bh = blk // n_chunks
+        r0 = (blk - bh * n_chunks) * ROWS
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        length = n_max
+        if seqlens.shape[0] > 0:
+            length = min(max(seqlens[U(b)], 0), n_max)
+        return b, h_kv, r0, rows_total, length
+
+    @inline_device
+    def load_q(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d):
+        for idx in range(cuda.threadIdx.x, ROWS * HEAD_DIM, THREADS):
+            r = idx // HEAD_DIM
+            e = idx - r * HEAD_DIM
+            rg = r0 + r
+            x = ZERO
+            if rg < rows_total and e < d:
+                g = rg // n_q
+                x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
+            smem_f[U(Q_OFF + idx)] = x
+
+    return block_rows, load_q
+
+
 def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     """The phase-1 kernel for one specialisation (before cuda.jit; compile tests use it).
 
@@ -547,6 +589,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                         smem_h[U(2 * (dst + r * ROW_WORDS) + e)] = x
 
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
+    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF)
 
     def decode_split(q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
@@ -558,31 +601,10 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
         lane = tid & 31
         split_id = cuda.blockIdx.x
         n_splits = cuda.gridDim.x
-        n_kv_heads = k.shape[1]
-        n_max = k.shape[2]
-        rows_total = group * n_q
-        n_chunks = (rows_total + ROWS - 1) // ROWS
-        blk = cuda.blockIdx.y
-        bh = blk // n_chunks
-        r0 = (blk - bh * n_chunks) * ROWS  # first row (of G·Nq) of this block
-        b = bh // n_kv_heads
-        h_kv = bh - b * n_kv_heads
-        # Device lengths are not checked on the host (that would need a copy and a sync): clamp.
-        length = n_max
-        if seqlens.shape[0] > 0:
-            length = min(max(seqlens[U(b)], 0), n_max)
+        b, h_kv, r0, rows_total, length = block_rows(k, seqlens, group, n_q)
 
-        # Q (fp32, zero rows past G·Nq and columns past d); per-row state and visibility limit.
-        # Row r is query i of head g of the group, r0 + r = g·Nq + i; it sees keys <= i + len - Nq.
-        for idx in range(tid, ROWS * HEAD_DIM, THREADS):
-            r = idx // HEAD_DIM
-            e = idx - r * HEAD_DIM
-            rg = r0 + r
-            x = ZERO
-            if rg < rows_total and e < d:
-                g = rg // n_q
-                x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
-            smem_f[U(Q_OFF + idx)] = x
+        # Q (fp32); per-row state and visibility limit: row r0 + r = g·Nq + i sees keys <= i + len - Nq.
+        load_q(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d)
         for r in range(tid, ROWS, THREADS):
             rg = r0 + r
             smem_f[U(M_OFF + r)] = NEG_INF
@@ -828,6 +850,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
     ld4 = vec4.ld_shared_f32x4
     exp2, log2 = math.exp2, math.log2
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
+    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF)
 
     @inline_device
     def unpack_bits(bits):
@@ -891,29 +914,9 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
         lane = tid & 31
         split_id = cuda.blockIdx.x
         n_splits = cuda.gridDim.x
-        n_kv_heads = k.shape[1]
-        n_max = k.shape[2]
-        rows_total = group * n_q
-        n_chunks = (rows_total + ROWS - 1) // ROWS
-        blk = cuda.blockIdx.y
-        bh = blk // n_chunks
-        r0 = (blk - bh * n_chunks) * ROWS  # first row (of G·Nq) of this block
-        b = bh // n_kv_heads
-        h_kv = bh - b * n_kv_heads
-        length = n_max
-        if seqlens.shape[0] > 0:  # device lengths are not checked on the host: clamp
-            length = min(max(seqlens[U(b)], 0), n_max)
+        b, h_kv, r0, rows_total, length = block_rows(k, seqlens, group, n_q)
 
-        # Q (fp32, zero rows past G·Nq and columns past d), read by every warp.
-        for idx in range(tid, ROWS * HEAD_DIM, THREADS):
-            r = idx // HEAD_DIM
-            e = idx - r * HEAD_DIM
-            rg = r0 + r
-            x = ZERO
-            if rg < rows_total and e < d:
-                g = rg // n_q
-                x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
-            smem_f[U(Q_OFF + idx)] = x
+        load_q(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d)  # read by every warp
         cuda.syncthreads()  # the only barrier before the merge
 
         # Row r = query i of head g (r0 + r = g·Nq + i) sees keys <= i + len - Nq; padding rows none.
