@@ -69,13 +69,13 @@ from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
-from .simt_backward import _element_io
+from .simt_backward import DELTA_LANES, DELTA_ROWS, row_dot_helper
 
 LOG2E = 1.4426950408889634
 DTYPES = ("float16", "bfloat16")
 KERNELS = ("dkdv", "dq")
 WORD = np.dtype(np.uint16)
-PREP_ROWS, PREP_LANES = 8, 32
+PREP_ROWS, PREP_LANES = DELTA_ROWS, DELTA_LANES  # prep reuses the SIMT backward's row sums
 ROW_PAD = 128  # scratch rows padded to this: every query tile (BLOCK_M <= 128) reads inside them
 
 
@@ -140,28 +140,14 @@ def prep_signature(dtype: str):
 
 def prep_source(dtype: str):
     """D = rowsum(dO ∘ O) and L2 = L·log2(e) (+inf where L = -inf) into padded (B·H, NQ_PAD) rows."""
-    load, _ = _element_io(dtype == "bfloat16")
-    ROWS, LANES = PREP_ROWS, PREP_LANES
+    row_dot = row_dot_helper(dtype)  # the SIMT backward's D pass, row for row
     INF, NEG_INF = float32(math.inf), float32(-math.inf)
 
     def mma_backward_prep(out, dout, lse, l2, dd, n_q, d):
-        partial = cuda.shared.array((ROWS, LANES), float32)
-        tid = cuda.threadIdx.x
-        tr = tid // LANES
-        lane = tid - tr * LANES
+        partial = cuda.shared.array((PREP_ROWS, PREP_LANES), float32)
+        b, h, row, total = row_dot(out, dout, partial, n_q, d)
         bh = cuda.blockIdx.y
-        b = bh // out.shape[1]
-        h = bh - b * out.shape[1]
-        row = cuda.blockIdx.x * ROWS + tr
-        acc = float32(0.0)
-        for c in range(lane, d, LANES):  # neighbouring lanes, neighbouring addresses
-            acc = cuda.fma(load(out, b, h, row, c, n_q, d), load(dout, b, h, row, c, n_q, d), acc)
-        partial[tr, lane] = acc
-        cuda.syncthreads()
-        if lane == 0:
-            total = float32(0.0)
-            for i in range(LANES):
-                total += partial[tr, i]
+        if cuda.threadIdx.x % PREP_LANES == 0:
             if row < n_q:
                 x = lse[b, h, row]
                 dd[bh, row] = total

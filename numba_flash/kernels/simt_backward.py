@@ -242,13 +242,16 @@ def _element_io(BF16: bool):
     return load, store
 
 
-def delta_source(dtype: str):
-    """D[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c], fp32 (the FA2 preprocessing pass)."""
+def row_dot_helper(dtype: str):
+    """row_dot(out, dout, partial) -> (b, h, row, D): D = Σ_c dO[b, h, row, c] · O[b, h, row, c] in fp32
+    for this thread's row (DELTA_ROWS rows per block, DELTA_LANES lanes each; blockIdx.y = b·H + h),
+    valid on lane 0; partial is the block's (DELTA_ROWS, DELTA_LANES) fp32 shared array. The
+    preprocessing pass of both backwards (here and kernels.mma_backward)."""
     load, _ = _element_io(dtype == "bfloat16")
     ROWS, LANES = DELTA_ROWS, DELTA_LANES
 
-    def flash_backward_delta(out, dout, delta, n_q, d):
-        partial = cuda.shared.array((ROWS, LANES), float32)
+    @cuda.jit(device=True, inline=True)
+    def row_dot(out, dout, partial, n_q, d):
         tid = cuda.threadIdx.x
         tr = tid // LANES
         lane = tid - tr * LANES
@@ -261,10 +264,24 @@ def delta_source(dtype: str):
             acc = cuda.fma(load(out, b, h, row, c, n_q, d), load(dout, b, h, row, c, n_q, d), acc)
         partial[tr, lane] = acc
         cuda.syncthreads()
-        if lane == 0 and row < n_q:
-            total = float32(0.0)
+        total = float32(0.0)
+        if lane == 0:
             for t in range(LANES):
                 total += partial[tr, t]
+        return b, h, row, total
+
+    return row_dot
+
+
+def delta_source(dtype: str):
+    """D[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c], fp32 (the FA2 preprocessing pass)."""
+    row_dot = row_dot_helper(dtype)
+    ROWS, LANES = DELTA_ROWS, DELTA_LANES
+
+    def flash_backward_delta(out, dout, delta, n_q, d):
+        partial = cuda.shared.array((ROWS, LANES), float32)
+        b, h, row, total = row_dot(out, dout, partial, n_q, d)
+        if cuda.threadIdx.x % LANES == 0 and row < n_q:
             delta[U(b), U(h), U(row)] = total
 
     return flash_backward_delta
