@@ -69,6 +69,7 @@ from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
+from .mma_forward import tile_copies
 from .simt_backward import DELTA_LANES, DELTA_ROWS, row_dot_helper
 
 LOG2E = 1.4426950408889634
@@ -196,38 +197,6 @@ def convert_source(dtype: str):
     return mma_backward_dq_convert
 
 
-def _common(HEAD_DIM, THREADS):
-    """Device helpers both kernels use: the swizzled tile layout and its cp.async copies."""
-    CHUNKS = HEAD_DIM // 8
-    cp_async = ptx.cp_async_16_zfill
-
-    @inline_device
-    def swizzle(row, chunk):
-        """Element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR row % 8)."""
-        return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
-
-    @inline_device
-    def load_rows(smem, tile0, src, b, h, row0, n_rows, d, COPIES):
-        """cp.async rows row0.. of src[b, h] into the tile at word tile0; rows past n_rows and
-        columns past d are zero-filled."""
-        tid = cuda.threadIdx.x
-        row_stride = src.strides[2] // 2
-        base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2)
-        for i in range(COPIES):
-            c = tid + i * THREADS
-            r = c // CHUNKS
-            chunk = c - r * CHUNKS
-            col = chunk * 8
-            row = row0 + r
-            nbytes = min(max(d - col, 0), 8) * 2 if row < n_rows else 0
-            # A zero-byte copy still names an address: keep it inside the array.
-            src_row = max(min(row, n_rows - 1), 0)
-            src_col = col if nbytes > 0 else 0
-            cp_async(smem, tile0 + swizzle(r, chunk), src, base + src_row * row_stride + src_col, nbytes)
-
-    return swizzle, load_rows
-
-
 def two_products(HEAD_DIM, N_TILES, mma):
     """X = A1 B1ᵀ and Y = A2 B2ᵀ over the head dim (Sᵀ, dPᵀ in dkdv; S, dP in dq): A of 16 rows per
     warp, B of N_TILES n-tiles, all from swizzled tiles. The k-steps are written out one call each:
@@ -286,7 +255,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     EXTRA0 = STAGE0 + 2 * STAGE
     Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
-    swizzle, load_rows = _common(HEAD_DIM, THREADS)
+    swizzle, load_rows = tile_copies(HEAD_DIM, THREADS)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     cp_async = ptx.cp_async_16
     CAUSAL = bool(CAUSAL)
@@ -687,7 +656,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     STAGE = 2 * BLOCK_N * HEAD_DIM
     SK, SV = 0, BLOCK_N * HEAD_DIM
     CAUSAL = bool(CAUSAL)
-    swizzle, load_rows = _common(HEAD_DIM, THREADS)
+    swizzle, load_rows = tile_copies(HEAD_DIM, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, K_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2

@@ -101,6 +101,43 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1):
     return out
 
 
+def tile_copies(HEAD_DIM, THREADS):
+    """(swizzle, load_tile): the swizzled 16-bit tile layout and a general cp.async copy of rows into
+    it, for any kernel of THREADS threads (the tensor-core backward uses them too).
+
+    swizzle(row, chunk): element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR
+    row % 8). load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES): rows row0.. of src[b, h]
+    into the tile at word tile0, COPIES 16-byte copies per thread; rows past n_rows and columns past
+    d are zero-filled (the forward's FAST_LOADS plans are the faster path for whole tiles)."""
+    CHUNKS = HEAD_DIM // 8
+    cp_async = ptx.cp_async_16_zfill
+
+    @inline_device
+    def swizzle(row, chunk):
+        return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
+
+    # cuda.jit, not inline_device: the simulator then runs it with this module's fake ``cuda`` when
+    # a kernel of another module (mma_backward) calls it.
+    @cuda.jit(device=True, inline=True)
+    def load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES):
+        tid = cuda.threadIdx.x
+        row_stride = src.strides[2] // 2
+        base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2)
+        for i in range(COPIES):
+            c = tid + i * THREADS
+            r = c // CHUNKS
+            chunk = c - r * CHUNKS
+            col = chunk * 8
+            row = row0 + r
+            nbytes = min(max(d - col, 0), 8) * 2 if row < n_rows else 0
+            # A zero-byte copy still names an address: keep it inside the array.
+            src_row = max(min(row, n_rows - 1), 0)
+            src_col = col if nbytes > 0 else 0
+            cp_async(smem, tile0 + swizzle(r, chunk), src, base + src_row * row_stride + src_col, nbytes)
+
+    return swizzle, load_tile
+
+
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                   M_TILES=1, TWO_SYNCS=True):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
@@ -153,10 +190,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    @inline_device
-    def swizzle(row, chunk):
-        """Element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR row % 8)."""
-        return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
+    swizzle, load_tile = tile_copies(HEAD_DIM, THREADS)
 
     @inline_device
     def load_a(frag, slot, smem, offset):
@@ -166,22 +200,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         frag[slot, 1] = a1
         frag[slot, 2] = a2
         frag[slot, 3] = a3
-
-    @inline_device
-    def load_tile(smem, base, src, b, h, row0, n_rows, d, COPIES):
-        """cp.async one tile of src[b, h] (rows, d): rows past n_rows and columns past d are zero-filled."""
-        tid = cuda.threadIdx.x
-        for i in range(COPIES):
-            c = tid + i * THREADS
-            r = c // CHUNKS
-            chunk = c % CHUNKS
-            row = row0 + r
-            col = chunk * 8
-            nbytes = min(max(d - col, 0), 8) * 2 if row < n_rows else 0
-            # A zero-byte copy still names an address: keep it inside the array.
-            src_row = min(row, n_rows - 1)
-            src_col = col if nbytes > 0 else 0
-            cp_async(smem, base + swizzle(r, chunk), src[b, h, uint32(src_row)], src_col, nbytes)
 
     @inline_device
     def copy_plan(src, b, h, d):
