@@ -511,6 +511,22 @@ def _red_add_f32_intrinsic(typingctx, array, offset, value):
     return sig, codegen
 
 
+@intrinsic
+def _red_add_v2_f32_intrinsic(typingctx, array, offset, x, y):
+    """red.global.add.v2.f32 (sm_90): elements offset and offset + 1 (8-byte aligned) in one
+    instruction, so a warp's adds of a fragment's column pairs fill whole 32-byte sectors."""
+    if not (isinstance(array, types.Array) and array.dtype == types.float32 and _is_int(offset) and _is_num(x, y)):
+        return None
+    sig = types.void(array, offset, x, y)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        xs = [context.cast(builder, a, t, types.float32) for a, t in zip(args[2:], sig.args[2:])]
+        _asm(builder, ir.VoidType(), [ptr, *xs], "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", True)
+
+    return sig, codegen
+
+
 _RED_LOCK = threading.Lock()
 
 
@@ -518,6 +534,15 @@ def _red_add_f32_twin(array, offset, value):
     flat = _numpy_of(array).reshape(-1)  # contiguous arrays only, like the flat offset on the GPU
     with _RED_LOCK:
         flat[int(offset)] += np.float32(value)
+
+
+def _red_add_v2_f32_twin(array, offset, x, y):
+    if int(offset) % 2:  # the GPU faults on a misaligned vector address: so does the twin
+        raise ValueError(f"red_add_v2_f32: element offset {int(offset)} is not 8-byte aligned")
+    flat = _numpy_of(array).reshape(-1)
+    with _RED_LOCK:
+        flat[int(offset)] += np.float32(x)
+        flat[int(offset) + 1] += np.float32(y)
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,6 +589,7 @@ if SIMULATOR:
     shfl_xor_sync = _shfl_xor_sync_twin
     syncwarp = _syncwarp_twin
     red_add_f32 = _red_add_f32_twin
+    red_add_v2_f32 = _red_add_v2_f32_twin
 else:
     mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
@@ -578,6 +604,7 @@ else:
     ex2_approx = _ex2_approx_intrinsic
     shfl_xor_sync = cuda.shfl_xor_sync
     red_add_f32 = _red_add_f32_intrinsic
+    red_add_v2_f32 = _red_add_v2_f32_intrinsic
 
     @inline_device
     def syncwarp():  # cuda.syncwarp is a typing stub, callable only as an attribute of cuda
@@ -587,7 +614,8 @@ __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
-    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "inline_device",
+    "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
+    "inline_device",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

@@ -200,11 +200,13 @@ MMA_SWEEP = {
 }
 
 
-def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=0.5):
+def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=0.5, kernels=None,
+              sweep_split=False):
     """Time prep, then each candidate dkdv and dq tile of the tensor-core backward, kernel by kernel.
 
     TFLOP/s credit each kernel with its own products: dkdv 4 of the 5 backward GEMMs (Sᵀ, dPᵀ, dV,
-    dK: 2·F), dq 3 (S, dP, dQ: 1.5·F), where F = 4·B·H·N²·d/2 per GEMM pair (halved for causal)."""
+    dK: 2·F), dq 3 (S, dP, dQ: 1.5·F), where F = 4·B·H·N²·d/2 per GEMM pair (halved for causal).
+    kernels: the names to time (prep, dkdv, dq, dkdv-atomic, dkdv-split), default all."""
     import torch
     from numba import cuda
 
@@ -226,12 +228,18 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     rows = []
     dq_acc = torch.zeros((*rows_shape, d), device="cuda", dtype=torch.float32)
     acc_view = to_device_view(dq_acc, 0, ndim=3)
-    extra = [("dkdv-split", [(64, 64)]), ("dkdv-atomic", [(64, 64)])]  # FA2's dkdv warp layout; atomic dQ
+    # atomic dQ (deterministic=False) with 64 or 128 keys per block; FA2's dkdv warp layout (dkdv-split,
+    # slower: results/backward-2026-11-29-split.md) only with --sweep-split
+    extra = [("dkdv-atomic", [(64, 64), (128, 64)])] + ([("dkdv-split", [(64, 64)])] if sweep_split else [])
     for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()) + extra:
+        if kernels is not None and kernel not in kernels:
+            continue
         for tile in tiles:
             atomic = kernel == "dkdv-atomic"
             split = kernel == "dkdv-split"
             config = dict(shipped, **({kernel: tile} if tile and not (atomic or split) else {}))
+            if atomic:
+                config["dkdv_atomic"] = tile
             if split:
                 config.update(dkdv=tile, dkdv_split_d=True)
             row = {"kernel": kernel, "tile": list(tile) if tile else None, "d": d, "dtype": dtype, "causal": causal,
@@ -338,6 +346,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time the candidate tile configs (fp32 and fp16)")
     ap.add_argument("--sweep-mma", action="store_true", help="time the tensor-core kernels' candidate tiles (fp16)")
+    ap.add_argument("--sweep-kernels", nargs="+", default=None,
+                    help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split)")
+    ap.add_argument("--sweep-split", action="store_true", help="with --sweep-mma: also time dkdv-split")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement (s)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
@@ -359,7 +370,8 @@ def main(argv=None):
     if args.sweep_mma:
         print("tensor-core backward tiles (B4 H16 N4096 fp16), kernel by kernel:", flush=True)
         result["sweep_mma"] = [r for d in MMA_SWEEP for causal in ((False, True) if d == 128 else (False,))
-                               for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5))]
+                               for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5),
+                                                  kernels=args.sweep_kernels, sweep_split=args.sweep_split)]
     result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
     stem = os.path.join(args.out, f"backward-{result['meta']['date'][:10]}" + ("-quick" if args.quick else ""))

@@ -147,6 +147,15 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 
 
 @in_simulator
+def test_atomic_dq_128_keys_sim():
+    """FA2's d = 128 layout for the atomic dQ: 128 keys (8 warps: 4 down dQ_i's rows x 2 across its
+    columns); GQA 2, causal with Nq > Nk, a ragged second key block."""
+    vals, stored = problem(11, 1, 2, 1, 80, 150, 128, True, "float16")
+    config = dict(shipped(128), dkdv_atomic=(128, 64))
+    check_error_rule(run_backward(stored, 128, True, "float16", config, atomic=True), vals, True, "float16")
+
+
+@in_simulator
 def test_split_d_dkdv_sim():
     """FA2's dkdv warp layout (two warps per 16 keys, Pᵀ / dSᵀ through shared memory): GQA 2, causal,
     Nq > Nk, 16-key blocks of 2 warps streaming 64-query tiles. Not shipped: a sweep candidate."""
@@ -250,14 +259,17 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
 
 
 @pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
-def test_atomic_dq_compiles_to_red(head_dim, tmp_path):
-    """deterministic=False: dQ leaves dkdv as red.global.add.f32 (no returned value, no generic atom)."""
-    source = COMPILE_SOURCE.format(K="dkdv", O=64, S=64, D=head_dim, C=True, DT="bfloat16", A=True)
+@pytest.mark.parametrize("keys", [64, 128])
+def test_atomic_dq_compiles_to_red(head_dim, keys, tmp_path):
+    """deterministic=False: dQ leaves dkdv as red.global.add.v2.f32, one per pair of a fragment's
+    adjacent columns (no returned value, no generic atom, no scalar adds)."""
+    source = COMPILE_SOURCE.format(K="dkdv", O=keys, S=64, D=head_dim, C=True, DT="bfloat16", A=True)
     text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
-    assert "red.global.add.f32" in text and "atom." not in text
+    assert "atom." not in text and "red.global.add.f32" not in text
+    assert text.count("red.global.add.v2.f32") >= 8  # one pass's 2 x DQ_TILES (passes may stay rolled)
     assert "ld.local" not in text and "st.local" not in text
     report = ptxas_report(text, tmp_path)
-    allowed = MMA_BWD_SPILL_OK.get(("dkdv-atomic", 64, 64, head_dim), 0)
+    allowed = MMA_BWD_SPILL_OK.get(("dkdv-atomic", keys, 64, head_dim), 0)
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
@@ -301,11 +313,15 @@ def test_gpu_sweep_configs(config):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("d,causal,dtype", [(64, False, "float16"), (128, True, "bfloat16"), (96, True, "float16")])
-def test_gpu_atomic_dq(d, causal, dtype):
-    """deterministic=False at real sizes: GQA 2, ragged lengths; the error rule as for the default."""
+@pytest.mark.parametrize("d,causal,dtype,keys", [(64, False, "float16", 64), (128, True, "bfloat16", 64),
+                                                 (96, True, "float16", 64), (128, True, "float16", 128),
+                                                 (64, False, "bfloat16", 128)])
+def test_gpu_atomic_dq(d, causal, dtype, keys):
+    """deterministic=False at real sizes: GQA 2, ragged lengths; the error rule as for the default.
+    keys: the dkdv block's keys (128: 8 warps, dQ_i split across columns too)."""
     vals, stored = problem(d + 1, 2, 4, 2, 700, 900, d, causal, dtype)
-    grads = run_backward(stored, d, causal, dtype, shipped(64 if d <= 64 else 128), atomic=True)
+    config = dict(shipped(64 if d <= 64 else 128), dkdv_atomic=(keys, 64))
+    grads = run_backward(stored, d, causal, dtype, config, atomic=True)
     check_error_rule(grads, vals, causal, dtype)
 
 

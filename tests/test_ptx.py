@@ -483,6 +483,19 @@ def test_shfl_xor_quad_reduce_sim():
     check_shfl_xor_quad_reduce()
 
 
+def test_red_add_twins(rng):
+    """The atomic-add twins add into the array (the v2 one into two adjacent elements) and refuse a
+    misaligned vector address, as the GPU would fault on it."""
+    acc = np.zeros(8, np.float32)
+    x, y, z = (np.float32(v) for v in rng.standard_normal(3))
+    ptx._red_add_v2_f32_twin(acc, 2, x, y)
+    ptx._red_add_v2_f32_twin(acc, 2, y, x)
+    ptx._red_add_f32_twin(acc, 7, z)
+    np.testing.assert_array_equal(acc, [0, 0, x + y, y + x, 0, 0, 0, z])
+    with pytest.raises(ValueError, match="offset 3 is not 8-byte aligned"):
+        ptx._red_add_v2_f32_twin(acc, 3, x, y)
+
+
 @in_simulator
 def test_cp_async_read_before_wait_is_poisoned_sim():
     """The twin's fidelity feature: a tile read before its wait_group shows NaN bits, not data."""
@@ -540,7 +553,7 @@ from numba import cuda, types
 from numba_flash import ptx
 from numba_flash.ptx import SMEM_ALIGN
 
-def every_intrinsic(out, a, b):
+def every_intrinsic(out, a, b, acc):
     lane = cuda.threadIdx.x
     sa = cuda.shared.array((16, 16), np.float16, alignment=SMEM_ALIGN)
     sb = cuda.shared.array((16, 8), np.float16, alignment=SMEM_ALIGN)
@@ -556,8 +569,10 @@ def every_intrinsic(out, a, b):
     e0, e1, e2, e3 = ptx.mma_m16n8k16_bf16(a0, a1, a2, a3, b2, b3, d0, d1, d2, d3)
     p = ptx.pack_f16x2(e0, e1) ^ ptx.pack_bf16x2(e2, ptx.ex2_approx(e3))
     out[lane] = p + ptx.shfl_xor_sync(ptx.FULL_MASK, e0, 1)
+    ptx.red_add_f32(acc, lane, e0)
+    ptx.red_add_v2_f32(acc, 2 * lane, e1, e2)
 
-SIG = (types.uint32[::1], types.float16[::1], types.float16[::1])
+SIG = (types.uint32[::1], types.float16[::1], types.float16[::1], types.float32[::1])
 """
 
 
@@ -575,6 +590,8 @@ def test_every_intrinsic_compiles_for_sm90(tmp_path):
         "cvt.rn.bf16x2.f32",
         "ex2.approx.ftz.f32",
         "shfl.sync.bfly",
+        "red.global.add.f32",
+        "red.global.add.v2.f32",
     ]:
         assert instr in text, instr
     # The shared operand is a 32-bit .shared address taken straight from the array symbol.

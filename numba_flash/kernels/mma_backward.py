@@ -325,7 +325,9 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
     ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
     dQ_i = dS_i K_j each step and adds it to fp32 dq_acc with atomic adds, so no dQ kernel has to
     recompute S and dP (5 tile GEMMs in all instead of 7). dSᵀ goes through shared memory (16-bit,
-    swizzled) to change orientation: warp w then owns query rows 16w.. of dQ_i (BLOCK_M = BLOCK_N)."""
+    swizzled) to change orientation: warp w then owns query rows 16(w mod 4).. of dQ_i (BLOCK_M = 64)
+    and, with 8 warps (BLOCK_N = 128, FA2's d = 128 layout: half the atomics per product), half of
+    its columns. The adds leave as red.global.add.v2.f32: a fragment's two adjacent columns at once."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -339,9 +341,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
     # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
     DQ_COLS = 32  # dQ columns per pass: 16 accumulators per lane, added atomically after each pass
     DQ_TILES = DQ_COLS // 8
-    if ATOMIC_DQ and not BLOCK_M == BLOCK_N == 64:
-        raise ValueError(f"ATOMIC_DQ needs 64x64 tiles (one warp per 16 rows of dQ_i, 8-chunk dSᵀ rows); got "
-                         f"BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
+    ROW_GROUPS = BLOCK_M // 16  # warps down dQ_i's rows ...
+    COL_GROUPS = max(WARPS // ROW_GROUPS, 1)  # ... and across its columns
+    WARP_COLS = HEAD_DIM // COL_GROUPS
+    if ATOMIC_DQ and not (BLOCK_M == 64 and BLOCK_N in (64, 128)):
+        raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 64 or 128 keys (4 or 8 warps "
+                         f"over dQ_i); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
@@ -349,22 +354,26 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     ldsm_t = ptx.ldmatrix_x4_trans
-    red_add = ptx.red_add_f32
+    red_add2 = ptx.red_add_v2_f32
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
     @inline_device
     def add_dq(smem, dq_acc, bh, i0, warp, lane, g, t):
-        """dQ_i[16 w.., :] += dS_i K_j for this warp's 16 query rows, DQ_COLS columns per pass:
-        A = dS by ldmatrix.trans of the stored dSᵀ, B = K by ldmatrix.trans, then atomic adds."""
+        """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
+        WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
+        ldmatrix.trans, then atomic adds."""
+        rw = warp % ROW_GROUPS
+        cw = warp // ROW_GROUPS
         mat = lane >> 3
         a_key = (mat >> 1) * 8 + (lane & 7)  # A (queries x keys) from dSᵀ rows (keys): transposed quarters
-        a_chunk = 2 * warp + (mat & 1)
+        a_chunk = 2 * rw + (mat & 1)
         t_row = (mat & 1) * 8 + (lane & 7)
         t_chunk = mat >> 1
         acc_q = cuda.local.array((DQ_TILES, 4), float32)
-        row0 = (bh * dq_acc.shape[1] + i0 + warp * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
-        for pc in range(HEAD_DIM // DQ_COLS):
+        row0 = (bh * dq_acc.shape[1] + i0 + rw * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
+        for wc in range(WARP_COLS // DQ_COLS):
+            pc = cw * (WARP_COLS // DQ_COLS) + wc  # this pass's DQ_COLS-column chunk of dQ_i
             for nt in range(DQ_TILES):
                 for r in range(4):
                     acc_q[nt, r] = ZERO
@@ -379,8 +388,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
                         a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
             for nt in range(DQ_TILES):
                 col = pc * DQ_COLS + nt * 8 + 2 * t
-                for r in range(4):  # scratch rows and columns are padded: no bounds checks
-                    red_add(dq_acc, row0 + (8 * (r >> 1)) * HEAD_DIM + col + (r & 1), acc_q[nt, r])
+                for half in range(2):  # scratch rows and columns are padded: no bounds checks
+                    red_add2(dq_acc, row0 + 8 * half * HEAD_DIM + col, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
@@ -810,8 +819,9 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme).
     split_d (dkdv only): FA2's warp layout, two warps per 16 keys (``dkdv_split_source``)."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d)
-    if atomic_dq and (kernel, block_own, block_streamed) != ("dkdv", 64, 64):
-        bad.append(f"atomic dQ is built into the 64x64 dkdv kernel only, not {kernel} {block_own}x{block_streamed}")
+    if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
+        bad.append(f"atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query tiles only, not "
+                   f"{kernel} {block_own}x{block_streamed}")
     if split_d and (kernel != "dkdv" or block_streamed != 64 or atomic_dq):
         bad.append(f"split_d is a dkdv layout for 64-query tiles without atomic dQ, not {kernel} "
                    f"{block_own}x{block_streamed} atomic_dq={atomic_dq}")
@@ -840,8 +850,9 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     holding bf16 bits); q, k, v, dout with unit last stride, other strides multiples of 16 B and
     16-byte aligned data (cp.async); lse: (B, H, Nq) fp32; l2, dd: fp32 scratch of shape
     (B·H, padded_rows(Nq)), C-contiguous. ``config``: {"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M,
-    BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_split_d": bool]}, as configs.MMA_BWD_TABLE holds them
-    (dkdv_split_d: FA2's two-warps-per-16-keys dkdv layout, ignored with dq_acc). Nq, Nk > 0. ``kernels``
+    BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_split_d": bool][, "dkdv_atomic": (BLOCK_N, BLOCK_M)]}, as
+    configs.MMA_BWD_TABLE holds them (dkdv_split_d: FA2's two-warps-per-16-keys dkdv layout, ignored
+    with dq_acc; dkdv_atomic: the dkdv tile used with dq_acc, default the "dkdv" one). Nq, Nk > 0. ``kernels``
     picks which of the three run (the sweep times them one by one; dkdv and dq read prep's scratch).
     dq_acc: None (deterministic: the dq kernel), or zeroed C-contiguous fp32 scratch of shape
     (B·H, padded_rows(Nq), HEAD_DIM): dkdv then adds dQ into it atomically (not bitwise repeatable)
@@ -856,7 +867,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, B * H), PREP_ROWS * PREP_LANES, stream, 0,
                       out, dout, lse, l2, dd, n_q, d)
     words = tuple(_words(x) for x in (q, k, v, dout))
-    bn, bm = config["dkdv"]
+    bn, bm = config.get("dkdv_atomic", config["dkdv"]) if atomic else config["dkdv"]
     split = bool(config.get("dkdv_split_d", False)) and not atomic
     if "dkdv" in kernels:
         extra = (dq_acc,) if atomic else ()
