@@ -23,10 +23,18 @@ Why a hit is safe:
   the ordinary path (degenerate backward shapes, deterministic=False's zero-filled scratch).
 - A plan is published only after its first call has launched (shared-memory opt-in done), and its
   launches go through the same cuLaunchKernel and per-thread slot buffers as ``launch.launch``.
+- A plan replays on the device its first call launched on (else the ordinary path runs), the
+  stream is the framework's current one at each call, and allocations go through the same
+  ``arrays`` function with the same arguments.
+
+Plans see launches through ``launch.launch`` only: code that replaces a kernel module's
+``launch_kernel`` (tests comparing with Numba's dispatcher) must turn plans off first, or the
+plan it records launches nothing.
 
 Not cached (the ordinary path, unchanged): NumPy arrays anywhere (copied, and checked by value, per
 call), the CUDA simulator (no parameter buffers), inputs on a device that is not the current one
-(the ordinary path switches context). At most MAX_PLANS signatures, the oldest dropped first.
+(the ordinary path switches context). At most MAX_PLANS signatures, the oldest dropped first
+(FIFO, so that a hit is one lock-free dict read).
 ``NUMBA_FLASH_PLAN_CACHE=0`` in the environment, or ``set_enabled(False)``, turns plans off.
 """
 from __future__ import annotations
@@ -203,8 +211,8 @@ class Plan:
     def run(self, args: tuple, ptrs: list):
         """The call's result (the same objects the ordinary path returns), or None to take that path."""
         device_id = current_device_id()
-        if self.device is not None and device_id != self.device:
-            return None  # the ordinary path makes the inputs' device current first
+        if device_id != self.device:
+            return None  # the ordinary path: it makes the inputs' device current, or chooses for this one
         for message, category in self.warnings:
             warnings.warn(message, category, stacklevel=4)  # run <- call <- public function <- user
         stream = arrays.current_stream(args[0], self.kind)
@@ -244,7 +252,10 @@ class Plan:
             if launch_stream != stream:
                 return None
             step = _Step()
-            step.dispatcher, step.launcher, step.args = dispatcher, _launch.launcher_of(dispatcher), tuple(largs)
+            step.dispatcher, step.launcher = dispatcher, _launch.launcher_of(dispatcher)
+            # the arguments without their owners: a plan must not keep its first call's arrays alive
+            step.args = tuple(DeviceView(a.ptr, a.shape, a.strides, a.dtype) if isinstance(a, DeviceView) else a
+                              for a in largs)
             step.grid = tuple(int(n) for n in ((grid if isinstance(grid, tuple) else (grid,)) + (1, 1))[:3])
             step.block = tuple(int(n) for n in ((block if isinstance(block, tuple) else (block,)) + (1, 1))[:3])
             step.shared_bytes = int(shared_bytes)
@@ -266,8 +277,13 @@ class Plan:
                 step.patches.append((slot, buffer, a.ptr - base[buffer]))
             step.patches = tuple(step.patches)
             plan.steps.append(step)
+        # The device the launches ran on: the inputs' (the ordinary path makes it current), or for
+        # arrays that do not say (Numba, __cuda_array_interface__) the current one, whose compute
+        # capability and SM count the kernel choice and the split count were taken from.
         devices = [arrays.device_of(x) for x in args if x is not None]
         plan.device = next((d for d in devices if d is not None), None)
+        if plan.device is None:
+            plan.device = current_device_id()
         plan.warnings = tuple(warned)
         plan.kind = arrays.kind_of(args[0])
         return plan
