@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 import types as pytypes
 import warnings
 
@@ -47,7 +48,11 @@ def _launch_kernel(handle, gx, gy, gz, bx, by, bz, shared, stream, pointers, ext
     slots = [ctypes.c_void_p.from_address(pointers + 8 * i).value for i in range(n)]
     params = b"".join(ctypes.string_at(p, 8) for p in slots)
     LOG.append((_FUNCS[handle].name, (gx, gy, gz), (bx, by, bz), shared, stream, params))
+    THREAD_LOG.append((threading.get_ident(), _FUNCS[handle].launcher, params))
     return (cu.CUresult.CUDA_SUCCESS,)
+
+
+THREAD_LOG: list = []
 
 
 launch._Launcher.cufunc = _cufunc
@@ -277,6 +282,44 @@ def check_fallback():
             assert step.launcher.template(step.views(ptrs)) == fast.tobytes()
             n_steps += 1
     assert n_steps > 20, n_steps
+
+
+def check_threads():
+    """Threads replaying plans (and recording new ones while another thread clears them): every
+    launch carries its own thread's q, k and v pointers (slot buffers and recording are per thread)."""
+    import numpy as np
+
+    plans.set_enabled(True)
+    shapes = [(1, 2, 64, 64), (2, 4, 100, 64), (1, 2, 64, 32)]
+    mine: dict = {}
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(150):
+                shape = shapes[(t + i) % len(shapes)]
+                dt = "float16" if (i // 3) % 2 else "float32"
+                q, k, v = (tensor(shape, dt) for _ in range(3))
+                mine.setdefault(threading.get_ident(), set()).update(x.data_ptr() for x in (q, k, v))
+                numba_flash.forward(q, k, v, causal=bool(i % 2))
+                if t == 0 and i % 10 == 0:
+                    plans.clear()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    THREAD_LOG.clear()
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert len(THREAD_LOG) == 4 * 150
+    for ident, launcher, params in THREAD_LOG:
+        slots = np.frombuffer(params, np.uint64)
+        inputs = {int(slots[s]) for s in launcher.data_slots[:3]}
+        assert inputs <= mine[ident], "a launch carried another thread's pointers"
+    assert plans.cache_info()["hits"] > 0
 
 
 def check_off():
