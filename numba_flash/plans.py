@@ -92,7 +92,10 @@ def call(entry, args: tuple, options: tuple):
     if found is None:
         return entry(*args, *options)
     key, ptrs = found
-    plan = _plans.get(key)
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable attribute of some array-like object: no plan for it
+        return entry(*args, *options)
     if plan:
         result = plan.run(args, ptrs)
         if result is not None:
@@ -107,7 +110,12 @@ def call(entry, args: tuple, options: tuple):
         watched = recording.launches, recording.allocations, recording.warnings
     finally:
         recording.launches = recording.allocations = recording.warnings = None
-    plan = Plan.build(args, ptrs, result, *watched)
+    try:
+        plan = Plan.build(args, ptrs, result, *watched)
+    except Exception as e:  # a bug here must not cost the user a result the ordinary path computed
+        warnings.warn(f"numba_flash.plans: no plan for this call ({type(e).__name__}: {e}); it keeps "
+                      "taking the ordinary path", RuntimeWarning, stacklevel=3)
+        plan = None
     with _lock:
         while len(_plans) >= MAX_PLANS:
             del _plans[next(iter(_plans))]
