@@ -4,14 +4,13 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from numba import config as nb_config
 from numba import cuda
 
-from . import arrays
+from . import arrays, plans
 from .configs import MAX_HEAD_DIM, MMA_TABLE, simt_config
 from .kernels import mma_forward, simt_forward
 from .launch import address, current_device_id
@@ -243,7 +242,16 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
 
     Raises:
         TypeError / ValueError naming what was given and what is accepted.
+
+    A repeated call with the same signature (array kinds, shapes, strides, dtypes, device, pointer
+    alignment, other arguments) replays the first call's plan (numba_flash.plans): the same kernel,
+    config and parameters, without the checks and choices in Python.
     """
+    return plans.call(_forward, (q, k, v), (causal, softmax_scale, kernel))
+
+
+def _forward(q, k, v, causal, softmax_scale, kernel):
+    """``forward`` without plans (plans.call runs it for a new signature and watches)."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
@@ -255,7 +263,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
             family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
             if family == "simt" and kernel == "auto" and p.dtype in mma_forward.DTYPES:
-                warnings.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning, stacklevel=2)
+                plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
             out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":
                 mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,

@@ -13,7 +13,7 @@ import numpy as np
 from numba import config as nb_config
 from numba import cuda
 
-from .launch import DeviceView, view_of
+from .launch import DeviceView, recording, view_of
 
 NUMPY, CUPY, TORCH, NUMBA, CAI = "numpy", "cupy", "torch", "numba", "cuda_array_interface"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -69,9 +69,10 @@ def last_dim_contiguous(x: Any) -> bool:
     return strides is None or strides[-1] == np.dtype(x.__cuda_array_interface__["typestr"]).itemsize
 
 
-def current_stream(x: Any):
-    """The stream work on x should run on: the framework's current stream, else the default."""
-    k = kind_of(x)
+def current_stream(x: Any, kind: str | None = None):
+    """The stream work on x should run on: the framework's current stream, else the default.
+    ``kind``: kind_of(x) where the caller knows it."""
+    k = kind or kind_of(x)
     if nb_config.ENABLE_CUDASIM:
         return 0
     if k == CUPY:
@@ -122,6 +123,25 @@ def to_device_view(x: Any, stream, ndim: int = 4) -> Any:
 
 def empty_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
     """Allocate (original-kind object, device view) for an output of the given shape and dtype."""
+    obj, view = _empty_like_kind(kind, ref, shape, dtype, stream)
+    watched = getattr(recording, "allocations", None)
+    if watched is not None:  # plans.py is watching this call: how to allocate the same again
+        watched.append((obj, view, (kind, ref, tuple(shape), dtype)))
+    return obj, view
+
+
+def allocate(kind: str, ref: Any, shape: tuple, dtype: str, stream) -> tuple:
+    """(object, data pointer) of ``empty_like_kind`` without its view (plans.py: per call)."""
+    if kind == TORCH:
+        import torch
+
+        obj = torch.empty(shape, dtype=getattr(torch, dtype), device=ref.device)
+        return obj, obj.data_ptr()
+    obj, view = _empty_like_kind(kind, ref, shape, dtype, stream)
+    return obj, view.ptr
+
+
+def _empty_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
     if kind == CUPY:
         import cupy
 

@@ -9,14 +9,13 @@ use tensor cores too, else ``kernels.simt_backward``. For PyTorch autograd see `
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
 from numba import config as nb_config
 from numba import cuda
 
-from . import arrays
+from . import arrays, plans
 from .api import _ACCEPTED_ARRAYS, KERNELS, PerformanceWarning, Problem, _mma_blockers, _on_device, validate
 from .configs import MMA_BWD_TABLE
 from .kernels import mma_backward, simt_backward
@@ -200,7 +199,14 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
         TypeError / ValueError naming what was given and what is accepted: the forward's checks
         for q, k, v, plus out / dout shape and dtype (q's), lse shape (q.shape[:-1]) and dtype
         (float32), all six on one device (or all NumPy).
+
+    Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans).
     """
+    return plans.call(_backward, (q, k, v, out, lse, dout), (causal, softmax_scale, kernel, deterministic))
+
+
+def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, deterministic):
+    """``backward`` without plans (plans.call runs it for a new signature and watches)."""
     p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
@@ -216,7 +222,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
         qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))
         family, cfg, reasons = choose_backward(p, kernel, (qd, kd, vd, dod))
         if family == "simt" and kernel == "auto" and p.dtype in mma_backward.DTYPES:
-            warnings.warn("numba_flash.backward: " + reasons[-1], PerformanceWarning, stacklevel=2)
+            plans.warn("numba_flash.backward: " + reasons[-1], PerformanceWarning)
         dq_obj, dq_dev = arrays.empty_like_kind(kinds[0], q, p.q_shape, p.dtype, stream)
         dk_obj, dk_dev = arrays.empty_like_kind(kinds[1], k, kv_shape, p.dtype, stream)
         dv_obj, dv_dev = arrays.empty_like_kind(kinds[2], v, kv_shape, p.dtype, stream)

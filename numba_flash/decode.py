@@ -14,7 +14,7 @@ import numpy as np
 from numba import config as nb_config
 from numba import cuda
 
-from . import arrays
+from . import arrays, plans
 from .api import _on_device, validate
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
@@ -200,7 +200,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
 
     Raises:
         TypeError / ValueError naming what was given and what is accepted.
+
+    Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans); NumPy
+    lengths are checked on every call (they take the ordinary path).
     """
+    return plans.call(_decode, (q, k_cache, v_cache, cache_seqlens), (softmax_scale, num_splits, config))
+
+
+def _decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, config):
+    """``decode`` without plans (plans.call runs it for a new signature and watches)."""
     p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                            num_splits=num_splits, config=config)
     with _on_device(p.device):  # once per call: each context switch or query is a driver call

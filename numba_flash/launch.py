@@ -149,14 +149,19 @@ class _Launcher:
         self.cufuncs: dict = {}  # device id -> loaded function
         self.smem_opt_in: dict = {}  # device id -> dynamic shared bytes this kernel may use there
         self.params = []  # per argument: ("array", np.dtype, ndim) or ("scalar", ctypes type)
+        self.data_slots = []  # per argument: index of the 8-byte slot holding an array's data pointer, or None
         fmt = "<"  # the 8-byte slots of flatten(raw=True) as one struct layout, for pack()
         for ty in self.compiled.argument_types:
+            slot = struct.calcsize(fmt) // 8  # every field is 8 bytes: the next free slot
             if isinstance(ty, types.Array):
                 if ty.layout != "A":  # views carry any strides; a C/F signature would need checks here
                     raise TypeError(f"launch: array argument {ty} must have layout 'A'")
                 self.params.append(("array", np.dtype(str(ty.dtype)), ty.ndim))
+                self.data_slots.append(slot + 4)
                 fmt += "16xqqQ" + "q" * (2 * ty.ndim)  # meminfo, parent (0), nitems, itemsize, data, shape, strides
-            elif isinstance(ty, types.Integer):
+                continue
+            self.data_slots.append(None)
+            if isinstance(ty, types.Integer):
                 ctype = getattr(ctypes, f"c_{ty}")
                 self.params.append(("scalar", ctype))
                 fmt += _slot_format(_INT_CODES[ty.signed][ctypes.sizeof(ctype)])
@@ -197,6 +202,23 @@ class _Launcher:
         buffer, whose pointer array is made once. cuLaunchKernel copies the parameters before it
         returns, so the next launch may overwrite them. Raises struct.error / OverflowError for a
         scalar its type cannot hold (launch then takes flatten's ctypes conversion instead)."""
+        slots, pointers = self.buffers()
+        self.layout.pack_into(slots, 0, *self._values(args))
+        return pointers
+
+    def template(self, args) -> bytes:
+        """The bytes ``pack`` writes into the slots (a plan's pre-packed parameters, see plans.py)."""
+        return self.layout.pack(*self._values(args))
+
+    def buffers(self):
+        """This thread's (slots, pointers): uint64 slots and the ``void **`` array pointing at them."""
+        pair = getattr(self._buffers, "pair", None)
+        if pair is None:
+            pair = self._buffers.pair = param_buffer([0] * (self.layout.size // 8))
+        return pair
+
+    def _values(self, args) -> list:
+        """The values of the slots in layout order (what ``flatten(raw=True)`` holds, scalars unconverted)."""
         if len(args) != len(self.params):
             raise TypeError(f"kernel takes {len(self.params)} arguments; got {len(args)}")
         values = []
@@ -210,11 +232,7 @@ class _Launcher:
                 raise TypeError(f"kernel argument {i}: expected a {param[2]}-d {param[1]} array; "
                                 f"got {a.ndim}-d {a.dtype}")
             values += (math.prod(a.shape), a.dtype.itemsize, a.ptr, *a.shape, *a.strides)
-        buffers = getattr(self._buffers, "pair", None)
-        if buffers is None:
-            buffers = self._buffers.pair = param_buffer([0] * (self.layout.size // 8))
-        self.layout.pack_into(buffers[0], 0, *values)
-        return buffers[1]
+        return values
 
     def cufunc(self, device_id: int | None):
         """The function loaded on the current context's device (device_id; None: no context yet)."""
@@ -269,6 +287,17 @@ _LAUNCHERS: dict = {}
 # cuLaunchKernel straight from the bindings: None until the first launch, then True, or False if
 # the installed cuda.bindings refused that first call's argument types (then cuda.core launches).
 _RAW = {"ok": None}
+# plans.py watches the launches of a call it is about to cache: while this thread's
+# ``recording.launches`` is a list, ``launch`` appends (dispatcher, grid, block, stream,
+# shared_bytes, args) to it (and launches as usual); ``arrays.empty_like_kind`` notes allocations.
+recording = threading.local()
+
+
+def launcher_of(dispatcher) -> _Launcher:
+    launcher = _LAUNCHERS.get(dispatcher)
+    if launcher is None:
+        launcher = _LAUNCHERS[dispatcher] = _Launcher(dispatcher)
+    return launcher
 
 
 def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
@@ -277,15 +306,46 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     args: DeviceViews (or anything with ``__cuda_array_interface__``) for array parameters,
     Python numbers for scalars. stream: 0 or a Numba stream.
     """
+    watched = getattr(recording, "launches", None)
+    if watched is not None:
+        watched.append((dispatcher, grid, block, stream, shared_bytes, args))
     if nb_config.ENABLE_CUDASIM:
         dispatcher[grid, block, stream, shared_bytes](*args)
         return
-    cu = _bindings()
+    launcher = launcher_of(dispatcher)
+    cufunc = function(launcher, current_device_id(), shared_bytes)
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    block = block if isinstance(block, tuple) else (block,)
+    if _RAW["ok"] is not False:
+        gx, gy, gz = (int(n) for n in (grid + (1, 1))[:3])
+        bx, by, bz = (int(n) for n in (block + (1, 1))[:3])
+        slots = None  # keeps the fallback's slot buffer alive until cuLaunchKernel has copied it
+        try:
+            pointers = launcher.pack(args)
+        except (struct.error, OverflowError):  # a scalar out of its type's range: ctypes converts as before
+            slots, pointers = param_buffer(launcher.flatten(args, raw=True))
+        try:
+            raw_launch(cufunc, (gx, gy, gz), (bx, by, bz), shared_bytes, stream, pointers)
+        except TypeError as e:
+            if _RAW["ok"]:  # it worked before: this is a real error, not a bindings mismatch
+                raise
+            _RAW["ok"] = False  # these bindings take other argument types: cuda.core from now on
+            warnings.warn(f"numba_flash.launch: cuLaunchKernel refused the call ({e}); launching through "
+                          "cuda.core instead (slower per call)", RuntimeWarning, stacklevel=2)
+        else:
+            _RAW["ok"] = True
+            return
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+    from numba.cuda.cudadrv import driver
 
-    launcher = _LAUNCHERS.get(dispatcher)
-    if launcher is None:
-        launcher = _LAUNCHERS[dispatcher] = _Launcher(dispatcher)
-    cufunc = launcher.cufunc(current_device_id())
+    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+    core_launch(driver._to_core_stream(stream), config, cufunc.kernel, *launcher.flatten(args))
+
+
+def function(launcher: _Launcher, device_id: int | None, shared_bytes: int):
+    """The kernel loaded on the current context's device, allowed ``shared_bytes`` of dynamic shared memory."""
+    cufunc = launcher.cufunc(device_id)
     device_id = cufunc.device.id
     if shared_bytes > SMEM_STATIC_MAX and launcher.smem_opt_in.get(device_id, 0) < shared_bytes:
         # Above 48 KiB a kernel must opt in to dynamic shared memory, once per device.
@@ -299,36 +359,17 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
             raise ValueError(f"{cufunc.name}: {shared_bytes} B of dynamic shared memory requested; device "
                              f"{device_id} allows at most {limit} B per block ({e})") from e
         launcher.smem_opt_in[device_id] = shared_bytes
-    grid = grid if isinstance(grid, tuple) else (grid,)
-    block = block if isinstance(block, tuple) else (block,)
-    if _RAW["ok"] is not False:
-        gx, gy, gz = (int(n) for n in (grid + (1, 1))[:3])
-        bx, by, bz = (int(n) for n in (block + (1, 1))[:3])
-        slots = None  # keeps the fallback's slot buffer alive until cuLaunchKernel has copied it
-        try:
-            pointers = launcher.pack(args)
-        except (struct.error, OverflowError):  # a scalar out of its type's range: ctypes converts as before
-            slots, pointers = param_buffer(launcher.flatten(args, raw=True))
-        try:
-            (err,) = cu.cuLaunchKernel(cufunc.handle, gx, gy, gz, bx, by, bz, int(shared_bytes),
-                                      stream.handle if stream else 0, ctypes.addressof(pointers), 0)
-        except TypeError as e:
-            if _RAW["ok"]:  # it worked before: this is a real error, not a bindings mismatch
-                raise
-            _RAW["ok"] = False  # these bindings take other argument types: cuda.core from now on
-            warnings.warn(f"numba_flash.launch: cuLaunchKernel refused the call ({e}); launching through "
-                          "cuda.core instead (slower per call)", RuntimeWarning, stacklevel=2)
-        else:
-            if err != cu.CUresult.CUDA_SUCCESS:
-                from numba.cuda.cudadrv import driver
+    return cufunc
 
-                raise driver.CudaAPIError(err, f"cuLaunchKernel of {cufunc.name} (grid {grid}, block {block}, "
-                                               f"{shared_bytes} B dynamic shared memory)")
-            _RAW["ok"] = True
-            return
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as core_launch
-    from numba.cuda.cudadrv import driver
 
-    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-    core_launch(driver._to_core_stream(stream), config, cufunc.kernel, *launcher.flatten(args))
+def raw_launch(cufunc, grid: tuple, block: tuple, shared_bytes: int, stream, pointers) -> None:
+    """cuLaunchKernel with 3-int grid and block and a ``void **`` parameter array; raises on an error
+    code (TypeError where the installed cuda.bindings take other argument types)."""
+    cu = _bindings()
+    (err,) = cu.cuLaunchKernel(cufunc.handle, *grid, *block, int(shared_bytes),
+                              stream.handle if stream else 0, ctypes.addressof(pointers), 0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        from numba.cuda.cudadrv import driver
+
+        raise driver.CudaAPIError(err, f"cuLaunchKernel of {cufunc.name} (grid {grid}, block {block}, "
+                                       f"{shared_bytes} B dynamic shared memory)")

@@ -266,6 +266,19 @@ def measure_no_gpu(label: str, profile: bool = False) -> dict:
     for dt in ("float16", "float32"):
         q, k, v = (StubTensor((1, 1, 64, 64), getattr(torch, dt)) for _ in range(3))
         run(f"forward {dt} B1 H1 N64 d64", lambda: numba_flash.forward(q, k, v))
+    for dt in ("float32", "float16"):
+        q, k, v, o, do = (StubTensor((1, 1, 64, 64), getattr(torch, dt)) for _ in range(5))
+        lse = StubTensor((1, 1, 64), torch.float32)
+        run(f"backward {dt} B1 H1 N64 d64", lambda: numba_flash.backward(q, k, v, o, lse, do))
+    plans = getattr(numba_flash, "plans", None)
+    if plans is not None and hasattr(plans, "set_enabled"):  # this package has plans: the ordinary path too
+        plans.set_enabled(False)
+        q, k, v = (StubTensor((1, 1, 64, 64), torch.float16) for _ in range(3))
+        run("forward float16 B1 H1 N64 d64, plans off", lambda: numba_flash.forward(q, k, v))
+        q = StubTensor((8, 32, 1, 128), torch.float16)
+        k, v = (StubTensor((8, 8, 32768, 128), torch.float16) for _ in range(2))
+        run("decode float16 B8 H32 Hkv8 Nk32768 d128 (4 splits), plans off", lambda: numba_flash.decode(q, k, v))
+        plans.set_enabled(True)
     if profile:
         import cProfile
         import io

@@ -149,7 +149,8 @@ def test_pack_writes_the_bytes_of_param_buffer(rng):
 @pytest.mark.parametrize("dtype,causal", [("float32", False), ("float32", True), ("float16", False),
                                           ("bfloat16", True)])
 def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
-    """forward, backward and decode through ``launch`` and through Numba's dispatcher: same bits."""
+    """forward, backward and decode through ``launch`` (first call and plan replay) and through Numba's
+    dispatcher: same bits."""
     import torch
     from numba import cuda
 
@@ -169,7 +170,14 @@ def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
         dec = numba_flash.decode(q[:, :, :3].contiguous(), k, v, cache_seqlens=lens, num_splits=4)
         return (out, lse, *grads, *dec)
 
-    fast = everything()
+    from numba_flash import plans
+
+    plans.clear()
+    fast = everything()  # new signatures: the ordinary path, watched by plans
+    hits = plans.cache_info()["hits"]
+    replayed = everything()  # the same signatures: the plans, new outputs
+    assert plans.cache_info()["hits"] == hits + 3, "forward, backward and decode did not all replay a plan"
+    monkeypatch.setitem(plans._state, "enabled", False)  # the dispatcher run below must not be a replay
     calls = []
 
     def via_dispatcher(dispatcher, grid, block, stream, shared, *args):
@@ -186,8 +194,9 @@ def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
     assert len(calls) >= 6, "the dispatcher path did not run every kernel"
     assert launch_mod._RAW["ok"] is True, "the fast path fell back to cuda.core"
     bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
-    for i, (a, b) in enumerate(zip(fast, slow)):
+    for i, (a, r, b) in enumerate(zip(fast, replayed, slow)):
         assert torch.equal(bits(a), bits(b)), f"output {i} differs ({dtype}, causal={causal})"
+        assert torch.equal(bits(r), bits(b)), f"output {i} of the replayed plan differs ({dtype}, causal={causal})"
 
 
 @pytest.mark.gpu
@@ -218,6 +227,43 @@ def test_launch_on_a_side_stream_orders_with_torch():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")
+def test_plans_follow_pointer_alignment(monkeypatch):
+    """One shape, q 16-byte aligned then 2 bytes off (tensor cores need aligned rows, so the second
+    signature runs the SIMT kernel with a warning), then aligned again with new data: each call
+    gives the bits of the same call with plans off."""
+    import torch
+
+    import numba_flash
+    from numba_flash import plans
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    shape, n = (2, 4, 200, 64), 2 * 4 * 200 * 64
+    flat = torch.randn(n + 8, device="cuda", generator=g).half()
+    k, v = (torch.randn(*shape, device="cuda", generator=g).half() for _ in range(2))
+    plans.clear()
+
+    def both(q, **kw):
+        got = numba_flash.forward(q, k, v, **kw)
+        monkeypatch.setitem(plans._state, "enabled", False)
+        ref = numba_flash.forward(q, k, v, **kw)
+        monkeypatch.setitem(plans._state, "enabled", True)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+    for _ in range(2):  # first call, then a hit
+        both(flat[:n].view(shape), causal=True)
+        with pytest.warns(numba_flash.PerformanceWarning, match="16-byte aligned"):
+            both(flat[1:n + 1].view(shape), causal=True)
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            numba_flash.forward(flat[1:n + 1].view(shape), k, v, kernel="mma")
+    flat.copy_(torch.randn(n + 8, device="cuda", generator=g))
+    both(flat[8:n + 8].view(shape), causal=True)  # 16 bytes on: aligned, the first plan, new data
+    assert plans.cache_info()["hits"] >= 3
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")
 def test_cuda_core_fallback_gives_the_same_bits(monkeypatch):
     """The path taken when cuda.bindings refuses cuLaunchKernel's arguments: cuda.core's launch."""
     import torch
@@ -237,3 +283,19 @@ def test_cuda_core_fallback_gives_the_same_bits(monkeypatch):
 def test_zero_size_views_are_contiguous():
     v = DeviceView(0, (2, 4, 0), c_strides((2, 4, 0), 4), np.float32)
     assert v.is_c_contiguous() and v.reshape((8, 0)).shape == (8, 0)
+
+
+def test_data_slots_and_template(rng):
+    """data_slots: where each array's data pointer sits among the 8-byte slots (a plan rewrites only
+    those); template: the bytes pack writes."""
+    disp = _FakeDispatcher(types.int32, types.Array(types.uint16, 4, "A"), types.float32,
+                           types.Array(types.float32, 2, "A"))
+    launcher = _Launcher(disp)
+    a = DeviceView(int(rng.integers(1, 2**40)) * 16, (2, 3, 4, 5), c_strides((2, 3, 4, 5), 2), np.uint16)
+    b = DeviceView(int(rng.integers(1, 2**40)) * 16, (6, 7), c_strides((6, 7), 4), np.float32)
+    args = (7, a, 0.5, b)
+    slots = np.frombuffer(launcher.template(args), np.uint64)
+    assert launcher.data_slots == [None, 1 + 4, None, 1 + 13 + 1 + 4]
+    assert int(slots[launcher.data_slots[1]]) == a.ptr and int(slots[launcher.data_slots[3]]) == b.ptr
+    pointers = launcher.pack(args)
+    assert ctypes.string_at(pointers[0], launcher.layout.size) == launcher.template(args)
