@@ -323,6 +323,12 @@ SWEEP_GPU_CONFIGS = [
     (128, dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False)), (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),
     (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, Q_IN_REGS=False)), (64, dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
     (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=128)),
+    # issue #4 variants (grid order, shared-memory epilogue, prologue, two K/V stages)
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, GRID_BH_X=True, SMEM_EPILOGUE=True, PROLOGUE_V=True)),
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, KV_STAGES=2)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, KV_STAGES=2, SMEM_EPILOGUE=True)),
+    (64, dict(BLOCK_Q=64, BLOCK_K=64, KV_STAGES=2, GRID_BH_X=True)), (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2, Q_IN_REGS=False)),
 ]
 
 
