@@ -43,7 +43,8 @@ from numba_flash.kernels import mma_forward  # noqa: E402
 # Issue #4 variants (mma_forward.kernel_source): "grid" = GRID_BH_X (B·H on grid x: every head's heaviest
 # causal Q tile dispatched first), "epi" = SMEM_EPILOGUE (O through shared memory, 16-byte stores),
 # "pro" = PROLOGUE_V (Q + K_0 one cp.async group, V_0 right behind, no Q-only barrier), "kv2" = KV_STAGES=2
-# (double-buffered K/V, one barrier per tile). They come first: the shipped config, then its variants.
+# (double-buffered K/V, one barrier per tile), "skip" = WARP_SKIP (causal: a warp skips a tile none of its
+# rows sees). They come first: the shipped config, then its variants.
 # An optional third element names the only shapes (a label or a tuple of labels) a variant runs on.
 D128_FIRST = "f16 B4H16 N4096 d128"
 D128C = "f16 B4H16 N4096 d128 causal"
@@ -51,6 +52,7 @@ D64 = "f16 B4H16 N4096 d64"
 D64C = "f16 B4H16 N4096 d64 causal"
 MT2_128 = dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)  # shipped for d=128 (both) and d=64 non-causal
 EPI, PRO, GRID, KV2 = dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V=True), dict(GRID_BH_X=True), dict(KV_STAGES=2)
+SKIP = dict(WARP_SKIP=True)
 VARIANTS = {
     128: [
         ("128x64 mt2", MT2_128),  # shipped (both); FA2's d=128 tile; 64 KiB dynamic smem
@@ -59,6 +61,8 @@ VARIANTS = {
         ("128x64 mt2 epi+pro", {**MT2_128, **EPI, **PRO}),
         ("128x64 mt2 grid", {**MT2_128, **GRID}, (D128C, D128_FIRST)),
         ("128x64 mt2 grid+epi+pro", {**MT2_128, **GRID, **EPI, **PRO}, D128C),
+        ("128x64 mt2 skip", {**MT2_128, **SKIP}, D128C),
+        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D128C),
         ("128x64 mt2 kv2", {**MT2_128, **KV2}),
         ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}),
         ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)),  # v4 default, non-causal
@@ -84,6 +88,8 @@ VARIANTS = {
         ("128x128 mt2 qsmem", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2, Q_IN_REGS=False)),  # FA2's d=64 tile
         ("128x64 mt2 qsmem", {**MT2_128, "Q_IN_REGS": False}),
         ("128x64 mt2 grid+epi+pro", {**MT2_128, **GRID, **EPI, **PRO}, D64C),
+        ("128x64 mt2 skip", {**MT2_128, **SKIP}, D64C),
+        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),
         ("128x128 mt2", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2)),
         ("256x64 mt2", dict(BLOCK_Q=256, BLOCK_K=64, M_TILES=2)),
         ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
@@ -110,9 +116,10 @@ OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
 def kernel_for(cfg, head_dim, causal, dtype):
     """The compiled kernel launch() uses for cfg (same key as launch's call, so the lru_cache hits)."""
     extra = {}
-    if any(cfg.get(n) for n in ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V")) or cfg.get("KV_STAGES", 1) != 1:
+    if any(cfg.get(n) for n in ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "WARP_SKIP")) or cfg.get("KV_STAGES", 1) != 1:
         extra = dict(GRID_BH_X=bool(cfg.get("GRID_BH_X", False)), SMEM_EPILOGUE=bool(cfg.get("SMEM_EPILOGUE", False)),
-                     PROLOGUE_V=bool(cfg.get("PROLOGUE_V", False)), KV_STAGES=int(cfg.get("KV_STAGES", 1)))
+                     PROLOGUE_V=bool(cfg.get("PROLOGUE_V", False)), KV_STAGES=int(cfg.get("KV_STAGES", 1)),
+                     WARP_SKIP=bool(cfg.get("WARP_SKIP", False)))
     return mma_forward.make_forward_kernel(
         cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim, bool(causal),
         "bfloat16" if dtype == torch.bfloat16 else "float16", cfg.get("Q_IN_REGS"),

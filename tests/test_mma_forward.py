@@ -329,6 +329,8 @@ SWEEP_GPU_CONFIGS = [
     (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, KV_STAGES=2, SMEM_EPILOGUE=True)),
     (64, dict(BLOCK_Q=64, BLOCK_K=64, KV_STAGES=2, GRID_BH_X=True)), (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
     (64, dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2, Q_IN_REGS=False)),
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, WARP_SKIP=True)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, WARP_SKIP=True, GRID_BH_X=True)),
 ]
 
 
@@ -378,7 +380,7 @@ def test_gpu_long_sequence_spot_check():
 # stages): simulator correctness, and the default kernels' PTX unchanged by their existence
 # --------------------------------------------------------------------------------------------
 VARIANT_FLAGS = [dict(GRID_BH_X=True), dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V=True), dict(KV_STAGES=2),
-                 dict(GRID_BH_X=True, SMEM_EPILOGUE=True, KV_STAGES=2)]
+                 dict(WARP_SKIP=True), dict(GRID_BH_X=True, SMEM_EPILOGUE=True, KV_STAGES=2, WARP_SKIP=True)]
 
 
 @in_simulator
@@ -398,6 +400,16 @@ def test_variants_head_dim_128_and_odd_d_sim(flags):
     dropped, a padded column), Nq > Nk causal (whole rows masked), bf16, 4 warps x 16 rows."""
     r = run_forward(1, 1, 1, 40, 23, 120, True, "bfloat16", seed=22, HEAD_DIM=128, BLOCK_Q=64, BLOCK_K=16, **flags)
     assert_close(*r, "bfloat16")
+
+
+@in_simulator
+@pytest.mark.parametrize("n_q,n_k", [(128, 128), (100, 60), (50, 130)])
+def test_warp_skip_sim(n_q, n_k):
+    """WARP_SKIP, causal, 2 warps x 32 rows, 16-key tiles: each Q tile's last tiles lie wholly above the
+    diagonal for warp 0 (and, with Nq > Nk, whole warps see nothing at all)."""
+    r = run_forward(1, 1, 1, n_q, n_k, 64, True, "float16", seed=24, BLOCK_Q=64, BLOCK_K=16, M_TILES=2,
+                    WARP_SKIP=True, PROLOGUE_V=True)
+    assert_close(*r, "float16")
 
 
 @in_simulator

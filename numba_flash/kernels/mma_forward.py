@@ -142,7 +142,8 @@ def tile_copies(HEAD_DIM, THREADS):
 
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
-                  M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1):
+                  M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1,
+                  WARP_SKIP=False):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
@@ -172,7 +173,14 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     KV_STAGES=2: K and V double-buffered (Q | K0 | V0 | K1 | V1): at the top of tile j one barrier
     (K_j and V_j landed, every warp left tile j-1) and K_{j+1}, V_{j+1} are issued into the other
     buffers at once, so each tile has one barrier instead of two and its loads a whole tile of time.
+    WARP_SKIP (causal): a warp runs the K/V loop only over the tiles its own rows see; with BLOCK_Q >
+    BLOCK_K a Q tile's last tiles lie wholly above the diagonal for its first warps, which then only
+    take part in those tiles' barriers and copies (a second loop), skipping Q·K_jᵀ, softmax and P·V_j
+    (exact: there p would be 0 and alpha 1). The main loop body is unchanged; only its bound is per warp.
     """
+    WARP_SKIP = bool(WARP_SKIP and CAUSAL)
+    if WARP_SKIP and not (TWO_SYNCS and FAST_LOADS):
+        raise ValueError("WARP_SKIP is built on TWO_SYNCS=True, FAST_LOADS=True")
     if (PROLOGUE_V or KV_STAGES == 2) and not (TWO_SYNCS and FAST_LOADS):
         raise ValueError("PROLOGUE_V and KV_STAGES=2 are built on TWO_SYNCS=True, FAST_LOADS=True")
     if PROLOGUE_V and KV_STAGES == 2:
@@ -381,7 +389,11 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             m_i[r] = NEG_INF
             l_i[r] = ZERO
 
-        for j in range(n_tiles):
+        n_tiles_w = n_tiles  # tiles this warp computes (WARP_SKIP: those its rows see)
+        if WARP_SKIP:
+            seen_w = q0 + warp * ROWS_W + ROWS_W + shift  # keys the warp's last row sees
+            n_tiles_w = min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K)
+        for j in range(n_tiles_w):
             k0 = j * BLOCK_K
             if TWO_STAGES:  # one barrier: K_j, V_j landed and every warp left tile j-1's buffers
                 kv_buf = (j & 1) * KV_WORDS  # word offset of this tile's (K, V) pair
@@ -517,6 +529,34 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             if not TWO_SYNCS:
                 cuda.syncthreads()  # every warp is done reading V_j before V_{j+1} is copied over it
 
+        if WARP_SKIP:  # the tiles this warp does not see: the same barriers and copies, no maths
+            for j in range(n_tiles_w, n_tiles):
+                k0 = j * BLOCK_K
+                if TWO_STAGES:
+                    kv_buf = (j & 1) * KV_WORDS
+                    cp_wait(0)
+                    cuda.syncthreads()
+                    if j + 1 < n_tiles:
+                        load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_src, k_stride, col_bytes, kv_dst,
+                                       k0 + BLOCK_K, n_k, KV_COPIES)
+                        load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_src, v_stride, col_bytes, kv_dst,
+                                       k0 + BLOCK_K, n_k, KV_COPIES)
+                    cp_commit()
+                else:
+                    if PROLOGUE_V and j == 0:
+                        cp_wait(1)
+                    else:
+                        cp_wait(0)
+                    cuda.syncthreads()
+                    if not PROLOGUE_V or j > 0:
+                        load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                    cp_commit()
+                    cp_wait(0)
+                    cuda.syncthreads()
+                    if j + 1 < n_tiles:
+                        load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                    cp_commit()
+
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
 
         # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
@@ -580,7 +620,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                         MAX_REGS=None, M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False,
-                        PROLOGUE_V=False, KV_STAGES=1):
+                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False):
     """The compiled kernel for one specialisation; cached so each compiles once.
 
     MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
@@ -591,7 +631,7 @@ def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=Non
                          f"{'; '.join(bad)}")
     source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK),
                            M_TILES, bool(TWO_SYNCS), bool(GRID_BH_X), bool(SMEM_EPILOGUE), bool(PROLOGUE_V),
-                           int(KV_STAGES))
+                           int(KV_STAGES), bool(WARP_SKIP))
     if MAX_REGS:
         return cuda.jit(kernel_signature(), max_registers=int(MAX_REGS))(source)
     return cuda.jit(kernel_signature())(source)
@@ -604,7 +644,8 @@ def _words(x):
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
            Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1, TWO_SYNCS=True,
-           GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1, layout_checked=False):
+           GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False,
+           layout_checked=False):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -618,8 +659,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     UNROLL_QK (default on) switch the v4 code paths (False: the older ones, kept for the sweep to
     compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount; M_TILES (1 or 2) is the number of
     16-row m-tiles per warp (threads per block = 32 * BLOCK_Q / (16 * M_TILES)); TWO_SYNCS (default
-    on): two barriers per K/V tile (False: the older three). GRID_BH_X, SMEM_EPILOGUE, PROLOGUE_V and
-    KV_STAGES are the sweep variants of kernel_source (default off); SMEM_EPILOGUE quietly falls back
+    on): two barriers per K/V tile (False: the older three). GRID_BH_X, SMEM_EPILOGUE, PROLOGUE_V,
+    KV_STAGES and WARP_SKIP are the sweep variants of kernel_source (default off); SMEM_EPILOGUE quietly falls back
     to the fragment stores when out's rows are not 16-byte aligned. layout_checked=True skips the stride and
     alignment checks for a caller that has made them (numba_flash.forward: they are per-call host time).
     """
@@ -641,9 +682,9 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     if SMEM_EPILOGUE and (address(out) % 16 or any(s % 16 for s in out.strides[:-1])):
         SMEM_EPILOGUE = False  # 16-byte stores need 16-byte aligned rows
     extra = {}  # the variants only when asked for: the default call keeps make_forward_kernel's cache key
-    if GRID_BH_X or SMEM_EPILOGUE or PROLOGUE_V or KV_STAGES != 1:
+    if GRID_BH_X or SMEM_EPILOGUE or PROLOGUE_V or KV_STAGES != 1 or WARP_SKIP:
         extra = dict(GRID_BH_X=bool(GRID_BH_X), SMEM_EPILOGUE=bool(SMEM_EPILOGUE), PROLOGUE_V=bool(PROLOGUE_V),
-                     KV_STAGES=int(KV_STAGES))
+                     KV_STAGES=int(KV_STAGES), WARP_SKIP=bool(WARP_SKIP))
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
                                  bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra)
     grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)
