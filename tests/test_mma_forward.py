@@ -413,6 +413,18 @@ def test_warp_skip_sim(n_q, n_k):
 
 
 @in_simulator
+@pytest.mark.parametrize("flags", [dict(PROLOGUE_V=True), dict(KV_STAGES=2)])
+def test_smem_epilogue_block_without_key_tiles_sim(flags):
+    """Nq = 80 > Nk = 10, causal, 32-row Q tiles at d = 128 (Q in shared memory, no prologue
+    barrier): the first Q tiles see no key at all, so O = 0 goes into Q's rows after the block's
+    only barrier (the one EPI_SYNC adds)."""
+    r = run_forward(1, 1, 1, 80, 10, 128, True, "float16", seed=25, BLOCK_Q=32, BLOCK_K=16,
+                    SMEM_EPILOGUE=True, **flags)
+    assert (r[1][0, 0, :70] == -np.inf).all() and (r[0][0, 0, :70] == 0).all()
+    assert_close(*r, "float16")
+
+
+@in_simulator
 def test_smem_epilogue_unaligned_out_falls_back_sim():
     """d = 44: out's rows (88 bytes) are not 16-byte aligned, so launch quietly uses the fragment
     stores (q, k, v are rows of a 48-element buffer, as cp.async needs)."""

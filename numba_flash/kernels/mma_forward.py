@@ -213,6 +213,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     TWO_STAGES = KV_STAGES == 2
     EARLY_KV = bool(PROLOGUE_V or TWO_STAGES)
     WAIT_Q = 1 if PROLOGUE_V else 0
+    # O goes into Q's rows, which other threads' cp.async filled; without a prologue barrier only the
+    # loop's barriers prove those copies landed, so a block with no K/V tile needs one of its own.
+    EPI_SYNC = bool(SMEM_EPILOGUE and EARLY_KV and not Q_IN_REGS)
     O_STORES = ROWS_W * CHUNKS // 32  # SMEM_EPILOGUE: 16-byte stores per lane (a warp's rows)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
@@ -558,6 +561,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     cp_commit()
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
+        if EPI_SYNC:
+            if n_tiles == 0:  # (block-uniform)
+                cuda.syncthreads()
 
         # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
         for mr in range(2 * M_TILES):
