@@ -546,6 +546,74 @@ def _red_add_v2_f32_twin(array, offset, x, y):
 
 
 # --------------------------------------------------------------------------------------------
+# Plain shared / global accesses the epilogue through shared memory needs: a 32-bit shared store
+# into a 16-bit tile, a 16-byte shared load and a 16-byte global store (flat element offsets)
+# --------------------------------------------------------------------------------------------
+@intrinsic
+def _st_shared_b32_intrinsic(typingctx, smem, offset, word):
+    if not (_is_16bit_array(smem) and _is_int(offset, word)):
+        return None
+    sig = types.void(smem, offset, word)
+
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        w = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [addr, w], "st.shared.b32 [$0], $1;", "r,r,~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _ld_shared_v4_intrinsic(typingctx, smem, offset):
+    if not (_is_16bit_array(smem) and _is_int(offset)):
+        return None
+    sig = types.UniTuple(types.uint32, 4)(smem, offset)
+
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        ret = ir.LiteralStructType([_I32] * 4)
+        r = _asm(builder, ret, [addr], "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}", True)
+        return context.make_tuple(builder, sig.return_type, _unpack(builder, r, 4))
+
+    return sig, codegen
+
+
+@intrinsic
+def _st_global_v4_intrinsic(typingctx, array, offset, w0, w1, w2, w3):
+    if not (isinstance(array, types.Array) and _is_int(offset, w0, w1, w2, w3)):
+        return None
+    sig = types.void(array, offset, w0, w1, w2, w3)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        words = [context.cast(builder, a, t, types.uint32) for a, t in zip(args[2:], sig.args[2:])]
+        # A generic pointer into global memory is its global address (CUDA's identity mapping).
+        _asm(builder, ir.VoidType(), [ptr, *words], "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
+             "l,r,r,r,r,~{memory}", True)
+
+    return sig, codegen
+
+
+def _st_shared_b32_twin(smem, offset, word):
+    flat = _numpy_of(smem).reshape(-1)
+    off = int(offset)
+    if off % 2:
+        raise ValueError(f"st.shared.b32: element offset {off} is not 4-byte aligned")
+    flat[off] = int(word) & 0xFFFF
+    flat[off + 1] = (int(word) >> 16) & 0xFFFF
+
+
+def _ld_shared_v4_twin(smem, offset):
+    w = _flat_bytes(smem, offset, 16, "ld.shared.v4").view(np.uint32)
+    return int(w[0]), int(w[1]), int(w[2]), int(w[3])
+
+
+def _st_global_v4_twin(array, offset, w0, w1, w2, w3):
+    target = _span_bytes(array, offset, 16, "st.global.v4")
+    target[:] = np.array([int(w0), int(w1), int(w2), int(w3)], np.uint32).view(np.uint8)
+
+
+# --------------------------------------------------------------------------------------------
 # Warp shuffle (the simulator has none): the quad reductions of the softmax use it.
 # --------------------------------------------------------------------------------------------
 def _shfl_xor_sync_twin(mask, value, lane_mask):
@@ -590,6 +658,9 @@ if SIMULATOR:
     syncwarp = _syncwarp_twin
     red_add_f32 = _red_add_f32_twin
     red_add_v2_f32 = _red_add_v2_f32_twin
+    st_shared_b32 = _st_shared_b32_twin
+    ld_shared_v4 = _ld_shared_v4_twin
+    st_global_v4 = _st_global_v4_twin
 else:
     mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
@@ -605,6 +676,9 @@ else:
     shfl_xor_sync = cuda.shfl_xor_sync
     red_add_f32 = _red_add_f32_intrinsic
     red_add_v2_f32 = _red_add_v2_f32_intrinsic
+    st_shared_b32 = _st_shared_b32_intrinsic
+    ld_shared_v4 = _ld_shared_v4_intrinsic
+    st_global_v4 = _st_global_v4_intrinsic
 
     @inline_device
     def syncwarp():  # cuda.syncwarp is a typing stub, callable only as an attribute of cuda
@@ -615,7 +689,7 @@ __all__ = [
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
-    "inline_device",
+    "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

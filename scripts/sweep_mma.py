@@ -2,6 +2,7 @@
 
     python3 scripts/sweep_mma.py                  # the whole sweep (< 3 min on an H200, compiles included)
     python3 scripts/sweep_mma.py --max-seconds 90 # stop starting new variants after 90 s
+    python3 scripts/sweep_mma.py --shapes 'N4096' --variants '^(128x64 mt2|64x64)( |$)'  # a subset (regexes)
 
 For each shape, every variant of the same head dim is launched through ``mma_forward.launch`` on
 torch-allocated CUDA tensors (Numba views made once, outside the timed region), its O compared
@@ -20,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -36,14 +38,35 @@ from numba_flash.kernels import mma_forward  # noqa: E402
 
 # (name, config for mma_forward.launch); order = priority (a deadline skips the tail).
 # "mt2" = M_TILES=2 (32 query rows per warp, warps = BQ / 32); "8w" = 8 warps of 16 rows; rNNN = MAX_REGS;
-# "qreg" = Q_IN_REGS=True (Q fragments loaded once; the d=128 default re-reads them every k-step).
-# An optional third element names the only shape a variant runs on (to keep compiles < 3 min).
+# "qreg" = Q_IN_REGS=True (Q fragments loaded once; the d=128 default re-reads them every k-step),
+# "qsmem" = Q_IN_REGS=False (d=64 re-reads Q per k-step, as FA2 does).
+# Issue #4 variants (mma_forward.kernel_source): "grid" = GRID_BH_X (B·H on grid x: every head's heaviest
+# causal Q tile dispatched first), "epi" = SMEM_EPILOGUE (O through shared memory, 16-byte stores),
+# "pro" = PROLOGUE_V (Q + K_0 one cp.async group, V_0 right behind, no Q-only barrier), "kv2" = KV_STAGES=2
+# (double-buffered K/V, one barrier per tile), "skip" = WARP_SKIP (causal: a warp skips a tile none of its
+# rows sees). They come first: the shipped config, then its variants.
+# An optional third element names the only shapes (a label or a tuple of labels) a variant runs on.
 D128_FIRST = "f16 B4H16 N4096 d128"
+D128C = "f16 B4H16 N4096 d128 causal"
+D64 = "f16 B4H16 N4096 d64"
+D64C = "f16 B4H16 N4096 d64 causal"
+MT2_128 = dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)  # shipped for d=128 (both) and d=64 non-causal
+EPI, PRO, GRID, KV2 = dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V=True), dict(GRID_BH_X=True), dict(KV_STAGES=2)
+SKIP = dict(WARP_SKIP=True)
 VARIANTS = {
     128: [
-        ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)),  # shipped, non-causal
-        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # shipped, causal
-        ("128x64 mt2", dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),  # FA2's d=128 tile; 64 KiB dynamic smem
+        ("128x64 mt2", MT2_128),  # shipped (both); FA2's d=128 tile; 64 KiB dynamic smem
+        ("128x64 mt2 epi", {**MT2_128, **EPI}),
+        ("128x64 mt2 pro", {**MT2_128, **PRO}),
+        ("128x64 mt2 epi+pro", {**MT2_128, **EPI, **PRO}),
+        ("128x64 mt2 grid", {**MT2_128, **GRID}, (D128C, D128_FIRST)),
+        ("128x64 mt2 grid+epi+pro", {**MT2_128, **GRID, **EPI, **PRO}, D128C),
+        ("128x64 mt2 skip", {**MT2_128, **SKIP}, D128C),
+        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D128C),
+        ("128x64 mt2 kv2", {**MT2_128, **KV2}),
+        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}),
+        ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)),  # v4 default, non-causal
+        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # v4 default, causal
         ("128x64 8w", dict(BLOCK_Q=128, BLOCK_K=64)),
         ("128x32 mt2", dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)),
         ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
@@ -52,8 +75,21 @@ VARIANTS = {
         ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
     ],
     64: [
-        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),
-        ("128x64 mt2", dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),
+        ("128x64 mt2", MT2_128),  # shipped non-causal; never timed causal
+        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # shipped causal (170 registers causal: 2 blocks/SM)
+        ("128x64 mt2 epi", {**MT2_128, **EPI}),
+        ("128x64 mt2 pro", {**MT2_128, **PRO}),
+        ("128x64 mt2 epi+pro", {**MT2_128, **EPI, **PRO}),
+        ("128x64 mt2 grid", {**MT2_128, **GRID}, D64C),
+        ("64x64 r168", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168), D64C),  # 3 blocks/SM instead of 2
+        ("64x64 kv2", dict(BLOCK_Q=64, BLOCK_K=64, **KV2)),  # 161-167 registers: 3 blocks/SM
+        ("64x64 grid", dict(BLOCK_Q=64, BLOCK_K=64, **GRID), D64C),
+        ("128x64 mt2 kv2", {**MT2_128, **KV2}),
+        ("128x128 mt2 qsmem", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2, Q_IN_REGS=False)),  # FA2's d=64 tile
+        ("128x64 mt2 qsmem", {**MT2_128, "Q_IN_REGS": False}),
+        ("128x64 mt2 grid+epi+pro", {**MT2_128, **GRID, **EPI, **PRO}, D64C),
+        ("128x64 mt2 skip", {**MT2_128, **SKIP}, D64C),
+        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),
         ("128x128 mt2", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2)),
         ("256x64 mt2", dict(BLOCK_Q=256, BLOCK_K=64, M_TILES=2)),
         ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
@@ -70,6 +106,7 @@ SHAPES = [
     ("f16 B4H16 N4096 d128", torch.float16, 4, 16, 4096, 128, False),
     ("f16 B4H16 N4096 d128 causal", torch.float16, 4, 16, 4096, 128, True),
     ("f16 B4H16 N4096 d64", torch.float16, 4, 16, 4096, 64, False),
+    ("f16 B4H16 N4096 d64 causal", torch.float16, 4, 16, 4096, 64, True),
     ("bf16 B1H16 N16384 d128", torch.bfloat16, 1, 16, 16384, 128, False),
     ("f16 B4H16 N1024 d64 (overhead)", torch.float16, 4, 16, 1024, 64, False),
 ]
@@ -77,12 +114,17 @@ OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
 
 
 def kernel_for(cfg, head_dim, causal, dtype):
-    """The compiled kernel launch() uses for cfg (same positional key, so the lru_cache hits)."""
+    """The compiled kernel launch() uses for cfg (same key as launch's call, so the lru_cache hits)."""
+    extra = {}
+    if any(cfg.get(n) for n in ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "WARP_SKIP")) or cfg.get("KV_STAGES", 1) != 1:
+        extra = dict(GRID_BH_X=bool(cfg.get("GRID_BH_X", False)), SMEM_EPILOGUE=bool(cfg.get("SMEM_EPILOGUE", False)),
+                     PROLOGUE_V=bool(cfg.get("PROLOGUE_V", False)), KV_STAGES=int(cfg.get("KV_STAGES", 1)),
+                     WARP_SKIP=bool(cfg.get("WARP_SKIP", False)))
     return mma_forward.make_forward_kernel(
         cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim, bool(causal),
         "bfloat16" if dtype == torch.bfloat16 else "float16", cfg.get("Q_IN_REGS"),
         bool(cfg.get("FAST_LOADS", True)), bool(cfg.get("UNROLL_QK", True)), cfg.get("MAX_REGS"),
-        int(cfg.get("M_TILES", 1)), bool(cfg.get("TWO_SYNCS", True)))
+        int(cfg.get("M_TILES", 1)), bool(cfg.get("TWO_SYNCS", True)), **extra)
 
 
 def as_numba(t):
@@ -108,6 +150,9 @@ def kernel_info(kernel, cfg, head_dim):
     regs = one(lambda: kernel.get_regs_per_thread())
     local = one(lambda: kernel.get_local_mem_per_thread())
     smem = one(lambda: kernel.get_shared_mem_per_block())
+    # the tiles live in dynamic shared memory, which the getter does not count
+    smem = (smem or 0) + mma_forward.smem_bytes(cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim,
+                                                 cfg.get("KV_STAGES", 1))
     warps = cfg.get("BLOCK_Q", 64) // (16 * cfg.get("M_TILES", 1))
     blocks = None
     if regs:
@@ -124,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--max-seconds", type=float, default=150.0, help="start no new variant after this")
+    ap.add_argument("--shapes", default=None, help="regex: only shapes whose label matches (re.search)")
+    ap.add_argument("--variants", default=None, help="regex: only variants whose name matches (re.search)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("sweep_mma.py needs a CUDA GPU with torch")
@@ -134,6 +181,8 @@ def main(argv=None):
     rows, overhead = [], []
 
     for label, dtype, B, H, N, d, causal in SHAPES:
+        if args.shapes and not re.search(args.shapes, label):
+            continue
         q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
         scale = 1.0 / math.sqrt(d)
         flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
@@ -174,7 +223,9 @@ def main(argv=None):
             continue
 
         for name, cfg, *only in VARIANTS[64 if d <= 64 else 128]:
-            if only and label not in only:
+            if only and label not in ((only[0],) if isinstance(only[0], str) else only[0]):
+                continue
+            if args.variants and not re.search(args.variants, name):
                 continue
             if time.time() - t_start > args.max_seconds:
                 rows.append(dict(shape=label, variant=name, config=cfg, skipped="deadline"))
@@ -194,7 +245,7 @@ def main(argv=None):
                                                         **cfg), args.warmup, args.iters)
                 row.update(ms=ms, tflops=flops / ms / 1e9)
                 kern = kernel_for(cfg, 64 if d <= 64 else 128, causal, dtype)
-                row.update(kernel_info(kern, cfg, d))
+                row.update(kernel_info(kern, cfg, 64 if d <= 64 else 128))
                 print(f"{label:34s} {name:18s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  err {err:.2e}"
                       f"{'' if row['ok'] else ' BAD'}  regs {row['regs']} local {row['local_bytes']} "
                       f"blocks/SM {row['blocks_per_sm']}  (compile+1st {row['compile_s']:.1f}s)", flush=True)

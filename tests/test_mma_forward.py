@@ -6,6 +6,7 @@ simulated thread is a Python thread (128 per block). Simulator tests re-run them
 process with NUMBA_ENABLE_CUDASIM=1 when this process does not have it; compile tests always run
 in a child without it (see tests/test_ptx.py).
 """
+import json
 import math
 import sys
 from pathlib import Path
@@ -322,6 +323,14 @@ SWEEP_GPU_CONFIGS = [
     (128, dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False)), (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),
     (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, Q_IN_REGS=False)), (64, dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
     (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=128)),
+    # issue #4 variants (grid order, shared-memory epilogue, prologue, two K/V stages)
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, GRID_BH_X=True, SMEM_EPILOGUE=True, PROLOGUE_V=True)),
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, KV_STAGES=2)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, KV_STAGES=2, SMEM_EPILOGUE=True)),
+    (64, dict(BLOCK_Q=64, BLOCK_K=64, KV_STAGES=2, GRID_BH_X=True)), (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2, Q_IN_REGS=False)),
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, WARP_SKIP=True)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, WARP_SKIP=True, GRID_BH_X=True)),
 ]
 
 
@@ -364,3 +373,120 @@ def test_gpu_long_sequence_spot_check():
         r = run_forward(1, 2, 2, 2048, 2048, 128, causal, "float16", seed=11)
         assert np.isfinite(r[0]).all()
         assert_close(*r, "float16")
+
+
+# --------------------------------------------------------------------------------------------
+# Sweep variants of issue #4 (grid order, epilogue through shared memory, prologue, two K/V
+# stages): simulator correctness, and the default kernels' PTX unchanged by their existence
+# --------------------------------------------------------------------------------------------
+VARIANT_FLAGS = [dict(GRID_BH_X=True), dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V=True), dict(KV_STAGES=2),
+                 dict(WARP_SKIP=True), dict(GRID_BH_X=True, SMEM_EPILOGUE=True, KV_STAGES=2, WARP_SKIP=True)]
+
+
+@in_simulator
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("flags", VARIANT_FLAGS, ids=lambda f: "+".join(f"{k}{v}" for k, v in f.items()))
+def test_variants_sim(flags, causal):
+    """2 warps x 32 rows (M_TILES = 2) over Nq = 70 (a ragged Q tile), Nk = 90 (three K/V tiles, the
+    last ragged: two-stage buffers alternate and wrap), GQA, B = H = 2 (the grid order's b·h)."""
+    r = run_forward(2, 2, 1, 70, 90, 64, causal, "float16", seed=21, BLOCK_Q=64, BLOCK_K=32, M_TILES=2, **flags)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+@pytest.mark.parametrize("flags", [dict(SMEM_EPILOGUE=True, PROLOGUE_V=True), dict(KV_STAGES=2, SMEM_EPILOGUE=True)])
+def test_variants_head_dim_128_and_odd_d_sim(flags):
+    """d = 120 in HEAD_DIM = 128 (Q re-read from shared memory; the epilogue's last 16-byte chunk is
+    dropped, a padded column), Nq > Nk causal (whole rows masked), bf16, 4 warps x 16 rows."""
+    r = run_forward(1, 1, 1, 40, 23, 120, True, "bfloat16", seed=22, HEAD_DIM=128, BLOCK_Q=64, BLOCK_K=16, **flags)
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
+@pytest.mark.parametrize("n_q,n_k", [(128, 128), (100, 60), (50, 130)])
+def test_warp_skip_sim(n_q, n_k):
+    """WARP_SKIP, causal, 2 warps x 32 rows, 16-key tiles: each Q tile's last tiles lie wholly above the
+    diagonal for warp 0 (and, with Nq > Nk, whole warps see nothing at all)."""
+    r = run_forward(1, 1, 1, n_q, n_k, 64, True, "float16", seed=24, BLOCK_Q=64, BLOCK_K=16, M_TILES=2,
+                    WARP_SKIP=True, PROLOGUE_V=True)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+@pytest.mark.parametrize("flags", [dict(PROLOGUE_V=True), dict(KV_STAGES=2)])
+def test_smem_epilogue_block_without_key_tiles_sim(flags):
+    """Nq = 80 > Nk = 10, causal, 32-row Q tiles at d = 128 (Q in shared memory, no prologue
+    barrier): the first Q tiles see no key at all, so O = 0 goes into Q's rows after the block's
+    only barrier (the one EPI_SYNC adds)."""
+    r = run_forward(1, 1, 1, 80, 10, 128, True, "float16", seed=25, BLOCK_Q=32, BLOCK_K=16,
+                    SMEM_EPILOGUE=True, **flags)
+    assert (r[1][0, 0, :70] == -np.inf).all() and (r[0][0, 0, :70] == 0).all()
+    assert_close(*r, "float16")
+
+
+@in_simulator
+def test_smem_epilogue_unaligned_out_falls_back_sim():
+    """d = 44: out's rows (88 bytes) are not 16-byte aligned, so launch quietly uses the fragment
+    stores (q, k, v are rows of a 48-element buffer, as cp.async needs)."""
+    r = run_forward(1, 1, 1, 20, 33, 44, False, "float16", seed=23, pad_to=48, SMEM_EPILOGUE=True)
+    assert_close(*r, "float16")
+
+
+# sha256 of each shipped config's sm_90 PTX (configs.MMA_TABLE, f16 and bf16) as commit 613ab89 built it,
+# before the variants existed, normalised only for what differs between two compiles of the same code
+# in one process (Numba's function-version and shared-array counters, the order of the NumbaEnv
+# declarations). Recorded with numba 0.68.1, numba-cuda 0.30.4, NVVM 2.0; other versions skip.
+SHIPPED_PTX_SHA256 = {
+    "128-False-bfloat16": "fd2bd8f96273c5768b5051fd3e652fb36063e3a9ca8ce14715620752af194ce5",
+    "128-False-float16": "ed67e319ede5b131a5563ac24230c5cc89ef6c7197c5ed9fbb20890a66f0b144",
+    "128-True-bfloat16": "3938ac8780c5e609403e8aa9fd96718f6916808c724ccc5f7b06ca52708601ec",
+    "128-True-float16": "85bfc0f67f5431777acbdda3f5d7f963b1d1f17400aaac02cb46a411a4acb419",
+    "64-False-bfloat16": "e327df4fe6e87bda1f937e9b632f8a377d535f8436b2e1ab66980a8ccd193fa9",
+    "64-False-float16": "050684808def618dad2d4dafd1060cd3be8bf5f91c07f7ee0360a4455d35603f",
+    "64-True-bfloat16": "84d7e11316428e4706c80bd21456b4f6ee79bec20297e51b40f3509b76c1637c",
+    "64-True-float16": "5187a58ad2b26dec30ae79b50031c4efe10cffac42567f67f2b56a36c5ae12e0",
+}
+SHIPPED_PTX_VERSIONS = ("0.68.1", "0.30.4", (2, 0))
+
+
+
+def normalised_ptx_sha256(text):
+    import hashlib
+    import re
+
+    text = re.sub(r"B\d+v\d+B", "BvB", text)  # Numba's per-process function version counters
+    text = re.sub(r"_cudapy_smem_\d+", "_cudapy_smem", text)  # ... and shared-array counter
+    lines = text.splitlines(True)
+    env = sorted(x for x in lines if x.startswith(".common .global") and "NumbaEnv" in x)
+    rest = [x for x in lines if not (x.startswith(".common .global") and "NumbaEnv" in x)]
+    return hashlib.sha256("".join(env + rest).encode()).hexdigest()
+
+
+def test_shipped_ptx_unchanged_by_variants(tmp_path):
+    """With every variant off (the default), the shipped kernels' PTX is the PTX of 613ab89."""
+    from test_ptx import NO_GPU_PATCH, run_compile_child
+
+    source = NO_GPU_PATCH + """
+import json, sys
+import numba, numba_cuda
+from numba import cuda
+from numba.cuda.cudadrv import nvvm
+from numba_flash.configs import MMA_TABLE
+from numba_flash.kernels import mma_forward
+sys.path.insert(0, "tests")
+from test_mma_forward import normalised_ptx_sha256
+versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
+out = {}
+if versions == [numba.__version__, "0.30.4", [2, 0]]:
+    for (d, causal), (bq, bk, mt) in sorted(MMA_TABLE.items()):
+        for dtype in ("float16", "bfloat16"):
+            fn = mma_forward.kernel_source(bq, bk, d, causal, dtype, M_TILES=mt)
+            ptx, _ = cuda.compile_ptx(fn, mma_forward.kernel_signature(), cc=(9, 0))
+            out[f"{d}-{causal}-{dtype}"] = normalised_ptx_sha256(ptx)
+print(json.dumps(dict(versions=versions, hashes=out)))
+"""
+    got = run_compile_child(source, [], tmp_path)
+    want = [SHIPPED_PTX_VERSIONS[0], SHIPPED_PTX_VERSIONS[1], list(SHIPPED_PTX_VERSIONS[2])]
+    if got["versions"] != want:
+        pytest.skip(f"hashes recorded with {want}, this is {got['versions']}")
+    assert got["hashes"] == SHIPPED_PTX_SHA256, json.dumps(got["hashes"], indent=1)

@@ -598,3 +598,58 @@ def test_every_intrinsic_compiles_for_sm90(tmp_path):
     assert re.search(r"ldmatrix[^\n]*\[%r\d+\]", text)
     report = ptxas_report(text, tmp_path)
     assert report["spill_stores"] == 0 and report["stack"] == 0, report["text"]
+
+
+# --------------------------------------------------------------------------------------------
+# st.shared.b32, ld.shared.v4, st.global.v4 (the forward's epilogue through shared memory)
+# --------------------------------------------------------------------------------------------
+def check_shared_and_global_vectors():
+    """Lane l stores word l * 0x00010001 + 0x00020001 at words 2l of a 16-bit tile, then lanes 0..7 read
+    16-byte chunk (l + 3) % 8 and store it at chunk l of out (flat element offsets)."""
+
+    @cuda.jit
+    def kernel(out):
+        lane = cuda.threadIdx.x
+        tile = cuda.shared.array(64, np.uint16, alignment=SMEM_ALIGN)
+        ptx.st_shared_b32(tile, 2 * lane, np.uint32(lane * 0x00010001 + 0x00020001))
+        ptx.syncwarp()
+        if lane < 8:
+            w0, w1, w2, w3 = ptx.ld_shared_v4(tile, ((lane + 3) % 8) * 8)
+            ptx.st_global_v4(out, lane * 8, w0, w1, w2, w3)
+
+    out = np.zeros(64, np.uint16)
+    kernel[1, 32](out)
+    words = np.array([lane * 0x00010001 + 0x00020001 for lane in range(32)], np.uint32).view(np.uint16)
+    want = np.concatenate([words[((c + 3) % 8) * 8:((c + 3) % 8) * 8 + 8] for c in range(8)])
+    np.testing.assert_array_equal(out, want)
+
+
+@in_simulator
+def test_shared_and_global_vectors_sim():
+    check_shared_and_global_vectors()
+
+
+VECTORS = """
+import numpy as np
+from numba import cuda, types
+from numba_flash import ptx
+from numba_flash.ptx import SMEM_ALIGN
+
+def vectors(out):
+    lane = cuda.threadIdx.x
+    tile = cuda.shared.array(64, np.uint16, alignment=SMEM_ALIGN)
+    ptx.st_shared_b32(tile, 2 * lane, np.uint32(lane))
+    ptx.syncwarp()
+    w0, w1, w2, w3 = ptx.ld_shared_v4(tile, (lane % 8) * 8)
+    ptx.st_global_v4(out, lane * 8, w0, w1, w2, w3)
+
+SIG = (types.uint16[::1],)
+"""
+
+
+def test_shared_and_global_vectors_compile_for_sm90(tmp_path):
+    text = compile_in_subprocess(VECTORS, "SIG", "vectors", tmp_path)
+    for instr in ("st.shared.b32", "ld.shared.v4.b32", "st.global.v4.b32"):
+        assert instr in text, instr
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0, report["text"]

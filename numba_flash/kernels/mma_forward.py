@@ -70,8 +70,9 @@ def kernel_signature():
     return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
 
 
-def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM):
-    return 2 * HEAD_DIM * (BLOCK_Q + 2 * BLOCK_K)
+def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES=1):
+    """Q tile plus KV_STAGES (K, V) tile pairs, 16-bit words."""
+    return 2 * HEAD_DIM * (BLOCK_Q + 2 * BLOCK_K * KV_STAGES)
 
 
 def threads_per_block(BLOCK_Q, M_TILES=1):
@@ -79,7 +80,7 @@ def threads_per_block(BLOCK_Q, M_TILES=1):
     return 32 * (BLOCK_Q // (16 * M_TILES))
 
 
-def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1):
+def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1, KV_STAGES=1):
     """Why a specialisation cannot be built (empty when it can)."""
     out = []
     if M_TILES not in (1, 2):
@@ -96,8 +97,10 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1):
     for name, rows in (("Q", BLOCK_Q), ("K/V", BLOCK_K)):
         if (rows * HEAD_DIM // 8) % max(threads, 1):
             out.append(f"{name} tile of {rows}x{HEAD_DIM} is not a whole number of 16-byte copies per thread")
-    if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM) > SMEM_PER_BLOCK_MAX:
-        out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
+    if KV_STAGES not in (1, 2):
+        out.append(f"KV_STAGES={KV_STAGES}: 1 or 2 K/V buffers")
+    elif smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES) > SMEM_PER_BLOCK_MAX:
+        out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out
 
 
@@ -139,7 +142,8 @@ def tile_copies(HEAD_DIM, THREADS):
 
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
-                  M_TILES=1, TWO_SYNCS=True):
+                  M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1,
+                  WARP_SKIP=False):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
@@ -154,7 +158,33 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     top of the tile (which already proves every warp finished P·V_{j-1}), so the barrier that
     guarded V's buffer at the end of the tile goes; the overlap (V_j under Q·K_jᵀ and softmax,
     K_{j+1} under P·V_j) is unchanged.
+
+    Sweep variants (issue #4; all off by default, and off they leave the PTX as it was):
+    GRID_BH_X: the grid is (B·H, Q tiles) instead of (Q tiles, B·H), Q tiles reversed on y, so the
+    heaviest causal tile of *every* head is dispatched before any lighter one (longest job first
+    over the whole grid, not only within a head); launch() builds the matching grid.
+    SMEM_EPILOGUE: O is normalised, packed and written by 32-bit shared stores into the warp's own
+    rows of the Q tile (only that warp ever reads them), then copied out as 16-byte rows (ld.shared.v4
+    + st.global.v4, each row's chunks on consecutive lanes) instead of 2-byte stores from the fragments;
+    launch() requires out's rows 16-byte aligned for it.
+    PROLOGUE_V: Q and K_0 go out as one cp.async group and V_0 right behind them as a second, so
+    V_0 is not issued only after K_0 has landed, and the prologue barrier that waited for Q alone goes
+    (kept only when Q_IN_REGS loads Q fragments before the loop).
+    KV_STAGES=2: K and V double-buffered (Q | K0 | V0 | K1 | V1): at the top of tile j one barrier
+    (K_j and V_j landed, every warp left tile j-1) and K_{j+1}, V_{j+1} are issued into the other
+    buffers at once, so each tile has one barrier instead of two and its loads a whole tile of time.
+    WARP_SKIP (causal): a warp runs the K/V loop only over the tiles its own rows see; with BLOCK_Q >
+    BLOCK_K a Q tile's last tiles lie wholly above the diagonal for its first warps, which then only
+    take part in those tiles' barriers and copies (a second loop), skipping Q·K_jᵀ, softmax and P·V_j
+    (exact: there p would be 0 and alpha 1). The main loop body is unchanged; only its bound is per warp.
     """
+    WARP_SKIP = bool(WARP_SKIP and CAUSAL)
+    if WARP_SKIP and not (TWO_SYNCS and FAST_LOADS):
+        raise ValueError("WARP_SKIP is built on TWO_SYNCS=True, FAST_LOADS=True")
+    if (PROLOGUE_V or KV_STAGES == 2) and not (TWO_SYNCS and FAST_LOADS):
+        raise ValueError("PROLOGUE_V and KV_STAGES=2 are built on TWO_SYNCS=True, FAST_LOADS=True")
+    if PROLOGUE_V and KV_STAGES == 2:
+        raise ValueError("KV_STAGES=2 issues V_0 with K_0 already; PROLOGUE_V is for one stage")
     if Q_IN_REGS is None:  # d = 128 keeps Q in shared memory: its 32 registers would spill
         Q_IN_REGS = HEAD_DIM <= 64
     FAST_LOADS, UNROLL_QK = bool(FAST_LOADS), bool(UNROLL_QK)
@@ -177,6 +207,16 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     MT_Q = 16 * HEAD_DIM  # shared offset between a warp's m-tiles of Q (16 rows: same row % 8)
     Q_SLOTS, S_ALL, O_ALL, ROWS_L = M_TILES * Q_FRAGS, M_TILES * S_TILES, M_TILES * O_TILES, 2 * M_TILES
     SQ, SK, SV = 0, BLOCK_Q * HEAD_DIM, (BLOCK_Q + BLOCK_K) * HEAD_DIM  # word offsets of the tiles in smem
+    KV_WORDS = 2 * BLOCK_K * HEAD_DIM  # KV_STAGES=2: offset of the second (K, V) pair
+    # Single booleans, so Numba prunes the branches of the variants that are off before typing them
+    # (the default kernel's PTX then stays byte-identical to the kernel before the variants existed).
+    TWO_STAGES = KV_STAGES == 2
+    EARLY_KV = bool(PROLOGUE_V or TWO_STAGES)
+    WAIT_Q = 1 if PROLOGUE_V else 0
+    # O goes into Q's rows, which other threads' cp.async filled; without a prologue barrier only the
+    # loop's barriers prove those copies landed, so a block with no K/V tile needs one of its own.
+    EPI_SYNC = bool(SMEM_EPILOGUE and EARLY_KV and not Q_IN_REGS)
+    O_STORES = ROWS_W * CHUNKS // 32  # SMEM_EPILOGUE: 16-byte stores per lane (a warp's rows)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
@@ -184,6 +224,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     cp_async = ptx.cp_async_16_zfill
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
+    st_shared_b32, ld_shared_v4, st_global_v4, syncwarp = ptx.st_shared_b32, ptx.ld_shared_v4, ptx.st_global_v4, ptx.syncwarp
     ldsm = ptx.ldmatrix_x4
     ldsm_t = ptx.ldmatrix_x4_trans
     FULL = ptx.FULL_MASK
@@ -269,8 +310,12 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         g = lane >> 2  # fragment row (and row + 8)
         t = lane & 3  # fragment column pair
         # Heaviest causal tiles first: they start while the light ones fill the tail.
-        q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
-        bh = cuda.blockIdx.y
+        if GRID_BH_X:  # ... of all heads: B·H on x (dispatched fastest), Q tiles reversed on y
+            q_tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
+            bh = cuda.blockIdx.x
+        else:  # ... within each head
+            q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
+            bh = cuda.blockIdx.y
         n_heads = q.shape[1]
         b = bh // n_heads
         h = bh - b * n_heads
@@ -306,15 +351,29 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             load_tile_fast(smem, SQ, q, q_src, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         else:
             load_tile(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
-        cp_commit()
-        if n_tiles > 0:
-            if FAST_LOADS:
+        if EARLY_KV:  # one group Q + K_0 (+ V_0 for two stages); V_0 its own group
+            if n_tiles > 0:
                 load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
-            else:
-                load_tile(smem, SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
-        cp_commit()
-        cp_wait(1)
-        cuda.syncthreads()
+                if TWO_STAGES:
+                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+            cp_commit()
+            if PROLOGUE_V:
+                if n_tiles > 0:
+                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                cp_commit()
+            if Q_IN_REGS:  # Q's fragments are loaded before the loop
+                cp_wait(WAIT_Q)
+                cuda.syncthreads()
+        else:
+            cp_commit()
+            if n_tiles > 0:
+                if FAST_LOADS:
+                    load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                else:
+                    load_tile(smem, SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
+            cp_commit()
+            cp_wait(1)
+            cuda.syncthreads()
         q_frag = cuda.local.array((Q_SLOTS, 4), uint32)
         if Q_IN_REGS:
             for mt in range(M_TILES):
@@ -333,17 +392,41 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             m_i[r] = NEG_INF
             l_i[r] = ZERO
 
-        for j in range(n_tiles):
+        n_tiles_w = n_tiles  # tiles this warp computes (WARP_SKIP: those its rows see)
+        if WARP_SKIP:
+            seen_w = q0 + warp * ROWS_W + ROWS_W + shift  # keys the warp's last row sees
+            n_tiles_w = min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K)
+        for j in range(n_tiles_w):
             k0 = j * BLOCK_K
-            if TWO_SYNCS:  # FA2's order: one barrier says K_j landed and every warp left P·V_{j-1}
-                cp_wait(0)  # K_j (the only group in flight)
+            if TWO_STAGES:  # one barrier: K_j, V_j landed and every warp left tile j-1's buffers
+                kv_buf = (j & 1) * KV_WORDS  # word offset of this tile's (K, V) pair
+                cp_wait(0)
                 cuda.syncthreads()
-            # V_j streams in while S = Q K_jᵀ and the softmax run.
-            if FAST_LOADS:
-                load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                if j + 1 < n_tiles:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
+                    load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_src, k_stride, col_bytes, kv_dst,
+                                   k0 + BLOCK_K, n_k, KV_COPIES)
+                    load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_src, v_stride, col_bytes, kv_dst,
+                                   k0 + BLOCK_K, n_k, KV_COPIES)
+                cp_commit()
+            elif PROLOGUE_V:  # tile 0: Q + K_0 landed (V_0 may be in flight); later tiles as TWO_SYNCS
+                if j == 0:
+                    cp_wait(1)
+                else:
+                    cp_wait(0)
+                cuda.syncthreads()
+                if j > 0:
+                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                cp_commit()
             else:
-                load_tile(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
-            cp_commit()
+                if TWO_SYNCS:  # FA2's order: one barrier says K_j landed and every warp left P·V_{j-1}
+                    cp_wait(0)  # K_j (the only group in flight)
+                    cuda.syncthreads()
+                # V_j streams in while S = Q K_jᵀ and the softmax run.
+                if FAST_LOADS:
+                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                else:
+                    load_tile(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
+                cp_commit()
             if not TWO_SYNCS:
                 cp_wait(1)  # K_j has landed, V_j may still be in flight
                 cuda.syncthreads()
@@ -352,29 +435,30 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             for nt in range(M_TILES * S_TILES):
                 for r in range(4):
                     s[nt, r] = ZERO
+            k_tile = k_base + kv_buf if TWO_STAGES else k_base
             if UNROLL_QK:  # one call per k-step (NVVM inlines each; kk becomes a constant)
-                qk_step(s, q_frag, smem, 0, q_base, q_x, k_base, k_x)
-                qk_step(s, q_frag, smem, 1, q_base, q_x, k_base, k_x)
-                qk_step(s, q_frag, smem, 2, q_base, q_x, k_base, k_x)
-                qk_step(s, q_frag, smem, 3, q_base, q_x, k_base, k_x)
+                qk_step(s, q_frag, smem, 0, q_base, q_x, k_tile, k_x)
+                qk_step(s, q_frag, smem, 1, q_base, q_x, k_tile, k_x)
+                qk_step(s, q_frag, smem, 2, q_base, q_x, k_tile, k_x)
+                qk_step(s, q_frag, smem, 3, q_base, q_x, k_tile, k_x)
                 if QK_STEPS > 4:
-                    qk_step(s, q_frag, smem, 4, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 5, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 6, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 7, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 4, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 5, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 6, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 7, q_base, q_x, k_tile, k_x)
                 if QK_STEPS > 8:
-                    qk_step(s, q_frag, smem, 8, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 9, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 10, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 11, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 8, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 9, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 10, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 11, q_base, q_x, k_tile, k_x)
                 if QK_STEPS > 12:
-                    qk_step(s, q_frag, smem, 12, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 13, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 14, q_base, q_x, k_base, k_x)
-                    qk_step(s, q_frag, smem, 15, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, 12, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 13, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 14, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 15, q_base, q_x, k_tile, k_x)
             else:
                 for kk in range(QK_STEPS):
-                    qk_step(s, q_frag, smem, kk, q_base, q_x, k_base, k_x)
+                    qk_step(s, q_frag, smem, kk, q_base, q_x, k_tile, k_x)
 
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
             needs_mask = k0 + BLOCK_K > n_k
@@ -416,14 +500,15 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     acc[a0_ + dt, 2 * half] *= alpha
                     acc[a0_ + dt, 2 * half + 1] *= alpha
 
-            cp_wait(0)  # V_j
-            cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
-            if j + 1 < n_tiles:  # K_{j+1} under P·V_j
-                if FAST_LOADS:
-                    load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
-                else:
-                    load_tile(smem, SK, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
-            cp_commit()
+            if not TWO_STAGES:
+                cp_wait(0)  # V_j
+                cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
+                if j + 1 < n_tiles:  # K_{j+1} under P·V_j
+                    if FAST_LOADS:
+                        load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                    else:
+                        load_tile(smem, SK, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
+                cp_commit()
 
             # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
             p_frag = cuda.local.array((M_TILES, 4), uint32)
@@ -435,7 +520,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     p_frag[mt, 2] = pack(s[st + 1, 0], s[st + 1, 1])
                     p_frag[mt, 3] = pack(s[st + 1, 2], s[st + 1, 3])
                 for dp in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldsm_t(smem, SV + swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
+                    b0, b1, b2, b3 = ldsm_t(smem, (SV + kv_buf if TWO_STAGES else SV) + swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
                     for mt in range(M_TILES):  # one V fragment, M_TILES m-tiles
                         a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
                         dt = mt * O_TILES + 2 * dp
@@ -447,7 +532,38 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             if not TWO_SYNCS:
                 cuda.syncthreads()  # every warp is done reading V_j before V_{j+1} is copied over it
 
+        if WARP_SKIP:  # the tiles this warp does not see: the same barriers and copies, no maths
+            for j in range(n_tiles_w, n_tiles):
+                k0 = j * BLOCK_K
+                if TWO_STAGES:
+                    kv_buf = (j & 1) * KV_WORDS
+                    cp_wait(0)
+                    cuda.syncthreads()
+                    if j + 1 < n_tiles:
+                        load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_src, k_stride, col_bytes, kv_dst,
+                                       k0 + BLOCK_K, n_k, KV_COPIES)
+                        load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_src, v_stride, col_bytes, kv_dst,
+                                       k0 + BLOCK_K, n_k, KV_COPIES)
+                    cp_commit()
+                else:
+                    if PROLOGUE_V and j == 0:
+                        cp_wait(1)
+                    else:
+                        cp_wait(0)
+                    cuda.syncthreads()
+                    if not PROLOGUE_V or j > 0:
+                        load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                    cp_commit()
+                    cp_wait(0)
+                    cuda.syncthreads()
+                    if j + 1 < n_tiles:
+                        load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                    cp_commit()
+
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
+        if EPI_SYNC:
+            if n_tiles == 0:  # (block-uniform)
+                cuda.syncthreads()
 
         # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
         for mr in range(2 * M_TILES):
@@ -458,7 +574,19 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             l_row += shfl_xor(FULL, l_row, 2)
             row = q0 + warp * ROWS_W + 8 * mr + g
             inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
-            if row < n_q:
+            if SMEM_EPILOGUE:
+                if row < n_q and t == 0:
+                    if l_row > ZERO:
+                        lse[b, h, row] = (m_i[mr] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                    else:
+                        lse[b, h, row] = NEG_INF
+                if mr == 0:
+                    syncwarp()  # every lane is past its last ldmatrix of these Q rows
+                row_t = warp * ROWS_W + 8 * mr + g  # the warp's own rows of the Q tile
+                for dt in range(O_TILES):  # conflict-free: chunk dt ^ g of row g, word t
+                    bits = pack(acc[a0_ + dt, 2 * half] * inv_l, acc[a0_ + dt, 2 * half + 1] * inv_l)
+                    st_shared_b32(smem, SQ + swizzle(row_t, dt) + 2 * t, bits)
+            elif row < n_q:
                 if t == 0:
                     if l_row > ZERO:
                         lse[b, h, row] = (m_i[mr] * scale_log2 + math.log2(l_row)) * float32(LN2)
@@ -471,23 +599,45 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                         out[b, h, row, col] = uint16(bits & 0xFFFF)
                     if col + 1 < d:
                         out[b, h, row, col + 1] = uint16(bits >> 16)
+        if SMEM_EPILOGUE:  # the warp's O rows, 16 bytes per lane per store, a row's chunks on adjacent lanes
+            syncwarp()
+            o_base = b * (out.strides[0] // 2) + h * (out.strides[1] // 2)
+            o_stride = out.strides[2] // 2
+            for i in range(O_STORES):
+                c = lane + 32 * i
+                r = c // CHUNKS
+                chunk = c - r * CHUNKS
+                row_t = warp * ROWS_W + r
+                row = q0 + row_t
+                col = chunk * 8
+                if row < n_q and col < d:
+                    src = SQ + swizzle(row_t, chunk)
+                    if col + 8 <= d:
+                        w0, w1, w2, w3 = ld_shared_v4(smem, src)
+                        st_global_v4(out, o_base + row * o_stride + col, w0, w1, w2, w3)
+                    else:  # d not a multiple of 8: the chunk's first d - col elements one by one
+                        for e in range(8):
+                            if col + e < d:
+                                out[b, h, row, col + e] = smem[src + e]
 
     return mma_forward
 
 
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
-                        MAX_REGS=None, M_TILES=1, TWO_SYNCS=True):
+                        MAX_REGS=None, M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False,
+                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False):
     """The compiled kernel for one specialisation; cached so each compiles once.
 
     MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
     share an SM (64K registers) where 174 allows two, at the price of a few spilled bytes."""
-    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES)
+    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES, KV_STAGES)
     if bad:
         raise ValueError(f"mma forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, {DTYPE}, M_TILES={M_TILES}) cannot be built: "
                          f"{'; '.join(bad)}")
     source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK),
-                           M_TILES, bool(TWO_SYNCS))
+                           M_TILES, bool(TWO_SYNCS), bool(GRID_BH_X), bool(SMEM_EPILOGUE), bool(PROLOGUE_V),
+                           int(KV_STAGES), bool(WARP_SKIP))
     if MAX_REGS:
         return cuda.jit(kernel_signature(), max_registers=int(MAX_REGS))(source)
     return cuda.jit(kernel_signature())(source)
@@ -500,6 +650,7 @@ def _words(x):
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
            Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1, TWO_SYNCS=True,
+           GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False,
            layout_checked=False):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
@@ -514,7 +665,9 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     UNROLL_QK (default on) switch the v4 code paths (False: the older ones, kept for the sweep to
     compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount; M_TILES (1 or 2) is the number of
     16-row m-tiles per warp (threads per block = 32 * BLOCK_Q / (16 * M_TILES)); TWO_SYNCS (default
-    on): two barriers per K/V tile (False: the older three). layout_checked=True skips the stride and
+    on): two barriers per K/V tile (False: the older three). GRID_BH_X, SMEM_EPILOGUE, PROLOGUE_V,
+    KV_STAGES and WARP_SKIP are the sweep variants of kernel_source (default off); SMEM_EPILOGUE quietly falls back
+    to the fragment stores when out's rows are not 16-byte aligned. layout_checked=True skips the stride and
     alignment checks for a caller that has made them (numba_flash.forward: they are per-call host time).
     """
     B, H, n_q, d = q.shape
@@ -528,12 +681,21 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
         return
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    if B * H > 65535:
-        raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
+    q_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
+    if (q_tiles if GRID_BH_X else B * H) > 65535:
+        raise ValueError(f"{'Q tiles' if GRID_BH_X else 'B*H'} = {q_tiles if GRID_BH_X else B * H} exceeds the "
+                         "grid's y limit of 65535")
+    if SMEM_EPILOGUE and (address(out) % 16 or any(s % 16 for s in out.strides[:-1])):
+        SMEM_EPILOGUE = False  # 16-byte stores need 16-byte aligned rows
+    extra = {}  # the variants only when asked for: the default call keeps make_forward_kernel's cache key
+    if GRID_BH_X or SMEM_EPILOGUE or PROLOGUE_V or KV_STAGES != 1 or WARP_SKIP:
+        extra = dict(GRID_BH_X=bool(GRID_BH_X), SMEM_EPILOGUE=bool(SMEM_EPILOGUE), PROLOGUE_V=bool(PROLOGUE_V),
+                     KV_STAGES=int(KV_STAGES), WARP_SKIP=bool(WARP_SKIP))
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
-                                 bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS))
-    grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
-    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q, M_TILES), stream, smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM),
+                                 bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra)
+    grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)
+    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q, M_TILES), stream,
+                  smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES),
                   _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv,
                   float32(softmax_scale * LOG2E))
 
