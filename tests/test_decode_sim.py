@@ -196,6 +196,74 @@ def test_warp_split_configs():
         dk.make_split_kernel(DecodeConfig(128, "float16", 1, block_n=48, warp_split=True), True, True)
 
 
+# --------------------------------------------------------------------------------------------
+# bulk: K/V tiles by cp.async.bulk + one mbarrier per stage (block-wide kernel)
+# --------------------------------------------------------------------------------------------
+def small_bulk(dtype, rows, stages=3, head_dim=16):
+    """The one-warp block-wide config with bulk-copied tiles (8 keys, unpadded rows)."""
+    return DecodeConfig(head_dim, dtype, rows, block_n=8, stages=stages, warps=1, bulk=True)
+
+
+BULK_GRID = [  # dtype, G, Hkv, Nq, num_splits, rows, stages, head dim
+    ("float32", 1, 2, 1, 1, 1, 2, 16),    # one split, 2-stage ring: each barrier flips parity per tile
+    ("float16", 4, 1, 1, 2, 4, 4, 16),    # GQA 4, 4 stages
+    ("float16", 8, 1, 1, 3, 8, 3, 64),    # GQA 8; d = 64: 8 chunks per row, the full swizzle and q flip
+    ("float32", 4, 1, 3, 2, 4, 3, 16),    # 12 rows over three 4-row blocks
+]
+
+
+@in_simulator
+@pytest.mark.parametrize("dtype, G, Hkv, n_q, n_splits, rows, stages, head_dim", BULK_GRID)
+def test_bulk_against_reference_sim(dtype, G, Hkv, n_q, n_splits, rows, stages, head_dim, rng):
+    n_max = 29  # 4 tiles of 8, the last ragged
+    q, k, v = make_inputs(rng, 3, G * Hkv, Hkv, n_q, n_max, head_dim, dtype)
+    lens = np.array([n_max, 11, 0], dtype=np.int32)  # full, ragged, and an empty cache
+    cfg = small_bulk(dtype, rows, stages, head_dim)
+    assert cfg.problems() == [] and dk.bulk_ok(k, head_dim, cfg.head_dim)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits, config=cfg)
+    check(out, lse, q, k, v, lens)
+
+
+@in_simulator
+def test_bulk_falls_back_and_bfloat16_sim(rng):
+    """Caches one bulk copy per tile cannot fetch (padded rows, d < head_dim) run the cp.async
+    path of the same config; bf16 bits through the bulk path."""
+    from numba import cuda
+
+    q, k_big, v_big = make_inputs(rng, 2, 2, 1, 1, 30, 24, "float16")
+    q, k, v = q[..., :16], k_big[..., :16], v_big[..., :16]  # rows 48 B apart: not back to back
+    assert dk.cp_async_ok(k, 16) and not dk.bulk_ok(k, 16, 16)
+    lens = np.array([30, 9], dtype=np.int32)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=2, config=small_bulk("float16", 2))
+    check(out, lse, q, k, v, lens)
+    q2, k2, v2 = make_inputs(rng, 1, 2, 1, 1, 20, 12, "float32")  # d = 12 in a 16-wide tile
+    assert not dk.bulk_ok(k2, 12, 16)
+    out2, lse2 = decode(q2, k2, v2, num_splits=1, config=small_bulk("float32", 2))
+    check(out2, lse2, q2, k2, v2, None)
+
+    B, H, Hkv, n_q, n_max, d = 2, 4, 1, 2, 27, 16
+    (qb, qv), (kb, kv), (vb, vv) = (to_bf16(rng.standard_normal(s)) for s in
+                                    ((B, H, n_q, d), (B, Hkv, n_max, d), (B, Hkv, n_max, d)))
+    lens = np.array([27, 6], dtype=np.int32)
+    out = cuda.device_array((B, H, n_q, d), np.uint16)
+    lse = cuda.device_array((B, H, n_q), np.float32)
+    dk.launch(small_bulk("bfloat16", 8), cuda.to_device(qb), cuda.to_device(kb), cuda.to_device(vb),
+              cuda.to_device(lens), out, lse, softmax_scale=d ** -0.5, d=d, num_splits=1)
+    got = (out.copy_to_host().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    ref_o, ref_l = decode_attention(qv, kv, vv, cache_seqlens=lens)
+    assert np.abs(got - ref_o).max() <= 2 ** -7 * max(1.0, np.abs(ref_o).max())
+    np.testing.assert_allclose(lse.copy_to_host(), ref_l, rtol=1e-5, atol=1e-5)
+
+
+def test_bulk_configs():
+    cfg = DecodeConfig(128, "float16", 1, block_n=64, stages=4, warps=4, bulk=True)
+    assert cfg.problems() == [] and cfg.row_words == 64  # unpadded: a tile is one 16 KiB span
+    assert cfg.smem_words["bar"] == 8 and cfg.smem_bytes == 4 * (cfg.kv_offset + 4 * 2 * 64 * 64 + 8)
+    assert cfg.bytes_in_flight == 3 * 2 * 64 * 256
+    assert DecodeConfig(128, "float16", 1).smem_words["bar"] == 0
+    assert DecodeConfig(128, "float16", 4, block_n=16, warps=4, warp_split=True, bulk=True).problems()
+
+
 def to_bf16(x):
     """float -> (bf16 bits as uint16, the values they hold as float64), rounding to nearest even."""
     u = np.asarray(x, np.float32).view(np.uint32)
