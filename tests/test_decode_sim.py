@@ -437,12 +437,13 @@ out = []
 for d, dtype, rows, vec, split, *tile in {specs!r}:
     cfg = dk.decode_config(d, dtype, rows)
     if tile:
-        bn, st, w, ws = tile[0]
-        cfg = dk.DecodeConfig(cfg.head_dim, dtype, cfg.rows, block_n=bn, stages=st, warps=w, warp_split=ws)
+        bn, st, w, ws, *bulk = tile[0]
+        cfg = dk.DecodeConfig(cfg.head_dim, dtype, cfg.rows, block_n=bn, stages=st, warps=w, warp_split=ws,
+                              bulk=bool(bulk and bulk[0]))
     ptx, _ = cuda.compile_ptx(dk.kernel_source(cfg, vec, split), dk.kernel_signature(dtype), cc=(9, 0),
                               fastmath=dk.FASTMATH)
     out.append((repr((d, dtype, rows, vec, split, *tile)), ptx))
-for dtype in dk.DTYPES:
+for dtype in (dk.DTYPES if {merges!r} else ()):
     ptx, _ = cuda.compile_ptx(dk.merge_source(dtype), dk.merge_signature(dtype), cc=(9, 0), fastmath=dk.FASTMATH)
     out.append((repr(("merge", dtype)), ptx))
 import pathlib
@@ -452,21 +453,22 @@ for i, (name, ptx) in enumerate(out):
 """
 
 
-def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
-    """All in one child process (numba's import and NVVM start-up paid once)."""
+def compile_batch(specs, tmp_path, merges=True):
+    """Compile specs (and the merge kernels) for sm_90 in one child process (numba's import and NVVM
+    start-up paid once); ptxas each. Returns [(spec, PTX text, registers)]; asserts no spills."""
     if find_ptxas() is None:
         pytest.skip("ptxas not found")
     script = tmp_path / "compile_all.py"
-    specs = SHIPPED + VARIANTS
-    script.write_text(NO_GPU_PATCH + textwrap.dedent(BATCH_COMPILE.format(specs=specs, tmp=str(tmp_path))))
+    script.write_text(NO_GPU_PATCH + textwrap.dedent(BATCH_COMPILE.format(specs=specs, tmp=str(tmp_path),
+                                                                          merges=merges)))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = _pythonpath()
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode != 0 and re.search(r"libNVVM|NVVM.*not found|nvrtc|CudaSupportError", r.stderr, re.I):
         pytest.skip(f"no NVVM to compile with: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-4000:]
-    lines = []
-    for i in range(len(specs) + len(dk.DTYPES)):
+    lines, results = [], []
+    for i in range(len(specs) + (len(dk.DTYPES) if merges else 0)):
         name = (tmp_path / f"k{i}.name").read_text()
         ptx_text = (tmp_path / f"k{i}.ptx").read_text()
         src = tmp_path / f"k{i}.ptx"
@@ -480,7 +482,30 @@ def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
         lines.append(f"{name}: {regs} registers, stack {stack}, spills {stores}/{loads}")
         assert stack == 0 and stores == 0 and loads == 0, f"{name}:\n{text}"
         assert "ld.local" not in ptx_text and "st.local" not in ptx_text, name  # accumulators in registers
-        spec = ast.literal_eval(name)
-        if spec[0] != "merge" and spec[3]:  # the vec path copies with cp.async
-            assert "cp.async.cg.shared.global" in ptx_text, name
+        results.append((ast.literal_eval(name), ptx_text, regs))
     print("\n".join(lines))
+    return results
+
+
+def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
+    for spec, ptx_text, _ in compile_batch(SHIPPED + VARIANTS, tmp_path):
+        if spec[0] != "merge" and spec[3]:  # the vec path copies with cp.async
+            assert "cp.async.cg.shared.global" in ptx_text, spec
+
+
+def test_bulk_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The sweep's bulk candidates at the issue's shapes (1 row: Hkv32, 4 rows: Hkv8), and fp32 / bf16:
+    one bulk copy per K and V tile, mbarrier waits, no per-thread cp.async, no spills."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sweep_decode
+
+    tiles = [c for c in sweep_decode.CANDIDATES if sweep_decode.kind(c) == "bulk"]
+    assert tiles
+    specs = [(128, "float16", 1, True, False, c) for c in tiles] + [(128, "float16", 4, True, True, c) for c in tiles]
+    specs += [(128, "float32", 1, True, True, (32, 4, 4, False, True)), (64, "bfloat16", 8, True, True, (64, 3, 4, False, True))]
+    for spec, ptx_text, regs in compile_batch(specs, tmp_path, merges=False):
+        for instr in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                      "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity", "mbarrier.init", "fence.proxy.async"):
+            assert instr in ptx_text, (spec, instr)
+        assert "cp.async.cg" not in ptx_text, spec
+        assert regs <= 128, spec  # DecodeConfig.blocks_per_sm assumes it
