@@ -44,6 +44,20 @@ others wait (for one row: 1 of 4 warps, 10 shuffles in a chain), and 16 cp.async
 with its own bounds and 64-bit address arithmetic: the H200 sweep found it bound by this chain,
 not by bytes in flight (NOTES.md, decode).
 
+Bulk copies (DecodeConfig.bulk, block-wide kernel, sm_90): a (batch, kv head)'s cache rows are
+back to back when its last two dims are contiguous and d = head_dim, so keys [k0, k0 + block_n) of
+K are one span of block_n·d·itemsize bytes (16 KiB at fp16 d128, 64 keys). Thread 0 issues it,
+and the V span, as two cp.async.bulk copies (only the valid rows of a ragged last tile; the rows
+past the length are zeroed by all threads) that complete the stage's mbarrier, after one
+arrive.expect_tx of their bytes. Every thread waits with try_wait.parity on phase j // STAGES of
+stage j % STAGES; the block barrier at the top of each step (as in the cp.async ring) orders all
+reads of the previous tile before its stage is refilled, so no "empty" barrier is needed. The
+copies hold no registers and no per-thread instructions, so a deep ring (STAGES - 1 tiles in
+flight) costs only shared memory. Rows land unpadded (a multiple of 32 banks apart), so the S
+phase reads lane 4·kq + p's chunks in the order c ^ kq and, for 16-bit caches, q[e] lives at
+e ^ ((e >> 5) & 1): both reads stay conflict-free. Caches a bulk copy cannot fetch run the same
+config with bulk=False.
+
 Split-in-block (DecodeConfig.warp_split, FlashDecoding++ / FA2 style): warp w takes tiles
 t_begin + w, t_begin + w + warps, ... of the split (block_n keys each, one lane per key, or 32 /
 block_n lanes per key) through its own cp.async ring, ordered by cp.async.wait_group and
