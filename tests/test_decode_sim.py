@@ -225,6 +225,17 @@ def test_bulk_against_reference_sim(dtype, G, Hkv, n_q, n_splits, rows, stages, 
 
 
 @in_simulator
+@pytest.mark.parametrize("tile, G, n_splits", [((64, 3, 4), 1, 1), ((32, 6, 4), 4, 2)])
+def test_bulk_sweep_candidate_sim(tile, G, n_splits, rng):
+    """A bulk candidate the GPU sweep times, as it is (fp16 d128, 128 threads, 8-chunk swizzle)."""
+    cfg = DecodeConfig(128, "float16", dk.decode_config(128, "float16", G).rows, *tile, bulk=True)
+    q, k, v = make_inputs(rng, 3, G, 1, 1, 150, 128, "float16")
+    lens = np.array([150, 70, 0], dtype=np.int32)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits, config=cfg)
+    check(out, lse, q, k, v, lens)
+
+
+@in_simulator
 def test_bulk_falls_back_and_bfloat16_sim(rng):
     """Caches one bulk copy per tile cannot fetch (padded rows, d < head_dim) run the cp.async
     path of the same config; bf16 bits through the bulk path."""
