@@ -8,7 +8,7 @@ shipped choice (config=None, num_splits=None) first; ``splits=auto`` rows are wh
 every result against the shipped one (max |diff|). Writes JSON to ``--json``. warp_split
 candidates (split-in-block, see numba_flash/kernels/decode.py) take block_n as one warp's tile;
 bulk candidates (a fifth element True) are block-wide kernels whose K/V tiles arrive by one sm_90
-cp.async.bulk each, completing a per-stage mbarrier (DecodeConfig.bulk).
+cp.async.bulk each, completing its own mbarrier (DecodeConfig.bulk).
 About 60-90 s on an H200 without the bulk candidates, most of it compiling (2 kernels per config
 and case); the six bulk candidates add about as much again.
 
@@ -31,7 +31,7 @@ CANDIDATES = [  # (block_n, stages, warps, warp_split); the block-wide (32, *, 4
     (16, 3, 4, True),   # 111 KiB: 2 blocks/SM, 64 KiB in flight per block
     (32, 2, 2, True),   # one lane per key, 70 KiB: 3 blocks/SM, 6 warps
     (32, 3, 2, True),   # 104 KiB: 2 blocks/SM, 64 KiB in flight per block
-    # bulk (block-wide, one cp.async.bulk per K or V tile into unpadded rows, an mbarrier per stage):
+    # bulk (block-wide, one cp.async.bulk per K or V tile into unpadded rows, each with its mbarrier):
     # (block_n, stages, warps, False, True); shared memory at fp16 d128 and blocks/SM by it,
     # K+V bytes in flight per block = (stages - 1) tiles
     (64, 2, 4, False, True),  # 65 KiB: 3 blocks/SM, 32 KiB in flight per block (the shipped tile, bulk)

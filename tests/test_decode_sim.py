@@ -269,7 +269,7 @@ def test_bulk_falls_back_and_bfloat16_sim(rng):
 def test_bulk_configs():
     cfg = DecodeConfig(128, "float16", 1, block_n=64, stages=4, warps=4, bulk=True)
     assert cfg.problems() == [] and cfg.row_words == 64  # unpadded: a tile is one 16 KiB span
-    assert cfg.smem_words["bar"] == 8 and cfg.smem_bytes == 4 * (cfg.kv_offset + 4 * 2 * 64 * 64 + 8)
+    assert cfg.smem_words["bar"] == 16 and cfg.smem_bytes == 4 * (cfg.kv_offset + 4 * 2 * 64 * 64 + 16)
     assert cfg.bytes_in_flight == 3 * 2 * 64 * 256
     assert DecodeConfig(128, "float16", 1).smem_words["bar"] == 0
     assert DecodeConfig(128, "float16", 4, block_n=16, warps=4, warp_split=True, bulk=True).problems()

@@ -48,9 +48,9 @@ Bulk copies (DecodeConfig.bulk, block-wide kernel, sm_90): a (batch, kv head)'s 
 back to back when its last two dims are contiguous and d = head_dim, so keys [k0, k0 + block_n) of
 K are one span of block_n·d·itemsize bytes (16 KiB at fp16 d128, 64 keys). Thread 0 issues it,
 and the V span, as two cp.async.bulk copies (only the valid rows of a ragged last tile; the rows
-past the length are zeroed by all threads) that complete the stage's mbarrier, after one
-arrive.expect_tx of their bytes. Every thread waits with try_wait.parity on phase j // STAGES of
-stage j % STAGES; the block barrier at the top of each step (as in the cp.async ring) orders all
+past the length are zeroed by all threads), each completing its own mbarrier of the stage after an
+arrive.expect_tx of its bytes. Every thread waits with try_wait.parity on phase j // STAGES of
+stage j % STAGES's K barrier before S = Q·Kᵀ and of its V barrier before P·V; the block barrier at the top of each step (as in the cp.async ring) orders all
 reads of the previous tile before its stage is refilled, so no "empty" barrier is needed. The
 copies hold no registers and no per-thread instructions, so a deep ring (STAGES - 1 tiles in
 flight) costs only shared memory. Rows land unpadded (a multiple of 32 banks apart), so the S
@@ -218,8 +218,8 @@ class DecodeConfig:
     ring with its own (m, l, acc) in registers, and the warps' states merge once at the end
     (split-in-block); block_n is then one warp's tile (8..64 keys). False: the block-wide kernel.
     bulk: (block-wide kernel) each K and V tile arrives by one sm_90 bulk copy (cp.async.bulk,
-    block_n·d·itemsize bytes, issued by thread 0) into unpadded rows, completing a per-stage
-    mbarrier that every thread waits on; all STAGES - 1 tiles in flight cost no registers. Needs
+    block_n·d·itemsize bytes, issued by thread 0) into unpadded rows, completing its own mbarrier
+    that every thread waits on; all STAGES - 1 tiles in flight cost no registers. Needs
     caches whose rows are contiguous and d = head_dim; the launcher falls back to bulk=False.
     """
 
@@ -320,7 +320,7 @@ class DecodeConfig:
             "m": self.rows, "l": self.rows, "alpha": self.rows, "limit": self.rows,
             # K/V ring; after the last tile it holds the summed acc (rows x head_dim)
             "kv": max(pipeline, self.rows * self.head_dim),
-            "bar": 2 * self.stages if self.bulk else 0,  # one 8-byte mbarrier per stage, after the ring
+            "bar": 4 * self.stages if self.bulk else 0,  # 8-byte mbarriers, K's and V's per stage
         }
 
     @property
@@ -582,7 +582,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     WAIT_N = STAGES - 2  # cp.async groups allowed in flight when a tile must have landed
     BULK = cfg.bulk  # tiles by cp.async.bulk + mbarrier (then vec is ignored: rows are contiguous)
     VEC, SPLIT = bool(vec) and not BULK, bool(split)
-    BAR_OFF = KV_OFF + words["kv"]  # mbarrier of stage st at words BAR_OFF + 2·st (8-byte aligned)
+    BAR_OFF = KV_OFF + words["kv"]  # stage st: K's mbarrier at words BAR_OFF + 4·st, V's at + 2
     ROW_BYTES = HEAD_DIM * ITEM
     # Bulk tiles have unpadded rows (a multiple of 32 banks apart), so the S phase swizzles: lane
     # 4·kq + p reads 16-byte chunk c ^ kq' (kq' = kq mod SWZ) at step c, and the 8 keys of a step
@@ -642,14 +642,15 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
 
     @inline_device
     def issue_tile(smem_u, kb, vb, k0, length, stage):
-        """Thread 0: keys [k0, k0 + BLOCK_N) of K and V (only the valid rows) into stage, completing
-        its mbarrier: one arrival that expects both copies' bytes, then the two bulk copies."""
+        """Thread 0: keys [k0, k0 + BLOCK_N) of K and V (only the valid rows) into stage, each copy
+        completing its own mbarrier (S waits for K only, P·V for V) after an arrival expecting its bytes."""
         nbytes = min(BLOCK_N, length - k0) * ROW_BYTES  # a multiple of 16: head_dim is one of 16
-        bar = BAR_OFF + 2 * stage
+        bar = BAR_OFF + 4 * stage
         dst = KV_OFF + stage * STAGE_WORDS
-        bar_expect(smem_u, bar, 2 * nbytes)
+        bar_expect(smem_u, bar, nbytes)
         cp_bulk(smem_u, dst, kb, k0 * HEAD_DIM, nbytes, smem_u, bar)
-        cp_bulk(smem_u, dst + TILE_WORDS, vb, k0 * HEAD_DIM, nbytes, smem_u, bar)
+        bar_expect(smem_u, bar + 2, nbytes)
+        cp_bulk(smem_u, dst + TILE_WORDS, vb, k0 * HEAD_DIM, nbytes, smem_u, bar + 2)
 
     @inline_device
     def zero_tail(smem_u, k0, length, stage):
@@ -663,8 +664,9 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                 smem_u[U(dst + TILE_WORDS + idx)] = uint32(0)
 
     @inline_device
-    def wait_tile(smem_u, stage, parity):
-        while bar_try_wait(smem_u, BAR_OFF + 2 * stage, parity) == 0:
+    def wait_tile(smem_u, bar, parity):
+        """Until phase `parity` of the mbarrier at word bar is over (its bytes have landed)."""
+        while bar_try_wait(smem_u, bar, parity) == 0:
             pass
 
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
@@ -719,7 +721,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             kb = k[U(b), U(h_kv)]  # (Nmax, head_dim) rows of this kv head, back to back
             vb = v[U(b), U(h_kv)]
             if tid == 0:
-                for st in range(STAGES):
+                for st in range(2 * STAGES):
                     bar_init(smem_u, BAR_OFF + 2 * st, 1)  # one arrival (thread 0's) per phase
                 bar_fence()
             cuda.syncthreads()  # the barriers are initialised before anyone waits on them
@@ -756,8 +758,8 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                     load_tile(smem_u, smem_h, smem_f, v, b, h_kv, nxt * BLOCK_N, length, d, dst + TILE_WORDS)
             if VEC:
                 cp_commit()  # always, so that WAIT_N counts tiles
-            if BULK:  # tile t's bytes have landed: the (j // STAGES)-th phase of its stage's barrier
-                wait_tile(smem_u, j % STAGES, (j // STAGES) & 1)
+            if BULK:  # tile t's K has landed: phase j // STAGES of its stage's K barrier is over
+                wait_tile(smem_u, BAR_OFF + 4 * (j % STAGES), (j // STAGES) & 1)
             k0 = t * BLOCK_N
             k_off = KV_OFF + (j % STAGES) * STAGE_WORDS
             v_off = k_off + TILE_WORDS
@@ -840,6 +842,8 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             cuda.syncthreads()
 
             # acc = alpha · acc + P V over this thread's key group.
+            if BULK:  # tile t's V has landed
+                wait_tile(smem_u, BAR_OFF + 4 * (j % STAGES) + 2, (j // STAGES) & 1)
             for i in range(O_ROWS):
                 alpha = smem_f[U(A_OFF + row_group + i * ROW_GROUPS)]
                 for x in range(O_ELEMS):
