@@ -10,7 +10,7 @@ candidates (split-in-block, see numba_flash/kernels/decode.py) take block_n as o
 bulk candidates (a fifth element True) are block-wide kernels whose K/V tiles arrive by one sm_90
 cp.async.bulk each, completing its own mbarrier (DecodeConfig.bulk).
 About 60-90 s on an H200 without the bulk candidates, most of it compiling (2 kernels per config
-and case); the six bulk candidates add about as much again.
+and case); the seven bulk candidates add about as much again.
 
     python scripts/sweep_decode.py [--json PATH] [--budget-s 0.25] [--only warp|block|bulk]
 """
@@ -40,6 +40,7 @@ CANDIDATES = [  # (block_n, stages, warps, warp_split); the block-wide (32, *, 4
     (32, 4, 4, False, True),  # 65 KiB: 3 blocks/SM, 48 KiB
     (32, 6, 4, False, True),  # 97 KiB: 2 blocks/SM, 80 KiB
     (32, 8, 4, False, True),  # 129 KiB: 1 block/SM, 112 KiB
+    (64, 3, 8, False, True),  # 97 KiB, 8 warps: 2 blocks/SM (16 warps), half the per-thread work of a tile
 ]
 SPLITS = (1, 2, 4, 8)
 
