@@ -49,11 +49,11 @@ back to back when its last two dims are contiguous and d = head_dim, so keys [k0
 K are one span of block_n·d·itemsize bytes (16 KiB at fp16 d128, 64 keys). Thread 0 issues it,
 and the V span, as two cp.async.bulk copies (only the valid rows of a ragged last tile; the rows
 past the length are zeroed by all threads), each completing its own mbarrier of the stage after an
-arrive.expect_tx of its bytes. Every thread waits with try_wait.parity on phase j // STAGES of
-stage j % STAGES's K barrier before S = Q·Kᵀ and of its V barrier before P·V; the block barrier at the top of each step (as in the cp.async ring) orders all
-reads of the previous tile before its stage is refilled, so no "empty" barrier is needed. The
-copies hold no registers and no per-thread instructions, so a deep ring (STAGES - 1 tiles in
-flight) costs only shared memory. Rows land unpadded (a multiple of 32 banks apart), so the S
+arrive.expect_tx of its bytes. Every thread waits with try_wait.parity for phase j // STAGES of
+stage j % STAGES's K barrier before S = Q·Kᵀ, and of its V barrier before P·V. The block barrier
+at the top of each step (as in the cp.async ring) orders all reads of the previous tile before
+its stage is refilled, so no "empty" barrier is needed. The copies hold no registers and cost no
+per-thread instructions, so a deep ring (STAGES - 1 tiles in flight) costs only shared memory. Rows land unpadded (a multiple of 32 banks apart), so the S
 phase reads lane 4·kq + p's chunks in the order c ^ kq and, for 16-bit caches, q[e] lives at
 e ^ ((e >> 5) & 1): both reads stay conflict-free. Caches a bulk copy cannot fetch run the same
 config with bulk=False.
@@ -655,7 +655,8 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     @inline_device
     def zero_tail(smem_u, k0, length, stage):
         """All threads: rows past length of a ragged last tile are zeroed (the bulk copy skips
-        them), so a masked probability (exactly 0) never meets stale bits (0 * nan would be nan)."""
+        them), so a masked probability (exactly 0) never meets stale or uninitialised bits (0 * nan
+        would be nan). No later bulk copy writes this stage: the ragged tile is the last one."""
         valid = min(BLOCK_N, length - k0)
         if valid < BLOCK_N:
             dst = KV_OFF + stage * STAGE_WORDS
@@ -670,7 +671,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             pass
 
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, q_swizzle=BULK and EPW == 2)
+    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, q_swizzle=Q_FLIP)
 
     def decode_split(q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
