@@ -460,8 +460,8 @@ def check_bulk_copy_ring(tiles=5):
             cuda.syncthreads()  # everyone is done with tile t - 1, whose stage is refilled next
             if tid == 0 and t + 1 < tiles:
                 nxt = (t + 1) % 2
-                ptx.cp_async_bulk(ring, nxt * 64, src, (t + 1) * 64, 128, bars, nxt)  # copy first,
-                ptx.mbarrier_arrive_expect_tx(bars, nxt, 128)  # then arm: tx may go negative meanwhile
+                ptx.mbarrier_arrive_expect_tx(bars, nxt, 128)  # arm (the bytes to expect), then copy
+                ptx.cp_async_bulk(ring, nxt * 64, src, (t + 1) * 64, 128, bars, nxt)
             st = t % 2
             while ptx.mbarrier_try_wait_parity(bars, st, (t // 2) % 2) == 0:
                 pass
