@@ -34,6 +34,7 @@ the simulator, which refuses an alignment argument).
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 from llvmlite import ir
@@ -447,6 +448,195 @@ def _cp_async_wait_twin(n):
 
 
 # --------------------------------------------------------------------------------------------
+# sm_90 bulk copies (the TMA engine's 1-D form) and the mbarriers they complete (PTX ISA 8.0):
+#   mbarrier.init.shared.b64 [bar], count;                   one thread, before any use
+#   fence.mbarrier_init.release.cluster; fence.proxy.async.shared::cta;   init visible to the copy engine
+#   mbarrier.arrive.expect_tx.shared.b64 _, [bar], bytes;    one arrival + the bytes to expect
+#   cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], size, [bar];
+#   mbarrier.try_wait.parity.shared.b64 p, [bar], parity;    true once the phase of that parity is over
+# A phase ends when its pending arrivals reach 0 and its transaction count (expected minus landed
+# bytes) is 0; the barrier then starts the next phase (parity flips). dst and src 16-byte aligned,
+# size a multiple of 16. Barrier addresses are (array, element offset) of an 8-byte aligned slot.
+# --------------------------------------------------------------------------------------------
+@intrinsic
+def _mbarrier_init_intrinsic(typingctx, bar, bar_offset, count):
+    if not (isinstance(bar, types.Array) and _is_int(bar_offset, count)):
+        return None
+    sig = types.void(bar, bar_offset, count)
+
+    def codegen(context, builder, sig, args):
+        a = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        n = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [a, n], "mbarrier.init.shared.b64 [$0], $1;", "r,r,~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _fence_mbarrier_init_intrinsic(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        # fence.mbarrier_init orders the inits before later cluster-scope uses; fence.proxy.async
+        # makes them visible to the async proxy (the copy engine) that completes transactions.
+        text = "fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;"
+        _asm(builder, ir.VoidType(), [], text, "~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _mbarrier_arrive_expect_tx_intrinsic(typingctx, bar, bar_offset, nbytes):
+    if not (isinstance(bar, types.Array) and _is_int(bar_offset, nbytes)):
+        return None
+    sig = types.void(bar, bar_offset, nbytes)
+
+    def codegen(context, builder, sig, args):
+        a = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        n = context.cast(builder, args[2], sig.args[2], types.uint32)
+        text = "{\n\t.reg .b64 %mbar_state;\n\tmbarrier.arrive.expect_tx.shared.b64 %mbar_state, [$0], $1;\n\t}"
+        _asm(builder, ir.VoidType(), [a, n], text, "r,r,~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _mbarrier_try_wait_parity_intrinsic(typingctx, bar, bar_offset, parity):
+    if not (isinstance(bar, types.Array) and _is_int(bar_offset, parity)):
+        return None
+    sig = types.uint32(bar, bar_offset, parity)
+
+    def codegen(context, builder, sig, args):
+        a = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        par = context.cast(builder, args[2], sig.args[2], types.uint32)
+        text = ("{\n\t.reg .pred %mbar_done;\n\tmbarrier.try_wait.parity.shared.b64 %mbar_done, [$1], $2;\n\t"
+                "selp.u32 $0, 1, 0, %mbar_done;\n\t}")
+        return _asm(builder, _I32, [a, par], text, "=r,r,r,~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _cp_async_bulk_intrinsic(typingctx, dst, dst_offset, src, src_offset, nbytes, bar, bar_offset):
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and isinstance(bar, types.Array)):
+        return None
+    if not _is_int(dst_offset, src_offset, nbytes, bar_offset):
+        return None
+    sig = types.void(dst, dst_offset, src, src_offset, nbytes, bar, bar_offset)
+
+    def codegen(context, builder, sig, args):
+        d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        s = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        b = _shared_address(context, builder, sig.args[5], args[5], sig.args[6], args[6])
+        # A .shared::cta address is a valid .shared::cluster address of the issuing CTA; a generic
+        # pointer into global memory is its global address (CUDA's identity mapping).
+        text = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];"
+        _asm(builder, ir.VoidType(), [d, s, n, b], text, "r,l,r,r,~{memory}", True)
+
+    return sig, codegen
+
+
+# Twins: one _MBarrier per (block, address). A bulk copy poisons its destination at issue (0xFF
+# bytes, NaN in f16/bf16/f32) and lands at the first try_wait on its barrier, so a read before the
+# wait, or a refill of a tile another thread still reads, shows up as NaNs. A wait that never
+# completes (wrong parity, a missing arrive) raises instead of hanging the simulator.
+_MBAR_LOCK = threading.Lock()
+MBARRIER_WAIT_LIMIT_S = 20.0
+
+
+class _MBarrier:
+    def __init__(self, count):
+        self.count = self.pending = int(count)
+        self.tx = 0
+        self.phase = 0  # completed phases
+        self.copies = []
+
+    def _advance(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+
+def _mbarrier_key(bar, bar_offset):
+    ary = _numpy_of(bar)
+    start = int(bar_offset) * ary.itemsize
+    if start % 8:
+        raise ValueError(f"mbarrier: address not 8-byte aligned (element offset {bar_offset}, itemsize {ary.itemsize})")
+    return ary.ctypes.data + start
+
+
+def _mbarriers():
+    manager = threading.current_thread()._manager
+    with _slots_lock:
+        return manager.__dict__.setdefault("_ptx_mbarriers", {})
+
+
+def _mbarrier(bar, bar_offset, what):
+    found = _mbarriers().get(_mbarrier_key(bar, bar_offset))
+    if found is None:
+        raise RuntimeError(f"{what}: mbarrier at element offset {bar_offset} used before mbarrier.init")
+    return found
+
+
+def _mbarrier_init_twin(bar, bar_offset, count):
+    if not 1 <= int(count) < 2**20:
+        raise ValueError(f"mbarrier.init: count must be in [1, 2^20), got {count}")
+    with _MBAR_LOCK:
+        _mbarriers()[_mbarrier_key(bar, bar_offset)] = _MBarrier(count)
+
+
+def _fence_mbarrier_init_twin():
+    pass  # the twins share one address space: nothing to order
+
+
+def _mbarrier_arrive_expect_tx_twin(bar, bar_offset, nbytes):
+    with _MBAR_LOCK:
+        b = _mbarrier(bar, bar_offset, "mbarrier.arrive.expect_tx")
+        if b.pending == 0:
+            raise RuntimeError("mbarrier.arrive.expect_tx: more arrivals than the barrier's count")
+        b.tx += int(nbytes)
+        b.pending -= 1
+        b._advance()
+
+
+def _cp_async_bulk_twin(dst, dst_offset, src, src_offset, nbytes, bar, bar_offset):
+    n = int(nbytes)
+    if n <= 0 or n % 16:
+        raise ValueError(f"cp.async.bulk: size must be a positive multiple of 16, got {n}")
+    target = _flat_bytes(dst, dst_offset, n, "cp.async.bulk dst")
+    source = _span_bytes(src, src_offset, n, "cp.async.bulk src")
+    with _MBAR_LOCK:
+        b = _mbarrier(bar, bar_offset, "cp.async.bulk")
+        target[:] = _POISON
+        b.copies.append((target, source))
+
+
+def _mbarrier_try_wait_parity_twin(bar, bar_offset, parity):
+    thread = threading.current_thread()
+    with _MBAR_LOCK:
+        b = _mbarrier(bar, bar_offset, "mbarrier.try_wait.parity")
+        for target, source in b.copies:  # the copies land: complete_tx of their bytes
+            target[:] = source
+            b.tx -= target.size
+        b.copies = []
+        b._advance()
+        # The phase of parity `parity` is over once the completed-phase count has moved past it.
+        done = b.phase % 2 != int(parity) % 2
+    if not done:
+        start = thread.__dict__.setdefault("_mbar_wait_start", {}).setdefault(id(b), time.monotonic())
+        if getattr(thread, "abort", False):
+            raise RuntimeError("mbarrier.try_wait: block aborted while waiting")
+        if time.monotonic() - start > MBARRIER_WAIT_LIMIT_S:
+            raise RuntimeError(f"mbarrier.try_wait.parity {parity}: phase never completed "
+                               f"(pending arrivals {b.pending}, tx {b.tx}, completed phases {b.phase})")
+        time.sleep(0)  # let the thread that arrives run
+    else:
+        thread.__dict__.get("_mbar_wait_start", {}).pop(id(b), None)
+    return np.uint32(done)
+
+
+# --------------------------------------------------------------------------------------------
 # cvt.rn.{f16,bf16}x2.f32 packing, ex2.approx.ftz.f32
 # --------------------------------------------------------------------------------------------
 def _make_pack_intrinsic(kind):
@@ -661,6 +851,11 @@ if SIMULATOR:
     st_shared_b32 = _st_shared_b32_twin
     ld_shared_v4 = _ld_shared_v4_twin
     st_global_v4 = _st_global_v4_twin
+    mbarrier_init = _mbarrier_init_twin
+    fence_mbarrier_init = _fence_mbarrier_init_twin
+    mbarrier_arrive_expect_tx = _mbarrier_arrive_expect_tx_twin
+    mbarrier_try_wait_parity = _mbarrier_try_wait_parity_twin
+    cp_async_bulk = _cp_async_bulk_twin
 else:
     mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
@@ -679,6 +874,11 @@ else:
     st_shared_b32 = _st_shared_b32_intrinsic
     ld_shared_v4 = _ld_shared_v4_intrinsic
     st_global_v4 = _st_global_v4_intrinsic
+    mbarrier_init = _mbarrier_init_intrinsic
+    fence_mbarrier_init = _fence_mbarrier_init_intrinsic
+    mbarrier_arrive_expect_tx = _mbarrier_arrive_expect_tx_intrinsic
+    mbarrier_try_wait_parity = _mbarrier_try_wait_parity_intrinsic
+    cp_async_bulk = _cp_async_bulk_intrinsic
 
     @inline_device
     def syncwarp():  # cuda.syncwarp is a typing stub, callable only as an attribute of cuda
@@ -688,6 +888,7 @@ __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
+    "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
     "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",

@@ -6,10 +6,13 @@ config=cfg, num_splits=s)`` (median of CUDA events) and reports GB/s of K and V 
 shipped choice (config=None, num_splits=None) first; ``splits=auto`` rows are what
 ``choose_num_splits`` would pick for that config, where it is not already among SPLITS. Checks
 every result against the shipped one (max |diff|). Writes JSON to ``--json``. warp_split
-candidates (split-in-block, see numba_flash/kernels/decode.py) take block_n as one warp's tile.
-About 60-90 s on an H200, most of it compiling (2 kernels per config and case).
+candidates (split-in-block, see numba_flash/kernels/decode.py) take block_n as one warp's tile;
+bulk candidates (a fifth element True) are block-wide kernels whose K/V tiles arrive by one sm_90
+cp.async.bulk each, completing its own mbarrier (DecodeConfig.bulk).
+About 60-90 s on an H200 without the bulk candidates, most of it compiling (2 kernels per config
+and case); the seven bulk candidates add about as much again.
 
-    python scripts/sweep_decode.py [--json PATH] [--budget-s 0.25] [--only warp|block]
+    python scripts/sweep_decode.py [--json PATH] [--budget-s 0.25] [--only warp|block|bulk]
 """
 from __future__ import annotations
 
@@ -28,22 +31,45 @@ CANDIDATES = [  # (block_n, stages, warps, warp_split); the block-wide (32, *, 4
     (16, 3, 4, True),   # 111 KiB: 2 blocks/SM, 64 KiB in flight per block
     (32, 2, 2, True),   # one lane per key, 70 KiB: 3 blocks/SM, 6 warps
     (32, 3, 2, True),   # 104 KiB: 2 blocks/SM, 64 KiB in flight per block
+    # bulk (block-wide, one cp.async.bulk per K or V tile into unpadded rows, each with its mbarrier):
+    # (block_n, stages, warps, False, True); shared memory at fp16 d128 and blocks/SM by it,
+    # K+V bytes in flight per block = (stages - 1) tiles
+    (64, 2, 4, False, True),  # 65 KiB: 3 blocks/SM, 32 KiB in flight per block (the shipped tile, bulk)
+    (64, 3, 4, False, True),  # 97 KiB: 2 blocks/SM, 64 KiB
+    (64, 4, 4, False, True),  # 129 KiB: 1 block/SM, 96 KiB
+    (32, 4, 4, False, True),  # 65 KiB: 3 blocks/SM, 48 KiB
+    (32, 6, 4, False, True),  # 97 KiB: 2 blocks/SM, 80 KiB
+    (32, 8, 4, False, True),  # 129 KiB: 1 block/SM, 112 KiB
+    (64, 3, 8, False, True),  # 97 KiB, 8 warps: 2 blocks/SM (16 warps), half the per-thread work of a tile
 ]
 SPLITS = (1, 2, 4, 8)
+
+
+def kind(cand) -> str:
+    """'warp' (warp_split), 'bulk' (block-wide, bulk-copied tiles) or 'block' (block-wide, cp.async)."""
+    return "warp" if cand[3] else ("bulk" if len(cand) > 4 and cand[4] else "block")
+
+
+def candidate_config(cand, d: int, rows: int, dtype: str = "float16"):
+    """The DecodeConfig of a CANDIDATES entry for head dim d and the shipped config's rows."""
+    from numba_flash.kernels.decode import DecodeConfig
+
+    return DecodeConfig(d, dtype, rows, *cand[:3], warp_split=cand[3], bulk=kind(cand) == "bulk")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     ap.add_argument("--budget-s", type=float, default=0.25)
-    ap.add_argument("--only", choices=("warp", "block"), help="time only warp_split or only block-wide candidates")
+    ap.add_argument("--only", choices=("warp", "block", "bulk"),
+                    help="time only warp_split, only block-wide (cp.async) or only bulk candidates")
     args = ap.parse_args()
     import torch
 
     import numba_flash
     from numba_flash import bench
     from numba_flash.decode import choose_num_splits
-    from numba_flash.kernels.decode import DecodeConfig, decode_config, n_row_chunks
+    from numba_flash.kernels.decode import decode_config, n_row_chunks
 
     rows = []
     for B, H, Hkv, n_k, d in CASES:
@@ -53,9 +79,9 @@ def main() -> None:
         kv_bytes = 2 * k.numel() * k.element_size()
         ref, _ = numba_flash.decode(q, k, v)
         shipped = decode_config(d, "float16", H // Hkv)
-        cands = [c for c in CANDIDATES if args.only is None or c[3] == (args.only == "warp")]
+        cands = [c for c in CANDIDATES if args.only is None or kind(c) == args.only]
         for cand in [None] + cands:
-            cfg = None if cand is None else DecodeConfig(d, "float16", shipped.rows, *cand[:3], warp_split=cand[3])
+            cfg = None if cand is None else candidate_config(cand, d, shipped.rows)
             if cfg is not None and cfg.problems():
                 rows.append(dict(case=[B, H, Hkv, n_k, d], config=cand, error="; ".join(cfg.problems())))
                 continue

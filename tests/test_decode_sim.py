@@ -196,6 +196,85 @@ def test_warp_split_configs():
         dk.make_split_kernel(DecodeConfig(128, "float16", 1, block_n=48, warp_split=True), True, True)
 
 
+# --------------------------------------------------------------------------------------------
+# bulk: K/V tiles by cp.async.bulk + one mbarrier per stage (block-wide kernel)
+# --------------------------------------------------------------------------------------------
+def small_bulk(dtype, rows, stages=3, head_dim=16):
+    """The one-warp block-wide config with bulk-copied tiles (8 keys, unpadded rows)."""
+    return DecodeConfig(head_dim, dtype, rows, block_n=8, stages=stages, warps=1, bulk=True)
+
+
+BULK_GRID = [  # dtype, G, Hkv, Nq, num_splits, rows, stages, head dim
+    ("float32", 1, 2, 1, 1, 1, 2, 16),    # one split, 2-stage ring: each barrier flips parity per tile
+    ("float16", 4, 1, 1, 2, 4, 4, 16),    # GQA 4, 4 stages
+    ("float16", 8, 1, 1, 3, 8, 3, 64),    # GQA 8; d = 64: 8 chunks per row, the full swizzle and q flip
+    ("float32", 4, 1, 3, 2, 4, 3, 16),    # 12 rows over three 4-row blocks
+]
+
+
+@in_simulator
+@pytest.mark.parametrize("dtype, G, Hkv, n_q, n_splits, rows, stages, head_dim", BULK_GRID)
+def test_bulk_against_reference_sim(dtype, G, Hkv, n_q, n_splits, rows, stages, head_dim, rng):
+    n_max = 29  # 4 tiles of 8, the last ragged
+    q, k, v = make_inputs(rng, 3, G * Hkv, Hkv, n_q, n_max, head_dim, dtype)
+    lens = np.array([n_max, 11, 0], dtype=np.int32)  # full, ragged, and an empty cache
+    cfg = small_bulk(dtype, rows, stages, head_dim)
+    assert cfg.problems() == [] and dk.bulk_ok(k, head_dim, cfg.head_dim)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits, config=cfg)
+    check(out, lse, q, k, v, lens)
+
+
+@in_simulator
+@pytest.mark.parametrize("tile, G, n_splits", [((64, 3, 4), 1, 1), ((32, 6, 4), 4, 2)])
+def test_bulk_sweep_candidate_sim(tile, G, n_splits, rng):
+    """A bulk candidate the GPU sweep times, as it is (fp16 d128, 128 threads, 8-chunk swizzle)."""
+    cfg = DecodeConfig(128, "float16", dk.decode_config(128, "float16", G).rows, *tile, bulk=True)
+    q, k, v = make_inputs(rng, 3, G, 1, 1, 150, 128, "float16")
+    lens = np.array([150, 70, 0], dtype=np.int32)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits, config=cfg)
+    check(out, lse, q, k, v, lens)
+
+
+@in_simulator
+def test_bulk_falls_back_and_bfloat16_sim(rng):
+    """Caches one bulk copy per tile cannot fetch (padded rows, d < head_dim) run the cp.async
+    path of the same config; bf16 bits through the bulk path."""
+    from numba import cuda
+
+    q, k_big, v_big = make_inputs(rng, 2, 2, 1, 1, 30, 24, "float16")
+    q, k, v = q[..., :16], k_big[..., :16], v_big[..., :16]  # rows 48 B apart: not back to back
+    assert dk.cp_async_ok(k, 16) and not dk.bulk_ok(k, 16, 16)
+    lens = np.array([30, 9], dtype=np.int32)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=2, config=small_bulk("float16", 2))
+    check(out, lse, q, k, v, lens)
+    q2, k2, v2 = make_inputs(rng, 1, 2, 1, 1, 20, 12, "float32")  # d = 12 in a 16-wide tile
+    assert not dk.bulk_ok(k2, 12, 16)
+    out2, lse2 = decode(q2, k2, v2, num_splits=1, config=small_bulk("float32", 2))
+    check(out2, lse2, q2, k2, v2, None)
+
+    B, H, Hkv, n_q, n_max, d = 2, 4, 1, 2, 27, 16
+    (qb, qv), (kb, kv), (vb, vv) = (to_bf16(rng.standard_normal(s)) for s in
+                                    ((B, H, n_q, d), (B, Hkv, n_max, d), (B, Hkv, n_max, d)))
+    lens = np.array([27, 6], dtype=np.int32)
+    out = cuda.device_array((B, H, n_q, d), np.uint16)
+    lse = cuda.device_array((B, H, n_q), np.float32)
+    dk.launch(small_bulk("bfloat16", 8), cuda.to_device(qb), cuda.to_device(kb), cuda.to_device(vb),
+              cuda.to_device(lens), out, lse, softmax_scale=d ** -0.5, d=d, num_splits=1)
+    got = (out.copy_to_host().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    ref_o, ref_l = decode_attention(qv, kv, vv, cache_seqlens=lens)
+    assert np.abs(got - ref_o).max() <= 2 ** -7 * max(1.0, np.abs(ref_o).max())
+    np.testing.assert_allclose(lse.copy_to_host(), ref_l, rtol=1e-5, atol=1e-5)
+
+
+def test_bulk_configs():
+    cfg = DecodeConfig(128, "float16", 1, block_n=64, stages=4, warps=4, bulk=True)
+    assert cfg.problems() == [] and cfg.row_words == 64  # unpadded: a tile is one 16 KiB span
+    assert cfg.smem_words["bar"] == 16 and cfg.smem_bytes == 4 * (cfg.kv_offset + 4 * 2 * 64 * 64 + 16)
+    assert cfg.bytes_in_flight == 3 * 2 * 64 * 256
+    assert DecodeConfig(128, "float16", 1).smem_words["bar"] == 0
+    assert DecodeConfig(128, "float16", 4, block_n=16, warps=4, warp_split=True, bulk=True).problems()
+
+
 def to_bf16(x):
     """float -> (bf16 bits as uint16, the values they hold as float64), rounding to nearest even."""
     u = np.asarray(x, np.float32).view(np.uint32)
@@ -369,12 +448,13 @@ out = []
 for d, dtype, rows, vec, split, *tile in {specs!r}:
     cfg = dk.decode_config(d, dtype, rows)
     if tile:
-        bn, st, w, ws = tile[0]
-        cfg = dk.DecodeConfig(cfg.head_dim, dtype, cfg.rows, block_n=bn, stages=st, warps=w, warp_split=ws)
+        bn, st, w, ws, *bulk = tile[0]
+        cfg = dk.DecodeConfig(cfg.head_dim, dtype, cfg.rows, block_n=bn, stages=st, warps=w, warp_split=ws,
+                              bulk=bool(bulk and bulk[0]))
     ptx, _ = cuda.compile_ptx(dk.kernel_source(cfg, vec, split), dk.kernel_signature(dtype), cc=(9, 0),
                               fastmath=dk.FASTMATH)
     out.append((repr((d, dtype, rows, vec, split, *tile)), ptx))
-for dtype in dk.DTYPES:
+for dtype in (dk.DTYPES if {merges!r} else ()):
     ptx, _ = cuda.compile_ptx(dk.merge_source(dtype), dk.merge_signature(dtype), cc=(9, 0), fastmath=dk.FASTMATH)
     out.append((repr(("merge", dtype)), ptx))
 import pathlib
@@ -384,21 +464,22 @@ for i, (name, ptx) in enumerate(out):
 """
 
 
-def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
-    """All in one child process (numba's import and NVVM start-up paid once)."""
+def compile_batch(specs, tmp_path, merges=True):
+    """Compile specs (and the merge kernels) for sm_90 in one child process (numba's import and NVVM
+    start-up paid once); ptxas each. Returns [(spec, PTX text, registers)]; asserts no spills."""
     if find_ptxas() is None:
         pytest.skip("ptxas not found")
     script = tmp_path / "compile_all.py"
-    specs = SHIPPED + VARIANTS
-    script.write_text(NO_GPU_PATCH + textwrap.dedent(BATCH_COMPILE.format(specs=specs, tmp=str(tmp_path))))
+    script.write_text(NO_GPU_PATCH + textwrap.dedent(BATCH_COMPILE.format(specs=specs, tmp=str(tmp_path),
+                                                                          merges=merges)))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = _pythonpath()
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode != 0 and re.search(r"libNVVM|NVVM.*not found|nvrtc|CudaSupportError", r.stderr, re.I):
         pytest.skip(f"no NVVM to compile with: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-4000:]
-    lines = []
-    for i in range(len(specs) + len(dk.DTYPES)):
+    lines, results = [], []
+    for i in range(len(specs) + (len(dk.DTYPES) if merges else 0)):
         name = (tmp_path / f"k{i}.name").read_text()
         ptx_text = (tmp_path / f"k{i}.ptx").read_text()
         src = tmp_path / f"k{i}.ptx"
@@ -412,7 +493,30 @@ def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
         lines.append(f"{name}: {regs} registers, stack {stack}, spills {stores}/{loads}")
         assert stack == 0 and stores == 0 and loads == 0, f"{name}:\n{text}"
         assert "ld.local" not in ptx_text and "st.local" not in ptx_text, name  # accumulators in registers
-        spec = ast.literal_eval(name)
-        if spec[0] != "merge" and spec[3]:  # the vec path copies with cp.async
-            assert "cp.async.cg.shared.global" in ptx_text, name
+        results.append((ast.literal_eval(name), ptx_text, regs))
     print("\n".join(lines))
+    return results
+
+
+def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
+    for spec, ptx_text, _ in compile_batch(SHIPPED + VARIANTS, tmp_path):
+        if spec[0] != "merge" and spec[3]:  # the vec path copies with cp.async
+            assert "cp.async.cg.shared.global" in ptx_text, spec
+
+
+def test_bulk_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The sweep's bulk candidates at the issue's shapes (1 row: Hkv32, 4 rows: Hkv8), and fp32 / bf16:
+    one bulk copy per K and V tile, mbarrier waits, no per-thread cp.async, no spills."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sweep_decode
+
+    tiles = [c for c in sweep_decode.CANDIDATES if sweep_decode.kind(c) == "bulk"]
+    assert tiles
+    specs = [(128, "float16", 1, True, False, c) for c in tiles] + [(128, "float16", 4, True, True, c) for c in tiles]
+    specs += [(128, "float32", 1, True, True, (32, 4, 4, False, True)), (64, "bfloat16", 8, True, True, (64, 3, 4, False, True))]
+    for spec, ptx_text, regs in compile_batch(specs, tmp_path, merges=False):
+        for instr in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                      "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity", "mbarrier.init", "fence.proxy.async"):
+            assert instr in ptx_text, (spec, instr)
+        assert "cp.async.cg" not in ptx_text, spec
+        assert regs <= 128, spec  # DecodeConfig.blocks_per_sm assumes it

@@ -203,3 +203,53 @@ def test_cupy_in_cupy_out():
     qt, kt, vt = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
     assert_matches(torch.as_tensor(out, device="cuda"), torch.as_tensor(lse, device="cuda"), qt, kt, vt,
                    torch.as_tensor(lens, device="cuda"), torch.float32)
+
+
+# DecodeConfig.bulk: K/V tiles by cp.async.bulk + mbarrier (sm_90 and newer only).
+def _bulk_config(d, dtype, H, Hkv, n_q, block_n, stages):
+    from numba_flash.kernels.decode import DecodeConfig, decode_config
+
+    rows = decode_config(d, dtype, H // Hkv * n_q).rows
+    return DecodeConfig(d, dtype, min(rows, 16), block_n=block_n, stages=stages, warps=4, bulk=True)
+
+
+needs_sm90 = pytest.mark.skipif(not HAVE_TORCH_CUDA or torch.cuda.get_device_capability() < (9, 0),
+                                reason="cp.async.bulk needs sm_90")
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype, heads, n_q, n_splits, tile", list(itertools.product(
+    ["float16", "bfloat16", "float32"], [(32, 32), (32, 8), (32, 4)], [1, 3], [None, 1, 7], [(64, 3)]))
+    + [("float16", heads, 1, None, (32, 6)) for heads in [(32, 32), (32, 8), (32, 4)]])
+def test_bulk_grid(dtype, heads, n_q, n_splits, tile):
+    H, Hkv = heads
+    B, n_max, d = 4, 3001, 128  # ragged lengths, one of them 0, the longest not a tile multiple
+    cfg = _bulk_config(d, dtype, H, Hkv, n_q, *tile)
+    dtype = getattr(torch, dtype)
+    seed = 7 + 1000 * n_q + 10 * Hkv + (n_splits or 0)
+    q, k, v = make(B, H, Hkv, n_q, n_max, d, dtype, seed)
+    lens = ragged(B, n_max, seed)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=n_splits, config=cfg)
+    torch.cuda.synchronize()
+    assert_matches(out, lse, q, k, v, lens, dtype)
+
+
+@needs_sm90
+def test_bulk_stale_slots_layouts_and_determinism():
+    cfg = _bulk_config(128, "float16", 4, 4, 3, 64, 4)
+    q, k, v = make(2, 4, 4, 3, 500, 128, torch.float16, 9)
+    lens = torch.tensor([123, 500], dtype=torch.int32, device="cuda")
+    k[0, :, 123:] = float("nan")
+    v[0, :, 123:] = float("inf")
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=4, config=cfg)
+    assert torch.isfinite(out).all()
+    for _ in range(10):
+        again = decode(q, k, v, cache_seqlens=lens, num_splits=4, config=cfg)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    k[0, :, 123:] = 0
+    v[0, :, 123:] = 0
+    assert_matches(out, lse, q, k, v, lens, torch.float16)
+    # (B, Nmax, Hkv, d) viewed as (B, Hkv, Nmax, d): rows not back to back, the cp.async fallback
+    kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    out2, lse2 = decode(q, kt, vt, cache_seqlens=lens, num_splits=4, config=cfg)
+    assert_matches(out2, lse2, q, k, v, lens, torch.float16)

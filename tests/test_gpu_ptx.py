@@ -8,6 +8,7 @@ import pytest
 
 from gpu_helpers import needs_gpu
 from test_ptx import (
+    check_bulk_copy_ring,
     check_cp_async_groups,
     check_cp_async_zfill,
     check_ldmatrix,
@@ -56,3 +57,7 @@ def test_pack_and_ex2_gpu():
 
 def test_shfl_xor_quad_reduce_gpu():
     check_shfl_xor_quad_reduce()
+
+
+def test_bulk_copy_ring_gpu():
+    check_bulk_copy_ring(tiles=9)

@@ -436,6 +436,42 @@ def check_shfl_xor_quad_reduce():
     np.testing.assert_allclose(sm, np.repeat(quads.sum(axis=1), 4), rtol=1e-6)
 
 
+def check_bulk_copy_ring(tiles=5):
+    """A 2-stage ring of 64-element uint16 tiles filled by cp.async.bulk: thread 0 arms each stage's
+    mbarrier (arrive.expect_tx) and issues the copy; every thread waits on the stage's parity
+    (flipping per reuse) and reads its element; a block barrier before each refill orders the reads
+    of the stage's previous tile before its overwrite."""
+    src = (np.arange(tiles * 64, dtype=np.uint16) * 7 + 3).reshape(tiles * 8, 8)
+
+    @cuda.jit
+    def kernel(src, out):
+        tid = cuda.threadIdx.x
+        ring = cuda.shared.array(128, np.uint16, alignment=SMEM_ALIGN)
+        bars = cuda.shared.array(2, np.uint64, alignment=SMEM_ALIGN)
+        if tid == 0:
+            ptx.mbarrier_init(bars, 0, 1)
+            ptx.mbarrier_init(bars, 1, 1)
+            ptx.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid == 0:
+            ptx.mbarrier_arrive_expect_tx(bars, 0, 128)
+            ptx.cp_async_bulk(ring, 0, src, 0, 128, bars, 0)
+        for t in range(tiles):
+            cuda.syncthreads()  # everyone is done with tile t - 1, whose stage is refilled next
+            if tid == 0 and t + 1 < tiles:
+                nxt = (t + 1) % 2
+                ptx.mbarrier_arrive_expect_tx(bars, nxt, 128)  # arm (the bytes to expect), then copy
+                ptx.cp_async_bulk(ring, nxt * 64, src, (t + 1) * 64, 128, bars, nxt)
+            st = t % 2
+            while ptx.mbarrier_try_wait_parity(bars, st, (t // 2) % 2) == 0:
+                pass
+            out[t, tid] = ring[st * 64 + tid]
+
+    out = np.zeros((tiles, 64), np.uint16)
+    kernel[1, 64](src, out)
+    np.testing.assert_array_equal(out, src.reshape(tiles, 64))
+
+
 # --------------------------------------------------------------------------------------------
 # Simulator runs of the checks
 # --------------------------------------------------------------------------------------------
@@ -516,6 +552,67 @@ def test_cp_async_read_before_wait_is_poisoned_sim():
     early = np.zeros(32, np.uint16)
     kernel[1, 32](src, early)
     assert (early == 0xFFFF).all()
+
+
+@in_simulator
+def test_bulk_copy_ring_sim():
+    check_bulk_copy_ring()
+
+
+@in_simulator
+def test_bulk_copy_read_before_wait_is_poisoned_sim():
+    """The bulk-copy twin lands at the first try_wait on its barrier: a read before it sees 0xFF."""
+    src = np.ones(32, np.uint16)
+
+    @cuda.jit
+    def kernel(src, early, late):
+        tid = cuda.threadIdx.x
+        sm = cuda.shared.array(32, np.uint16)
+        bar = cuda.shared.array(1, np.uint64)
+        if tid == 0:
+            ptx.mbarrier_init(bar, 0, 1)
+            ptx.fence_mbarrier_init()
+            ptx.mbarrier_arrive_expect_tx(bar, 0, 64)
+            ptx.cp_async_bulk(sm, 0, src, 0, 64, bar, 0)
+        cuda.syncthreads()  # forgot the wait
+        early[tid] = sm[tid]
+        cuda.syncthreads()
+        while ptx.mbarrier_try_wait_parity(bar, 0, 0) == 0:
+            pass
+        late[tid] = sm[tid]
+
+    early, late = np.zeros(32, np.uint16), np.zeros(32, np.uint16)
+    kernel[1, 32](src, early, late)
+    assert (early == 0xFFFF).all() and (late == 1).all()
+
+
+@in_simulator
+def test_mbarrier_wait_on_a_phase_that_never_ends_raises_sim(monkeypatch):
+    """Waiting for parity 1 before phase 0 is over (or without an arrive) would hang a GPU; the
+    twin raises after MBARRIER_WAIT_LIMIT_S. Bad sizes are refused at issue."""
+    monkeypatch.setattr(ptx, "MBARRIER_WAIT_LIMIT_S", 0.2)
+
+    @cuda.jit
+    def wrong_parity(src):
+        sm = cuda.shared.array(32, np.uint16)
+        bar = cuda.shared.array(1, np.uint64)
+        ptx.mbarrier_init(bar, 0, 1)
+        ptx.cp_async_bulk(sm, 0, src, 0, 64, bar, 0)  # no arrive.expect_tx: phase 0 never ends
+        while ptx.mbarrier_try_wait_parity(bar, 0, 0) == 0:
+            pass
+
+    with pytest.raises(RuntimeError, match="phase never completed"):
+        wrong_parity[1, 1](np.ones(32, np.uint16))
+
+    @cuda.jit
+    def odd_size(src):
+        sm = cuda.shared.array(32, np.uint16)
+        bar = cuda.shared.array(1, np.uint64)
+        ptx.mbarrier_init(bar, 0, 1)
+        ptx.cp_async_bulk(sm, 0, src, 0, 24, bar, 0)
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        odd_size[1, 1](np.ones(32, np.uint16))
 
 
 @in_simulator
@@ -653,3 +750,52 @@ def test_shared_and_global_vectors_compile_for_sm90(tmp_path):
         assert instr in text, instr
     report = ptxas_report(text, tmp_path)
     assert report["spill_stores"] == 0, report["text"]
+
+
+BULK_INTRINSICS = """
+import numpy as np
+from numba import cuda, types
+from numba_flash import ptx
+from numba_flash.ptx import SMEM_ALIGN
+
+def bulk_ring(src, out):
+    tid = cuda.threadIdx.x
+    ring = cuda.shared.array(2048, np.uint32, alignment=SMEM_ALIGN)
+    bars = cuda.shared.array(2, np.uint64, alignment=SMEM_ALIGN)
+    if tid == 0:
+        ptx.mbarrier_init(bars, 0, 1)
+        ptx.mbarrier_init(bars, 1, 1)
+        ptx.fence_mbarrier_init()
+    cuda.syncthreads()
+    acc = np.float32(0.0)
+    for t in range(src.shape[0] // 1024):
+        cuda.syncthreads()
+        st = t % 2
+        if tid == 0:
+            ptx.mbarrier_arrive_expect_tx(bars, st, 4096)
+            ptx.cp_async_bulk(ring, st * 1024, src, t * 1024, 4096, bars, st)
+        while ptx.mbarrier_try_wait_parity(bars, st, (t // 2) % 2) == 0:
+            pass
+        acc += ring[st * 1024 + tid]
+    out[tid] = acc
+
+SIG = (types.uint32[::1], types.float32[::1])
+"""
+
+
+def test_bulk_intrinsics_compile_for_sm90(tmp_path):
+    """The bulk copy and mbarrier PTX assembles for sm_90 (NVVM's .version must be >= 8.0)."""
+    text = compile_in_subprocess(BULK_INTRINSICS, "SIG", "bulk_ring", tmp_path)
+    version = re.search(r"^\.version (\d+)\.(\d+)", text, re.M)
+    assert version and (int(version.group(1)), int(version.group(2))) >= (8, 0), version
+    for instr in [
+        "mbarrier.init.shared.b64",
+        "fence.mbarrier_init.release.cluster",
+        "fence.proxy.async.shared::cta",
+        "mbarrier.arrive.expect_tx.shared.b64",
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "mbarrier.try_wait.parity.shared.b64",
+    ]:
+        assert instr in text, instr
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0 and report["stack"] == 0, report["text"]

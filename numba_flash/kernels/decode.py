@@ -44,6 +44,20 @@ others wait (for one row: 1 of 4 warps, 10 shuffles in a chain), and 16 cp.async
 with its own bounds and 64-bit address arithmetic: the H200 sweep found it bound by this chain,
 not by bytes in flight (NOTES.md, decode).
 
+Bulk copies (DecodeConfig.bulk, block-wide kernel, sm_90): a (batch, kv head)'s cache rows are
+back to back when its last two dims are contiguous and d = head_dim, so keys [k0, k0 + block_n) of
+K are one span of block_n·d·itemsize bytes (16 KiB at fp16 d128, 64 keys). Thread 0 issues it,
+and the V span, as two cp.async.bulk copies (only the valid rows of a ragged last tile; the rows
+past the length are zeroed by all threads), each completing its own mbarrier of the stage after an
+arrive.expect_tx of its bytes. Every thread waits with try_wait.parity for phase j // STAGES of
+stage j % STAGES's K barrier before S = Q·Kᵀ, and of its V barrier before P·V. The block barrier
+at the top of each step (as in the cp.async ring) orders all reads of the previous tile before
+its stage is refilled, so no "empty" barrier is needed. The copies hold no registers and cost no
+per-thread instructions, so a deep ring (STAGES - 1 tiles in flight) costs only shared memory. Rows land unpadded (a multiple of 32 banks apart), so the S
+phase reads lane 4·kq + p's chunks in the order c ^ kq and, for 16-bit caches, q[e] lives at
+e ^ ((e >> 5) & 1): both reads stay conflict-free. Caches a bulk copy cannot fetch run the same
+config with bulk=False.
+
 Split-in-block (DecodeConfig.warp_split, FlashDecoding++ / FA2 style): warp w takes tiles
 t_begin + w, t_begin + w + warps, ... of the split (block_n keys each, one lane per key, or 32 /
 block_n lanes per key) through its own cp.async ring, ordered by cp.async.wait_group and
@@ -63,7 +77,7 @@ result is bitwise deterministic for a given num_splits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -203,6 +217,10 @@ class DecodeConfig:
     warp_split: each warp streams its own tiles (t_begin + w, + 2·warps, ...) through its own
     ring with its own (m, l, acc) in registers, and the warps' states merge once at the end
     (split-in-block); block_n is then one warp's tile (8..64 keys). False: the block-wide kernel.
+    bulk: (block-wide kernel) each K and V tile arrives by one sm_90 bulk copy (cp.async.bulk,
+    block_n·d·itemsize bytes, issued by thread 0) into unpadded rows, completing its own mbarrier
+    that every thread waits on; all STAGES - 1 tiles in flight cost no registers. Needs
+    caches whose rows are contiguous and d = head_dim; the launcher falls back to bulk=False.
     """
 
     head_dim: int  # compiled (padded) head dim, a multiple of 16
@@ -212,6 +230,7 @@ class DecodeConfig:
     stages: int = 3
     warps: int = 4
     warp_split: bool = False
+    bulk: bool = False
 
     # Sizes in 4-byte words. A word holds 2 elements of a 16-bit dtype or 1 float32.
     @property
@@ -228,6 +247,8 @@ class DecodeConfig:
 
     @property
     def row_words(self) -> int:
+        if self.bulk:
+            return self.words  # one bulk copy lands the tile's rows back to back (S reads swizzled)
         return self.words + 4  # +16 bytes: rows 4 banks apart, still 16-byte aligned for cp.async
 
     @property
@@ -299,6 +320,7 @@ class DecodeConfig:
             "m": self.rows, "l": self.rows, "alpha": self.rows, "limit": self.rows,
             # K/V ring; after the last tile it holds the summed acc (rows x head_dim)
             "kv": max(pipeline, self.rows * self.head_dim),
+            "bar": 4 * self.stages if self.bulk else 0,  # 8-byte mbarriers, K's and V's per stage
         }
 
     @property
@@ -309,7 +331,7 @@ class DecodeConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return 4 * (self.kv_offset + self.smem_words["kv"])
+        return 4 * (self.kv_offset + self.smem_words["kv"] + self.smem_words.get("bar", 0))
 
     @property
     def blocks_per_sm(self) -> int:
@@ -338,6 +360,8 @@ class DecodeConfig:
         if self.stages < 2:
             out.append(f"stages={self.stages}: at least 2 (one tile used, one in flight)")
         if self.warp_split:
+            if self.bulk:
+                out.append("bulk: the block-wide kernel only (warp_split=False)")
             return out + self._warp_split_problems()
         if self.block_n % (8 * self.warps) or self.block_n < 8 * self.warps:
             out.append(f"block_n={self.block_n}: a multiple of 8 keys per warp ({8 * self.warps})")
@@ -460,14 +484,15 @@ def element_helpers(dtype: str):
     return q_to_f32, store_out, unpack
 
 
-def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int):
+def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int, q_swizzle: bool = False):
     """What both split kernels do first: (block_rows, load_q).
 
     block_rows(k, seqlens, group, n_q) -> (b, h_kv, r0, rows_total, length): this block's sequence,
     kv head and first row r0 of the G·Nq rows of the group (blockIdx.y = (b·Hkv + h_kv)·chunks +
     chunk), and the valid cache length (device lengths are not checked on the host: clamped here).
     load_q(...) puts rows r0.. of the group's queries into smem_f[Q_OFF..] as fp32, zero past G·Nq
-    and past d; row r0 + r = g·Nq + i is query i of head g of the group."""
+    and past d; row r0 + r = g·Nq + i is query i of head g of the group. q_swizzle (the bulk
+    kernel, 16-bit caches): element e of a row is stored at e ^ ((e >> 5) & 1), see kernel_source."""
     q_to_f32 = element_helpers(dtype)[0]
     ZERO = float32(0.0)
 
@@ -499,7 +524,19 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
                 x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
             smem_f[U(Q_OFF + idx)] = x
 
-    return block_rows, load_q
+    @inline_device
+    def load_q_swizzled(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d):
+        for idx in range(cuda.threadIdx.x, ROWS * HEAD_DIM, THREADS):
+            r = idx // HEAD_DIM
+            e = idx - r * HEAD_DIM
+            rg = r0 + r
+            x = ZERO
+            if rg < rows_total and e < d:
+                g = rg // n_q
+                x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
+            smem_f[U(Q_OFF + r * HEAD_DIM + (e ^ ((e >> 5) & 1)))] = x
+
+    return block_rows, (load_q_swizzled if q_swizzle else load_q)
 
 
 def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
@@ -543,7 +580,17 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     EXACT_COPIES = BLOCK_N * CHUNKS % THREADS == 0
     TILE_LOADS = -(-BLOCK_N * HEAD_DIM // THREADS)
     WAIT_N = STAGES - 2  # cp.async groups allowed in flight when a tile must have landed
-    VEC, SPLIT = bool(vec), bool(split)
+    BULK = cfg.bulk  # tiles by cp.async.bulk + mbarrier (then vec is ignored: rows are contiguous)
+    VEC, SPLIT = bool(vec) and not BULK, bool(split)
+    BAR_OFF = KV_OFF + words["kv"]  # stage st: K's mbarrier at words BAR_OFF + 4·st, V's at + 2
+    ROW_BYTES = HEAD_DIM * ITEM
+    # Bulk tiles have unpadded rows (a multiple of 32 banks apart), so the S phase swizzles: lane
+    # 4·kq + p reads 16-byte chunk c ^ kq' (kq' = kq mod SWZ) at step c, and the 8 keys of a step
+    # hit 8 different chunks' banks. For 16-bit caches q[e] is stored at e ^ ((e >> 5) & 1): the
+    # two q floats a lane reads per K word then also sit in 32 different banks.
+    SWZ = min(8, QUAD_STEPS & -QUAD_STEPS) if BULK else 1
+    S_UNROLL = SWZ if BULK else UNROLL
+    Q_FLIP = BULK and EPW == 2
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
     FULL = ptx.FULL_MASK
@@ -552,6 +599,11 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     cp_async = ptx.cp_async_16_zfill
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
+    cp_bulk = ptx.cp_async_bulk
+    bar_init = ptx.mbarrier_init
+    bar_fence = ptx.fence_mbarrier_init
+    bar_expect = ptx.mbarrier_arrive_expect_tx
+    bar_try_wait = ptx.mbarrier_try_wait_parity
     exp2, log2 = math.exp2, math.log2
 
     @inline_device
@@ -588,8 +640,38 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                         x = src[U(b), U(h), U(row), U(e)] if ok else uint16(0)
                         smem_h[U(2 * (dst + r * ROW_WORDS) + e)] = x
 
+    @inline_device
+    def issue_tile(smem_u, kb, vb, k0, length, stage):
+        """Thread 0: keys [k0, k0 + BLOCK_N) of K and V (only the valid rows) into stage, each copy
+        completing its own mbarrier (S waits for K only, P·V for V) after an arrival expecting its bytes."""
+        nbytes = min(BLOCK_N, length - k0) * ROW_BYTES  # a multiple of 16: head_dim is one of 16
+        bar = BAR_OFF + 4 * stage
+        dst = KV_OFF + stage * STAGE_WORDS
+        bar_expect(smem_u, bar, nbytes)
+        cp_bulk(smem_u, dst, kb, k0 * HEAD_DIM, nbytes, smem_u, bar)
+        bar_expect(smem_u, bar + 2, nbytes)
+        cp_bulk(smem_u, dst + TILE_WORDS, vb, k0 * HEAD_DIM, nbytes, smem_u, bar + 2)
+
+    @inline_device
+    def zero_tail(smem_u, k0, length, stage):
+        """All threads: rows past length of a ragged last tile are zeroed (the bulk copy skips
+        them), so a masked probability (exactly 0) never meets stale or uninitialised bits (0 * nan
+        would be nan). No later bulk copy writes this stage: the ragged tile is the last one."""
+        valid = min(BLOCK_N, length - k0)
+        if valid < BLOCK_N:
+            dst = KV_OFF + stage * STAGE_WORDS
+            for idx in range(valid * WORDS + cuda.threadIdx.x, BLOCK_N * WORDS, THREADS):
+                smem_u[U(dst + idx)] = uint32(0)
+                smem_u[U(dst + TILE_WORDS + idx)] = uint32(0)
+
+    @inline_device
+    def wait_tile(smem_u, bar, parity):
+        """Until phase `parity` of the mbarrier at word bar is over (its bytes have landed)."""
+        while bar_try_wait(smem_u, bar, parity) == 0:
+            pass
+
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF)
+    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, q_swizzle=Q_FLIP)
 
     def decode_split(q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
@@ -635,13 +717,28 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             for x in range(O_ELEMS):
                 acc[i, x] = ZERO
 
+        sw = kq & (SWZ - 1)  # 0 without bulk
+        if BULK:
+            kb = k[U(b), U(h_kv)]  # (Nmax, head_dim) rows of this kv head, back to back
+            vb = v[U(b), U(h_kv)]
+            if tid == 0:
+                for st in range(2 * STAGES):
+                    bar_init(smem_u, BAR_OFF + 2 * st, 1)  # one arrival (thread 0's) per phase
+                bar_fence()
+            cuda.syncthreads()  # the barriers are initialised before anyone waits on them
+
         # Prologue: the first STAGES - 1 tiles in flight (one commit group each, maybe empty).
         for st in range(STAGES - 1):
             if t_begin + st < t_end:
                 k0 = (t_begin + st) * BLOCK_N
-                dst = KV_OFF + st * STAGE_WORDS
-                load_tile(smem_u, smem_h, smem_f, k, b, h_kv, k0, length, d, dst)
-                load_tile(smem_u, smem_h, smem_f, v, b, h_kv, k0, length, d, dst + TILE_WORDS)
+                if BULK:
+                    if tid == 0:
+                        issue_tile(smem_u, kb, vb, k0, length, st)
+                    zero_tail(smem_u, k0, length, st)
+                else:
+                    dst = KV_OFF + st * STAGE_WORDS
+                    load_tile(smem_u, smem_h, smem_f, k, b, h_kv, k0, length, d, dst)
+                    load_tile(smem_u, smem_h, smem_f, v, b, h_kv, k0, length, d, dst + TILE_WORDS)
             if VEC:
                 cp_commit()
 
@@ -652,11 +749,18 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             cuda.syncthreads()  # everyone's have; and everyone is done with tile t - 1
             nxt = t + STAGES - 1
             if nxt < t_end:  # refill the stage that tile t - 1 used
-                dst = KV_OFF + ((j + STAGES - 1) % STAGES) * STAGE_WORDS
-                load_tile(smem_u, smem_h, smem_f, k, b, h_kv, nxt * BLOCK_N, length, d, dst)
-                load_tile(smem_u, smem_h, smem_f, v, b, h_kv, nxt * BLOCK_N, length, d, dst + TILE_WORDS)
+                if BULK:
+                    if tid == 0:
+                        issue_tile(smem_u, kb, vb, nxt * BLOCK_N, length, (j + STAGES - 1) % STAGES)
+                    zero_tail(smem_u, nxt * BLOCK_N, length, (j + STAGES - 1) % STAGES)
+                else:
+                    dst = KV_OFF + ((j + STAGES - 1) % STAGES) * STAGE_WORDS
+                    load_tile(smem_u, smem_h, smem_f, k, b, h_kv, nxt * BLOCK_N, length, d, dst)
+                    load_tile(smem_u, smem_h, smem_f, v, b, h_kv, nxt * BLOCK_N, length, d, dst + TILE_WORDS)
             if VEC:
                 cp_commit()  # always, so that WAIT_N counts tiles
+            if BULK:  # tile t's K has landed: phase j // STAGES of its stage's K barrier is over
+                wait_tile(smem_u, BAR_OFF + 4 * (j % STAGES), (j // STAGES) & 1)
             k0 = t * BLOCK_N
             k_off = KV_OFF + (j % STAGES) * STAGE_WORDS
             v_off = k_off + TILE_WORDS
@@ -669,15 +773,21 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                     for ks in range(KEY_STEPS):
                         s_acc[i, ks] = ZERO
                 q_lane = Q_OFF + rc * S_ROWS * HEAD_DIM + EPW * p
-                for j0 in range(0, QUAD_STEPS, UNROLL):
-                    for u in range(UNROLL):  # constant trip count: unrolled, addresses become offsets
-                        w4 = 4 * (j0 + u)
+                for j0 in range(0, QUAD_STEPS, S_UNROLL):
+                    for u in range(S_UNROLL):  # constant trip count: unrolled, addresses become offsets
+                        cu = u ^ sw  # the swizzled chunk (bulk: sw = kq mod SWZ; else 0)
+                        w4 = 4 * (j0 + cu)
                         for ks in range(KEY_STEPS):
                             k_val[ks, 0], k_val[ks, 1] = unpack(smem_u, smem_f, k_lane + 8 * ks * ROW_WORDS + w4)
                         for i in range(S_ROWS):
                             q_addr = q_lane + i * HEAD_DIM + EPW * w4
-                            q_lo = smem_f[U(q_addr)]
-                            q_hi = smem_f[U(q_addr + 1)] if EPW == 2 else ZERO
+                            if Q_FLIP:  # q stored at e ^ ((e >> 5) & 1)
+                                flip = (cu >> 2) & 1
+                                q_lo = smem_f[U(q_addr + flip)]
+                                q_hi = smem_f[U(q_addr + 1 - flip)]
+                            else:
+                                q_lo = smem_f[U(q_addr)]
+                                q_hi = smem_f[U(q_addr + 1)] if EPW == 2 else ZERO
                             for ks in range(KEY_STEPS):
                                 s_acc[i, ks] = cuda.fma(q_lo, k_val[ks, 0], s_acc[i, ks])
                                 if EPW == 2:
@@ -733,6 +843,8 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             cuda.syncthreads()
 
             # acc = alpha · acc + P V over this thread's key group.
+            if BULK:  # tile t's V has landed
+                wait_tile(smem_u, BAR_OFF + 4 * (j % STAGES) + 2, (j // STAGES) & 1)
             for i in range(O_ROWS):
                 alpha = smem_f[U(A_OFF + row_group + i * ROW_GROUPS)]
                 for x in range(O_ELEMS):
@@ -754,7 +866,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
 
         if VEC:
             cp_wait(0)  # nothing may be in flight when the ring is reused or the block exits
-        cuda.syncthreads()
+        cuda.syncthreads()  # (bulk: every issued tile was waited on, so nothing is in flight)
 
         # Sum the key groups' acc into shared memory, one group at a time (a fixed order).
         for pass_kg in range(KEY_GROUPS):
@@ -1199,6 +1311,15 @@ def cp_async_ok(x, d: int) -> bool:
     return all(s % 16 == 0 for s in outer) and address(x) % 16 == 0
 
 
+def bulk_ok(x, d: int, head_dim: int) -> bool:
+    """Can one bulk copy fetch a tile of x's rows: cp_async_ok, d = head_dim (no padding columns)
+    and rows back to back (row stride = d elements), so block_n rows are one contiguous span."""
+    shape, strides = tuple(x.shape), tuple(x.strides)
+    if d != head_dim or not cp_async_ok(x, d):
+        return False
+    return shape[-2] <= 1 or strides[-2] == d * x.dtype.itemsize
+
+
 def scratch_shapes(B: int, H: int, n_q: int, num_splits: int, d: int) -> tuple:
     """Shapes of (m_part, l_part, acc_part), all float32."""
     return (B, H, n_q, num_splits), (B, H, n_q, num_splits), (B, H, n_q, num_splits, d)
@@ -1217,7 +1338,8 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     caches as uint16 words); seqlens: (B,) int32/int64, or a 0-length array meaning Nmax for all;
     lse: (B, H, Nq) float32. partials: (m_part, l_part, acc_part) of scratch_shapes(), needed
     when num_splits > 1. softmax_scale multiplies q·kᵀ. Any strides; rows that cp.async cannot
-    copy (see cp_async_ok) take the scalar-load kernel.
+    copy (see cp_async_ok) take the scalar-load kernel, and a cfg.bulk config whose caches one bulk
+    copy per tile cannot fetch (see bulk_ok) runs as the same config with bulk=False.
     """
     B, H, n_q, _ = q.shape
     Hkv = k.shape[1]
@@ -1225,6 +1347,8 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
         return
     group = H // Hkv
     split = num_splits > 1
+    if cfg.bulk and not (bulk_ok(k, d, cfg.head_dim) and bulk_ok(v, d, cfg.head_dim)):
+        cfg = replace(cfg, bulk=False)
     vec = cp_async_ok(k, d) and cp_async_ok(v, d)
     lens_dtype = str(seqlens.dtype)
     kernel = make_split_kernel(cfg, vec, split, lens_dtype)
