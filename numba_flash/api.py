@@ -159,10 +159,17 @@ def _compute_capability(device: int | None) -> tuple:
 
 
 def mma_config(d: int, causal: bool) -> dict:
-    """Tensor-core tile config (configs.MMA_TABLE, from the H200 sweeps in benchmarks/mma_ladder.md)."""
+    """Tensor-core tile config and kernel variants (configs.MMA_TABLE, from the H200 sweeps in
+    benchmarks/mma_ladder.md): keyword arguments of mma_forward.launch."""
     head_dim = 64 if d <= 64 else 128
-    bq, bk, m_tiles = MMA_TABLE[head_dim, bool(causal)]
-    return {"BLOCK_Q": bq, "BLOCK_K": bk, "M_TILES": m_tiles, "HEAD_DIM": head_dim}
+    bq, bk, m_tiles, variants = MMA_TABLE[head_dim, bool(causal)]
+    return {"BLOCK_Q": bq, "BLOCK_K": bk, "M_TILES": m_tiles, "HEAD_DIM": head_dim, **variants}
+
+
+_VARIANT_WORDS = {"SMEM_EPILOGUE": "O stored through shared memory (16-byte stores)",
+                  "GRID_BH_X": "heaviest causal Q tiles of every head first",
+                  "PROLOGUE_V": "Q and K_0 copied as one group",
+                  "KV_STAGES": "double-buffered K/V", "WARP_SKIP": "warps skip tiles their rows cannot see"}
 
 
 def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
@@ -183,6 +190,10 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
         reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
                    f"{cfg['BLOCK_Q']}x{cfg['BLOCK_K']} tiles, {warps} warps x {16 * m_tiles} rows, "
                    f"head dim {head_dim}"]
+        variants = [words for key, words in _VARIANT_WORDS.items()
+                    if (cfg.get(key, 1) > 1 if key == "KV_STAGES" else cfg.get(key, False) is True)]
+        if variants:
+            reasons.append("variants: " + "; ".join(variants))
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernel")
         return "mma", cfg, reasons

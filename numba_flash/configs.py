@@ -139,16 +139,21 @@ _SIMT_TABLE = {
 }
 
 
-# Tensor-core forward, (head dim, causal): (BLOCK_Q, BLOCK_K, M_TILES). H200 sweep v6
-# (results/sweep-mma-2026-11-29-v6.txt): FA2's 128x64 tile with 4 warps x 32 rows, in 64 KiB of dynamic
-# shared memory at d = 128: 307.8 TFLOP/s vs 274.5 (64x32) non-causal, 251.0 vs 232.4 (64x64) causal,
-# 344.5 vs 297.3 bf16 N16384, although ptxas spills 64-72 B of it at 255 registers (MMA_SPILL_OK).
-# d = 64 causal was not swept and keeps 64x64.
+# Tensor-core forward, (head dim, causal): (BLOCK_Q, BLOCK_K, M_TILES, variants of mma_forward.kernel_source).
+# H200 sweep v6 (results/sweep-mma-2026-11-29-v6.txt): FA2's 128x64 tile with 4 warps x 32 rows, in 64 KiB
+# of dynamic shared memory at d = 128: 307.8 TFLOP/s vs 274.5 (64x32) non-causal, 251.0 vs 232.4 (64x64)
+# causal, 344.5 vs 297.3 bf16 N16384, although ptxas spills 64-80 B of it at 255 registers (MMA_SPILL_OK).
+# Variants by sweep v7 (results/sweep-mma-2026-11-29-v7.txt, fp16 B4 H16 N4096, kernel launches, one run):
+# SMEM_EPILOGUE (O through shared memory, 16-byte stores), GRID_BH_X (every head's heaviest causal tile
+# first), PROLOGUE_V (Q and K_0 in one copy group, V_0 behind), KV_STAGES=2 (double-buffered K/V),
+# WARP_SKIP (a warp skips the products of tiles its rows cannot see):
+#   d128 epi 314.5 vs 301.6; d128 causal grid+epi+pro 286.0 vs 256.8; d64 kv2 282.1 vs 267.3;
+#   d64 causal 128x64 grid+skip+epi+pro 229.0 vs the 64x64 tile shipped before, 169.5.
 MMA_TABLE = {
-    (64, False): (128, 64, 2),
-    (64, True): (64, 64, 1),
-    (128, False): (128, 64, 2),
-    (128, True): (128, 64, 2),
+    (64, False): (128, 64, 2, {"KV_STAGES": 2}),
+    (64, True): (128, 64, 2, {"GRID_BH_X": True, "WARP_SKIP": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True}),
+    (128, False): (128, 64, 2, {"SMEM_EPILOGUE": True}),
+    (128, True): (128, 64, 2, {"GRID_BH_X": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True}),
 }
 MMA_SPILL_OK = {(128, 64, 128, 2): 80}  # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes measured faster
 

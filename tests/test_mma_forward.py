@@ -276,8 +276,10 @@ def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
     spills beyond the few bytes MMA_SPILL_OK records for a config the sweep measured faster."""
     from numba_flash.configs import MMA_SPILL_OK, MMA_TABLE
 
-    bq, bk, mt = MMA_TABLE[head_dim, causal]
-    source = COMPILE_SOURCE_MT.format(BQ=bq, BK=bk, D=head_dim, CAUSAL=causal, DTYPE=dtype, MT=mt)
+    bq, bk, mt, variants = MMA_TABLE[head_dim, causal]
+    source = COMPILE_SOURCE_MT.format(BQ=bq, BK=bk, D=head_dim, CAUSAL=causal, DTYPE=dtype, MT=mt).replace(
+        f"M_TILES={mt})", f"M_TILES={mt}, **{variants!r})")
+    assert repr(variants) in source
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.{0}.{0}.f32".format("f16" if dtype == "float16" else "bf16")
     assert mma in text and "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
@@ -432,8 +434,8 @@ def test_smem_epilogue_unaligned_out_falls_back_sim():
     assert_close(*r, "float16")
 
 
-# sha256 of each shipped config's sm_90 PTX (configs.MMA_TABLE, f16 and bf16) as commit 613ab89 built it,
-# before the variants existed, normalised only for what differs between two compiles of the same code
+# sha256 of each config shipped at 613ab89 (MMA_TABLE's tiles then, f16 and bf16): their sm_90 PTX with
+# every variant off, as commit 613ab89 built it before the variants existed, normalised only for what differs between two compiles of the same code
 # in one process (Numba's function-version and shared-array counters, the order of the NumbaEnv
 # declarations). Recorded with numba 0.68.1, numba-cuda 0.30.4, NVVM 2.0; other versions skip.
 SHIPPED_PTX_SHA256 = {
@@ -462,8 +464,13 @@ def normalised_ptx_sha256(text):
     return hashlib.sha256("".join(env + rest).encode()).hexdigest()
 
 
-def test_shipped_ptx_unchanged_by_variants(tmp_path):
-    """With every variant off (the default), the shipped kernels' PTX is the PTX of 613ab89."""
+BASE_TILES_613AB89 = {(64, False): (128, 64, 2), (64, True): (64, 64, 1), (128, False): (128, 64, 2),
+                      (128, True): (128, 64, 2)}
+
+
+def test_variants_off_ptx_unchanged(tmp_path):
+    """With every variant off (kernel_source's defaults), the kernels shipped at 613ab89 compile to
+    the PTX of 613ab89: the variants are confined to their flags."""
     from test_ptx import NO_GPU_PATCH, run_compile_child
 
     source = NO_GPU_PATCH + """
@@ -471,14 +478,13 @@ import json, sys
 import numba, numba_cuda
 from numba import cuda
 from numba.cuda.cudadrv import nvvm
-from numba_flash.configs import MMA_TABLE
 from numba_flash.kernels import mma_forward
 sys.path.insert(0, "tests")
-from test_mma_forward import normalised_ptx_sha256
+from test_mma_forward import BASE_TILES_613AB89, normalised_ptx_sha256
 versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
 out = {}
 if versions == [numba.__version__, "0.30.4", [2, 0]]:
-    for (d, causal), (bq, bk, mt) in sorted(MMA_TABLE.items()):
+    for (d, causal), (bq, bk, mt) in sorted(BASE_TILES_613AB89.items()):
         for dtype in ("float16", "bfloat16"):
             fn = mma_forward.kernel_source(bq, bk, d, causal, dtype, M_TILES=mt)
             ptx, _ = cuda.compile_ptx(fn, mma_forward.kernel_signature(), cc=(9, 0))
