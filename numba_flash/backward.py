@@ -84,6 +84,10 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             f"dq: {bq}-query tiles x {bk}-key tiles, {mma_backward.threads_per_block('dq', bq)} threads, "
             f"{mma_backward.smem_bytes('dq', bq, bk, head_dim)} B shared memory",
         ]
+        an, am = cfg["dkdv_atomic"]
+        reasons.append(f"with deterministic=False: no dq kernel; dkdv ({an}-key x {am}-query tiles, "
+                       f"{mma_backward.threads_per_block('dkdv', an)} threads) adds dQ into fp32 scratch with "
+                       "atomic adds (not bitwise repeatable)")
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
     else:

@@ -163,9 +163,12 @@ MMA_SPILL_OK = {(128, 64, 128, 2): 80}  # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES):
 # H200 sweep (results/backward-2026-11-29-mma-sweep.md, fp16 B4 H16 N4096, each kernel alone): d = 128
 # dkdv 64x64 257.0 vs 64x32 244.6 TFLOP/s (causal 205.9 vs 192.8) although ptxas spills 92 B of it,
 # dq 64x64 269.3 (next 128x64 264.6); d = 64 64x64 best for both (242.5, 249.1).
+# "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32; fourth
+# session, results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
+# (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.
 MMA_BWD_TABLE = {
-    64: {"dkdv": (64, 64), "dq": (64, 64)},
-    128: {"dkdv": (64, 64), "dq": (64, 64)},
+    64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64)},
+    128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64)},
 }
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
 # shipped config the sweep measured fastest anyway; the build test allows exactly these.
