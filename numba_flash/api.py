@@ -194,6 +194,9 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
                     if (cfg.get(key, 1) > 1 if key == "KV_STAGES" else cfg.get(key, False) is True)]
         if variants:
             reasons.append("variants: " + "; ".join(variants))
+        if cfg.get("SMEM_EPILOGUE") and p.d % 8:  # out is ours, contiguous: rows of 2·d bytes
+            reasons.append(f"O rows of {p.d} x 2 B are not 16-byte aligned: O is stored from the fragments, "
+                           "not through shared memory")
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernel")
         return "mma", cfg, reasons

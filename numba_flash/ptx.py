@@ -43,6 +43,7 @@ from numba.cuda import types
 from numba.cuda.extending import intrinsic, register_jitable
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+SM90_ONLY = "red.global.add.v2.f32, cp.async.bulk, mbarrier expect_tx"  # what needs sm_90+ below
 SMEM_ALIGN = None if SIMULATOR else 16  # ldmatrix rows and cp.async targets are 16-byte aligned
 FULL_MASK = 0xFFFFFFFF
 
@@ -820,6 +821,23 @@ def _syncwarp_twin(mask=FULL_MASK):
 
 
 # --------------------------------------------------------------------------------------------
+# Which GPU the intrinsics are for: vector red and the bulk copy exist from sm_90 on (ptxas rejects
+# them for sm_80-89), so kernels that use them pick a fallback below it.
+# --------------------------------------------------------------------------------------------
+_CC: dict = {}
+
+
+def current_sm90() -> bool:
+    """True when the current device is sm_90 or newer (the simulator: True, its twins have all)."""
+    if SIMULATOR:
+        return True
+    dev = cuda.get_current_device()
+    if dev.id not in _CC:
+        _CC[dev.id] = tuple(dev.compute_capability)
+    return _CC[dev.id] >= (9, 0)
+
+
+# --------------------------------------------------------------------------------------------
 # Device helpers for kernels, callable from a kernel like any function: compiled as device
 # functions and inlined by NVVM (so fragment arrays passed to them still become registers).
 # Unlike a plain cuda.jit(device=True) function, register_jitable is also an ordinary Python
@@ -890,7 +908,7 @@ __all__ = [
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
-    "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4",
+    "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "current_sm90",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

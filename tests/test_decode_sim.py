@@ -209,6 +209,7 @@ BULK_GRID = [  # dtype, G, Hkv, Nq, num_splits, rows, stages, head dim
     ("float16", 4, 1, 1, 2, 4, 4, 16),    # GQA 4, 4 stages
     ("float16", 8, 1, 1, 3, 8, 3, 64),    # GQA 8; d = 64: 8 chunks per row, the full swizzle and q flip
     ("float32", 4, 1, 3, 2, 4, 3, 16),    # 12 rows over three 4-row blocks
+    ("float16", 1, 1, 1, 1, 1, 2, 96),    # d = 96: 12 chunks, a 4-chunk swizzle, so chunk steps j0 > 0 flip q
 ]
 
 

@@ -385,13 +385,21 @@ VARIANT_FLAGS = [dict(GRID_BH_X=True), dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V
                  dict(WARP_SKIP=True), dict(GRID_BH_X=True, SMEM_EPILOGUE=True, KV_STAGES=2, WARP_SKIP=True)]
 
 
+# Each variant where it acts (the grid order and the warp skip only change causal runs) and the
+# combination both ways: the simulator runs a 64-thread block in ~10 s per K/V tile, so CI keeps
+# these few and small.
+VARIANT_CASES = [(flags, causal) for flags in VARIANT_FLAGS[:-1]
+                 for causal in ((True,) if "GRID_BH_X" in flags or "WARP_SKIP" in flags else (False,))]
+VARIANT_CASES += [(VARIANT_FLAGS[-1], False), (VARIANT_FLAGS[-1], True)]
+
+
 @in_simulator
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("flags", VARIANT_FLAGS, ids=lambda f: "+".join(f"{k}{v}" for k, v in f.items()))
+@pytest.mark.parametrize("flags,causal", VARIANT_CASES,
+                         ids=lambda x: "+".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
 def test_variants_sim(flags, causal):
-    """2 warps x 32 rows (M_TILES = 2) over Nq = 70 (a ragged Q tile), Nk = 90 (three K/V tiles, the
-    last ragged: two-stage buffers alternate and wrap), GQA, B = H = 2 (the grid order's b·h)."""
-    r = run_forward(2, 2, 1, 70, 90, 64, causal, "float16", seed=21, BLOCK_Q=64, BLOCK_K=32, M_TILES=2, **flags)
+    """2 warps x 32 rows (M_TILES = 2) over Nq = 40 (a ragged Q tile), Nk = 70 (three K/V tiles, the
+    last ragged: two-stage buffers alternate and wrap), GQA 2 (the grid order's b·h over 2 heads)."""
+    r = run_forward(1, 2, 1, 40, 70, 64, causal, "float16", seed=21, BLOCK_Q=64, BLOCK_K=32, M_TILES=2, **flags)
     assert_close(*r, "float16")
 
 

@@ -781,8 +781,8 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                             k_val[ks, 0], k_val[ks, 1] = unpack(smem_u, smem_f, k_lane + 8 * ks * ROW_WORDS + w4)
                         for i in range(S_ROWS):
                             q_addr = q_lane + i * HEAD_DIM + EPW * w4
-                            if Q_FLIP:  # q stored at e ^ ((e >> 5) & 1)
-                                flip = (cu >> 2) & 1
+                            if Q_FLIP:  # q stored at e ^ ((e >> 5) & 1), e = 2p + 8 (j0 + cu)
+                                flip = ((j0 + cu) >> 2) & 1
                                 q_lo = smem_f[U(q_addr + flip)]
                                 q_hi = smem_f[U(q_addr + 1 - flip)]
                             else:
@@ -1339,7 +1339,8 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     lse: (B, H, Nq) float32. partials: (m_part, l_part, acc_part) of scratch_shapes(), needed
     when num_splits > 1. softmax_scale multiplies q·kᵀ. Any strides; rows that cp.async cannot
     copy (see cp_async_ok) take the scalar-load kernel, and a cfg.bulk config whose caches one bulk
-    copy per tile cannot fetch (see bulk_ok) runs as the same config with bulk=False.
+    copy per tile cannot fetch (see bulk_ok), or on a GPU below sm_90 (no cp.async.bulk), runs as
+    the same config with bulk=False.
     """
     B, H, n_q, _ = q.shape
     Hkv = k.shape[1]
@@ -1347,7 +1348,7 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
         return
     group = H // Hkv
     split = num_splits > 1
-    if cfg.bulk and not (bulk_ok(k, d, cfg.head_dim) and bulk_ok(v, d, cfg.head_dim)):
+    if cfg.bulk and not (ptx.current_sm90() and bulk_ok(k, d, cfg.head_dim) and bulk_ok(v, d, cfg.head_dim)):
         cfg = replace(cfg, bulk=False)
     vec = cp_async_ok(k, d) and cp_async_ok(v, d)
     lens_dtype = str(seqlens.dtype)

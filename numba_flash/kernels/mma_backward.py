@@ -319,7 +319,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     return layout, swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, store_grads
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
 
     ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
@@ -327,7 +327,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
     recompute S and dP (5 tile GEMMs in all instead of 7). dSᵀ goes through shared memory (16-bit,
     swizzled) to change orientation: warp w then owns query rows 16(w mod 4).. of dQ_i (BLOCK_M = 64)
     and, with 8 warps (BLOCK_N = 128, FA2's d = 128 layout: half the atomics per product), half of
-    its columns. The adds leave as red.global.add.v2.f32: a fragment's two adjacent columns at once."""
+    its columns. The adds leave as red.global.add.v2.f32: a fragment's two adjacent columns at once
+    (VECTOR_RED, sm_90+; below it two scalar red.global.add.f32)."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -355,6 +356,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
     cp_wait = ptx.cp_async_wait
     ldsm_t = ptx.ldmatrix_x4_trans
     red_add2 = ptx.red_add_v2_f32
+    red_add = ptx.red_add_f32
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
@@ -389,7 +391,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False):
             for nt in range(DQ_TILES):
                 col = pc * DQ_COLS + nt * 8 + 2 * t
                 for half in range(2):  # scratch rows and columns are padded: no bounds checks
-                    red_add2(dq_acc, row0 + 8 * half * HEAD_DIM + col, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                    off = row0 + 8 * half * HEAD_DIM + col
+                    if VECTOR_RED:
+                        red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                    else:
+                        red_add(dq_acc, off, acc_q[nt, 2 * half])
+                        red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
@@ -786,12 +793,13 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     return mma_backward_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False):
+def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False,
+                  vector_red=True):
     """The Python kernel of one specialisation (before cuda.jit; the compile tests use it)."""
     if kernel == "dkdv" and split_d:
         return dkdv_split_source(block_own, block_streamed, head_dim, causal, dtype)
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq)
+        return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red)
     return dq_source(block_own, block_streamed, head_dim, causal, dtype)
 
 
@@ -814,9 +822,11 @@ def make_convert_kernel(dtype: str):
 
 @lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
-                max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False):
+                max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False,
+                vector_red: bool = True):
     """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
-    atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme).
+    atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme),
+    as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
     split_d (dkdv only): FA2's warp layout, two warps per 16 keys (``dkdv_split_source``)."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d)
     if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
@@ -829,7 +839,7 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
     source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq),
-                           bool(split_d))
+                           bool(split_d), bool(vector_red))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq)), **cap)(source)
 
@@ -871,7 +881,10 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     split = bool(config.get("dkdv_split_d", False)) and not atomic
     if "dkdv" in kernels:
         extra = (dq_acc,) if atomic else ()
-        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split),
+        # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
+        scalar_red = {"vector_red": False} if atomic and not ptx.current_sm90() else {}
+        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
+                                  **scalar_red),
                       ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn, split), stream,
                       smem_bytes("dkdv", bn, bm, head_dim, atomic, split), *words, l2, dd, _words(dk), _words(dv),
                       *extra, *scalars)

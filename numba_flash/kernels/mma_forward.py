@@ -682,6 +682,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     q_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
+    if GRID_BH_X and q_tiles > 65535 >= B * H:
+        GRID_BH_X = False  # the y axis holds 65535 Q tiles; the (Q tiles, B·H) grid runs the same maths
     if (q_tiles if GRID_BH_X else B * H) > 65535:
         raise ValueError(f"{'Q tiles' if GRID_BH_X else 'B*H'} = {q_tiles if GRID_BH_X else B * H} exceeds the "
                          "grid's y limit of 65535")
