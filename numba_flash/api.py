@@ -1,7 +1,6 @@
 """Public entry points: one validation function, then dispatch to a kernel family."""
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from typing import Any
 from numba import config as nb_config
 from numba import cuda
 
-from . import arrays, plans
+from . import arrays, plans, ptx
 from .configs import MAX_HEAD_DIM, MMA_TABLE, simt_config
 from .kernels import mma_forward, simt_forward
 from .launch import address, current_device_id
@@ -138,7 +137,7 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
     if p.d > MMA_MAX_HEAD_DIM:
         out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
     if not nb_config.ENABLE_CUDASIM and cuda.is_available():
-        cc = _compute_capability(p.device)
+        cc = ptx.compute_capability(p.device)  # None (Numba, CAI arrays): the current device
         if cc < (8, 0):
             out.append(f"GPU compute capability {cc} < (8, 0): no mma.sync m16n8k16 / cp.async")
     if views is None and not out and (p.d * 2) % 16:  # NumPy inputs are copied C-contiguous
@@ -151,11 +150,6 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
             elif address(x) % 16:
                 out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(device: int | None) -> tuple:
-    return cuda.get_current_device().compute_capability if device is None else cuda.gpus[device].compute_capability
 
 
 def mma_config(d: int, causal: bool) -> dict:

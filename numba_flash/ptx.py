@@ -33,6 +33,7 @@ the simulator, which refuses an alignment argument).
 """
 
 import ctypes
+import functools
 import threading
 import time
 
@@ -687,53 +688,55 @@ def _ex2_approx_twin(x):
 # --------------------------------------------------------------------------------------------
 # red.global.add.f32: an atomic add whose result is not needed (the atomic dQ of the backward)
 # --------------------------------------------------------------------------------------------
-@intrinsic
-def _red_add_f32_intrinsic(typingctx, array, offset, value):
-    if not (isinstance(array, types.Array) and array.dtype == types.float32 and _is_int(offset) and _is_num(value)):
+def _red_add(n):
+    """(typing, codegen) of red.global.add.f32 on n consecutive elements: n = 1 scalar, n = 2 the
+    sm_90 vector form (8-byte aligned), whose warp-wide adds of a fragment's column pairs fill whole
+    32-byte sectors in half the instructions."""
+    regs = "$1" if n == 1 else "{" + ", ".join(f"${i + 1}" for i in range(n)) + "}"
+    text = f"red.global.add{'' if n == 1 else f'.v{n}'}.f32 [$0], {regs};"
+    constraints = "l," + ",".join("f" * n) + ",~{memory}"
+
+    def typing(array, offset, values):
+        if isinstance(array, types.Array) and array.dtype == types.float32 and _is_int(offset) and _is_num(*values):
+            return types.void(array, offset, *values)
         return None
-    sig = types.void(array, offset, value)
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        x = context.cast(builder, args[2], sig.args[2], types.float32)
-        # A generic pointer into global memory is its global address (CUDA's identity mapping).
-        _asm(builder, ir.VoidType(), [ptr, x], "red.global.add.f32 [$0], $1;", "l,f,~{memory}", True)
-
-    return sig, codegen
-
-
-@intrinsic
-def _red_add_v2_f32_intrinsic(typingctx, array, offset, x, y):
-    """red.global.add.v2.f32 (sm_90): elements offset and offset + 1 (8-byte aligned) in one
-    instruction, so a warp's adds of a fragment's column pairs fill whole 32-byte sectors."""
-    if not (isinstance(array, types.Array) and array.dtype == types.float32 and _is_int(offset) and _is_num(x, y)):
-        return None
-    sig = types.void(array, offset, x, y)
 
     def codegen(context, builder, sig, args):
         ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         xs = [context.cast(builder, a, t, types.float32) for a, t in zip(args[2:], sig.args[2:])]
-        _asm(builder, ir.VoidType(), [ptr, *xs], "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", True)
+        # A generic pointer into global memory is its global address (CUDA's identity mapping).
+        _asm(builder, ir.VoidType(), [ptr, *xs], text, constraints, True)
 
-    return sig, codegen
+    return typing, codegen
+
+
+_RED_1, _RED_2 = _red_add(1), _red_add(2)
+
+
+@intrinsic
+def _red_add_f32_intrinsic(typingctx, array, offset, value):
+    sig = _RED_1[0](array, offset, (value,))
+    return sig and (sig, _RED_1[1])
+
+
+@intrinsic
+def _red_add_v2_f32_intrinsic(typingctx, array, offset, x, y):
+    sig = _RED_2[0](array, offset, (x, y))
+    return sig and (sig, _RED_2[1])
 
 
 _RED_LOCK = threading.Lock()
 
 
-def _red_add_f32_twin(array, offset, value):
+def _red_add_twin(array, offset, *values):
+    """Adds values into consecutive elements from offset; a vector (2 values) must be 8-byte aligned."""
+    off = int(offset)
+    if len(values) > 1 and off % len(values):  # the GPU faults on a misaligned vector address: so does the twin
+        raise ValueError(f"red_add_v{len(values)}_f32: element offset {off} is not {4 * len(values)}-byte aligned")
     flat = _numpy_of(array).reshape(-1)  # contiguous arrays only, like the flat offset on the GPU
     with _RED_LOCK:
-        flat[int(offset)] += np.float32(value)
-
-
-def _red_add_v2_f32_twin(array, offset, x, y):
-    if int(offset) % 2:  # the GPU faults on a misaligned vector address: so does the twin
-        raise ValueError(f"red_add_v2_f32: element offset {int(offset)} is not 8-byte aligned")
-    flat = _numpy_of(array).reshape(-1)
-    with _RED_LOCK:
-        flat[int(offset)] += np.float32(x)
-        flat[int(offset) + 1] += np.float32(y)
+        for i, x in enumerate(values):
+            flat[off + i] += np.float32(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -824,17 +827,19 @@ def _syncwarp_twin(mask=FULL_MASK):
 # Which GPU the intrinsics are for: vector red and the bulk copy exist from sm_90 on (ptxas rejects
 # them for sm_80-89), so kernels that use them pick a fallback below it.
 # --------------------------------------------------------------------------------------------
-_CC: dict = {}
+@functools.lru_cache(maxsize=None)
+def _compute_capability_of(device_id: int) -> tuple:  # one driver query per device, not per call
+    return tuple(cuda.gpus[device_id].compute_capability)
+
+
+def compute_capability(device_id: int | None = None) -> tuple:
+    """(major, minor) of a device (default: the current one)."""
+    return _compute_capability_of(cuda.get_current_device().id if device_id is None else device_id)
 
 
 def current_sm90() -> bool:
     """True when the current device is sm_90 or newer (the simulator: True, its twins have all)."""
-    if SIMULATOR:
-        return True
-    dev = cuda.get_current_device()
-    if dev.id not in _CC:
-        _CC[dev.id] = tuple(dev.compute_capability)
-    return _CC[dev.id] >= (9, 0)
+    return SIMULATOR or compute_capability() >= (9, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -864,8 +869,7 @@ if SIMULATOR:
     ex2_approx = _ex2_approx_twin
     shfl_xor_sync = _shfl_xor_sync_twin
     syncwarp = _syncwarp_twin
-    red_add_f32 = _red_add_f32_twin
-    red_add_v2_f32 = _red_add_v2_f32_twin
+    red_add_f32 = red_add_v2_f32 = _red_add_twin
     st_shared_b32 = _st_shared_b32_twin
     ld_shared_v4 = _ld_shared_v4_twin
     st_global_v4 = _st_global_v4_twin
@@ -909,6 +913,7 @@ __all__ = [
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
     "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "current_sm90",
+    "compute_capability",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

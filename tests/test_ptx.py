@@ -524,12 +524,12 @@ def test_red_add_twins(rng):
     misaligned vector address, as the GPU would fault on it."""
     acc = np.zeros(8, np.float32)
     x, y, z = (np.float32(v) for v in rng.standard_normal(3))
-    ptx._red_add_v2_f32_twin(acc, 2, x, y)
-    ptx._red_add_v2_f32_twin(acc, 2, y, x)
-    ptx._red_add_f32_twin(acc, 7, z)
+    ptx._red_add_twin(acc, 2, x, y)
+    ptx._red_add_twin(acc, 2, y, x)
+    ptx._red_add_twin(acc, 7, z)
     np.testing.assert_array_equal(acc, [0, 0, x + y, y + x, 0, 0, 0, z])
     with pytest.raises(ValueError, match="offset 3 is not 8-byte aligned"):
-        ptx._red_add_v2_f32_twin(acc, 3, x, y)
+        ptx._red_add_twin(acc, 3, x, y)
 
 
 @in_simulator
