@@ -512,6 +512,8 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
             length = min(max(seqlens[U(b)], 0), n_max)
         return b, h_kv, r0, rows_total, length
 
+    Q_SWIZZLE = bool(q_swizzle)
+
     @inline_device
     def load_q(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d):
         for idx in range(cuda.threadIdx.x, ROWS * HEAD_DIM, THREADS):
@@ -522,21 +524,12 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
             if rg < rows_total and e < d:
                 g = rg // n_q
                 x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
-            smem_f[U(Q_OFF + idx)] = x
+            if Q_SWIZZLE:  # element e at e ^ ((e >> 5) & 1) (the bulk kernel's conflict-free S phase)
+                smem_f[U(Q_OFF + r * HEAD_DIM + (e ^ ((e >> 5) & 1)))] = x
+            else:
+                smem_f[U(Q_OFF + idx)] = x
 
-    @inline_device
-    def load_q_swizzled(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d):
-        for idx in range(cuda.threadIdx.x, ROWS * HEAD_DIM, THREADS):
-            r = idx // HEAD_DIM
-            e = idx - r * HEAD_DIM
-            rg = r0 + r
-            x = ZERO
-            if rg < rows_total and e < d:
-                g = rg // n_q
-                x = q_to_f32(q[U(b), U(h_kv * group + g), U(rg - g * n_q), U(e)])
-            smem_f[U(Q_OFF + r * HEAD_DIM + (e ^ ((e >> 5) & 1)))] = x
-
-    return block_rows, (load_q_swizzled if q_swizzle else load_q)
+    return block_rows, load_q
 
 
 def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
