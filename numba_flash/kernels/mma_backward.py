@@ -256,6 +256,8 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
     swizzle, load_rows = tile_copies(HEAD_DIM, THREADS)
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    ldsm_t = ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     cp_async = ptx.cp_async_16
     CAUSAL = bool(CAUSAL)
@@ -293,6 +295,21 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
                        (qt0 + nxt - hh * per_head) * BLOCK_M, n_q, d, nq_pad)
 
     @inline_device
+    def dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3):
+        """dV n-tiles dt, dt + 1 += Pᵀ dO and dK's += dSᵀ Q for one k-step: A = the packed Pᵀ (p) and
+        dSᵀ (d) fragments, B = dO and Q by ldmatrix.trans at t_off in the stage."""
+        b0, b1, b2, b3 = ldsm_t(smem, SDO + t_off)
+        acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3] = mma(
+            p0, p1, p2, p3, b0, b1, acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3])
+        acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3] = mma(
+            p0, p1, p2, p3, b2, b3, acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3])
+        b0, b1, b2, b3 = ldsm_t(smem, SQ + t_off)
+        acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3] = mma(
+            d0, d1, d2, d3, b0, b1, acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3])
+        acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3] = mma(
+            d0, d1, d2, d3, b2, b3, acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3])
+
+    @inline_device
     def swizzle_m(row, chunk):
         """Element offset in a BLOCK_N x 64 tile of queries (Pᵀ, dSᵀ: 8 chunks a row, XOR row % 8)."""
         return row * BLOCK_M + ((chunk ^ (row & 7)) << 3)
@@ -316,7 +333,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
                         dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
 
     layout = (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, EXTRA0)
-    return layout, swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, store_grads
+    return layout, swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, store_grads, dv_dk_step
 
 
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True):
@@ -338,7 +355,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
     CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
-        store_grads = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
+        store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
     # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
     DQ_COLS = 32  # dQ columns per pass: 16 accumulators per lane, added atomically after each pass
     DQ_TILES = DQ_COLS // 8
@@ -490,18 +507,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                 for dp2 in range(O_TILES // 2):
                     dt = 2 * dp2
                     t_off = st + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk)
-                    b0, b1, b2, b3 = ldsm_t(smem, SDO + t_off)
-                    acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3] = mma(
-                        p0, p1, p2, p3, b0, b1, acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3])
-                    acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3] = mma(
-                        p0, p1, p2, p3, b2, b3,
-                        acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3])
-                    b0, b1, b2, b3 = ldsm_t(smem, SQ + t_off)
-                    acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3] = mma(
-                        d0, d1, d2, d3, b0, b1, acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3])
-                    acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3] = mma(
-                        d0, d1, d2, d3, b2, b3,
-                        acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3])
+                    dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
 
             if ATOMIC_DQ:
                 cuda.syncthreads()  # every warp's dSᵀ is in shared memory
@@ -540,7 +546,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     if BLOCK_M != 64:
         raise ValueError(f"split_d dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows); got BLOCK_M={BLOCK_M}")
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
-        store_grads = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
+        store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES_W, mma)
@@ -549,7 +555,6 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     ldsm = ptx.ldmatrix_x4
-    ldsm_t = ptx.ldmatrix_x4_trans
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
@@ -638,18 +643,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
                 for dp2 in range(O_TILES_W // 2):
                     dt = 2 * dp2
                     t_off = st + swizzle(kk * 16 + t_row, half_c * O_TILES_W + dp2 * 2 + t_chunk)
-                    b0, b1, b2, b3 = ldsm_t(smem, SDO + t_off)
-                    acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3] = mma(
-                        p0, p1, p2, p3, b0, b1, acc_v[dt, 0], acc_v[dt, 1], acc_v[dt, 2], acc_v[dt, 3])
-                    acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3] = mma(
-                        p0, p1, p2, p3, b2, b3,
-                        acc_v[dt + 1, 0], acc_v[dt + 1, 1], acc_v[dt + 1, 2], acc_v[dt + 1, 3])
-                    b0, b1, b2, b3 = ldsm_t(smem, SQ + t_off)
-                    acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3] = mma(
-                        d0, d1, d2, d3, b0, b1, acc_k[dt, 0], acc_k[dt, 1], acc_k[dt, 2], acc_k[dt, 3])
-                    acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3] = mma(
-                        d0, d1, d2, d3, b2, b3,
-                        acc_k[dt + 1, 0], acc_k[dt + 1, 1], acc_k[dt + 1, 2], acc_k[dt + 1, 3])
+                    dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
 
         cp_wait(0)
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, half_c * (HEAD_DIM // 2), n_k, d, scale)
