@@ -504,3 +504,18 @@ print(json.dumps(dict(versions=versions, hashes=out)))
     if got["versions"] != want:
         pytest.skip(f"hashes recorded with {want}, this is {got['versions']}")
     assert got["hashes"] == SHIPPED_PTX_SHA256, json.dumps(got["hashes"], indent=1)
+
+
+def test_explain_names_the_shipped_variants(rng):
+    """explain lists each variant configs.MMA_TABLE ships for the shape (and none it does not)."""
+    import numba_flash
+    from numba_flash.api import _VARIANT_WORDS
+    from numba_flash.configs import MMA_TABLE
+
+    for (d, causal), (_, _, _, variants) in MMA_TABLE.items():
+        q = rng.standard_normal((1, 2, 64, d)).astype(np.float16)
+        text = numba_flash.explain(q, q, q, causal=causal)
+        assert text.startswith("mma:"), text
+        for key, words in _VARIANT_WORDS.items():
+            on = variants.get(key, 1) > 1 if key == "KV_STAGES" else variants.get(key, False) is True
+            assert (words in text) == on, (d, causal, key, text)
