@@ -283,6 +283,95 @@ def _make_mma_twin(value_of):
 
 
 # --------------------------------------------------------------------------------------------
+# mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 and cvt.rna.tf32.f32 (fp32 on tensor cores)
+#
+# Fragments of m16n8k8 with .tf32 (one 32-bit element per register; g = lane >> 2, t = lane % 4):
+#     A (16x8): a0 = A[g, t]   a1 = A[g+8, t]   a2 = A[g, t+4]   a3 = A[g+8, t+4]
+#     B (8x8):  b0 = B[t, g]   b1 = B[t+4, g]
+#     C, D:     as m16n8k16 (c_fragment_coords)
+# A tf32 operand is an fp32 bit pattern of which the tensor core reads sign, exponent and the top
+# 10 mantissa bits; tf32_round rounds to that (ties away from zero), so x - tf32_round(x) is exact
+# in fp32 and the 3xTF32 split x = hi + lo loses only lo's last bits.
+# --------------------------------------------------------------------------------------------
+def tf32_a_coords(lane):
+    """(row, col) of the 4 elements lane holds in an m16n8k8 tf32 A fragment, in register order."""
+    g, t = lane >> 2, lane % 4
+    return [(g + 8 * (i & 1), t + 4 * (i >> 1)) for i in range(4)]
+
+
+def tf32_b_coords(lane):
+    """(row k, col n) of the 2 elements lane holds in an m16n8k8 tf32 B fragment."""
+    g, t = lane >> 2, lane % 4
+    return [(t + 4 * i, g) for i in range(2)]
+
+
+_TF32_MASK = 0xFFFFE000  # sign, 8 exponent bits, 10 mantissa bits
+
+
+def tf32_value(x):
+    """The value the tensor core reads from an fp32 operand (low 13 mantissa bits dropped)."""
+    bits = int(np.float32(x).view(np.uint32)) & _TF32_MASK
+    return float(np.uint32(bits).view(np.float32))
+
+
+@intrinsic
+def _mma_m16n8k8_tf32_intrinsic(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    if not _is_num(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return None
+    sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    text = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+
+    def codegen(context, builder, sig, args):
+        regs = [builder.bitcast(context.cast(builder, v, t, types.float32), _I32)
+                for v, t in zip(args[:6], sig.args[:6])]
+        accs = [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
+        ret = ir.LiteralStructType([_F32] * 4)
+        d = _asm(builder, ret, regs + accs, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+        return context.make_tuple(builder, sig.return_type, _unpack(builder, d, 4))
+
+    return sig, codegen
+
+
+def _mma_m16n8k8_tf32_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    def combine(lanes):
+        A, B, C = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))
+        for lane, (a, b, c) in enumerate(lanes):
+            for (r, k), x in zip(tf32_a_coords(lane), a):
+                A[r, k] = tf32_value(x)
+            for (k, n), x in zip(tf32_b_coords(lane), b):
+                B[k, n] = tf32_value(x)
+            for (r, n), x in zip(c_fragment_coords(lane), c):
+                C[r, n] = x
+        D = (A @ B + C).astype(np.float32)  # products of tf32 values are exact in fp64
+        return [tuple(D[r, n] for r, n in c_fragment_coords(lane)) for lane in range(32)]
+
+    value = ((a0, a1, a2, a3), (b0, b1), tuple(np.float32(x) for x in (c0, c1, c2, c3)))
+    return warp_exchange(value, combine, "mma.tf32")
+
+
+@intrinsic
+def _tf32_round_intrinsic(typingctx, x):
+    if not _is_num(x):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        bits = _asm(builder, _I32, [v], "cvt.rna.tf32.f32 $0, $1;", "=r,f")
+        return builder.bitcast(bits, _F32)
+
+    return sig, codegen
+
+
+def _tf32_round_twin(x):
+    bits = int(np.float32(x).view(np.uint32))
+    if (bits & 0x7F800000) != 0x7F800000:  # inf and nan pass through
+        bits = (bits + 0x1000) & _TF32_MASK  # half an ulp of tf32 added to the magnitude: ties away
+    return np.uint32(bits).view(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
 # ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16
 # --------------------------------------------------------------------------------------------
 def _make_ldmatrix_intrinsic(trans):
@@ -858,6 +947,8 @@ def inline_device(fn):
 if SIMULATOR:
     mma_m16n8k16_f16 = _make_mma_twin(f16_value)
     mma_m16n8k16_bf16 = _make_mma_twin(bf16_value)
+    mma_m16n8k8_tf32 = _mma_m16n8k8_tf32_twin
+    tf32_round = _tf32_round_twin
     ldmatrix_x4 = _make_ldmatrix_twin(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_twin(trans=True)
     cp_async_16 = _cp_async_16_twin
@@ -881,6 +972,8 @@ if SIMULATOR:
 else:
     mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
+    mma_m16n8k8_tf32 = _mma_m16n8k8_tf32_intrinsic
+    tf32_round = _tf32_round_intrinsic
     ldmatrix_x4 = _make_ldmatrix_intrinsic(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_intrinsic(trans=True)
     cp_async_16 = _cp_async_16_intrinsic
@@ -908,12 +1001,12 @@ else:
 
 __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
-    "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans",
+    "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "tf32_round", "ldmatrix_x4", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
     "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "current_sm90",
     "compute_capability",
-    "a_fragment_coords", "b_fragment_coords", "c_fragment_coords",
+    "a_fragment_coords", "b_fragment_coords", "c_fragment_coords", "tf32_a_coords", "tf32_b_coords", "tf32_value",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",
 ]

@@ -1,0 +1,414 @@
+"""fp32 FlashAttention-2 forward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 for fp32 accuracy.
+
+Maths: the online softmax of section 3.6.4, exactly as in mma_forward (m_i in raw score units,
+softmax_scale·log2(e) folded into one FFMA + ex2 per element, L = (m_i·scale_log2 + log2 l_i)·ln 2).
+What differs is how the two products are formed from fp32 operands.
+
+A tensor core multiplies tf32 values (fp32 with a 10-bit mantissa). Split every operand as
+x = hi + lo with hi = tf32(x) and lo = tf32(x - hi) (x - hi is exact in fp32); then
+
+    x·y = hi_x·hi_y + hi_x·lo_y + lo_x·hi_y + lo_x·lo_y,
+
+and the last term is below fp32's rounding of the product (|lo| <= 2^-11 |x|), so three tf32
+products (small terms first, into one fp32 accumulator) give fp32-level accuracy: "3xTF32", what
+CUTLASS calls OpMultiplyAddFastF32 and what PyTorch's memory-efficient SDPA runs for fp32 on sm_80+.
+PASSES = 1 keeps only hi·hi (plain TF32, ~1e-3 relative error: PyTorch's allow_tf32).
+
+Work split (FA2): WARPS = BLOCK_Q / 16 warps, warp w owns query rows 16w..16w+15. Per K/V tile:
+
+    S (16 x BLOCK_K)  = Q_w · K_jᵀ     HEAD_DIM/8 k-steps x BLOCK_K/8 n-tiles of m16n8k8
+    O (16 x HEAD_DIM) += P · V_j      BLOCK_K/8 k-steps x HEAD_DIM/8 n-tiles
+
+Fragments (numba_flash.ptx, g = lane >> 2, t = lane % 4). A k-step's 8 summation indices may be
+taken in any order as long as A's columns and B's rows agree, which removes all shuffles:
+
+* S = Q·Kᵀ sums over d. k-steps come in pairs covering 16 columns of d; lane (g, t) owns columns
+  16c + 4t .. 16c + 4t + 3 of its rows g and g + 8 (one 16-byte shared load per row): the pair's
+  first step takes columns +0 (as its column t) and +1 (as t + 4), the second +2 and +3. K's rows
+  are read the same way, so Q's column t and K's row t are always the same d.
+* O += P·V sums over keys. The S accumulators hold S[g, 8n + 2t], S[g, 8n + 2t + 1] (and row
+  g + 8): taken as P's columns t and t + 4 of k-step n, they are already the A fragment; V's B
+  fragment is then V[8n + 2t, col] and V[8n + 2t + 1, col]: two 4-byte shared loads.
+
+Shared memory (fp32 words): Q and K rows padded to QK_STRIDE (== 16 mod 32 words: a quarter-warp's
+16-byte loads of rows g, g + 1 cover all 32 banks), V rows to V_STRIDE (== 4 mod 16: the 4-byte
+loads of keys 2t at column g hit 32 different banks). Tiles arrive by cp.async, 16 bytes per copy
+(rows past the sequence and columns past d zero-filled); V_j streams in during S = Q·K_jᵀ and the
+softmax, K_{j+1} during P·V_j (mma_forward's two-barrier pipeline).
+
+Causal masking aligns to the bottom right (query i sees key j iff j <= i + Nk - Nq); tiles wholly
+above the diagonal are never loaded; a row that sees no key gets O = 0 and L = -inf.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, types
+
+from .. import ptx
+from ..configs import SMEM_PER_BLOCK_MAX
+from ..launch import address
+from ..launch import launch as launch_kernel
+from ..ptx import SMEM_ALIGN, inline_device
+from ..vec import ld_shared_f32x4
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+F32 = np.dtype(np.float32)
+PASSES = (1, 3)  # tf32 products per fp32 product: 1 (plain TF32) or 3 (3xTF32, fp32 accuracy)
+
+
+def kernel_signature():
+    """q, k, v, out float32 (any strides, unit last dim), lse float32, n_q, n_k, d, group, scale_log2."""
+    io = types.Array(types.float32, 4, "A")
+    lse = types.Array(types.float32, 3, "A")
+    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+
+
+def strides(HEAD_DIM):
+    """(QK_STRIDE, V_STRIDE): padded row lengths in words (module docstring: bank conflicts)."""
+    qk = HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0)
+    return qk, HEAD_DIM + 4
+
+
+def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM):
+    qk, v = strides(HEAD_DIM)
+    return 4 * ((BLOCK_Q + BLOCK_K) * qk + BLOCK_K * v)
+
+
+def threads_per_block(BLOCK_Q):
+    return 32 * (BLOCK_Q // 16)
+
+
+def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3):
+    """Why a specialisation cannot be built (empty when it can)."""
+    out = []
+    if BLOCK_Q % 16 or not 16 <= BLOCK_Q <= 256:
+        out.append(f"BLOCK_Q={BLOCK_Q}: one warp per 16 query rows, 1..16 warps")
+    if BLOCK_K not in (8, 16, 24, 32, 64, 96, 128):
+        out.append(f"BLOCK_K={BLOCK_K}: 8, 16, 24, 32, 64, 96 or 128 (k-steps of P·V are unrolled in 1, 2, 3, 4 or "
+                   "groups of 4)")
+    if HEAD_DIM % 16 or not 16 <= HEAD_DIM <= 128:
+        out.append(f"HEAD_DIM={HEAD_DIM}: a multiple of 16 (pairs of k-steps), at most 128")
+    if PASSES_ not in PASSES:
+        out.append(f"PASSES={PASSES_}: 1 (TF32) or 3 (3xTF32)")
+    if not out:
+        threads, chunks = threads_per_block(BLOCK_Q), HEAD_DIM // 4
+        if threads % chunks or (BLOCK_Q * chunks) % threads or (BLOCK_K * chunks) % threads:
+            out.append(f"tiles of {BLOCK_Q}/{BLOCK_K} rows x {HEAD_DIM} are not whole 16-byte copies per thread "
+                       f"({threads} threads)")
+        if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM) > SMEM_PER_BLOCK_MAX:
+            out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
+    return out
+
+
+def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
+    """The Python kernel for one specialisation (before cuda.jit; compile tests use it)."""
+    CAUSAL, SPLIT = bool(CAUSAL), PASSES_ == 3
+    WARPS = BLOCK_Q // 16
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
+    ROW_STEP = THREADS // CHUNKS  # rows between one thread's successive copies of a tile
+    Q_COPIES, KV_COPIES = BLOCK_Q // ROW_STEP, BLOCK_K // ROW_STEP
+    QK_PAIRS = HEAD_DIM // 16  # pairs of k-steps of S = Q Kᵀ
+    S_TILES = BLOCK_K // 8  # n-tiles of S = k-steps of P V
+    O_TILES = HEAD_DIM // 8  # n-tiles of O
+    QK_STRIDE, V_STRIDE = strides(HEAD_DIM)
+    SQ, SK, SV = 0, BLOCK_Q * QK_STRIDE, (BLOCK_Q + BLOCK_K) * QK_STRIDE  # word offsets of the tiles
+    mma = ptx.mma_m16n8k8_tf32
+    tf32 = ptx.tf32_round
+    ex2 = ptx.ex2_approx
+    shfl_xor = ptx.shfl_xor_sync
+    cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
+    FULL = ptx.FULL_MASK
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def split(x):
+        """x = hi + lo, both tf32 (3xTF32); plain TF32 keeps hi (lo unused)."""
+        hi = tf32(x)
+        if SPLIT:
+            return hi, tf32(x - hi)
+        return hi, ZERO
+
+    @inline_device
+    def mma3(c, i, a0, a1, a2, a3, l0, l1, l2, l3, b0, b1, m0, m1):
+        """c[i] += A·B from hi parts (a, b) and lo parts (l, m): lo·hi + hi·lo + hi·hi, small first."""
+        c0, c1, c2, c3 = c[i, 0], c[i, 1], c[i, 2], c[i, 3]
+        if SPLIT:
+            c0, c1, c2, c3 = mma(l0, l1, l2, l3, b0, b1, c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma(a0, a1, a2, a3, m0, m1, c0, c1, c2, c3)
+        c[i, 0], c[i, 1], c[i, 2], c[i, 3] = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @inline_device
+    def copy_plan(src, b, h, d, STRIDE):
+        """This thread's part of every tile of src[b, h]: (flat element offset of its first copy in
+        row 0, row stride, source bytes per copy, shared offset of copy 0 within a tile)."""
+        tid = cuda.threadIdx.x
+        r0 = tid // CHUNKS
+        col = (tid - r0 * CHUNKS) * 4
+        col_bytes = min(max(d - col, 0), 4) * 4
+        src_col = col if col_bytes > 0 else 0
+        row_stride = src.strides[2] // 4
+        base = b * (src.strides[0] // 4) + h * (src.strides[1] // 4) + r0 * row_stride + src_col
+        return base, row_stride, col_bytes, r0 * STRIDE + col
+
+    @inline_device
+    def load_tile(smem, tile0, STRIDE, src, base, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
+        """cp.async rows row0.. of src into the tile at word tile0 (zero fill past n_rows and d)."""
+        r0 = cuda.threadIdx.x // CHUNKS
+        if row0 + COPIES * ROW_STEP <= n_rows:  # the whole tile is inside: no row checks
+            for i in range(COPIES):
+                cp_async(smem, tile0 + dst0 + i * (ROW_STEP * STRIDE), src,
+                         base + (row0 + i * ROW_STEP) * row_stride, col_bytes)
+        else:
+            for i in range(COPIES):
+                row = row0 + r0 + i * ROW_STEP
+                nbytes = col_bytes if row < n_rows else 0
+                # A zero-byte copy still names an address: the last row, inside the array.
+                src_off = base + (min(row, n_rows - 1) - r0) * row_stride
+                cp_async(smem, tile0 + dst0 + i * (ROW_STEP * STRIDE), src, src_off, nbytes)
+
+    @inline_device
+    def pv_step(acc, s, smem, n, v_lane):
+        """k-step n of O += P V_j: s[n] = P[g, 8n+2t (+1)], P[g+8, ...] is its A fragment as it is."""
+        ph0, pl0 = split(s[n, 0])
+        ph1, pl1 = split(s[n, 1])
+        ph2, pl2 = split(s[n, 2])
+        ph3, pl3 = split(s[n, 3])
+        v_row = v_lane + n * 8 * V_STRIDE
+        for dt in range(O_TILES):
+            vh0, vl0 = split(smem[v_row + dt * 8])  # V[8n + 2t, 8dt + g]
+            vh1, vl1 = split(smem[v_row + V_STRIDE + dt * 8])  # V[8n + 2t + 1, 8dt + g]
+            mma3(acc, dt, ph0, ph2, ph1, ph3, pl0, pl2, pl1, pl3, vh0, vh1, vl0, vl1)
+
+    def tf32_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+        smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # Q | K | V, cp.async targets
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x  # heaviest causal tiles first
+        bh = cuda.blockIdx.y
+        n_heads = q.shape[1]
+        b = bh // n_heads
+        h = bh - b * n_heads
+        h_kv = h // group
+        q0 = q_tile * BLOCK_Q
+        shift = n_k - n_q  # query i sees key j iff j <= i + shift
+
+        n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
+        if CAUSAL:
+            visible = min(q0 + BLOCK_Q, n_q) + shift
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
+
+        q_src, q_stride, col_bytes, qk_dst = copy_plan(q, b, h, d, QK_STRIDE)
+        k_src, k_stride, _, _ = copy_plan(k, b, h_kv, d, QK_STRIDE)
+        v_src, v_stride, _, v_dst = copy_plan(v, b, h_kv, d, V_STRIDE)
+        # Prologue: Q and K_0 as one group (the first tile's barrier waits for both).
+        load_tile(smem, SQ, QK_STRIDE, q, q_src, q_stride, col_bytes, qk_dst, q0, n_q, Q_COPIES)
+        if n_tiles > 0:
+            load_tile(smem, SK, QK_STRIDE, k, k_src, k_stride, col_bytes, qk_dst, 0, n_k, KV_COPIES)
+        cp_commit()
+
+        # Lane offsets: Q rows g, g + 8 of the warp and K rows g of each n-tile, at columns 4t (+16c);
+        # V rows 2t, 2t + 1 (+8n) at column g (+8dt).
+        q_lane = SQ + (warp * 16 + g) * QK_STRIDE + 4 * t
+        k_lane = SK + g * QK_STRIDE + 4 * t
+        v_lane = SV + 2 * t * V_STRIDE + g
+
+        s = cuda.local.array((S_TILES, 4), float32)
+        acc = cuda.local.array((O_TILES, 4), float32)
+        m_i = cuda.local.array(2, float32)  # rows g and g + 8
+        l_i = cuda.local.array(2, float32)  # this lane's partial sums; the quad adds them at the end
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc[dt, r] = ZERO
+        for r in range(2):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+
+        for j in range(n_tiles):
+            k0 = j * BLOCK_K
+            cp_wait(0)  # K_j (and Q at j = 0)
+            cuda.syncthreads()  # ... for every warp, and every warp has left P·V_{j-1}
+            load_tile(smem, SV, V_STRIDE, v, v_src, v_stride, col_bytes, v_dst, k0, n_k, KV_COPIES)
+            cp_commit()
+
+            # S = Q K_jᵀ, two k-steps per 16-byte load of each operand row.
+            for nt in range(S_TILES):
+                for r in range(4):
+                    s[nt, r] = ZERO
+            for c in range(QK_PAIRS):
+                x0, x1, x2, x3 = ld_shared_f32x4(smem, q_lane + 16 * c)  # row g
+                y0, y1, y2, y3 = ld_shared_f32x4(smem, q_lane + 8 * QK_STRIDE + 16 * c)  # row g + 8
+                xh0, xl0 = split(x0)
+                xh1, xl1 = split(x1)
+                xh2, xl2 = split(x2)
+                xh3, xl3 = split(x3)
+                yh0, yl0 = split(y0)
+                yh1, yl1 = split(y1)
+                yh2, yl2 = split(y2)
+                yh3, yl3 = split(y3)
+                for nt in range(S_TILES):
+                    z0, z1, z2, z3 = ld_shared_f32x4(smem, k_lane + nt * 8 * QK_STRIDE + 16 * c)
+                    zh0, zl0 = split(z0)
+                    zh1, zl1 = split(z1)
+                    zh2, zl2 = split(z2)
+                    zh3, zl3 = split(z3)
+                    # a0..a3 = A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4]; b0, b1 = B[t, g], B[t+4, g]
+                    mma3(s, nt, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
+                    mma3(s, nt, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
+
+            # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
+            needs_mask = k0 + BLOCK_K > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * 16 + shift)
+            if needs_mask:
+                row_g = q0 + warp * 16 + g
+                for nt in range(S_TILES):
+                    for r in range(4):
+                        col = k0 + nt * 8 + 2 * t + (r & 1)
+                        if col >= n_k or (CAUSAL and col > row_g + 8 * (r >> 1) + shift):
+                            s[nt, r] = NEG_INF
+
+            # Online softmax on the fragments (quad-wide row maxima), p in place of s.
+            for half in range(2):
+                m_tile = NEG_INF
+                for nt in range(S_TILES):
+                    m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+                m_new = max(m_i[half], m_tile)
+                # A row with nothing visible yet keeps m = -inf; subtract 0 so ex2 gives 0, not nan.
+                m_scaled = ZERO if m_new == NEG_INF else m_new * scale_log2
+                alpha = ex2(m_i[half] * scale_log2 - m_scaled)
+                row_sum = ZERO
+                for nt in range(S_TILES):
+                    for e in range(2):
+                        p = ex2(cuda.fma(s[nt, 2 * half + e], scale_log2, -m_scaled))
+                        s[nt, 2 * half + e] = p
+                        row_sum += p
+                l_i[half] = alpha * l_i[half] + row_sum
+                m_i[half] = m_new
+                for dt in range(O_TILES):
+                    acc[dt, 2 * half] *= alpha
+                    acc[dt, 2 * half + 1] *= alpha
+
+            cp_wait(0)  # V_j
+            cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
+            if j + 1 < n_tiles:  # K_{j+1} under P·V_j
+                load_tile(smem, SK, QK_STRIDE, k, k_src, k_stride, col_bytes, qk_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+            cp_commit()
+
+            # O += P V_j, one call per k-step (a rolled loop would index s at run time: local memory).
+            pv_step(acc, s, smem, 0, v_lane)
+            if S_TILES > 1:
+                pv_step(acc, s, smem, 1, v_lane)
+            if S_TILES > 2:
+                pv_step(acc, s, smem, 2, v_lane)
+            if S_TILES > 3:
+                pv_step(acc, s, smem, 3, v_lane)
+            if S_TILES > 4:
+                pv_step(acc, s, smem, 4, v_lane)
+                pv_step(acc, s, smem, 5, v_lane)
+                pv_step(acc, s, smem, 6, v_lane)
+                pv_step(acc, s, smem, 7, v_lane)
+            if S_TILES > 8:
+                pv_step(acc, s, smem, 8, v_lane)
+                pv_step(acc, s, smem, 9, v_lane)
+                pv_step(acc, s, smem, 10, v_lane)
+                pv_step(acc, s, smem, 11, v_lane)
+            if S_TILES > 12:
+                pv_step(acc, s, smem, 12, v_lane)
+                pv_step(acc, s, smem, 13, v_lane)
+                pv_step(acc, s, smem, 14, v_lane)
+                pv_step(acc, s, smem, 15, v_lane)
+
+        cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
+
+        # Epilogue: the quad's partial sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
+        for half in range(2):
+            l_row = l_i[half]
+            l_row += shfl_xor(FULL, l_row, 1)
+            l_row += shfl_xor(FULL, l_row, 2)
+            row = q0 + warp * 16 + 8 * half + g
+            inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
+            if row < n_q:
+                if t == 0:
+                    if l_row > ZERO:
+                        lse[b, h, row] = (m_i[half] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                    else:
+                        lse[b, h, row] = NEG_INF
+                for dt in range(O_TILES):
+                    col = dt * 8 + 2 * t
+                    if col < d:
+                        out[b, h, row, col] = acc[dt, 2 * half] * inv_l
+                    if col + 1 < d:
+                        out[b, h, row, col + 1] = acc[dt, 2 * half + 1] * inv_l
+
+    return tf32_forward
+
+
+@lru_cache(maxsize=None)
+def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, MAX_REGS=None):
+    """The compiled kernel for one specialisation; cached so each compiles once."""
+    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_)
+    if bad:
+        raise ValueError(f"tf32 forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, PASSES={PASSES_}) cannot be built: "
+                         f"{'; '.join(bad)}")
+    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), int(PASSES_))
+    opts = {"max_registers": int(MAX_REGS)} if MAX_REGS else {}
+    return cuda.jit(kernel_signature(), **opts)(source)
+
+
+def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
+           PASSES_=3, MAX_REGS=None, layout_checked=False):
+    """Run the tf32 tensor-core forward on float32 device arrays; the caller has validated the problem.
+
+    q, out (B, H, Nq, d); k, v (B, Hkv, Nk, d), H % Hkv == 0; lse (B, H, Nq) float32 receives the
+    natural-log logsumexp of the scaled scores (-inf for a row that sees no key). d <= HEAD_DIM
+    (default: the next multiple of 16, at least 32... at most 128); the kernel zero-pads. Strides: unit
+    last dim, every other stride of q, k, v a multiple of 4 elements and 16-byte aligned bases
+    (cp.async). PASSES_ 3 (3xTF32, default) or 1 (TF32)."""
+    B, H, n_q, d = q.shape
+    Hkv, n_k = k.shape[1], k.shape[2]
+    if HEAD_DIM is None:
+        HEAD_DIM = head_dim_for(d)
+    if not layout_checked:
+        _check_layout(q, k, v, out, lse, d, HEAD_DIM)
+    if B * H * n_q == 0:
+        return
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    if B * H > 65535:
+        raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
+    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), int(PASSES_), MAX_REGS)
+    grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
+    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q), stream, smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM),
+                  q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
+
+
+def head_dim_for(d):
+    """The compiled head dim for d <= 128: the next multiple of 32 up to 64, then 128 (the swept ones)."""
+    return 32 if d <= 32 else 64 if d <= 64 else 128
+
+
+def _check_layout(q, k, v, out, lse, d, HEAD_DIM):
+    if d > HEAD_DIM:
+        raise ValueError(f"head dim {d} > HEAD_DIM={HEAD_DIM}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"H={q.shape[1]} is not a multiple of Hkv={k.shape[1]}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if x.dtype != F32:
+            raise ValueError(f"{name} must be float32, got {x.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if x.strides[-1] != 4:
+            raise ValueError(f"{name}: last dim must have unit stride, strides are {x.strides}")
+        if name != "out" and (any(s % 16 for s in x.strides[:-1]) or address(x) % 16):
+            raise ValueError(f"{name}: strides {x.strides} (bytes) and the data pointer must be multiples of 16 "
+                             "for cp.async")
