@@ -21,21 +21,31 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 # (label, d, causal, N, variants); a variant is tf32_forward.launch keywords. First = baseline.
+OLD = dict(ACC_PER_TILE=False, QK_FRESH=False)  # the first version: one mma chain per accumulator
+NOFRESH = dict(QK_FRESH=False)
+PRE = dict(PRESPLIT=True)
 SHAPES = [
     ("fp32 B4H16 N4096 d128", 128, False, 4096, [
-        dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=128, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=32),
-        dict(BLOCK_Q=128, BLOCK_K=32), dict(BLOCK_Q=64, BLOCK_K=64, PASSES_=1)]),
-    ("fp32 B4H16 N4096 d128 causal", 128, True, 4096, [
-        dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=128, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=32)]),
-    ("fp32 B4H16 N4096 d64", 64, False, 4096, [
-        dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=128, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=32),
-        dict(BLOCK_Q=128, BLOCK_K=128), dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128),
+        dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=64, **NOFRESH), dict(BLOCK_Q=64, BLOCK_K=64, **OLD),
+        dict(BLOCK_Q=64, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, **PRE),
+        dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=64, BLOCK_K=32),
         dict(BLOCK_Q=64, BLOCK_K=64, PASSES_=1)]),
+    ("fp32 B4H16 N4096 d128 causal", 128, True, 4096, [
+        dict(BLOCK_Q=128, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=32, GRID_BH_X=True, **PRE),
+        dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True, **PRE), dict(BLOCK_Q=64, BLOCK_K=32, GRID_BH_X=True, **PRE),
+        dict(BLOCK_Q=64, BLOCK_K=64, GRID_BH_X=True)]),
+    ("fp32 B4H16 N4096 d64", 64, False, 4096, [
+        dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128), dict(BLOCK_Q=64, BLOCK_K=64),
+        dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, **PRE),
+        dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128, **PRE), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
     ("fp32 B4H16 N4096 d64 causal", 64, True, 4096, [
-        dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=128, BLOCK_K=64)]),
-    ("fp32 B4H16 N1024 d128", 128, False, 1024, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=128, BLOCK_K=64)]),
+        dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=64, BLOCK_K=64, GRID_BH_X=True, **PRE),
+        dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True, **PRE)]),
+    ("fp32 B4H16 N1024 d128", 128, False, 1024, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
+    ("fp32 B1H16 N16384 d128", 128, False, 16384, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=64, **NOFRESH),
+                                                   dict(BLOCK_Q=64, BLOCK_K=64, **OLD), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
 ]
-B, H = 4, 16
+B, H = 4, 16  # N16384: B = 1
 
 
 def name_of(v):
@@ -44,6 +54,14 @@ def name_of(v):
         s += " tf32x1"
     if v.get("MAX_REGS"):
         s += f" r{v['MAX_REGS']}"
+    if v.get("ACC_PER_TILE", True) is False:
+        s += " chain"
+    if v.get("QK_FRESH", True) is False:
+        s += " s-chain"
+    if v.get("PRESPLIT"):
+        s += " presplit"
+    if v.get("GRID_BH_X"):
+        s += " grid"
     return s
 
 
@@ -66,7 +84,9 @@ def ptxas_report():
     for label, d, causal, _, variants in SHAPES:
         for v in variants:
             hd = tf.head_dim_for(d)
-            ptx, _ = cuda.compile_ptx(tf.kernel_source(v["BLOCK_Q"], v["BLOCK_K"], hd, causal, v.get("PASSES_", 3)),
+            ptx, _ = cuda.compile_ptx(tf.kernel_source(v["BLOCK_Q"], v["BLOCK_K"], hd, causal, v.get("PASSES_", 3),
+                                                       v.get("ACC_PER_TILE", True), v.get("QK_FRESH", True),
+                                                       v.get("PRESPLIT", False), v.get("GRID_BH_X", False)),
                                       tf.kernel_signature(), cc=(9, 0))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(ptx)
@@ -77,7 +97,7 @@ def ptxas_report():
             rep = r.stderr + r.stdout
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
             regs = int(re.search(r"Used (\d+) registers", rep).group(1))
-            smem = tf.smem_bytes(v["BLOCK_Q"], v["BLOCK_K"], hd)
+            smem = tf.smem_bytes(v["BLOCK_Q"], v["BLOCK_K"], hd, v.get("PRESPLIT", False))
             warps = v["BLOCK_Q"] // 16
             blocks = min(65536 // (((regs * 32 + 255) // 256) * 256 * warps), (228 * 1024) // (smem + 1024))
             row = dict(shape=label, variant=name_of(v), regs=regs, spill_stores=int(spill.group(1)),
@@ -88,12 +108,69 @@ def ptxas_report():
     return rows
 
 
+def accuracy_study(d=128, H=2):
+    """max |O - fp64| and |L - fp64| of 3xTF32, TF32, SIMT and SDPA-efficient (whose L comes from
+    aten._scaled_dot_product_efficient_attention) by N; inputs as drawn (normal) and rounded to tf32
+    (then 3xTF32's lo parts are 0 and only accumulation and the softmax differ from exact)."""
+    import torch
+    from numba import cuda
+
+    from numba_flash.configs import simt_config
+    from numba_flash.kernels import simt_forward
+    from numba_flash.kernels import tf32_forward as tf
+
+    rows = []
+    for N in (1024, 4096, 16384):
+        for inputs in ("normal", "tf32-exact"):
+            g = torch.Generator(device="cuda").manual_seed(N)
+            q, k, v = (torch.randn(1, H, N, d, device="cuda", generator=g) for _ in range(3))
+            if inputs == "tf32-exact":
+                q, k, v = (x.view(torch.int32).bitwise_and(-8192).view(torch.float32) for x in (q, k, v))
+            s = (q.double() @ k.double().transpose(-1, -2)) * d ** -0.5
+            ref_l = torch.logsumexp(s, -1)
+            ref_o = torch.softmax(s, -1) @ v.double()
+            del s
+            out, lse = torch.empty_like(q), torch.empty(1, H, N, device="cuda")
+            qd, kd, vd, od, ld = (cuda.as_cuda_array(t, sync=False) for t in (q, k, v, out, lse))
+            runs = {
+                "3xtf32 128x64 presplit": lambda: tf.launch(qd, kd, vd, od, ld, causal=False, softmax_scale=d ** -0.5,
+                                                            BLOCK_Q=128, BLOCK_K=64, PRESPLIT=True),
+                "3xtf32 64x64": lambda: tf.launch(qd, kd, vd, od, ld, causal=False, softmax_scale=d ** -0.5),
+                "tf32 64x64": lambda: tf.launch(qd, kd, vd, od, ld, causal=False, softmax_scale=d ** -0.5, PASSES_=1),
+                "simt": lambda: simt_forward.launch(simt_config(d), qd, kd, vd, od, ld, causal=False,
+                                                    softmax_scale=d ** -0.5, dtype="float32", d=d),
+            }
+            for name, fn in runs.items():
+                fn()
+                torch.cuda.synchronize()
+                row = dict(N=N, inputs=inputs, impl=name, err_o=(out.double() - ref_o).abs().max().item(),
+                           err_l=(lse.double() - ref_l).abs().max().item(),
+                           mean_l=(lse.double() - ref_l).mean().item())
+                rows.append(row)
+            o_e, l_e = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
+            rows.append(dict(N=N, inputs=inputs, impl="sdpa-efficient", err_o=(o_e.double() - ref_o).abs().max().item(),
+                             err_l=(l_e[..., :N].double() - ref_l).abs().max().item(),
+                             mean_l=(l_e[..., :N].double() - ref_l).mean().item()))
+            for r in rows[-5:]:
+                print(f"N{r['N']:6d} {r['inputs']:10s} {r['impl']:24s} max|O-f64| {r['err_o']:.2e}  max|L-f64| "
+                      f"{r['err_l']:.2e}  mean(L-f64) {r['mean_l']:+.2e}", flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "accuracy_tf32.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--max-seconds", type=float, default=150.0, help="start no new variant after this")
     ap.add_argument("--ptxas", action="store_true")
+    ap.add_argument("--shapes", nargs="+", default=None, help="only shapes whose label contains one of these")
+    ap.add_argument("--accuracy", action="store_true",
+                    help="only the error study: O and L errors vs fp64 by N, for inputs as drawn and rounded to tf32")
     args = ap.parse_args(argv)
+    if args.accuracy:
+        return accuracy_study()
     if args.ptxas:
         rows = ptxas_report()
         if os.environ.get("OUT"):
@@ -118,6 +195,9 @@ def main(argv=None):
     print(f"# sweep_tf32 on {gpu}, torch {torch.__version__}", flush=True)
     rows = []
     for label, d, causal, N, variants in SHAPES:
+        if args.shapes and not any(x in label for x in args.shapes):
+            continue
+        B = 1 if N > 4096 else 4
         g = torch.Generator(device="cuda").manual_seed(N * d + causal)
         q, k, v = (torch.randn(B, H, N, d, device="cuda", generator=g) for _ in range(3))
         out, lse = torch.empty_like(q), torch.empty(B, H, N, device="cuda")

@@ -52,7 +52,7 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
-from ..vec import ld_shared_f32x4
+from ..vec import ld_shared_f32x4, st_shared_f32x4
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -73,16 +73,18 @@ def strides(HEAD_DIM):
     return qk, HEAD_DIM + 4
 
 
-def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM):
+def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, PRESPLIT=False):
+    """Q, K, V tiles (and PRESPLIT's K lo, V lo), fp32 words of padded rows."""
     qk, v = strides(HEAD_DIM)
-    return 4 * ((BLOCK_Q + BLOCK_K) * qk + BLOCK_K * v)
+    kv = 2 if PRESPLIT else 1
+    return 4 * ((BLOCK_Q + kv * BLOCK_K) * qk + kv * BLOCK_K * v)
 
 
 def threads_per_block(BLOCK_Q):
     return 32 * (BLOCK_Q // 16)
 
 
-def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3):
+def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3, PRESPLIT=False):
     """Why a specialisation cannot be built (empty when it can)."""
     out = []
     if BLOCK_Q % 16 or not 16 <= BLOCK_Q <= 256:
@@ -90,8 +92,9 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3):
     if BLOCK_K not in (8, 16, 24, 32, 64, 96, 128):
         out.append(f"BLOCK_K={BLOCK_K}: 8, 16, 24, 32, 64, 96 or 128 (k-steps of P·V are unrolled in 1, 2, 3, 4 or "
                    "groups of 4)")
-    if HEAD_DIM % 16 or not 16 <= HEAD_DIM <= 128:
-        out.append(f"HEAD_DIM={HEAD_DIM}: a multiple of 16 (pairs of k-steps), at most 128")
+    if HEAD_DIM not in (16, 32, 64, 96, 128):
+        out.append(f"HEAD_DIM={HEAD_DIM}: 16, 32, 64, 96 or 128 (pairs of k-steps; n-tiles of O unrolled in 2, 4 or "
+                   "groups of 4)")
     if PASSES_ not in PASSES:
         out.append(f"PASSES={PASSES_}: 1 (TF32) or 3 (3xTF32)")
     if not out:
@@ -99,14 +102,33 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3):
         if threads % chunks or (BLOCK_Q * chunks) % threads or (BLOCK_K * chunks) % threads:
             out.append(f"tiles of {BLOCK_Q}/{BLOCK_K} rows x {HEAD_DIM} are not whole 16-byte copies per thread "
                        f"({threads} threads)")
-        if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM) > SMEM_PER_BLOCK_MAX:
-            out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
+        if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, PRESPLIT) > SMEM_PER_BLOCK_MAX:
+            out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, PRESPLIT)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out
 
 
-def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
-    """The Python kernel for one specialisation (before cuda.jit; compile tests use it)."""
+def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=True, QK_FRESH=True, PRESPLIT=False,
+                  GRID_BH_X=False):
+    """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
+
+    Accuracy options. The tensor core adds the products of an mma into its fp32 accumulator with
+    truncation, so a long chain of mma on one accumulator drifts (H200, fp32 d128, first version:
+    max |O - fp64| grew with the keys, 2.9e-6 at N1024, 6.3e-6 at N4096, 9.1e-6 at N16384, against
+    3.9e-7 to 4.9e-7 for the SIMT kernel; benchmarks/NOTES.md).
+    ACC_PER_TILE (default): each n-tile of P·V_j goes into fresh registers and is added to acc by a
+    rounded FFMA that also applies alpha (acc = alpha·acc + P·V_j): chains of BLOCK_K/8 k-steps, not
+    Nk/8 (H200: 5.0e-7 at N4096). QK_FRESH (default): likewise each pair of k-steps of S = Q·Kᵀ
+    (6 mma) starts from zero and is added to S by an FADD, instead of one 3·HEAD_DIM/8 chain per tile.
+
+    PRESPLIT (speed): each thread splits the K and V chunks it copied into hi (in place) and lo (a
+    second buffer) once per tile, between the cp.async wait and the barrier that already follows
+    it, so the warps read hi and lo instead of each re-splitting the whole tile (4x less cvt work at
+    4 warps), for twice the K/V shared memory.
+
+    GRID_BH_X: the grid is (B·H, Q tiles), Q tiles reversed on y, so every head's heaviest causal
+    tile is dispatched before any lighter one (mma_forward's variant of the same name)."""
     CAUSAL, SPLIT = bool(CAUSAL), PASSES_ == 3
+    ACC_PER_TILE, QK_FRESH, PRESPLIT = bool(ACC_PER_TILE), bool(QK_FRESH), bool(PRESPLIT and SPLIT)
     WARPS = BLOCK_Q // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
@@ -116,7 +138,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
     S_TILES = BLOCK_K // 8  # n-tiles of S = k-steps of P V
     O_TILES = HEAD_DIM // 8  # n-tiles of O
     QK_STRIDE, V_STRIDE = strides(HEAD_DIM)
-    SQ, SK, SV = 0, BLOCK_Q * QK_STRIDE, (BLOCK_Q + BLOCK_K) * QK_STRIDE  # word offsets of the tiles
+    # Word offsets of the tiles: Q | K | V (| K lo | V lo with PRESPLIT)
+    SQ, SK, SV = 0, BLOCK_Q * QK_STRIDE, (BLOCK_Q + BLOCK_K) * QK_STRIDE
+    SKL = SV + BLOCK_K * V_STRIDE
+    SVL = SKL + BLOCK_K * QK_STRIDE
     mma = ptx.mma_m16n8k8_tf32
     tf32 = ptx.tf32_round
     ex2 = ptx.ex2_approx
@@ -142,6 +167,19 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
             c0, c1, c2, c3 = mma(l0, l1, l2, l3, b0, b1, c0, c1, c2, c3)
             c0, c1, c2, c3 = mma(a0, a1, a2, a3, m0, m1, c0, c1, c2, c3)
         c[i, 0], c[i, 1], c[i, 2], c[i, 3] = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @inline_device
+    def split_chunks(smem, tile0, lo0, STRIDE, dst0):
+        """PRESPLIT: this thread's copied chunks of a tile -> hi in place, lo at the same offset of lo0."""
+        for i in range(KV_COPIES):
+            off = dst0 + i * (ROW_STEP * STRIDE)
+            x0, x1, x2, x3 = ld_shared_f32x4(smem, tile0 + off)
+            h0, l0 = split(x0)
+            h1, l1 = split(x1)
+            h2, l2 = split(x2)
+            h3, l3 = split(x3)
+            st_shared_f32x4(smem, tile0 + off, h0, h1, h2, h3)
+            st_shared_f32x4(smem, lo0 + off, l0, l1, l2, l3)
 
     @inline_device
     def copy_plan(src, b, h, d, STRIDE):
@@ -173,17 +211,73 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
                 cp_async(smem, tile0 + dst0 + i * (ROW_STEP * STRIDE), src, src_off, nbytes)
 
     @inline_device
+    def k_split(smem, off):
+        """K_j at word off (4 consecutive d of one key) as hi and lo parts."""
+        z0, z1, z2, z3 = ld_shared_f32x4(smem, off)
+        if PRESPLIT:
+            w0, w1, w2, w3 = ld_shared_f32x4(smem, off - SK + SKL)
+            return z0, z1, z2, z3, w0, w1, w2, w3
+        zh0, zl0 = split(z0)
+        zh1, zl1 = split(z1)
+        zh2, zl2 = split(z2)
+        zh3, zl3 = split(z3)
+        return zh0, zh1, zh2, zh3, zl0, zl1, zl2, zl3
+
+    @inline_device
+    def v_split(smem, off):
+        """V_j's word off as (hi, lo)."""
+        if PRESPLIT:
+            return smem[off], smem[off - SV + SVL]
+        return split(smem[off])
+
+    @inline_device
+    def qk_pair(s, nt, smem, k_off, xh0, xh1, xh2, xh3, xl0, xl1, xl2, xl3, yh0, yh1, yh2, yh3,
+                yl0, yl1, yl2, yl3):
+        """Two k-steps of S[n-tile nt] += Q_w K_jᵀ over the 16 columns of d this pair covers: lane
+        (g, t) brings columns 4t..4t+3 of Q rows g, g+8 (x, y) and of K row g of the n-tile."""
+        zh0, zh1, zh2, zh3, zl0, zl1, zl2, zl3 = k_split(smem, k_off)
+        c = cuda.local.array((1, 4), float32)
+        # a0..a3 = A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4]; b0, b1 = B[t, g], B[t+4, g]
+        if QK_FRESH:  # a chain of 6 mma from zero, then one rounded add
+            for r in range(4):
+                c[0, r] = ZERO
+            mma3(c, 0, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
+            mma3(c, 0, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
+            for r in range(4):
+                s[nt, r] += c[0, r]
+        else:
+            mma3(s, nt, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
+            mma3(s, nt, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
+
+    @inline_device
     def pv_step(acc, s, smem, n, v_lane):
-        """k-step n of O += P V_j: s[n] = P[g, 8n+2t (+1)], P[g+8, ...] is its A fragment as it is."""
+        """ACC_PER_TILE=False: k-step n of O += P V_j, s[n] = P[g, 8n+2t (+1)], P[g+8, ...] as A fragment."""
         ph0, pl0 = split(s[n, 0])
         ph1, pl1 = split(s[n, 1])
         ph2, pl2 = split(s[n, 2])
         ph3, pl3 = split(s[n, 3])
         v_row = v_lane + n * 8 * V_STRIDE
         for dt in range(O_TILES):
-            vh0, vl0 = split(smem[v_row + dt * 8])  # V[8n + 2t, 8dt + g]
-            vh1, vl1 = split(smem[v_row + V_STRIDE + dt * 8])  # V[8n + 2t + 1, 8dt + g]
+            vh0, vl0 = v_split(smem, v_row + dt * 8)  # V[8n + 2t, 8dt + g]
+            vh1, vl1 = v_split(smem, v_row + V_STRIDE + dt * 8)  # V[8n + 2t + 1, 8dt + g]
             mma3(acc, dt, ph0, ph2, ph1, ph3, pl0, pl2, pl1, pl3, vh0, vh1, vl0, vl1)
+
+    @inline_device
+    def pv_col(acc, ph, pl, smem, dt, v_lane, alpha):
+        """ACC_PER_TILE: n-tile dt of O, acc[dt] = alpha·acc[dt] + P·V_j[:, 8dt:8dt+8], P·V_j in fresh registers."""
+        c = cuda.local.array((1, 4), float32)
+        for r in range(4):
+            c[0, r] = ZERO
+        for n in range(S_TILES):
+            v_row = v_lane + n * 8 * V_STRIDE + dt * 8
+            vh0, vl0 = v_split(smem, v_row)  # V[8n + 2t, 8dt + g]
+            vh1, vl1 = v_split(smem, v_row + V_STRIDE)  # V[8n + 2t + 1, 8dt + g]
+            mma3(c, 0, ph[n, 0], ph[n, 2], ph[n, 1], ph[n, 3], pl[n, 0], pl[n, 2], pl[n, 1], pl[n, 3],
+                 vh0, vh1, vl0, vl1)
+        acc[dt, 0] = cuda.fma(acc[dt, 0], alpha[0], c[0, 0])
+        acc[dt, 1] = cuda.fma(acc[dt, 1], alpha[0], c[0, 1])
+        acc[dt, 2] = cuda.fma(acc[dt, 2], alpha[1], c[0, 2])
+        acc[dt, 3] = cuda.fma(acc[dt, 3], alpha[1], c[0, 3])
 
     def tf32_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # Q | K | V, cp.async targets
@@ -192,8 +286,12 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
         lane = tid & 31
         g = lane >> 2
         t = lane & 3
-        q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x  # heaviest causal tiles first
-        bh = cuda.blockIdx.y
+        if GRID_BH_X:  # heaviest causal tiles of all heads first
+            q_tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
+            bh = cuda.blockIdx.x
+        else:  # ... within each head
+            q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
+            bh = cuda.blockIdx.y
         n_heads = q.shape[1]
         b = bh // n_heads
         h = bh - b * n_heads
@@ -223,6 +321,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
 
         s = cuda.local.array((S_TILES, 4), float32)
         acc = cuda.local.array((O_TILES, 4), float32)
+        alpha_r = cuda.local.array(2, float32)  # this tile's rescale of rows g, g + 8 (ACC_PER_TILE)
+        ph = cuda.local.array((S_TILES if ACC_PER_TILE else 1, 4), float32)  # P = ph + pl, split once
+        pl = cuda.local.array((S_TILES if ACC_PER_TILE else 1, 4), float32)
         m_i = cuda.local.array(2, float32)  # rows g and g + 8
         l_i = cuda.local.array(2, float32)  # this lane's partial sums; the quad adds them at the end
         for dt in range(O_TILES):
@@ -235,6 +336,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
         for j in range(n_tiles):
             k0 = j * BLOCK_K
             cp_wait(0)  # K_j (and Q at j = 0)
+            if PRESPLIT:  # every warp left S_{j-1}, which read K lo (the barrier before P·V_{j-1})
+                split_chunks(smem, SK, SKL, QK_STRIDE, qk_dst)
             cuda.syncthreads()  # ... for every warp, and every warp has left P·V_{j-1}
             load_tile(smem, SV, V_STRIDE, v, v_src, v_stride, col_bytes, v_dst, k0, n_k, KV_COPIES)
             cp_commit()
@@ -255,14 +358,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
                 yh2, yl2 = split(y2)
                 yh3, yl3 = split(y3)
                 for nt in range(S_TILES):
-                    z0, z1, z2, z3 = ld_shared_f32x4(smem, k_lane + nt * 8 * QK_STRIDE + 16 * c)
-                    zh0, zl0 = split(z0)
-                    zh1, zl1 = split(z1)
-                    zh2, zl2 = split(z2)
-                    zh3, zl3 = split(z3)
-                    # a0..a3 = A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4]; b0, b1 = B[t, g], B[t+4, g]
-                    mma3(s, nt, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
-                    mma3(s, nt, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
+                    qk_pair(s, nt, smem, k_lane + nt * 8 * QK_STRIDE + 16 * c, xh0, xh1, xh2, xh3, xl0, xl1, xl2, xl3,
+                            yh0, yh1, yh2, yh3, yl0, yl1, yl2, yl3)
 
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
             needs_mask = k0 + BLOCK_K > n_k
@@ -295,39 +392,68 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
                         row_sum += p
                 l_i[half] = alpha * l_i[half] + row_sum
                 m_i[half] = m_new
-                for dt in range(O_TILES):
-                    acc[dt, 2 * half] *= alpha
-                    acc[dt, 2 * half + 1] *= alpha
+                if ACC_PER_TILE:  # applied with P·V_j below
+                    alpha_r[half] = alpha
+                else:
+                    for dt in range(O_TILES):
+                        acc[dt, 2 * half] *= alpha
+                        acc[dt, 2 * half + 1] *= alpha
 
             cp_wait(0)  # V_j
+            if PRESPLIT:  # every warp left P·V_{j-1}, which read V lo (the barrier at the top of this tile)
+                split_chunks(smem, SV, SVL, V_STRIDE, v_dst)
             cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
             if j + 1 < n_tiles:  # K_{j+1} under P·V_j
                 load_tile(smem, SK, QK_STRIDE, k, k_src, k_stride, col_bytes, qk_dst, k0 + BLOCK_K, n_k, KV_COPIES)
             cp_commit()
 
-            # O += P V_j, one call per k-step (a rolled loop would index s at run time: local memory).
-            pv_step(acc, s, smem, 0, v_lane)
-            if S_TILES > 1:
-                pv_step(acc, s, smem, 1, v_lane)
-            if S_TILES > 2:
-                pv_step(acc, s, smem, 2, v_lane)
-            if S_TILES > 3:
-                pv_step(acc, s, smem, 3, v_lane)
-            if S_TILES > 4:
-                pv_step(acc, s, smem, 4, v_lane)
-                pv_step(acc, s, smem, 5, v_lane)
-                pv_step(acc, s, smem, 6, v_lane)
-                pv_step(acc, s, smem, 7, v_lane)
-            if S_TILES > 8:
-                pv_step(acc, s, smem, 8, v_lane)
-                pv_step(acc, s, smem, 9, v_lane)
-                pv_step(acc, s, smem, 10, v_lane)
-                pv_step(acc, s, smem, 11, v_lane)
-            if S_TILES > 12:
-                pv_step(acc, s, smem, 12, v_lane)
-                pv_step(acc, s, smem, 13, v_lane)
-                pv_step(acc, s, smem, 14, v_lane)
-                pv_step(acc, s, smem, 15, v_lane)
+            if ACC_PER_TILE:  # acc = alpha·acc + P·V_j, one call per n-tile of O (constant indices: registers)
+                for n in range(S_TILES):
+                    for r in range(4):
+                        ph[n, r], pl[n, r] = split(s[n, r])
+                pv_col(acc, ph, pl, smem, 0, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 1, v_lane, alpha_r)
+                if O_TILES > 2:
+                    pv_col(acc, ph, pl, smem, 2, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 3, v_lane, alpha_r)
+                if O_TILES > 4:
+                    pv_col(acc, ph, pl, smem, 4, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 5, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 6, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 7, v_lane, alpha_r)
+                if O_TILES > 8:
+                    pv_col(acc, ph, pl, smem, 8, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 9, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 10, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 11, v_lane, alpha_r)
+                if O_TILES > 12:
+                    pv_col(acc, ph, pl, smem, 12, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 13, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 14, v_lane, alpha_r)
+                    pv_col(acc, ph, pl, smem, 15, v_lane, alpha_r)
+            else:  # O += P V_j, one call per k-step (a rolled loop would index s at run time: local memory)
+                pv_step(acc, s, smem, 0, v_lane)
+                if S_TILES > 1:
+                    pv_step(acc, s, smem, 1, v_lane)
+                if S_TILES > 2:
+                    pv_step(acc, s, smem, 2, v_lane)
+                if S_TILES > 3:
+                    pv_step(acc, s, smem, 3, v_lane)
+                if S_TILES > 4:
+                    pv_step(acc, s, smem, 4, v_lane)
+                    pv_step(acc, s, smem, 5, v_lane)
+                    pv_step(acc, s, smem, 6, v_lane)
+                    pv_step(acc, s, smem, 7, v_lane)
+                if S_TILES > 8:
+                    pv_step(acc, s, smem, 8, v_lane)
+                    pv_step(acc, s, smem, 9, v_lane)
+                    pv_step(acc, s, smem, 10, v_lane)
+                    pv_step(acc, s, smem, 11, v_lane)
+                if S_TILES > 12:
+                    pv_step(acc, s, smem, 12, v_lane)
+                    pv_step(acc, s, smem, 13, v_lane)
+                    pv_step(acc, s, smem, 14, v_lane)
+                    pv_step(acc, s, smem, 15, v_lane)
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
 
@@ -355,26 +481,29 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3):
 
 
 @lru_cache(maxsize=None)
-def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, MAX_REGS=None):
+def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, MAX_REGS=None, ACC_PER_TILE=True,
+                        QK_FRESH=True, PRESPLIT=False, GRID_BH_X=False):
     """The compiled kernel for one specialisation; cached so each compiles once."""
-    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_)
+    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_, PRESPLIT)
     if bad:
         raise ValueError(f"tf32 forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, PASSES={PASSES_}) cannot be built: "
                          f"{'; '.join(bad)}")
-    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), int(PASSES_))
+    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), int(PASSES_), bool(ACC_PER_TILE), bool(QK_FRESH),
+                           bool(PRESPLIT), bool(GRID_BH_X))
     opts = {"max_registers": int(MAX_REGS)} if MAX_REGS else {}
     return cuda.jit(kernel_signature(), **opts)(source)
 
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
-           PASSES_=3, MAX_REGS=None, layout_checked=False):
+           PASSES_=3, MAX_REGS=None, ACC_PER_TILE=True, QK_FRESH=True, PRESPLIT=False, GRID_BH_X=False,
+           layout_checked=False):
     """Run the tf32 tensor-core forward on float32 device arrays; the caller has validated the problem.
 
     q, out (B, H, Nq, d); k, v (B, Hkv, Nk, d), H % Hkv == 0; lse (B, H, Nq) float32 receives the
     natural-log logsumexp of the scaled scores (-inf for a row that sees no key). d <= HEAD_DIM
-    (default: the next multiple of 16, at least 32... at most 128); the kernel zero-pads. Strides: unit
-    last dim, every other stride of q, k, v a multiple of 4 elements and 16-byte aligned bases
-    (cp.async). PASSES_ 3 (3xTF32, default) or 1 (TF32)."""
+    (default: head_dim_for(d)); the kernel zero-pads. Strides: unit last dim, every other stride of
+    q, k, v a multiple of 4 elements and 16-byte aligned bases (cp.async). PASSES_ 3 (3xTF32, default)
+    or 1 (TF32); ACC_PER_TILE, QK_FRESH, PRESPLIT, GRID_BH_X: kernel_source's options; MAX_REGS: ptxas's cap."""
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     if HEAD_DIM is None:
@@ -385,11 +514,17 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
         return
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    if B * H > 65535:
-        raise ValueError(f"B*H = {B * H} exceeds the grid's y limit of 65535")
-    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), int(PASSES_), MAX_REGS)
-    grid = ((n_q + BLOCK_Q - 1) // BLOCK_Q, B * H)
-    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q), stream, smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM),
+    q_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
+    if GRID_BH_X and q_tiles > 65535 >= B * H:
+        GRID_BH_X = False  # the y axis holds 65535 Q tiles; the (Q tiles, B·H) grid runs the same maths
+    if (q_tiles if GRID_BH_X else B * H) > 65535:
+        raise ValueError(f"{'Q tiles' if GRID_BH_X else 'B*H'} = {q_tiles if GRID_BH_X else B * H} exceeds the "
+                         "grid's y limit of 65535")
+    presplit = bool(PRESPLIT and PASSES_ == 3)
+    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), int(PASSES_), MAX_REGS, bool(ACC_PER_TILE),
+                                 bool(QK_FRESH), presplit, bool(GRID_BH_X))
+    grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)
+    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q), stream, smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, presplit),
                   q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
 
 
