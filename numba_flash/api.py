@@ -10,12 +10,13 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans, ptx
-from .configs import MAX_HEAD_DIM, MMA_TABLE, simt_config
-from .kernels import mma_forward, simt_forward
+from .configs import MAX_HEAD_DIM, MMA_TABLE, TF32_TABLE, simt_config
+from .kernels import mma_forward, simt_forward, tf32_forward
 from .launch import address, current_device_id
 
-KERNELS = ("auto", "simt", "mma")
+KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
 MMA_MAX_HEAD_DIM = 128
+TF32_KERNELS = {"tf32x3": 3, "tf32": 1}  # kernel name: tf32 products per fp32 product
 GRID_Y_MAX = 65535
 
 
@@ -152,6 +153,36 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
     return out
 
 
+def _tf32_blockers(p: Problem, views=None) -> list[str]:
+    """Why the fp32 tensor-core kernel cannot take this problem (empty when it can)."""
+    out = []
+    if p.dtype != "float32":
+        out.append(f"dtype {p.dtype}: the tf32 kernels take float32 (float16/bfloat16 have kernel='mma')")
+    if p.d > MMA_MAX_HEAD_DIM:
+        out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
+    if not nb_config.ENABLE_CUDASIM and cuda.is_available():
+        cc = ptx.compute_capability(p.device)
+        if cc < (8, 0):
+            out.append(f"GPU compute capability {cc} < (8, 0): no tf32 mma.sync / cp.async")
+    if views is None and not out and p.d % 4:  # NumPy inputs are copied C-contiguous
+        out.append(f"rows of {p.d} x 4 B: cp.async needs rows that are multiples of 16 B (d % 4 == 0)")
+    if views is not None and not out:
+        for name, x in zip("qkv", views):
+            if x.strides[-1] != x.dtype.itemsize or any(st % 16 for st in x.strides[:-1]):
+                out.append(f"{name} strides {tuple(x.strides)} B: cp.async needs a unit-stride last dim "
+                           "and other strides that are multiples of 16 B (4 elements)")
+            elif address(x) % 16:
+                out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
+    return out
+
+
+def tf32_config(d: int, causal: bool, passes: int = 3) -> dict:
+    """fp32 tensor-core tile config and variants (configs.TF32_TABLE): keywords of tf32_forward.launch."""
+    head_dim = tf32_forward.head_dim_for(d)
+    bq, bk, variants = TF32_TABLE[head_dim, bool(causal)]
+    return {"BLOCK_Q": bq, "BLOCK_K": bk, "HEAD_DIM": head_dim, "PASSES_": passes, **variants}
+
+
 def mma_config(d: int, causal: bool) -> dict:
     """Tensor-core tile config and kernel variants (configs.MMA_TABLE, from the H200 sweeps in
     benchmarks/mma_ladder.md): keyword arguments of mma_forward.launch."""
@@ -160,6 +191,8 @@ def mma_config(d: int, causal: bool) -> dict:
     return {"BLOCK_Q": bq, "BLOCK_K": bk, "M_TILES": m_tiles, "HEAD_DIM": head_dim, **variants}
 
 
+_TF32_VARIANT_WORDS = {"PRESPLIT": "K/V split into tf32 hi/lo once per tile, not per warp",
+                       "GRID_BH_X": "heaviest causal Q tiles of every head first"}
 _VARIANT_WORDS = {"SMEM_EPILOGUE": "O stored through shared memory (16-byte stores)",
                   "GRID_BH_X": "heaviest causal Q tiles of every head first",
                   "PROLOGUE_V": "Q and K_0 copied as one group",
@@ -174,6 +207,26 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    if kernel in TF32_KERNELS or (kernel == "auto" and p.dtype == "float32"):
+        tf32_blockers = _tf32_blockers(p, views)
+        if kernel != "auto" and tf32_blockers:
+            raise ValueError(f"kernel={kernel!r} cannot run this problem: " + "; ".join(tf32_blockers))
+        if not tf32_blockers:
+            passes = TF32_KERNELS.get(kernel, 3)
+            cfg = tf32_config(p.d, p.causal, passes)
+            how = ("each fp32 product as 3 tf32 products (hi·hi + hi·lo + lo·hi): fp32-level accuracy, as PyTorch "
+                   "SDPA's memory-efficient kernel does for fp32" if passes == 3 else
+                   "inputs rounded to tf32 (10-bit mantissa): about 1e-3 relative error, like torch's allow_tf32")
+            reasons = [f"{'tf32x3' if passes == 3 else 'tf32'}: fp32 on tensor cores (mma.sync m16n8k8 tf32, fp32 "
+                       f"accumulate), {how}; {cfg['BLOCK_Q']}x{cfg['BLOCK_K']} tiles, {cfg['BLOCK_Q'] // 16} warps x 16 "
+                       f"rows, head dim {cfg['HEAD_DIM']}"]
+            variants = [words for key, words in _TF32_VARIANT_WORDS.items()
+                        if cfg.get(key) and not (key == "PRESPLIT" and passes == 1)]  # one pass has no lo to split
+            if variants:
+                reasons.append("variants: " + "; ".join(variants))
+            if cfg["HEAD_DIM"] != p.d:
+                reasons.append(f"head dim {p.d} is zero-padded to {cfg['HEAD_DIM']} inside the kernel")
+            return ("tf32x3" if passes == 3 else "tf32"), cfg, reasons
     blockers = _mma_blockers(p, views)
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
@@ -202,6 +255,9 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     if p.dtype in mma_forward.DTYPES:
         why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
         reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
+    elif p.dtype == "float32":
+        why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(_tf32_blockers(p, views))
+        reasons.append(f"float32 on the SIMT path (fp32 FMA), not the tf32x3 tensor-core kernel: {why}")
     return "simt", cfg, reasons
 
 
@@ -231,11 +287,14 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
         causal: mask aligned bottom-right as in flash-attention >= 2.1: query i sees key j iff
             j <= i + Nk - Nq. A row that sees no key gets O = 0 and L = -inf.
         softmax_scale: default 1/sqrt(d) with the user's d; must be finite and > 0.
-        kernel: "auto" (default), "mma" or "simt". Auto runs the tensor-core kernel ("mma":
-            mma.sync, fp32 accumulation) for float16/bfloat16 with d <= 128 on sm_80+ when every
-            row of q, k, v starts 16-byte aligned (cp.async); otherwise the SIMT kernel (fp32
-            FMA), with a ``PerformanceWarning`` when the dtype could have used tensor cores.
-            ``explain`` prints the choice and the reason.
+        kernel: "auto" (default), "mma", "tf32x3", "tf32" or "simt". Auto runs a tensor-core kernel
+            for d <= 128 on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async):
+            "mma" (mma.sync, fp32 accumulation) for float16/bfloat16, "tf32x3" for float32 (each
+            fp32 product as three tf32 products, hi·hi + hi·lo + lo·hi: errors at the level of fp32
+            FMA, as PyTorch SDPA's memory-efficient kernel computes fp32). Otherwise the SIMT kernel
+            (fp32 FMA), with a ``PerformanceWarning``. "tf32" (float32 only, never chosen by auto)
+            rounds the inputs to tf32 once: about twice as fast as tf32x3, ~1e-3 relative error,
+            like ``torch.backends.cuda.matmul.allow_tf32``. ``explain`` prints the choice and why.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
@@ -270,12 +329,15 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
         if p.B * p.H * p.n_q > 0:
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
             family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
-            if family == "simt" and kernel == "auto" and p.dtype in mma_forward.DTYPES:
+            if family == "simt" and kernel == "auto":  # a tensor-core kernel exists for every dtype
                 plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
             out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":
                 mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
                                    stream=stream, layout_checked=True, **cfg)
+            elif family in TF32_KERNELS:
+                tf32_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
+                                    stream=stream, layout_checked=True, **cfg)
             else:
                 simt_forward.launch(cfg, qd, kd, vd, out4, lse3, causal=p.causal,
                                     softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream)

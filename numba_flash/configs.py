@@ -157,6 +157,20 @@ MMA_TABLE = {
 }
 MMA_SPILL_OK = {(128, 64, 128, 2): 80}  # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes measured faster
 
+# fp32 on tensor cores (kernels/tf32_forward.py, 3xTF32), (head dim, causal): (BLOCK_Q, BLOCK_K, variants).
+# H200 sweeps (results/sweep-tf32-2026-11-29*.txt, fp32 B4 H16 N4096, kernel launches): d128 128x64 with K/V split
+# once per tile (PRESPLIT) 54.2 TFLOP/s vs 45.5 for 64x64 re-splitting per warp (SDPA memory-efficient 44.8, SIMT
+# 30.6 in the same run); causal 128x32 PRESPLIT + GRID_BH_X 42.2 (SDPA 43.0); d64 128x64 PRESPLIT 51.0 (SDPA 34.8),
+# causal + GRID_BH_X 49.1 (SDPA 31.6). Head dim 32 takes d64's tiles (not swept).
+TF32_TABLE = {
+    (32, False): (128, 64, {"PRESPLIT": True}),
+    (32, True): (128, 64, {"PRESPLIT": True, "GRID_BH_X": True}),
+    (64, False): (128, 64, {"PRESPLIT": True}),
+    (64, True): (128, 64, {"PRESPLIT": True, "GRID_BH_X": True}),
+    (128, False): (128, 64, {"PRESPLIT": True}),
+    (128, True): (128, 32, {"PRESPLIT": True, "GRID_BH_X": True}),
+}
+
 # Tensor-core backward, head dim: {"dkdv": (BLOCK_N keys own, BLOCK_M queries streamed),
 # "dq": (BLOCK_M queries own, BLOCK_N keys streamed)}. dkdv holds dK and dV (2 x HEAD_DIM/2 fp32
 # per lane) plus Sᵀ and dPᵀ (2 x BLOCK_M/2).

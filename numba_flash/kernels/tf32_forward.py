@@ -383,7 +383,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
                 m_new = max(m_i[half], m_tile)
                 # A row with nothing visible yet keeps m = -inf; subtract 0 so ex2 gives 0, not nan.
                 m_scaled = ZERO if m_new == NEG_INF else m_new * scale_log2
-                alpha = ex2(m_i[half] * scale_log2 - m_scaled)
+                # (m_i - m_new)·scale is exactly 0 while the maximum holds: alpha = 1. (The form
+                # m_i·scale - m_scaled was contracted to an FMA whose result is m_scaled's rounding
+                # error: alpha = 1 ± 2^-23 on every tile, which drifted L by up to 4e-5 at Nk = 16384.)
+                alpha = ZERO if m_new == NEG_INF else ex2((m_i[half] - m_new) * scale_log2)
                 row_sum = ZERO
                 for nt in range(S_TILES):
                     for e in range(2):
