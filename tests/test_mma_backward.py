@@ -149,6 +149,25 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 
 
 @in_simulator
+@pytest.mark.parametrize(
+    "variants,H,n_q,n_k,d,causal,dtype",
+    [
+        ({"dq_cols": 64}, 3, 40, 100, 64, True, "float16"),  # 64-key blocks: one 64-column pass per warp
+        ({"dq_deferred": True}, 3, 40, 100, 64, True, "float16"),  # 3 steps a block: both dSᵀ buffers, reused
+        ({"red_v4": True}, 3, 40, 100, 64, True, "float16"),
+        ({"dq_cols": 64, "dq_deferred": True, "red_v4": True}, 1, 24, 100, 128, False, "bfloat16"),  # 128 keys, 1 step
+    ],
+)
+def test_atomic_dq_variants_sim(variants, H, n_q, n_k, d, causal, dtype):
+    """The atomic dQ phase's sweep candidates (mma_backward.ATOMIC_VARIANTS), GQA with one kv head:
+    several steps per block and two key blocks adding into the same dQ rows (at d = 128 one block of
+    one step, the simulator's budget: 256 threads)."""
+    vals, stored = problem(11 + n_q, 1, H, 1, n_q, n_k, d, causal, dtype)
+    config = dict(shipped(d), dkdv_atomic_variants=variants)
+    check_error_rule(run_backward(stored, d, causal, dtype, config, atomic=True), vals, causal, dtype)
+
+
+@in_simulator
 def test_split_d_dkdv_sim():
     """FA2's dkdv warp layout (two warps per 16 keys, Pᵀ / dSᵀ through shared memory): GQA 2, causal,
     Nq > Nk, 16-key blocks of 2 warps streaming 64-query tiles. Not shipped: a sweep candidate."""
@@ -271,6 +290,23 @@ def test_atomic_dq_compiles_to_red(head_dim, keys, vector_red, tmp_path):
     report = ptxas_report(text, tmp_path)
     allowed = MMA_BWD_SPILL_OK.get(("dkdv-atomic", keys, 64, head_dim), 0)
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
+
+
+def _dkdv_ptx_cases():
+    """name -> (keys, queries, HEAD_DIM, causal, dtype, atomic_dq): the shipped dkdv tiles (atomic and
+    not) and the atomic tiles the sweep times, each compiled with every atomic-dQ variant off."""
+    cases = {}
+    for d, cfg in MMA_BWD_TABLE.items():
+        for causal in (False, True):
+            for kernel, tile, atomic in (("dkdv", cfg["dkdv"], False), ("dkdv-atomic", cfg["dkdv_atomic"], True)):
+                cases[f"{kernel}-{tile[0]}x{tile[1]}-d{d}-{causal}-float16"] = (*tile, d, causal, "float16", atomic)
+    cases["dkdv-atomic-128x64-d128-True-bfloat16"] = (128, 64, 128, True, "bfloat16", True)
+    cases["dkdv-atomic-128x64-d64-False-float16"] = (128, 64, 64, False, "float16", True)
+    cases["dkdv-atomic-64x64-d128-False-float16"] = (64, 64, 128, False, "float16", True)
+    return cases
+
+
+DKDV_PTX_CASES = _dkdv_ptx_cases()
 
 
 # --------------------------------------------------------------------------------------------
