@@ -44,7 +44,7 @@ from numba.cuda import types
 from numba.cuda.extending import intrinsic, register_jitable
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
-SM90_ONLY = "red.global.add.v2.f32, cp.async.bulk, mbarrier expect_tx"  # what needs sm_90+ below
+SM90_ONLY = "red.global.add.v2/.v4.f32, cp.async.bulk, mbarrier expect_tx"  # what needs sm_90+ below
 SMEM_ALIGN = None if SIMULATOR else 16  # ldmatrix rows and cp.async targets are 16-byte aligned
 FULL_MASK = 0xFFFFFFFF
 
@@ -778,9 +778,9 @@ def _ex2_approx_twin(x):
 # red.global.add.f32: an atomic add whose result is not needed (the atomic dQ of the backward)
 # --------------------------------------------------------------------------------------------
 def _red_add(n):
-    """(typing, codegen) of red.global.add.f32 on n consecutive elements: n = 1 scalar, n = 2 the
-    sm_90 vector form (8-byte aligned), whose warp-wide adds of a fragment's column pairs fill whole
-    32-byte sectors in half the instructions."""
+    """(typing, codegen) of red.global.add.f32 on n consecutive elements: n = 1 scalar, n = 2 or 4
+    the sm_90 vector forms (8- or 16-byte aligned), whose warp-wide adds of a fragment's column pairs
+    fill whole 32-byte sectors in half (a quarter of) the instructions."""
     regs = "$1" if n == 1 else "{" + ", ".join(f"${i + 1}" for i in range(n)) + "}"
     text = f"red.global.add{'' if n == 1 else f'.v{n}'}.f32 [$0], {regs};"
     constraints = "l," + ",".join("f" * n) + ",~{memory}"
@@ -799,7 +799,7 @@ def _red_add(n):
     return typing, codegen
 
 
-_RED_1, _RED_2 = _red_add(1), _red_add(2)
+_RED_1, _RED_2, _RED_4 = _red_add(1), _red_add(2), _red_add(4)
 
 
 @intrinsic
@@ -812,6 +812,12 @@ def _red_add_f32_intrinsic(typingctx, array, offset, value):
 def _red_add_v2_f32_intrinsic(typingctx, array, offset, x, y):
     sig = _RED_2[0](array, offset, (x, y))
     return sig and (sig, _RED_2[1])
+
+
+@intrinsic
+def _red_add_v4_f32_intrinsic(typingctx, array, offset, x, y, z, w):
+    sig = _RED_4[0](array, offset, (x, y, z, w))
+    return sig and (sig, _RED_4[1])
 
 
 _RED_LOCK = threading.Lock()
@@ -960,7 +966,7 @@ if SIMULATOR:
     ex2_approx = _ex2_approx_twin
     shfl_xor_sync = _shfl_xor_sync_twin
     syncwarp = _syncwarp_twin
-    red_add_f32 = red_add_v2_f32 = _red_add_twin
+    red_add_f32 = red_add_v2_f32 = red_add_v4_f32 = _red_add_twin
     st_shared_b32 = _st_shared_b32_twin
     ld_shared_v4 = _ld_shared_v4_twin
     st_global_v4 = _st_global_v4_twin
@@ -986,6 +992,7 @@ else:
     shfl_xor_sync = cuda.shfl_xor_sync
     red_add_f32 = _red_add_f32_intrinsic
     red_add_v2_f32 = _red_add_v2_f32_intrinsic
+    red_add_v4_f32 = _red_add_v4_f32_intrinsic
     st_shared_b32 = _st_shared_b32_intrinsic
     ld_shared_v4 = _ld_shared_v4_intrinsic
     st_global_v4 = _st_global_v4_intrinsic
@@ -1005,6 +1012,7 @@ __all__ = [
     "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
+    "red_add_v4_f32",
     "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "current_sm90",
     "compute_capability",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords", "tf32_a_coords", "tf32_b_coords", "tf32_value",

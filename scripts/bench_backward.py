@@ -4,6 +4,8 @@
     python scripts/bench_backward.py --quick      # N 4096 d 128 only
     python scripts/bench_backward.py --sweep      # also time candidate backward tile configs (B4 H16 N4096 d128)
     python scripts/bench_backward.py --sweep-mma  # time the tensor-core kernels' candidate tiles one by one
+    python scripts/bench_backward.py --sweep-mma --sweep-kernels dkdv-atomic-variants --sweep-only
+                                                  # the atomic dkdv's dQ-phase variants vs shipped, checked
 
 Writes benchmarks/results/backward-<date>.{json,md} (GPU, date, command, commit). ``numba-flash bench``
 also runs it as the "backward" suite through ``run_suite``.
@@ -200,13 +202,72 @@ MMA_SWEEP = {
 }
 
 
+# name -> dkdv_atomic_variants (mma_backward.ATOMIC_VARIANTS): candidate dQ phases of the atomic dkdv,
+# timed on the shipped atomic tile; "shipped" (all off) first, the reference the others are checked against.
+ATOMIC_VARIANT_SWEEP = {
+    "shipped": {},
+    "dq_cols64": {"dq_cols": 64},
+    "dq_deferred": {"dq_deferred": True},
+    "red_v4": {"red_v4": True},
+    "all3": {"dq_cols": 64, "dq_deferred": True, "red_v4": True},
+}
+VARIANT_TOL = 1e-2  # max |variant − shipped| / max |shipped| per gradient: fp32 atomics in another order
+
+
+def atomic_variant_grads(views, *, causal, d, dtype, variants, head_dim=None):
+    """(dq, dk, dv) as float32 host arrays from backward(deterministic=False)'s kernels (prep, atomic
+    dkdv with the dQ-phase ``variants``, conversion) on numba device arrays ``views`` = (q, k, v, out,
+    dout, lse); on the GPU or the simulator, default stream."""
+    import numpy as np
+    from numba import cuda
+
+    from numba_flash.configs import MMA_BWD_TABLE
+    from numba_flash.kernels import mma_backward
+
+    q, k, v, out, dout, lse = views
+    B, H, N, _ = q.shape
+    head_dim = head_dim or (64 if d <= 64 else 128)
+    rows = (B * H, mma_backward.padded_rows(N))
+    l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
+    dq_acc = cuda.to_device(np.zeros(rows + (head_dim,), np.float32))
+    grads = [cuda.device_array(x.shape, x.dtype) for x in (q, k, v)]
+    config = dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim, dkdv_atomic_variants=variants)
+    mma_backward.launch(q, k, v, out, dout, lse, l2, dd, *grads, causal=causal, softmax_scale=d ** -0.5,
+                        dtype=dtype, d=d, config=config, dq_acc=dq_acc)
+    cuda.synchronize()
+    return [g.copy_to_host().astype(np.float32) for g in grads]
+
+
+def compare_atomic_variants(grads_of, names):
+    """name -> {dq, dk, dv: max |variant − shipped| / max |shipped|, ok}: each variant of
+    ATOMIC_VARIANT_SWEEP against "shipped"; grads_of(variants) -> (dq, dk, dv). A variant that
+    cannot be built or run gets its error instead (the sweep goes on)."""
+    import numpy as np
+
+    ref = grads_of(ATOMIC_VARIANT_SWEEP["shipped"])
+    out = {}
+    for name in names:
+        try:
+            got = grads_of(ATOMIC_VARIANT_SWEEP[name])
+        except Exception as e:  # a variant that does not build here is a result, not a crash
+            out[name] = {"ok": False, "error": str(e).strip().splitlines()[0][:160]}
+            continue
+        diff = {g: float(np.abs(a - r).max() / max(float(np.abs(r).max()), 1e-30))
+                for g, a, r in zip(("dq", "dk", "dv"), got, ref)}
+        finite = all(np.isfinite(a).all() for a in got)
+        out[name] = dict(diff, ok=finite and max(diff.values()) <= VARIANT_TOL)
+    return out
+
+
 def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=0.5, kernels=None,
               sweep_split=False):
     """Time prep, then each candidate dkdv and dq tile of the tensor-core backward, kernel by kernel.
 
     TFLOP/s credit each kernel with its own products: dkdv 4 of the 5 backward GEMMs (Sᵀ, dPᵀ, dV,
     dK: 2·F), dq 3 (S, dP, dQ: 1.5·F), where F = 4·B·H·N²·d/2 per GEMM pair (halved for causal).
-    kernels: the names to time (prep, dkdv, dq, dkdv-atomic, dkdv-split), default all."""
+    kernels: the names to time (prep, dkdv, dq, dkdv-atomic, dkdv-split, dkdv-atomic-variants), default
+    all. dkdv-atomic-variants: the shipped atomic tile with each ATOMIC_VARIANT_SWEEP entry, each one's
+    dq, dk, dv first checked against the shipped kernel's (row["check"])."""
     import torch
     from numba import cuda
 
@@ -262,6 +323,47 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
             rows.append(row)
             print(f"  mma {dtype} d{d} causal={causal} {kernel} {tile}: {ms:.3f} ms"
                   + (f", {row['tflops']:.1f} TFLOP/s, regs {row['regs']}" if tile else ""), flush=True)
+    if kernels is None or "dkdv-atomic-variants" in kernels:
+        rows += sweep_atomic_variants(views, acc_view, stream, shipped, f, d=d, dtype=dtype, causal=causal,
+                                      budget_s=budget_s, B=B, H=H, N=N)
+    return rows
+
+
+def sweep_atomic_variants(views, acc_view, stream, shipped, f, *, d, dtype, causal, budget_s, B, H, N):
+    """Rows of dkdv-atomic-variants: check each variant against shipped (fresh scratch, prep run),
+    then time the atomic dkdv + conversion as the dkdv-atomic rows do (2.5·F)."""
+    import torch
+
+    from numba_flash.kernels import mma_backward
+
+    torch.cuda.synchronize()
+    inputs = [views[i] for i in (0, 1, 2, 3, 4, 5)]  # q, k, v, out, dout, lse
+    checks = compare_atomic_variants(
+        lambda variants: atomic_variant_grads(inputs, causal=causal, d=d, dtype=dtype, variants=variants),
+        list(ATOMIC_VARIANT_SWEEP))
+    tile = shipped["dkdv_atomic"]
+    rows = []
+    for name, variants in ATOMIC_VARIANT_SWEEP.items():
+        config = dict(shipped, dkdv_atomic_variants=variants)
+        row = {"kernel": f"dkdv-atomic:{name}", "tile": list(tile), "variant": variants, "check": checks[name],
+               "d": d, "dtype": dtype, "causal": causal, "B": B, "H": H, "N": N}
+        run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
+                                          d=d, config=config, stream=stream, kernels=("dkdv", "dq"),
+                                          dq_acc=acc_view)
+        try:
+            ms, _ = bench.time_call(run, budget_s=budget_s)
+        except Exception as e:  # a launch failure (too many resources) is a result
+            rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
+            continue
+        fn = mma_backward.make_kernel("dkdv", *tile, d, causal, dtype, atomic_dq=True, split_d=False, **variants)
+        row.update(ms=ms, tflops=2.5 * f / ms / 1e9,
+                   regs=next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs)
+        rows.append(row)
+        c = checks[name]
+        print(f"  mma {dtype} d{d} causal={causal} dkdv-atomic:{name} {tile}: {ms:.3f} ms, {row['tflops']:.1f} "
+              f"TFLOP/s, regs {row['regs']}; vs shipped " + (c.get("error") or
+              f"dq {c['dq']:.1e} dk {c['dk']:.1e} dv {c['dv']:.1e}") + ("" if c["ok"] else "  ** CHECK FAILED **"),
+              flush=True)
     return rows
 
 
@@ -303,21 +405,21 @@ def markdown(result: dict) -> str:
           f"commit {meta['commit']}; torch {meta['torch']}.\n",
           "TFLOP/s: backward credited with 2.5 x the forward's 4·B·H·N²·d (half for causal), forward+backward "
           "with 3.5 x. Median of CUDA-event timings after warm-up; both passes through torch autograd.\n"]
-    impls = list(dict.fromkeys(r["implementation"] for r in result["backward"]["rows"]))
-    for pas in (BWD, FWD_BWD):
+    suite_rows = result.get("backward", {"rows": []})["rows"]  # none with --sweep-only
+    impls = list(dict.fromkeys(r["implementation"] for r in suite_rows))
+    for pas in (BWD, FWD_BWD) if suite_rows else ():
         md.append(f"\n## {pas} (TFLOP/s)\n")
         md.append("| dtype | causal | B | H | N | d | " + " | ".join(impls) + " |")
         md.append("|---" * (6 + len(impls)) + "|")
-        cases = dict.fromkeys((r["dtype"], r["causal"], r["B"], r["H"], r["N"], r["d"])
-                              for r in result["backward"]["rows"])
+        cases = dict.fromkeys((r["dtype"], r["causal"], r["B"], r["H"], r["N"], r["d"]) for r in suite_rows)
         for case in cases:
             cells = []
             for impl in impls:
-                r = next((r for r in result["backward"]["rows"] if r["implementation"] == impl and r["pass"] == pas
+                r = next((r for r in suite_rows if r["implementation"] == impl and r["pass"] == pas
                           and (r["dtype"], r["causal"], r["B"], r["H"], r["N"], r["d"]) == case), None)
                 cells.append("" if r is None else f"{r['tflops']:.1f}" if r.get("tflops") else "—")
             md.append("| " + " | ".join(str(c) for c in case) + " | " + " | ".join(cells) + " |")
-    errors = {(r["implementation"], r["dtype"]): r["error"] for r in result["backward"]["rows"] if r.get("error")}
+    errors = {(r["implementation"], r["dtype"]): r["error"] for r in suite_rows if r.get("error")}
     if errors:
         md.append("\n— : not run; first error per implementation and dtype:\n")
         md.extend(f"- {impl}, {dtype}: {msg}" for (impl, dtype), msg in errors.items())
@@ -332,12 +434,16 @@ def markdown(result: dict) -> str:
     if result.get("sweep_mma"):
         md.append("\n## Tensor-core tiles (B4 H16 N4096 fp16, each kernel alone; the first per kernel and d is "
                   "shipped; dkdv credited 2·F, dq 1.5·F)\n")
-        md.append("| d | causal | kernel | tile | ms | TFLOP/s | regs |")
-        md.append("|---|---|---|---|---|---|---|")
+        md.append("| d | causal | kernel | tile | ms | TFLOP/s | regs | vs shipped (dq / dk / dv) |")
+        md.append("|---|---|---|---|---|---|---|---|")
         for r in result["sweep_mma"]:
             val = f"{r['tflops']:.1f}" if r.get("tflops") else r.get("error", "")
             ms = f"{r['ms']:.3f}" if r.get("ms") else ""
-            md.append(f"| {r['d']} | {r['causal']} | {r['kernel']} | {r['tile']} | {ms} | {val} | {r.get('regs', '')} |")
+            c = r.get("check")
+            check = "" if c is None else c.get("error") or (f"{c['dq']:.1e} / {c['dk']:.1e} / {c['dv']:.1e}"
+                                                             + ("" if c["ok"] else " FAILED"))
+            md.append(f"| {r['d']} | {r['causal']} | {r['kernel']} | {r['tile']} | {ms} | {val} | "
+                      f"{r.get('regs', '')} | {check} |")
     return "\n".join(md)
 
 
@@ -347,7 +453,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time the candidate tile configs (fp32 and fp16)")
     ap.add_argument("--sweep-mma", action="store_true", help="time the tensor-core kernels' candidate tiles (fp16)")
     ap.add_argument("--sweep-kernels", nargs="+", default=None,
-                    help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split)")
+                    help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split dkdv-atomic-variants)")
+    ap.add_argument("--sweep-only", action="store_true", help="skip the autograd suite: only the sweeps asked for")
     ap.add_argument("--sweep-split", action="store_true", help="with --sweep-mma: also time dkdv-split")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement (s)")
@@ -372,9 +479,11 @@ def main(argv=None):
         result["sweep_mma"] = [r for d in MMA_SWEEP for causal in ((False, True) if d == 128 else (False,))
                                for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5),
                                                   kernels=args.sweep_kernels, sweep_split=args.sweep_split)]
-    result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
+    if not args.sweep_only:
+        result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
-    stem = os.path.join(args.out, f"backward-{result['meta']['date'][:10]}" + ("-quick" if args.quick else ""))
+    stem = os.path.join(args.out, f"backward-{result['meta']['date'][:10]}" + ("-quick" if args.quick else "")
+                        + ("-sweep" if args.sweep_only else ""))
     os.makedirs(args.out, exist_ok=True)
     import json
 

@@ -149,6 +149,48 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 
 
 @in_simulator
+@pytest.mark.parametrize(
+    "variants,H,n_q,n_k,d,causal,dtype",
+    [
+        ({"dq_cols": 64}, 3, 40, 100, 64, True, "float16"),  # 64-key blocks: one 64-column pass per warp
+        ({"dq_deferred": True}, 3, 40, 100, 64, True, "float16"),  # 3 steps a block: both dSᵀ buffers, reused
+        ({"red_v4": True}, 3, 40, 100, 64, True, "float16"),
+        ({"dq_cols": 64, "dq_deferred": True, "red_v4": True}, 1, 24, 100, 128, False, "bfloat16"),  # 128 keys, 1 step
+    ],
+)
+def test_atomic_dq_variants_sim(variants, H, n_q, n_k, d, causal, dtype):
+    """The atomic dQ phase's sweep candidates (mma_backward.ATOMIC_VARIANTS), GQA with one kv head:
+    several steps per block and two key blocks adding into the same dQ rows (at d = 128 one block of
+    one step, the simulator's budget: 256 threads)."""
+    vals, stored = problem(11 + n_q, 1, H, 1, n_q, n_k, d, causal, dtype)
+    config = dict(shipped(d), dkdv_atomic_variants=variants)
+    check_error_rule(run_backward(stored, d, causal, dtype, config, atomic=True), vals, causal, dtype)
+
+
+@in_simulator
+def test_bench_atomic_variant_check_sim():
+    """scripts/bench_backward.py's dkdv-atomic-variants check, as the GPU sweep runs it, on a tiny
+    shape: the variants all on match the shipped kernel (one launch each: the simulator's prep and
+    conversion grids are slow); every entry's flags are accepted at both shipped tiles."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_backward.py"
+    spec = importlib.util.spec_from_file_location("bench_backward", path)
+    bench_backward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_backward)
+    _, stored = problem(4, 1, 1, 1, 20, 20, 64, False, "float16")
+    q, k, v, o, lse, do = (cuda.to_device(x) for x in stored)
+    checks = bench_backward.compare_atomic_variants(
+        lambda variants: bench_backward.atomic_variant_grads((q, k, v, o, do, lse), causal=False, d=64,
+                                                             dtype="float16", variants=variants), ["all3"])
+    assert checks["all3"]["ok"], checks
+    assert checks["all3"]["dk"] == 0 and checks["all3"]["dv"] == 0, checks  # only the dQ phase differs
+    for head_dim, cfg in MMA_BWD_TABLE.items():
+        for variants in bench_backward.ATOMIC_VARIANT_SWEEP.values():
+            mma_backward.kernel_source("dkdv", *cfg["dkdv_atomic"], head_dim, True, "float16", True, **variants)
+
+
+@in_simulator
 def test_split_d_dkdv_sim():
     """FA2's dkdv warp layout (two warps per 16 keys, Pᵀ / dSᵀ through shared memory): GQA 2, causal,
     Nq > Nk, 16-key blocks of 2 warps streaming 64-query tiles. Not shipped: a sweep candidate."""
@@ -271,6 +313,108 @@ def test_atomic_dq_compiles_to_red(head_dim, keys, vector_red, tmp_path):
     report = ptxas_report(text, tmp_path)
     allowed = MMA_BWD_SPILL_OK.get(("dkdv-atomic", keys, 64, head_dim), 0)
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
+
+
+def _dkdv_ptx_cases():
+    """name -> (keys, queries, HEAD_DIM, causal, dtype, atomic_dq): the shipped dkdv tiles (atomic and
+    not) and the atomic tiles the sweep times, each compiled with every atomic-dQ variant off."""
+    cases = {}
+    for d, cfg in MMA_BWD_TABLE.items():
+        for causal in (False, True):
+            for kernel, tile, atomic in (("dkdv", cfg["dkdv"], False), ("dkdv-atomic", cfg["dkdv_atomic"], True)):
+                cases[f"{kernel}-{tile[0]}x{tile[1]}-d{d}-{causal}-float16"] = (*tile, d, causal, "float16", atomic)
+    cases["dkdv-atomic-128x64-d128-True-bfloat16"] = (128, 64, 128, True, "bfloat16", True)
+    cases["dkdv-atomic-128x64-d64-False-float16"] = (128, 64, 64, False, "float16", True)
+    cases["dkdv-atomic-64x64-d128-False-float16"] = (64, 64, 128, False, "float16", True)
+    return cases
+
+
+DKDV_PTX_CASES = _dkdv_ptx_cases()
+
+
+# Code sha256 of each DKDV_PTX_CASES kernel's sm_90 PTX as d0d51d1 built it (before the atomic dQ
+# variants), recorded with numba 0.68.1, numba-cuda 0.30.4, NVVM 2.0; other versions skip.
+DKDV_PTX_SHA256_D0D51D1 = {
+    "dkdv-64x64-d128-False-float16": "479703da6ab391a1bc6451d8a71b7797e47c459c98235c1f01c05318cc3fc121",
+    "dkdv-64x64-d128-True-float16": "8c0aa76b69bc1555a39ad2b44764a68c20fb1a569707e31dfdcfb0129705a7ef",
+    "dkdv-64x64-d64-False-float16": "76ce6f8894e936b3dfb71f71b00621a071499fe77fa636b00119ccac581260d3",
+    "dkdv-64x64-d64-True-float16": "a9de1cf8bbf23ef15d130ac3ff55a937eb6db9b90df566bb8e441f6fcb953ad0",
+    "dkdv-atomic-128x64-d128-False-float16": "146e57dd25105fc4b03364992099266c0a4bc79a395562dc5a392c20c2fa2b11",
+    "dkdv-atomic-128x64-d128-True-bfloat16": "9f88f3c78cf1f55396103145e2ed274d33de2eabed57016cbd6a64e42527c415",
+    "dkdv-atomic-128x64-d128-True-float16": "57473859d7376e5926697434b32ae0d75254c996d102242534f43bd23635cd0c",
+    "dkdv-atomic-128x64-d64-False-float16": "8fa3567990cf4fae4140dc80d3d56f05b2d54fb4d6ece813794e2b8b7fb1e10c",
+    "dkdv-atomic-64x64-d128-False-float16": "9403fe36047dbb5178a9a904d181f12c0a29eb724720f7ce559fafbfc25e5fee",
+    "dkdv-atomic-64x64-d64-False-float16": "32553488c43f1b364c0c54a016d4ad5cdd9634db276fd9f6afa3770e8276aad0",
+    "dkdv-atomic-64x64-d64-True-float16": "b3f81b54b94df04ee74011c22c30a3663fda0de3909188537039e299675e512a",
+}
+
+
+def code_ptx_sha256(text):
+    """sha256 of the PTX without Numba's NumbaEnv declarations (unused globals named after each helper's
+    mangled signature: add_dq's new buffer argument renames one) and its per-process counters."""
+    import hashlib
+    import re
+
+    text = re.sub(r"B\d+v\d+B", "BvB", text)
+    text = re.sub(r"_cudapy_smem_\d+", "_cudapy_smem", text)
+    lines = [x for x in text.splitlines(True) if not (x.startswith(".common .global") and "NumbaEnv" in x)]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def test_atomic_variants_off_ptx_unchanged(tmp_path):
+    """With the atomic dQ variants off (kernel_source's defaults), the shipped dkdv kernels (atomic and
+    not) compile to d0d51d1's instructions: the variants are confined to their flags."""
+    from test_mma_forward import SHIPPED_PTX_VERSIONS
+    from test_ptx import NO_GPU_PATCH, run_compile_child
+
+    source = NO_GPU_PATCH + """
+import json, sys
+import numba, numba_cuda
+from numba import cuda
+from numba.cuda.cudadrv import nvvm
+from numba_flash.kernels import mma_backward
+sys.path.insert(0, "tests")
+from test_mma_backward import DKDV_PTX_CASES, code_ptx_sha256
+versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
+out = {}
+if versions == [numba.__version__, "0.30.4", [2, 0]]:
+    for name, (own, st, d, causal, dtype, atomic) in sorted(DKDV_PTX_CASES.items()):
+        fn = mma_backward.kernel_source("dkdv", own, st, d, causal, dtype, atomic_dq=atomic)
+        ptx, _ = cuda.compile_ptx(fn, mma_backward.kernel_signature("dkdv", atomic), cc=(9, 0))
+        out[name] = code_ptx_sha256(ptx)
+print(json.dumps(dict(versions=versions, hashes=out)))
+"""
+    got = run_compile_child(source, [], tmp_path)
+    want = [SHIPPED_PTX_VERSIONS[0], SHIPPED_PTX_VERSIONS[1], list(SHIPPED_PTX_VERSIONS[2])]
+    if got["versions"] != want:
+        pytest.skip(f"hashes recorded with {want}, this is {got['versions']}")
+    assert got["hashes"] == DKDV_PTX_SHA256_D0D51D1
+
+
+# ptxas sm_90 spill bytes (stores; loads are equal) of each atomic dQ variant at the shipped atomic
+# tiles, worst of causal / not (ptxas 13.0): recorded so a change shows, not a limit that was chosen.
+ATOMIC_VARIANT_SPILLS = {
+    (128, "dq_cols64"): 40, (128, "dq_deferred"): 40, (128, "red_v4"): 44, (128, "all3"): 28,
+    (64, "dq_cols64"): 88, (64, "dq_deferred"): 4, (64, "red_v4"): 40, (64, "all3"): 0,
+}
+
+
+@pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
+@pytest.mark.parametrize("name", ["dq_cols64", "dq_deferred", "red_v4", "all3"])
+def test_atomic_variants_compile_for_sm90(head_dim, name, tmp_path):
+    """Each variant the sweep times builds for sm_90 at the shipped atomic tile (causal), with its
+    adds as the variant says and spills no worse than recorded."""
+    variants = {"dq_cols64": {"dq_cols": 64}, "dq_deferred": {"dq_deferred": True}, "red_v4": {"red_v4": True},
+                "all3": {"dq_cols": 64, "dq_deferred": True, "red_v4": True}}[name]
+    keys, queries = MMA_BWD_TABLE[head_dim]["dkdv_atomic"]
+    source = COMPILE_SOURCE.format(K="dkdv", O=keys, S=queries, D=head_dim, C=True, DT="float16", A=True).replace(
+        "atomic_dq=True)", f"atomic_dq=True, **{variants!r})")
+    text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
+    v4, v2 = text.count("red.global.add.v4.f32"), text.count("red.global.add.v2.f32")
+    assert (v4 > 0 and v2 == 0) if variants.get("red_v4") else (v4 == 0 and v2 > 0)
+    assert "ld.local" not in text and "st.local" not in text
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] <= ATOMIC_VARIANT_SPILLS[head_dim, name], report["text"]
 
 
 # --------------------------------------------------------------------------------------------

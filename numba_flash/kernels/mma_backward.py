@@ -94,11 +94,11 @@ def threads_per_block(kernel: str, block_own: int, split_d: bool = False) -> int
 
 
 def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, atomic_dq: bool = False,
-               split_d: bool = False) -> int:
+               split_d: bool = False, dq_deferred: bool = False) -> int:
     """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D,
-    with atomic_dq the 16-bit dSᵀ tile, with split_d the 16-bit Pᵀ and dSᵀ tiles."""
+    with atomic_dq the 16-bit dSᵀ tile (two with dq_deferred), with split_d the 16-bit Pᵀ and dSᵀ tiles."""
     streamed = 2 * block_streamed * head_dim + (4 * block_streamed if kernel == "dkdv" else 0)
-    ds = block_own * block_streamed * ((1 if atomic_dq else 0) + (2 if split_d else 0))
+    ds = block_own * block_streamed * ((2 if dq_deferred else 1 if atomic_dq else 0) + (2 if split_d else 0))
     return 2 * (2 * block_own * head_dim + 2 * streamed + ds)
 
 
@@ -336,7 +336,8 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     return layout, swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, store_grads, dv_dk_step
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True):
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, DQ_COLS=32,
+                DQ_DEFERRED=False, RED_V4=False):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
 
     ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
@@ -345,7 +346,15 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     swizzled) to change orientation: warp w then owns query rows 16(w mod 4).. of dQ_i (BLOCK_M = 64)
     and, with 8 warps (BLOCK_N = 128, FA2's d = 128 layout: half the atomics per product), half of
     its columns. The adds leave as red.global.add.v2.f32: a fragment's two adjacent columns at once
-    (VECTOR_RED, sm_90+; below it two scalar red.global.add.f32)."""
+    (VECTOR_RED, sm_90+; below it two scalar red.global.add.f32).
+
+    Candidate variants of the dQ phase (off by default; the sweep times them, ATOMIC_DQ only):
+    DQ_COLS = 64: dQ columns per pass (32 accumulators per lane): one pass per warp at 128 keys, so
+    the dS fragments are loaded once a step instead of twice. DQ_DEFERRED: dSᵀ double-buffered by
+    step parity and step i's dQ computed after step i + 1's first barrier (the last one after the
+    loop), so one barrier per step publishes both the streamed tiles and dSᵀ. RED_V4: lanes t, t ^ 1
+    swap half a fragment (two shuffles) so each adds 4 adjacent columns of one row with one
+    red.global.add.v4.f32: half the atomic instructions."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -357,7 +366,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
         store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
     # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
-    DQ_COLS = 32  # dQ columns per pass: 16 accumulators per lane, added atomically after each pass
+    # DQ_COLS: dQ columns per pass (DQ_COLS / 2 accumulators per lane), added atomically after each pass
     DQ_TILES = DQ_COLS // 8
     ROW_GROUPS = BLOCK_M // 16  # warps down dQ_i's rows ...
     COL_GROUPS = max(WARPS // ROW_GROUPS, 1)  # ... and across its columns
@@ -365,6 +374,13 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     if ATOMIC_DQ and not (BLOCK_M == 64 and BLOCK_N in (64, 128)):
         raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 64 or 128 keys (4 or 8 warps "
                          f"over dQ_i); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
+    if DQ_COLS not in (32, 64) or ((DQ_COLS != 32 or DQ_DEFERRED or RED_V4) and not (ATOMIC_DQ and VECTOR_RED)):
+        raise ValueError(f"DQ_COLS={DQ_COLS} (32 or 64), DQ_DEFERRED={DQ_DEFERRED}, RED_V4={RED_V4}: variants of "
+                         f"the sm_90 atomic dQ (ATOMIC_DQ={ATOMIC_DQ}, VECTOR_RED={VECTOR_RED})")
+    if ATOMIC_DQ and WARP_COLS % DQ_COLS:
+        raise ValueError(f"DQ_COLS={DQ_COLS} does not divide the {WARP_COLS} dQ columns of a warp "
+                         f"(BLOCK_N={BLOCK_N}, HEAD_DIM={HEAD_DIM})")
+    DS_TILE = BLOCK_N * BLOCK_M  # words of one dSᵀ buffer (two with DQ_DEFERRED)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
@@ -374,11 +390,26 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     ldsm_t = ptx.ldmatrix_x4_trans
     red_add2 = ptx.red_add_v2_f32
     red_add = ptx.red_add_f32
+    red_add4 = ptx.red_add_v4_f32
+    shfl = ptx.shfl_xor_sync
+    FULL = ptx.FULL_MASK
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
     @inline_device
-    def add_dq(smem, dq_acc, bh, i0, warp, lane, g, t):
+    def red_pairs(dq_acc, acc_q, row0, pc, t):
+        """RED_V4: even t keeps row g and takes its partner's row-g pair, odd t keeps row g + 8 and
+        takes its partner's: each lane then holds 4 adjacent columns (16-byte aligned) of one row."""
+        odd = (t & 1) == 1
+        for nt in range(DQ_TILES):
+            lo0, lo1, hi0, hi1 = acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3]
+            x = shfl(FULL, lo0 if odd else hi0, 1)  # even sends row g + 8, odd row g
+            y = shfl(FULL, lo1 if odd else hi1, 1)
+            off = row0 + pc * DQ_COLS + nt * 8 + 2 * t + (8 * HEAD_DIM - 2 if odd else 0)
+            red_add4(dq_acc, off, x if odd else lo0, y if odd else lo1, hi0 if odd else x, hi1 if odd else y)
+
+    @inline_device
+    def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
         """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
         WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
         ldmatrix.trans, then atomic adds."""
@@ -397,7 +428,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                 for r in range(4):
                     acc_q[nt, r] = ZERO
             for kk in range(BLOCK_N // 16):
-                a0, a1, a2, a3 = ldsm_t(smem, SDS + swizzle_m(kk * 16 + a_key, a_chunk))
+                a0, a1, a2, a3 = ldsm_t(smem, sds + swizzle_m(kk * 16 + a_key, a_chunk))
                 for dp2 in range(DQ_COLS // 16):
                     nt = 2 * dp2
                     b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
@@ -405,15 +436,26 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                         a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
                     acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
                         a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
-            for nt in range(DQ_TILES):
-                col = pc * DQ_COLS + nt * 8 + 2 * t
-                for half in range(2):  # scratch rows and columns are padded: no bounds checks
-                    off = row0 + 8 * half * HEAD_DIM + col
-                    if VECTOR_RED:
-                        red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
-                    else:
-                        red_add(dq_acc, off, acc_q[nt, 2 * half])
-                        red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+            if RED_V4:
+                red_pairs(dq_acc, acc_q, row0, pc, t)
+            else:
+                for nt in range(DQ_TILES):
+                    col = pc * DQ_COLS + nt * 8 + 2 * t
+                    for half in range(2):  # scratch rows and columns are padded: no bounds checks
+                        off = row0 + 8 * half * HEAD_DIM + col
+                        if VECTOR_RED:
+                            red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                        else:
+                            red_add(dq_acc, off, acc_q[nt, 2 * half])
+                            red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+
+    @inline_device
+    def last_dq(smem, dq_acc, step, qt0, per_head, bh, group, warp, lane, g, t):
+        """DQ_DEFERRED: dQ of step - 1 from its dSᵀ buffer (parity step - 1)."""
+        prev = step - 1
+        hp = prev // per_head
+        add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, bh * group + hp, (qt0 + prev - hp * per_head) * BLOCK_M,
+               warp, lane, g, t)
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
@@ -468,6 +510,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             hh = step // per_head
             i0 = (qt0 + step - hh * per_head) * BLOCK_M
             st = STAGE0 + (step & 1) * STAGE
+            if DQ_DEFERRED and step > 0:  # the barrier above published step - 1's dSᵀ
+                last_dq(smem, dq_acc, step, qt0, per_head, bh, group, warp, lane, g, t)
 
             # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ
             unrolled(s, dp, smem, SK, SV, st + SQ, st + SDO, a_row, a_x, b_row, b_x)
@@ -487,11 +531,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                     s[nt, r] = p
                     dp[nt, r] = p * (dp[nt, r] - smem_f[d_s + col])
 
+            sds = SDS + (step & 1) * DS_TILE if DQ_DEFERRED else SDS
             if ATOMIC_DQ:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
                 for nt in range(Q_TILES):
                     for half in range(2):
                         key = warp * 16 + g + 8 * half
-                        smem_w[(SDS + swizzle_m(key, nt) + 2 * t) >> 1] = pack(dp[nt, 2 * half], dp[nt, 2 * half + 1])
+                        smem_w[(sds + swizzle_m(key, nt) + 2 * t) >> 1] = pack(dp[nt, 2 * half], dp[nt, 2 * half + 1])
 
             # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i: accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk.
             for kk in range(M_STEPS):
@@ -509,9 +554,14 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                     t_off = st + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk)
                     dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
 
-            if ATOMIC_DQ:
+            if ATOMIC_DQ and not DQ_DEFERRED:
                 cuda.syncthreads()  # every warp's dSᵀ is in shared memory
-                add_dq(smem, dq_acc, bh * group + hh, i0, warp, lane, g, t)
+                add_dq(smem, SDS, dq_acc, bh * group + hh, i0, warp, lane, g, t)
+
+        if DQ_DEFERRED:  # the last step's dQ
+            cuda.syncthreads()
+            if steps > 0:
+                last_dq(smem, dq_acc, steps, qt0, per_head, bh, group, warp, lane, g, t)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
 
@@ -787,13 +837,22 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     return mma_backward_dq
 
 
+ATOMIC_VARIANTS = {"dq_cols": 32, "dq_deferred": False, "red_v4": False}  # dkdv_source's dQ-phase flags, off
+
+
 def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False,
-                  vector_red=True):
-    """The Python kernel of one specialisation (before cuda.jit; the compile tests use it)."""
+                  vector_red=True, **variants):
+    """The Python kernel of one specialisation (before cuda.jit; the compile tests use it). variants:
+    the atomic dQ phase's candidates, ATOMIC_VARIANTS' keys (dkdv_source's DQ_COLS, DQ_DEFERRED, RED_V4)."""
+    unknown = set(variants) - set(ATOMIC_VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown atomic dQ variants {sorted(unknown)}; known {sorted(ATOMIC_VARIANTS)}")
     if kernel == "dkdv" and split_d:
         return dkdv_split_source(block_own, block_streamed, head_dim, causal, dtype)
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red)
+        v = dict(ATOMIC_VARIANTS, **variants)
+        return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red,
+                           int(v["dq_cols"]), bool(v["dq_deferred"]), bool(v["red_v4"]))
     return dq_source(block_own, block_streamed, head_dim, causal, dtype)
 
 
@@ -817,11 +876,12 @@ def make_convert_kernel(dtype: str):
 @lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
                 max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False,
-                vector_red: bool = True):
+                vector_red: bool = True, **variants):
     """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme),
     as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
-    split_d (dkdv only): FA2's warp layout, two warps per 16 keys (``dkdv_split_source``)."""
+    split_d (dkdv only): FA2's warp layout, two warps per 16 keys (``dkdv_split_source``).
+    variants (atomic dkdv only): candidate dQ phases, ATOMIC_VARIANTS' keys; not shipped."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d)
     if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
         bad.append(f"atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query tiles only, not "
@@ -833,7 +893,7 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
     source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq),
-                           bool(split_d), bool(vector_red))
+                           bool(split_d), bool(vector_red), **variants)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq)), **cap)(source)
 
@@ -854,9 +914,11 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     holding bf16 bits); q, k, v, dout with unit last stride, other strides multiples of 16 B and
     16-byte aligned data (cp.async); lse: (B, H, Nq) fp32; l2, dd: fp32 scratch of shape
     (B·H, padded_rows(Nq)), C-contiguous. ``config``: {"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M,
-    BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_split_d": bool][, "dkdv_atomic": (BLOCK_N, BLOCK_M)]}, as
-    configs.MMA_BWD_TABLE holds them (dkdv_split_d: FA2's two-warps-per-16-keys dkdv layout, ignored
-    with dq_acc; dkdv_atomic: the dkdv tile used with dq_acc, default the "dkdv" one). Nq, Nk > 0. ``kernels``
+    BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_split_d": bool][, "dkdv_atomic": (BLOCK_N, BLOCK_M)]
+    [, "dkdv_atomic_variants": {name: value}]}, as configs.MMA_BWD_TABLE holds them (dkdv_split_d:
+    FA2's two-warps-per-16-keys dkdv layout, ignored with dq_acc; dkdv_atomic: the dkdv tile used
+    with dq_acc, default the "dkdv" one; dkdv_atomic_variants: sweep candidates of its dQ phase,
+    ATOMIC_VARIANTS' keys, none shipped). Nq, Nk > 0. ``kernels``
     picks which of the three run (the sweep times them one by one; dkdv and dq read prep's scratch).
     dq_acc: None (deterministic: the dq kernel), or zeroed C-contiguous fp32 scratch of shape
     (B·H, padded_rows(Nq), HEAD_DIM): dkdv then adds dQ into it atomically (not bitwise repeatable)
@@ -877,10 +939,12 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         extra = (dq_acc,) if atomic else ()
         # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
         scalar_red = {"vector_red": False} if atomic and not ptx.current_sm90() else {}
+        variants = dict(config.get("dkdv_atomic_variants", {})) if atomic else {}
         launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
-                                  **scalar_red),
+                                  **scalar_red, **variants),
                       ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn, split), stream,
-                      smem_bytes("dkdv", bn, bm, head_dim, atomic, split), *words, l2, dd, _words(dk), _words(dv),
+                      smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred"))),
+                      *words, l2, dd, _words(dk), _words(dv),
                       *extra, *scalars)
     if atomic:
         if "dq" in kernels:
