@@ -207,7 +207,9 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
-    if kernel in TF32_KERNELS or (kernel == "auto" and p.dtype == "float32"):
+    # In the CUDA simulator auto keeps fp32 on SIMT: the tf32 kernel's tensor-core twins make it ~50x
+    # slower there (each mma is a 32-thread rendezvous); kernel="tf32x3" runs it in the simulator too.
+    if kernel in TF32_KERNELS or (kernel == "auto" and p.dtype == "float32" and not nb_config.ENABLE_CUDASIM):
         tf32_blockers = _tf32_blockers(p, views)
         if kernel != "auto" and tf32_blockers:
             raise ValueError(f"kernel={kernel!r} cannot run this problem: " + "; ".join(tf32_blockers))
@@ -256,7 +258,12 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
         why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
         reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
     elif p.dtype == "float32":
-        why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(_tf32_blockers(p, views))
+        if kernel == "simt":
+            why = "kernel='simt' was asked for"
+        elif nb_config.ENABLE_CUDASIM:
+            why = "the CUDA simulator runs fp32 on SIMT unless kernel='tf32x3' is asked for (its twins are slow)"
+        else:
+            why = "; ".join(_tf32_blockers(p, views))
         reasons.append(f"float32 on the SIMT path (fp32 FMA), not the tf32x3 tensor-core kernel: {why}")
     return "simt", cfg, reasons
 
@@ -295,6 +302,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
             (fp32 FMA), with a ``PerformanceWarning``. "tf32" (float32 only, never chosen by auto)
             rounds the inputs to tf32 once: about twice as fast as tf32x3, ~1e-3 relative error,
             like ``torch.backends.cuda.matmul.allow_tf32``. ``explain`` prints the choice and why.
+            Under the CUDA simulator auto keeps float32 on SIMT (the tensor-core twins are slow
+            there); kernel="tf32x3" runs the tensor-core kernel in the simulator as well.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
@@ -329,7 +338,8 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
         if p.B * p.H * p.n_q > 0:
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
             family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
-            if family == "simt" and kernel == "auto":  # a tensor-core kernel exists for every dtype
+            # a tensor-core kernel exists for every dtype (the simulator's fp32 choice is not a slow path)
+            if family == "simt" and kernel == "auto" and not (nb_config.ENABLE_CUDASIM and p.dtype == "float32"):
                 plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
             out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":

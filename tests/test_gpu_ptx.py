@@ -19,7 +19,18 @@ from test_ptx import (
     check_shfl_xor_quad_reduce,
 )
 
+from test_tf32_forward import check_mma_tf32, check_tf32_round  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, needs_gpu]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mma_tf32_gpu(seed):
+    check_mma_tf32(seed)
+
+
+def test_tf32_round_gpu():
+    check_tf32_round()
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
