@@ -183,6 +183,7 @@ def main(argv=None):
     from numba import cuda
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import numba_flash
     from numba_flash import bench
     from numba_flash.configs import simt_config
     from numba_flash.kernels import simt_forward
@@ -241,6 +242,7 @@ def main(argv=None):
             hd = tf.head_dim_for(d)
             measure("tf32 " + name_of(var), lambda var=var, hd=hd: tf.launch(
                 qd, kd, vd, od, ld, causal=causal, softmax_scale=d ** -0.5, HEAD_DIM=hd, **var))
+        measure("numba_flash.forward (auto)", lambda: numba_flash.forward(q, k, v, causal=causal), result=lambda r: r[0])
         cfg = simt_config(d)
         measure("simt (shipped)", lambda: simt_forward.launch(cfg, qd, kd, vd, od, ld, causal=causal,
                                                               softmax_scale=d ** -0.5, dtype="float32", d=d))
