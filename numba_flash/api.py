@@ -134,7 +134,7 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
     """Why the tensor-core kernel cannot take this problem (empty when it can)."""
     out = []
     if p.dtype not in mma_forward.DTYPES:
-        out.append(f"dtype {p.dtype}: tensor cores here take float16/bfloat16 only")
+        out.append(f"dtype {p.dtype}: kernel 'mma' takes float16/bfloat16 (float32 has kernel='tf32x3')")
     if p.d > MMA_MAX_HEAD_DIM:
         out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
     if not nb_config.ENABLE_CUDASIM and cuda.is_available():
@@ -260,10 +260,10 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     elif p.dtype == "float32":
         if kernel == "simt":
             why = "kernel='simt' was asked for"
-        elif nb_config.ENABLE_CUDASIM:
-            why = "the CUDA simulator runs fp32 on SIMT unless kernel='tf32x3' is asked for (its twins are slow)"
-        else:
+        elif _tf32_blockers(p, views):
             why = "; ".join(_tf32_blockers(p, views))
+        else:  # only the simulator gets here: auto skips tf32x3 there
+            why = "the CUDA simulator runs fp32 on SIMT unless kernel='tf32x3' is asked for (its twins are slow)"
         reasons.append(f"float32 on the SIMT path (fp32 FMA), not the tf32x3 tensor-core kernel: {why}")
     return "simt", cfg, reasons
 

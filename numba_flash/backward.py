@@ -16,10 +16,12 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans
-from .api import _ACCEPTED_ARRAYS, KERNELS, PerformanceWarning, Problem, _mma_blockers, _on_device, validate
+from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, validate
 from .configs import MMA_BWD_TABLE
 from .kernels import mma_backward, simt_backward
 from .launch import address
+
+KERNELS = ("auto", "simt", "mma")  # no tf32 backward (yet): fp32 runs on SIMT
 
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None) -> Problem:

@@ -214,7 +214,7 @@ class KernelFacts:
     block_k: int
     threads: int | None
     smem_bytes: int | None
-    roof: str  # the compute roof it runs against: "fp32" (CUDA-core FMA) or "fp16"/"bf16" (tensor cores)
+    roof: str  # the compute roof: "fp32" (CUDA-core FMA), "fp16"/"bf16"/"tf32"/"tf32x3" (tensor cores)
     jit: object = None  # () -> the compiled cuda.jit kernel (on a GPU)
     source: object = None  # () -> (python kernel, signature, fastmath) for cuda.compile_ptx
 
@@ -237,6 +237,17 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
                            jit=lambda: m.make_forward_kernel(bq, bk, hd, bool(causal), dtype, None, True, True, None,
                                                              int(mt), True),
                            source=lambda: (m.kernel_source(bq, bk, hd, causal, dtype, M_TILES=mt),
+                                           m.kernel_signature(), None))
+    if family in ("tf32x3", "tf32"):
+        from numba_flash.kernels import tf32_forward as m
+
+        bq, bk, hd, passes = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], cfg["PASSES_"]
+        pre, grid = bool(cfg.get("PRESPLIT")) and passes == 3, bool(cfg.get("GRID_BH_X"))
+        # the same positional key as tf32_forward.launch, so a GPU run reuses its compiled kernel
+        return KernelFacts(bq, bk, m.threads_per_block(bq), m.smem_bytes(bq, bk, hd, pre), family,
+                           jit=lambda: m.make_forward_kernel(bq, bk, hd, bool(causal), passes, None, True, True, pre,
+                                                             grid),
+                           source=lambda: (m.kernel_source(bq, bk, hd, causal, passes, PRESPLIT=pre, GRID_BH_X=grid),
                                            m.kernel_signature(), None))
     return KernelFacts(128, 128, None, None, "fp16" if dtype != "float32" else "fp32")  # a family explain predates
 

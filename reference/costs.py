@@ -62,13 +62,13 @@ class Device:
         return self.peak_flops[precision] / self.hbm_bytes_per_s
 
 
-# fp16/bf16: dense tensor-core peak; fp32: CUDA-core FMA peak (no tensor cores)
+# fp16/bf16/tf32: dense tensor-core peak; fp32: CUDA-core FMA peak; tf32x3: fp32 products as 3 tf32 ones
 H200 = Device(
     name="NVIDIA H200 SXM",
     sms=132,
     hbm_bytes_per_s=4.8e12,
     hbm_capacity_bytes=141e9,
-    peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12},
+    peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12, "tf32": 494e12, "tf32x3": 494e12 / 3},
 )
 
 

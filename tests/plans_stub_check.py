@@ -101,7 +101,7 @@ def same(label, fn, expect_hit=True):
 def check_forward():
     cases = {
         "fp16 mma": dict(q=(2, 4, 100, 64)),
-        "fp32 simt causal scale": dict(q=(2, 4, 100, 64), dtype="float32", causal=True, softmax_scale=0.3),
+        "fp32 causal scale": dict(q=(2, 4, 100, 64), dtype="float32", causal=True, softmax_scale=0.3),
         "bf16 d128 GQA": dict(q=(1, 8, 77, 128), kv=(1, 2, 150, 128), dtype="bfloat16", causal=True),
         "fp16 d72 3-d": dict(q=(4, 33, 72), kv=(4, 65, 72)),
         "fp16 strided q": dict(q=(2, 4, 100, 64), q_strides=(4 * 100 * 128, 100 * 128, 128, 1)),

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import numba_flash
+from numba import config as nb_config
 from numba_flash import api, cli
 from numba_flash.configs import simt_config
 from reference import costs
@@ -111,11 +112,13 @@ def test_explain_names_kernel_config_and_costs(tmp_path, dtype):
     assert f"shared memory: {facts.smem_bytes} B per block" in out
     assert f"grid: {-(-4096 // facts.block_q)} Q tiles × 16" in out
     # one warp per 16·M_TILES query rows (the SIMT block is its thread grid)
-    threads = 32 * cfg["BLOCK_Q"] // (16 * cfg["M_TILES"]) if family == "mma" else cfg.threads
+    threads = (32 * cfg["BLOCK_Q"] // (16 * cfg["M_TILES"]) if family == "mma" else
+               32 * cfg["BLOCK_Q"] // 16 if family == "tf32x3" else cfg.threads)
     assert f"thread blocks of {threads} threads" in out
     assert "registers: " in out
     if dtype == "float32":
-        assert family == "simt" and cfg == simt_config(128)
+        # the simulator keeps fp32 on SIMT; a GPU runs the 3xTF32 tensor-core kernel
+        assert (family == "simt" and cfg == simt_config(128)) if nb_config.ENABLE_CUDASIM else family == "tf32x3"
     e = 2 if dtype == "float16" else 4
     std = costs.standard_attention_hbm_bytes(4096, 4096, 128, bytes_per_element=e, heads=16)["total"]
     assert f"standard attention  {cli.fmt_bytes(std):>10}" in out

@@ -49,7 +49,9 @@ def check_tf32_round(seed=0):
     out = np.zeros_like(x)
     kernel[(x.size + 63) // 64, 64](x, out)
     np.testing.assert_array_equal(out.view(np.uint32), tf32_rna_numpy(x).view(np.uint32))
-    assert np.isnan(tf32_rna_numpy(np.float32([np.nan])))[0]
+    nan = np.float32([np.nan])
+    kernel[1, 32](nan, out[:1])
+    assert np.isnan(out[0])  # the GPU's canonical NaN may differ in bits: only NaN-ness is checked
 
 
 def check_mma_tf32(seed=0):
@@ -176,8 +178,8 @@ def test_explain_auto_fp32_in_simulator_says_why(rng):
     text = numba_flash.explain(q, q, q)
     if config.ENABLE_CUDASIM:
         assert text.startswith("simt:") and "simulator" in text
-    else:  # a GPU (sm_80+) or no simulator: the tensor-core kernel
-        assert text.startswith(("tf32x3:", "simt:"))
+    elif ptx.compute_capability() >= (8, 0):  # a GPU with tf32 tensor cores
+        assert text.startswith("tf32x3:"), text
 
 
 def test_table_entries_can_be_built():

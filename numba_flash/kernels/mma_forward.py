@@ -8,9 +8,9 @@ Maths (section 3.6.4), per query row, for each K/V tile j with scores s = q·k�
     l_i   = alpha * l_i + rowsum(p)       running denominator      (ℓ)
     acc   = alpha * acc + p @ V_j         running numerator        (O)
 
-then O = acc / l_i and L = m_i + log(l_i). The kernel keeps m_i in raw score units and folds
-softmax_scale·log2(e) into the exponent, so each p is one FFMA and one ``ex2.approx`` (valid for
-softmax_scale > 0); L is converted back to the natural log of the scaled scores.
+then O = acc / l_i and L = m_i + log(l_i). The kernel keeps m_i in base-2 units of the scaled
+scores (m_i = max s · softmax_scale·log2(e)) while S stays raw, so each p is one FFMA and one
+``ex2.approx`` (valid for softmax_scale > 0); L is converted back to the natural log.
 
 Work split (FA2): one thread block of WARPS = BLOCK_Q / 16 warps per (Q tile, batch·head); warp w
 owns query rows 16w..16w+15 of the tile, so each row's softmax lives inside one warp and the only
@@ -484,13 +484,14 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-                m_new = max(m_i[mr], m_tile)
-                # A row with nothing visible yet keeps m = -inf; subtract 0 so ex2 gives 0, not nan.
-                m_scaled = ZERO if m_new == NEG_INF else m_new * scale_log2
-                # (m_i - m_new)·scale is exactly 0 while the maximum holds: alpha = 1. (The form
-                # m_i·scale - m_scaled was contracted to an FMA whose result is m_scaled's rounding
-                # error: alpha = 1 ± 2^-23 on every tile, which drifted L by up to 4e-5 at Nk = 16384.)
-                alpha = ZERO if m_new == NEG_INF else ex2((m_i[mr] - m_new) * scale_log2)
+                # m_i is kept scaled (M = m·scale·log2 e, rounded once): p = 2^(s·c − M) by one FFMA, and
+                # alpha = 2^(M_old − M_new) is then exactly the factor that moves the earlier p's to the new
+                # M (1 while the maximum holds). Unscaled m with alpha from m_old·c − m_new·c was contracted
+                # by NVVM to an FMA that left alpha = 1 ± 2^-23 on every tile: L drifted by 4e-5 at Nk 16384.
+                # A row with nothing visible yet keeps M = -inf; subtract 0 so ex2 gives 0, not nan.
+                m_new = max(m_i[mr], m_tile * scale_log2)
+                alpha = ZERO if m_new == NEG_INF else ex2(m_i[mr] - m_new)
+                m_scaled = ZERO if m_new == NEG_INF else m_new
                 row_sum = ZERO
                 for nt in range(S_TILES):
                     for c in range(2):
@@ -580,7 +581,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             if SMEM_EPILOGUE:
                 if row < n_q and t == 0:
                     if l_row > ZERO:
-                        lse[b, h, row] = (m_i[mr] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                        lse[b, h, row] = (m_i[mr] + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[b, h, row] = NEG_INF
                 if mr == 0:
@@ -592,7 +593,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             elif row < n_q:
                 if t == 0:
                     if l_row > ZERO:
-                        lse[b, h, row] = (m_i[mr] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                        lse[b, h, row] = (m_i[mr] + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[b, h, row] = NEG_INF
                 for dt in range(O_TILES):

@@ -1,7 +1,7 @@
 """fp32 FlashAttention-2 forward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 for fp32 accuracy.
 
-Maths: the online softmax of section 3.6.4, exactly as in mma_forward (m_i in raw score units,
-softmax_scale·log2(e) folded into one FFMA + ex2 per element, L = (m_i·scale_log2 + log2 l_i)·ln 2).
+Maths: the online softmax of section 3.6.4, exactly as in mma_forward (m_i in base-2 units of the
+scaled scores, softmax_scale·log2(e) folded into one FFMA + ex2 per element, L = (m_i + log2 l_i)·ln 2).
 What differs is how the two products are formed from fp32 operands.
 
 A tensor core multiplies tf32 values (fp32 with a 10-bit mantissa). Split every operand as
@@ -380,13 +380,14 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
                     m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-                m_new = max(m_i[half], m_tile)
-                # A row with nothing visible yet keeps m = -inf; subtract 0 so ex2 gives 0, not nan.
-                m_scaled = ZERO if m_new == NEG_INF else m_new * scale_log2
-                # (m_i - m_new)·scale is exactly 0 while the maximum holds: alpha = 1. (The form
-                # m_i·scale - m_scaled was contracted to an FMA whose result is m_scaled's rounding
-                # error: alpha = 1 ± 2^-23 on every tile, which drifted L by up to 4e-5 at Nk = 16384.)
-                alpha = ZERO if m_new == NEG_INF else ex2((m_i[half] - m_new) * scale_log2)
+                # m_i is kept scaled (M = m·scale·log2 e, rounded once): p = 2^(s·c − M) by one FFMA, and
+                # alpha = 2^(M_old − M_new) is then exactly the factor that moves the earlier p's to the new
+                # M (1 while the maximum holds). Unscaled m with alpha from m_old·c − m_new·c was contracted
+                # by NVVM to an FMA that left alpha = 1 ± 2^-23 on every tile: L drifted by 4e-5 at Nk 16384.
+                # A row with nothing visible yet keeps M = -inf; subtract 0 so ex2 gives 0, not nan.
+                m_new = max(m_i[half], m_tile * scale_log2)
+                alpha = ZERO if m_new == NEG_INF else ex2(m_i[half] - m_new)
+                m_scaled = ZERO if m_new == NEG_INF else m_new
                 row_sum = ZERO
                 for nt in range(S_TILES):
                     for e in range(2):
@@ -470,7 +471,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
             if row < n_q:
                 if t == 0:
                     if l_row > ZERO:
-                        lse[b, h, row] = (m_i[half] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                        lse[b, h, row] = (m_i[half] + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[b, h, row] = NEG_INF
                 for dt in range(O_TILES):
