@@ -507,7 +507,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     natural-log logsumexp of the scaled scores (-inf for a row that sees no key). d <= HEAD_DIM
     (default: head_dim_for(d)); the kernel zero-pads. Strides: unit last dim, every other stride of
     q, k, v a multiple of 4 elements and 16-byte aligned bases (cp.async). PASSES_ 3 (3xTF32, default)
-    or 1 (TF32); ACC_PER_TILE, QK_FRESH, PRESPLIT, GRID_BH_X: kernel_source's options; MAX_REGS: ptxas's cap."""
+    or 1 (TF32); ACC_PER_TILE, QK_FRESH, PRESPLIT, GRID_BH_X: kernel_source's options; MAX_REGS: ptxas's cap.
+    Shapes of k vs v and of out / lse are the caller's to match (numba_flash.forward validates them)."""
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     if HEAD_DIM is None:
