@@ -1,0 +1,73 @@
+"""fp32 backward on tensor cores (numba_flash.kernels.tf32_backward, 3xTF32): kernels, API, sm_90 build.
+
+The simulator runs the fragment indexing of both patterns through the twins of mma.m16n8k8.tf32
+and cvt.rna.tf32 on small tiles; the tensor core's truncating accumulation is covered on the GPU
+(tests/test_gpu_backward.py::test_tf32x3_backward_as_accurate_as_simt).
+"""
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import numba_flash
+import reference
+from numba_flash.configs import TF32_BWD_TABLE
+from numba_flash.kernels import tf32_backward as tb
+from test_mma_forward import attention_f64
+from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
+
+
+def problem(B, H, Hkv, n_q, n_k, d, causal, seed=0, scale=None):
+    """fp32 q, k, v, dO and the forward's O, L (from float64), and the float64 reference gradients."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, n_q, d)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal((B, H, n_q, d)).astype(np.float32)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    o, lse = (x.astype(np.float32) for x in attention_f64(q, k, v, causal, scale))
+    refs = reference.attention_backward(q, k, v, o, lse, do, causal=causal, softmax_scale=scale)
+    return (q, k, v, o, lse, do), refs, scale
+
+
+def run_launcher(vals, d, causal, scale, config):
+    q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
+    B, H, n_q, _ = vals[0].shape
+    rows = (B * H, tb.padded_rows(n_q))
+    l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
+    grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]  # unwritten shows as NaN
+    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config)
+    return [g.copy_to_host() for g in grads]
+
+
+def check(grads, refs, tol=2e-6):
+    """fp32-level: max error below tol relative to the gradient's scale (at least 1)."""
+    for name, ours, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert np.all(np.isfinite(ours)), f"{name}: non-finite (unwritten or nan) entries"
+        err = np.abs(ours - ref).max()
+        assert err <= tol * max(1.0, np.abs(ref).max()), f"{name}: {err:.3e} (max |ref| {np.abs(ref).max():.3e})"
+
+
+SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels on small tiles (2 warps)
+# --------------------------------------------------------------------------------------------
+@in_simulator
+@pytest.mark.parametrize("B,H,Hkv,n_q,n_k,d,causal,config", [
+    (1, 2, 1, 37, 45, 24, False, {}),   # GQA, d 24 -> 32, ragged tiles
+    (1, 1, 1, 40, 29, 32, True, {}),    # Nq > Nk causal: 11 rows see nothing (dq = 0)
+    (1, 2, 2, 21, 50, 16, True, {}),    # Nq < Nk causal
+    (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
+])
+def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
+    vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal)
+    grads = run_launcher(vals, d, causal, scale, {**SMALL, **config})
+    check(grads, refs)
+    if causal and n_q > n_k:
+        assert np.all(grads[0][:, :, : n_q - n_k] == 0)
