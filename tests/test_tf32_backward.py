@@ -64,6 +64,7 @@ SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
     (1, 1, 1, 40, 29, 32, True, {}),    # Nq > Nk causal: 11 rows see nothing (dq = 0)
     (1, 2, 2, 21, 50, 16, True, {}),    # Nq < Nk causal
     (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
+    (1, 2, 1, 30, 41, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
 ])
 def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal)
@@ -71,3 +72,49 @@ def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     check(grads, refs)
     if causal and n_q > n_k:
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# sm_90 build of the shipped tiles: no spills, no local memory
+# --------------------------------------------------------------------------------------------
+CHILD = NO_GPU_PATCH + textwrap.dedent(
+    """
+    import json, re, subprocess, sys, tempfile
+    from numba import cuda
+    from numba_flash.configs import TF32_BWD_TABLE
+    from numba_flash.kernels import tf32_backward as tb
+
+    ptxas = sys.argv[-1]
+    out = []
+    for hd, cfg in sorted(TF32_BWD_TABLE.items()):
+        runs = [("dkdv", grads) for grads in cfg.get("dkdv_passes", ("dkdv",))] + [("dq", "dkdv")]
+        for kernel, grads in runs:
+            for causal in (False, True):
+                own, streamed = cfg[kernel]
+                src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
+                ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                    f.write(ptx)
+                r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                                   text=True)
+                rep = r.stderr + r.stdout
+                m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+                out.append(dict(hd=hd, kernel=kernel, grads=grads, causal=causal, own=own, streamed=streamed, rc=r.returncode,
+                                stack=int(m.group(1)), spills=int(m.group(2)) + int(m.group(3)),
+                                registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
+                                mma=ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+                                local=ptx.count("ld.local") + ptx.count("st.local")))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
+    reports = run_compile_child(CHILD, [], tmp_path)
+    print(json.dumps(reports, indent=0))
+    assert len(reports) == 2 * sum(1 + len(c.get("dkdv_passes", ("dkdv",))) for c in TF32_BWD_TABLE.values())
+    for rep in reports:
+        where = json.dumps(rep)
+        assert rep["rc"] == 0 and rep["stack"] == 0 and rep["spills"] == 0 and rep["local"] == 0, where
+        assert rep["registers"] * 32 * (rep["own"] // 16) <= 65536, where
+        assert tb.smem_bytes(rep["kernel"], rep["own"], rep["streamed"], rep["hd"]) <= 227 * 1024, where

@@ -58,6 +58,7 @@ from . import mma_backward
 from .tf32_forward import LOG2E, head_dim_for
 
 KERNELS = ("dkdv", "dq")
+GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)
 ROW_PAD = mma_backward.ROW_PAD  # scratch rows padded to 128: every Q tile's L2, D are inside
 padded_rows = mma_backward.padded_rows
 
@@ -253,8 +254,13 @@ def _helpers(THREADS, HEAD_DIM):
 
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL):
-    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed."""
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
+    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
+
+    GRADS: "dkdv" (both), or "dv" / "dk" alone: at HEAD_DIM 128, dK and dV together are 128
+    accumulator registers per lane and spill, so the launcher runs a dV pass (Sᵀ and dV only) and
+    a dK pass (the four other products), recomputing Sᵀ once more."""
+    DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
     THREADS = threads_per_block(BLOCK_N)
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
@@ -305,15 +311,17 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL):
         q_t = SQ + 2 * t * S2 + g
         do_t = SDO + 2 * t * S2 + g
 
-        acc_k = cuda.local.array((O_TILES, 4), float32)
-        acc_v = cuda.local.array((O_TILES, 4), float32)
+        acc_k = cuda.local.array((O_TILES if DK else 1, 4), float32)
+        acc_v = cuda.local.array((O_TILES if DV else 1, 4), float32)
         s = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ (hi)
         dp = cuda.local.array((M_TILES, 4), float32)  # dPᵀ, then dSᵀ (hi)
         lo = cuda.local.array((M_TILES, 4), float32)  # Pᵀ's, then dSᵀ's lo parts
         for dt in range(O_TILES):
             for r in range(4):
-                acc_k[dt, r] = ZERO
-                acc_v[dt, r] = ZERO
+                if DK:
+                    acc_k[dt, r] = ZERO
+                if DV:
+                    acc_v[dt, r] = ZERO
 
         for step in range(steps):
             hh = step // per_head
@@ -330,7 +338,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL):
             cuda.syncthreads()  # ... for every thread
 
             pattern1(s, smem, k_lane, S1, q_lane, S2, M_TILES)  # Sᵀ = K_w Q_iᵀ
-            pattern1(dp, smem, v_lane, S1, do_lane, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
+            if DK:
+                pattern1(dp, smem, v_lane, S1, do_lane, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
 
             # Pᵀ = exp2(Sᵀ·c − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries have L2 = +inf.
             needs_mask = CAUSAL and kw + 15 > i0 + shift
@@ -342,16 +351,21 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL):
                         x = NEG_INF
                     p = ex2(x)
                     s[nt, r] = p
-                    dp[nt, r] = p * (dp[nt, r] - smem[SD + col])
+                    if DK:
+                        dp[nt, r] = p * (dp[nt, r] - smem[SD + col])
 
-            split_all(s, lo, M_TILES)
-            pattern2(acc_v, s, lo, smem, do_t, S2, M_TILES)  # dV_w += Pᵀ dO_i
-            split_all(dp, lo, M_TILES)
-            pattern2(acc_k, dp, lo, smem, q_t, S2, M_TILES)  # dK_w += dSᵀ Q_i
+            if DV:
+                split_all(s, lo, M_TILES)
+                pattern2(acc_v, s, lo, smem, do_t, S2, M_TILES)  # dV_w += Pᵀ dO_i
+            if DK:
+                split_all(dp, lo, M_TILES)
+                pattern2(acc_k, dp, lo, smem, q_t, S2, M_TILES)  # dK_w += dSᵀ Q_i
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
-        store_rows(dv, acc_v, b, h_kv, kw, g, t, n_k, d, float32(1.0))
-        store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
+        if DV:
+            store_rows(dv, acc_v, b, h_kv, kw, g, t, n_k, d, float32(1.0))
+        if DK:
+            store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
 
     return tf32_backward_dkdv
 
@@ -453,10 +467,11 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
     return tf32_backward_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal):
-    """The Python kernel of one specialisation (before cuda.jit; the compile test uses it)."""
+def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv"):
+    """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
+    grads: dkdv_source's GRADS (dkdv only)."""
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal)
+        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads)
     return dq_source(block_own, block_streamed, HEAD_DIM, causal)
 
 
@@ -469,22 +484,25 @@ def make_prep_kernel():
 
 
 @lru_cache(maxsize=None)
-def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, max_registers=None):
+def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
+    if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
+        bad.append(f"grads={grads!r}: one of {GRADS}, and only the dkdv kernel splits")
     if bad:
         raise ValueError(f"tf32 backward {kernel} ({block_own}, {block_streamed}, {HEAD_DIM}) cannot be built: "
                          f"{'; '.join(bad)}")
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel), **cap)(kernel_source(kernel, block_own, block_streamed, HEAD_DIM,
-                                                                   bool(causal)))
+                                                                   bool(causal), grads))
 
 
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
 def config_for(d):
-    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM} (configs.TF32_BWD_TABLE)."""
+    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
+    "dk")]} (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv")."""
     head_dim = head_dim_for(d)
     return dict(TF32_BWD_TABLE[head_dim], head_dim=head_dim)
 
@@ -510,9 +528,10 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
                       out, dout, lse, l2, dd, n_q, d)
     if "dkdv" in kernels:
         bn, bm = config["dkdv"]
-        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal)), ((n_k + bn - 1) // bn, B * Hkv),
-                      threads_per_block(bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
-                      q, k, v, dout, l2, dd, dk, dv, *scalars)
+        for grads in config.get("dkdv_passes", ("dkdv",)):
+            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads), ((n_k + bn - 1) // bn, B * Hkv),
+                          threads_per_block(bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
+                          q, k, v, dout, l2, dd, dk, dv, *scalars)
     if "dq" in kernels:
         bm, bn = config["dq"]
         launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal)), ((n_q + bm - 1) // bm, B * H),
