@@ -99,7 +99,8 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
                                    text=True)
                 rep = r.stderr + r.stdout
                 m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
-                out.append(dict(hd=hd, kernel=kernel, grads=grads, causal=causal, own=own, streamed=streamed, rc=r.returncode,
+                out.append(dict(hd=hd, kernel=kernel, grads=grads, causal=causal, own=own, streamed=streamed,
+                                rc=r.returncode,
                                 stack=int(m.group(1)), spills=int(m.group(2)) + int(m.group(3)),
                                 registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
                                 mma=ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
