@@ -35,8 +35,9 @@ product per streamed tile starts from zero and is added to its fp32 total by a r
 Shared memory (fp32 words): tiles read only by pattern 1 have rows padded to S1 (== 16 mod 32:
 conflict-free 16-byte loads); tiles read both ways (Q, dO in dkdv; K in dq) use S2 = HEAD_DIM + 8,
 two-way conflicts in each pattern instead of four-way in one (pattern 2 wants rows == 4 mod 16).
-Tiles arrive by cp.async with zero fill past the sequence and d; one buffer per tile (no overlap
-of copies with products yet: correctness first, not timed).
+Tiles arrive by cp.async with zero fill past the sequence and d; the streamed ones (Q, dO, L2, D
+in dkdv; K, V in dq) are double-buffered: at the top of step i one barrier says tile i has landed
+and every warp has left step i − 1, whose buffer then receives tile i + 1 while step i computes.
 
 Causal masking aligns to the bottom right (query i sees key j iff j <= i + Nk − Nq): dkdv starts at
 the first Q tile that sees its keys, dq stops after the last K/V tile its rows see; a fully masked
@@ -75,12 +76,17 @@ def threads_per_block(block_own):
     return 32 * (block_own // 16)
 
 
-def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM):
-    """dkdv: K, V (S1) | Q, dO (S2) | L2, D; dq: Q, dO (S1) | K (S2) | V (S1)."""
+def stage_words(kernel, block_streamed, HEAD_DIM):
+    """One buffer of the streamed tiles: dkdv Q, dO (S2) | L2, D; dq K (S2) | V (S1)."""
     s1, s2 = strides(HEAD_DIM)
     if kernel == "dkdv":
-        return 4 * (2 * block_own * s1 + 2 * block_streamed * s2 + 2 * block_streamed)
-    return 4 * (2 * block_own * s1 + block_streamed * (s1 + s2))
+        return 2 * block_streamed * s2 + 2 * block_streamed
+    return block_streamed * (s1 + s2)
+
+
+def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM):
+    """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer)."""
+    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM))
 
 
 def problems(kernel, block_own, block_streamed, HEAD_DIM):
@@ -266,7 +272,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
     M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
     S1, S2 = strides(HEAD_DIM)
     SK, SV = 0, BLOCK_N * S1
-    SQ = 2 * BLOCK_N * S1
+    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM)  # two buffers of:
+    SQ = STAGE0
     SDO = SQ + BLOCK_M * S2
     SL = SDO + BLOCK_M * S2  # L2 of the tile's queries, then D
     SD = SL + BLOCK_M
@@ -276,6 +283,22 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
     cp_commit, cp_wait = ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
+
+    @inline_device
+    def load_stage(smem, step, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d):
+        """Step step's Q_i, dO_i (cp.async) and L2, D (plain stores, published by the next barrier)
+        into buffer step & 1; steps run head-major over the group's query heads."""
+        hh = step // per_head
+        i0 = (qt0 + step - hh * per_head) * BLOCK_M
+        h = h_kv * group + hh
+        st = (step & 1) * STAGE
+        load_tile(smem, SQ + st, S2, q, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO + st, S2, dout, b, h, i0, n_q, d, BLOCK_M)
+        tid = cuda.threadIdx.x
+        if tid < BLOCK_M:  # padded scratch: i0 + BLOCK_M <= NQ_PAD
+            bh_q = b * (group * n_kv_heads) + h
+            smem[SL + st + tid] = l2[bh_q, i0 + tid]
+            smem[SD + st + tid] = dd[bh_q, i0 + tid]
 
     def tf32_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
@@ -300,6 +323,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
 
         load_tile(smem, SK, S1, k, b, h_kv, k0, n_k, d, BLOCK_N)
         load_tile(smem, SV, S1, v, b, h_kv, k0, n_k, d, BLOCK_N)
+        if steps > 0:
+            load_stage(smem, 0, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d)
         cp_commit()
 
         # Lane offsets: K, V rows g (+8) of the warp and Q, dO rows g of each n-tile at columns 4t
@@ -326,40 +351,36 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
         for step in range(steps):
             hh = step // per_head
             i0 = (qt0 + step - hh * per_head) * BLOCK_M
-            bh_q = b * (group * n_kv_heads) + h_kv * group + hh
-            cuda.syncthreads()  # every warp has left the previous step's tiles
-            load_tile(smem, SQ, S2, q, b, h_kv * group + hh, i0, n_q, d, BLOCK_M)
-            load_tile(smem, SDO, S2, dout, b, h_kv * group + hh, i0, n_q, d, BLOCK_M)
+            cp_wait(0)  # this step's tiles (the only group in flight; K, V too at step 0) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left step - 1, whose buffer ...
+            if step + 1 < steps:  # ... now receives step + 1's tiles while this step computes
+                load_stage(smem, step + 1, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d)
             cp_commit()
-            if tid < BLOCK_M:  # padded scratch: i0 + BLOCK_M <= NQ_PAD
-                smem[SL + tid] = l2[bh_q, i0 + tid]
-                smem[SD + tid] = dd[bh_q, i0 + tid]
-            cp_wait(0)  # Q_i, dO_i (and K, V at step 0) ...
-            cuda.syncthreads()  # ... for every thread
+            st = (step & 1) * STAGE
 
-            pattern1(s, smem, k_lane, S1, q_lane, S2, M_TILES)  # Sᵀ = K_w Q_iᵀ
+            pattern1(s, smem, k_lane, S1, q_lane + st, S2, M_TILES)  # Sᵀ = K_w Q_iᵀ
             if DK:
-                pattern1(dp, smem, v_lane, S1, do_lane, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
+                pattern1(dp, smem, v_lane, S1, do_lane + st, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
 
             # Pᵀ = exp2(Sᵀ·c − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries have L2 = +inf.
             needs_mask = CAUSAL and kw + 15 > i0 + shift
             for nt in range(M_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
-                    x = s[nt, r] * scale_log2 - smem[SL + col]
+                    x = s[nt, r] * scale_log2 - smem[SL + st + col]
                     if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     p = ex2(x)
                     s[nt, r] = p
                     if DK:
-                        dp[nt, r] = p * (dp[nt, r] - smem[SD + col])
+                        dp[nt, r] = p * (dp[nt, r] - smem[SD + st + col])
 
             if DV:
                 split_all(s, lo, M_TILES)
-                pattern2(acc_v, s, lo, smem, do_t, S2, M_TILES)  # dV_w += Pᵀ dO_i
+                pattern2(acc_v, s, lo, smem, do_t + st, S2, M_TILES)  # dV_w += Pᵀ dO_i
             if DK:
                 split_all(dp, lo, M_TILES)
-                pattern2(acc_k, dp, lo, smem, q_t, S2, M_TILES)  # dK_w += dSᵀ Q_i
+                pattern2(acc_k, dp, lo, smem, q_t + st, S2, M_TILES)  # dK_w += dSᵀ Q_i
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
         if DV:
@@ -377,6 +398,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
     N_TILES = BLOCK_N // 8  # n-tiles of S / dP = k-steps of dQ
     S1, S2 = strides(HEAD_DIM)
     SQ, SDO = 0, BLOCK_M * S1
+    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM)  # two buffers of K_j | V_j
     SK = 2 * BLOCK_M * S1
     SV = SK + BLOCK_N * S2
     CAUSAL = bool(CAUSAL)
@@ -409,6 +431,9 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
 
         load_tile(smem, SQ, S1, q, b, h, q0, n_q, d, BLOCK_M)
         load_tile(smem, SDO, S1, dout, b, h, q0, n_q, d, BLOCK_M)
+        if n_tiles > 0:
+            load_tile(smem, SK, S2, k, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SV, S1, v, b, h_kv, 0, n_k, d, BLOCK_N)
         cp_commit()
 
         # L2 and D of rows g, g + 8 (padded scratch: always inside)
@@ -434,15 +459,17 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
 
         for j in range(n_tiles):
             k0 = j * BLOCK_N
-            cuda.syncthreads()  # every warp has left tile j - 1
-            load_tile(smem, SK, S2, k, b, h_kv, k0, n_k, d, BLOCK_N)
-            load_tile(smem, SV, S1, v, b, h_kv, k0, n_k, d, BLOCK_N)
+            cp_wait(0)  # K_j, V_j (the only group in flight; Q, dO too at j = 0) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1, whose buffer ...
+            if j + 1 < n_tiles:  # ... now receives tile j + 1 while this one computes
+                nxt = ((j + 1) & 1) * STAGE
+                load_tile(smem, SK + nxt, S2, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SV + nxt, S1, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
             cp_commit()
-            cp_wait(0)  # K_j, V_j (and Q, dO at j = 0) ...
-            cuda.syncthreads()  # ... for every thread
+            st = (j & 1) * STAGE
 
-            pattern1(s, smem, q_lane, S1, k_lane, S2, N_TILES)  # S = Q_w K_jᵀ
-            pattern1(dp, smem, do_lane, S1, v_lane, S1, N_TILES)  # dP = dO_w V_jᵀ
+            pattern1(s, smem, q_lane, S1, k_lane + st, S2, N_TILES)  # S = Q_w K_jᵀ
+            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, N_TILES)  # dP = dO_w V_jᵀ
 
             # dS = exp2(S·c − L2[row]) ∘ (dP − D[row]); mask keys past n_k and past the diagonal.
             needs_mask = k0 + BLOCK_N > n_k
@@ -459,7 +486,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
                     dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
 
             split_all(dp, lo, N_TILES)
-            pattern2(acc, dp, lo, smem, k_t, S2, N_TILES)  # dQ_w += dS K_j
+            pattern2(acc, dp, lo, smem, k_t + st, S2, N_TILES)  # dQ_w += dS K_j
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
         store_rows(dq, acc, b, h, qw, g, t, n_q, d, scale)
