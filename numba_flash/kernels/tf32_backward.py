@@ -98,6 +98,8 @@ def problems(kernel, block_own, block_streamed, HEAD_DIM):
         out.append(f"own tile of {block_own} rows: one warp per 16 rows, 1..8 warps")
     if block_streamed not in (8, 16, 32, 64):
         out.append(f"streamed tile of {block_streamed} rows: 8, 16, 32 or 64 (n-tiles of 8, divides {ROW_PAD})")
+    elif kernel == "dkdv" and block_streamed // 2 > threads_per_block(block_own or 16):
+        out.append(f"{block_streamed} queries' L2 and D need {block_streamed // 2} copying threads")
     if kernel == "dq" and ROW_PAD % max(block_own, 1):
         out.append(f"dq tile of {block_own} rows does not divide the scratch padding {ROW_PAD}")
     if HEAD_DIM not in (32, 64, 128):
@@ -278,16 +280,17 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
     SL = SDO + BLOCK_M * S2  # L2 of the tile's queries, then D
     SD = SL + BLOCK_M
     CAUSAL = bool(CAUSAL)
+    ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies of a tile's L2 (or D)
     load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM)
     ex2 = ptx.ex2_approx
-    cp_commit, cp_wait = ptx.cp_async_commit, ptx.cp_async_wait
+    cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
     @inline_device
     def load_stage(smem, step, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d):
-        """Step step's Q_i, dO_i (cp.async) and L2, D (plain stores, published by the next barrier)
-        into buffer step & 1; steps run head-major over the group's query heads."""
+        """Step step's Q_i, dO_i, L2 and D into buffer step & 1 by cp.async (one group with whatever
+        else is in flight); steps run head-major over the group's query heads."""
         hh = step // per_head
         i0 = (qt0 + step - hh * per_head) * BLOCK_M
         h = h_kv * group + hh
@@ -295,10 +298,11 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
         load_tile(smem, SQ + st, S2, q, b, h, i0, n_q, d, BLOCK_M)
         load_tile(smem, SDO + st, S2, dout, b, h, i0, n_q, d, BLOCK_M)
         tid = cuda.threadIdx.x
-        if tid < BLOCK_M:  # padded scratch: i0 + BLOCK_M <= NQ_PAD
-            bh_q = b * (group * n_kv_heads) + h
-            smem[SL + st + tid] = l2[bh_q, i0 + tid]
-            smem[SD + st + tid] = dd[bh_q, i0 + tid]
+        row = (b * (group * n_kv_heads) + h) * (l2.strides[0] // 4) + i0  # padded: i0 + BLOCK_M <= NQ_PAD
+        if tid < ROW_CHUNKS:
+            cp_async(smem, SL + st + 4 * tid, l2, row + 4 * tid, 16)
+        elif tid < 2 * ROW_CHUNKS:
+            cp_async(smem, SD + st + 4 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS), 16)
 
     def tf32_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
