@@ -63,8 +63,7 @@ SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
     (1, 2, 1, 37, 45, 24, False, {}),   # GQA, d 24 -> 32, ragged tiles
     (1, 1, 1, 40, 29, 32, True, {}),    # Nq > Nk causal: 11 rows see nothing (dq = 0)
     (1, 2, 2, 21, 50, 16, True, {}),    # Nq < Nk causal
-    pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: ~125 s in the simulator (why
-    # B = 2 costs 10x B = 1 there is not understood yet; it passes)
+    pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: 125 s under pytest -n 2
     (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
     (1, 2, 1, 12, 21, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
 ])
