@@ -5,7 +5,8 @@
 
 The forward's checks (``api.validate``) plus the backward's own arguments, then three kernels (D,
 dK/dV, dQ): ``kernels.mma_backward`` (tensor cores) for float16/bfloat16 where the forward would
-use tensor cores too, else ``kernels.simt_backward``. For PyTorch autograd see ``numba_flash.torch``.
+use tensor cores too, else ``kernels.simt_backward``; ``kernel="tf32x3"`` (opt-in, float32) runs
+``kernels.tf32_backward`` (3xTF32 on tensor cores). For PyTorch autograd see ``numba_flash.torch``.
 """
 from __future__ import annotations
 
