@@ -5,7 +5,8 @@
 
 The forward's checks (``api.validate``) plus the backward's own arguments, then three kernels (D,
 dK/dV, dQ): ``kernels.mma_backward`` (tensor cores) for float16/bfloat16 where the forward would
-use tensor cores too, else ``kernels.simt_backward``. For PyTorch autograd see ``numba_flash.torch``.
+use tensor cores too, else ``kernels.simt_backward``; ``kernel="tf32x3"`` (opt-in, float32) runs
+``kernels.tf32_backward`` (3xTF32 on tensor cores). For PyTorch autograd see ``numba_flash.torch``.
 """
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans
-from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, validate
+from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
 from .configs import MMA_BWD_TABLE
-from .kernels import mma_backward, simt_backward
+from .kernels import mma_backward, simt_backward, tf32_backward
 from .launch import address
 
-KERNELS = ("auto", "simt", "mma")  # no tf32 backward (yet): fp32 runs on SIMT
+KERNELS = ("auto", "simt", "mma", "tf32x3")  # tf32x3 is opt-in: auto keeps fp32 on SIMT (tf32x3 not yet timed)
 
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
@@ -64,14 +65,11 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    if kernel == "tf32x3":
+        return _choose_tf32x3(p, views)
     blockers = _mma_blockers(p, None if views is None else views[:3])
     if views is not None and not blockers:
-        do = views[3]
-        if do.strides[-1] != do.dtype.itemsize or any(st % 16 for st in do.strides[:-1]):
-            blockers.append(f"dout strides {tuple(do.strides)} B: cp.async needs a unit-stride last dim and "
-                            "other strides that are multiples of 16 B (8 elements)")
-        elif address(do) % 16:
-            blockers.append("dout data pointer is not 16-byte aligned (cp.async)")
+        blockers += _dout_blockers(views[3], "8 elements")
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this backward: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
@@ -104,6 +102,9 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
         ]
         if cfg_kv.head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {cfg_kv.head_dim} inside the kernels")
+        if p.dtype == "float32":
+            reasons.append("float32 on the SIMT path: kernel='tf32x3' (opt-in, not yet timed) runs it on tensor "
+                           "cores with 3xTF32 products instead")
     if p.H != p.Hkv:
         reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
     if blockers or kernel == "simt":
@@ -112,6 +113,45 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
     family = "mma" if kernel in ("auto", "mma") and not blockers else "simt"
     return family, cfg, reasons
+
+
+def _dout_blockers(do, elements):
+    """Why dout's device view cannot be read by cp.async (empty when it can)."""
+    if do.strides[-1] != do.dtype.itemsize or any(st % 16 for st in do.strides[:-1]):
+        return [f"dout strides {tuple(do.strides)} B: cp.async needs a unit-stride last dim and other strides that "
+                f"are multiples of 16 B ({elements})"]
+    if address(do) % 16:
+        return ["dout data pointer is not 16-byte aligned (cp.async)"]
+    return []
+
+
+def _choose_tf32x3(p: Problem, views) -> tuple[str, Any, list[str]]:
+    """choose_backward for kernel='tf32x3' (opt-in only): the forward's tf32 conditions plus dout's layout."""
+    blockers = _tf32_blockers(p, None if views is None else views[:3])
+    if views is not None and not blockers:
+        blockers += _dout_blockers(views[3], "4 elements")
+    if blockers:
+        raise ValueError("kernel='tf32x3' cannot run this backward: " + "; ".join(blockers))
+    cfg = tf32_backward.config_for(p.d)
+    hd = cfg["head_dim"]
+    (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
+    passes = cfg.get("dkdv_passes", ("dkdv",))
+    reasons = [
+        "tf32x3 backward: fp32 on tensor cores (mma.sync m16n8k8 tf32, each fp32 product as 3 tf32 products: "
+        "fp32-level accuracy); D and L·log2(e), then dK/dV over K/V tiles, then dQ over Q tiles (no atomics); "
+        "opt-in, not yet timed against the SIMT backward",
+        f"dkdv: {bn}-key tiles x {bm}-query tiles, {tf32_backward.threads_per_block(bn)} threads, "
+        f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory"
+        + (f", as {len(passes)} passes ({' then '.join(passes)}: dK and dV together spill at d{hd})"
+           if len(passes) > 1 else ""),
+        f"dq: {bq}-query tiles x {bk}-key tiles, {tf32_backward.threads_per_block(bq)} threads, "
+        f"{tf32_backward.smem_bytes('dq', bq, bk, hd)} B shared memory",
+    ]
+    if hd != p.d:
+        reasons.append(f"head dim {p.d} is zero-padded to {hd} inside the kernels")
+    if p.H != p.Hkv:
+        reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
+    return "tf32x3", cfg, reasons
 
 
 def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
@@ -170,10 +210,13 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             are read correctly; a last dim that is not contiguous costs coalescing.
         causal, softmax_scale: as for ``forward`` (mask aligned bottom-right: query i sees key
             j iff j <= i + Nk - Nq; scale defaults to 1/sqrt(d)).
-        kernel: "auto" (default), "mma" or "simt", as for ``forward``: auto runs the tensor-core
+        kernel: "auto" (default), "mma", "simt" or "tf32x3": auto runs the tensor-core
             kernels for float16/bfloat16 with d <= 128 on sm_80+ when q, k, v and dout rows start
             16-byte aligned, else the SIMT kernels (with a ``PerformanceWarning`` for half
-            precision); ``explain_backward`` prints the choice and the reason.
+            precision); ``explain_backward`` prints the choice and the reason. "tf32x3" (float32
+            only, d <= 128, rows 16-byte aligned, sm_80+; never chosen by auto, not yet timed)
+            runs fp32 on tensor cores with each product as three tf32 products (fp32-level
+            accuracy, as forward's tf32x3); it raises ValueError naming what blocks it.
         deterministic: True (default): no atomic adds anywhere, the same inputs give the same
             bits every run. False lets the tensor-core path use FA2's scheme: the dK/dV kernel
             also adds dQ into an fp32 buffer with atomic adds (5 tile products instead of 7, one
@@ -234,7 +277,13 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
         dv_obj, dv_dev = arrays.empty_like_kind(kinds[2], v, kv_shape, p.dtype, stream)
         lse_d = arrays.to_device_view(lse, stream, ndim=3)
         grads = (arrays.as_4d(dq_dev), arrays.as_4d(dk_dev), arrays.as_4d(dv_dev))
-        if family == "mma":
+        if family == "tf32x3":
+            rows = (p.B * p.H, tf32_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
+            _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
+            _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
+            tf32_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                 softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream)
+        elif family == "mma":
             rows = (p.B * p.H, mma_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
             _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)

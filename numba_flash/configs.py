@@ -184,6 +184,14 @@ TF32_TABLE = {
 # "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32; fourth
 # session, results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
 # (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.
+# head_dim -> tf32x3 backward tiles (kernels.tf32_backward; opt-in, not yet timed: picked as the largest
+# tiles ptxas builds for sm_90 without spills): dkdv (keys, queries), dq (queries, keys). At d128 dK and
+# dV together (128 registers per lane) spill, so dkdv runs as a dV pass and a dK pass ("dkdv_passes").
+TF32_BWD_TABLE = {
+    32: {"dkdv": (64, 64), "dq": (64, 64)},
+    64: {"dkdv": (64, 32), "dq": (64, 32)},
+    128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_passes": ("dv", "dk")},
+}
 MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64)},
     128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64)},

@@ -6,6 +6,8 @@
     python scripts/bench_backward.py --sweep-mma  # time the tensor-core kernels' candidate tiles one by one
     python scripts/bench_backward.py --sweep-mma --sweep-kernels dkdv-atomic-variants --sweep-only
                                                   # the atomic dkdv's dQ-phase variants vs shipped, checked
+    python scripts/bench_backward.py --tf32 --sweep-only
+                                                  # fp32: backward(kernel="tf32x3") vs "simt" vs SDPA efficient
 
 Writes benchmarks/results/backward-<date>.{json,md} (GPU, date, command, commit). ``numba-flash bench``
 also runs it as the "backward" suite through ``run_suite``.
@@ -191,6 +193,48 @@ def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0)
         rows.append(row)
         print(f"  d{d} {dtype} dkdv {kv_t} dq {q_t}: {row['tflops']:.1f} TFLOP/s, regs {regs}, smem {row['smem']}",
               flush=True)
+    return rows
+
+
+def tf32_rows(B=4, H=16, N=4096, budget_s=1.0):
+    """fp32 backward (no autograd, the forward not timed): numba_flash.backward with kernel="tf32x3"
+    (opt-in) and "simt" (what auto runs), beside SDPA memory-efficient's backward (autograd.grad of a
+    retained graph, itself 3xTF32), d 64 and 128, causal and not; tf32x3's max |difference| to simt."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from numba_flash.backward import backward
+
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            g = torch.Generator(device="cuda").manual_seed(d + causal)
+            q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", generator=g) for _ in range(4))
+            out, lse = numba_flash.forward(q, k, v, causal=causal)
+            fl = FLOP_FACTOR[BWD] * bench.flops(B, H, N, N, d, causal)
+            base = {"B": B, "H": H, "N": N, "d": d, "dtype": "float32", "causal": causal, "flops": fl}
+            grads = {}
+            for kernel in ("tf32x3", "simt"):
+                def call(kernel=kernel):
+                    return backward(q, k, v, out, lse, dout, causal=causal, kernel=kernel)
+                grads[kernel] = call()
+                ms, reps = bench.time_call(call, budget_s=budget_s)
+                rows.append({**base, "impl": f"numba_flash-{kernel}", "ms": ms, "tflops": fl / ms / 1e9, "reps": reps})
+            rows[-2]["max_diff_vs_simt"] = max((a - b).abs().max().item() for a, b in zip(grads["tf32x3"],
+                                                                                         grads["simt"]))
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                o = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+            ms, reps = bench.time_call(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True),
+                                       budget_s=budget_s)
+            rows.append({**base, "impl": "sdpa-efficient", "ms": ms, "tflops": fl / ms / 1e9, "reps": reps})
+            for r in rows[-3:]:
+                print(f"  fp32 d{d} causal={causal} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s"
+                      + (f", max |tf32x3 - simt| {r['max_diff_vs_simt']:.2e}" if "max_diff_vs_simt" in r else ""),
+                      flush=True)
+            o = leaves = grads = None
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -444,6 +488,14 @@ def markdown(result: dict) -> str:
                                                              + ("" if c["ok"] else " FAILED"))
             md.append(f"| {r['d']} | {r['causal']} | {r['kernel']} | {r['tile']} | {ms} | {val} | "
                       f"{r.get('regs', '')} | {check} |")
+    if result.get("tf32"):
+        md.append("\n## fp32 backward on tensor cores (kernel='tf32x3', opt-in; bwd only, numba_flash without "
+                  "autograd)\n")
+        md.append("| d | causal | impl | ms | TFLOP/s | max abs diff vs simt |")
+        md.append("|---|---|---|---|---|---|")
+        for r in result["tf32"]:
+            diff = f"{r['max_diff_vs_simt']:.2e}" if "max_diff_vs_simt" in r else ""
+            md.append(f"| {r['d']} | {r['causal']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {diff} |")
     return "\n".join(md)
 
 
@@ -455,6 +507,7 @@ def main(argv=None):
     ap.add_argument("--sweep-kernels", nargs="+", default=None,
                     help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split dkdv-atomic-variants)")
     ap.add_argument("--sweep-only", action="store_true", help="skip the autograd suite: only the sweeps asked for")
+    ap.add_argument("--tf32", action="store_true", help="time the opt-in fp32 backward kernel='tf32x3' vs simt, SDPA")
     ap.add_argument("--sweep-split", action="store_true", help="with --sweep-mma: also time dkdv-split")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement (s)")
@@ -479,6 +532,9 @@ def main(argv=None):
         result["sweep_mma"] = [r for d in MMA_SWEEP for causal in ((False, True) if d == 128 else (False,))
                                for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5),
                                                   kernels=args.sweep_kernels, sweep_split=args.sweep_split)]
+    if args.tf32:
+        print("fp32 backward: tf32x3 (opt-in) vs simt vs SDPA efficient (B4 H16 N4096, bwd only):", flush=True)
+        result["tf32"] = tf32_rows(budget_s=args.budget_s)
     if not args.sweep_only:
         result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)

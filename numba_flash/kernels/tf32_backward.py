@@ -1,0 +1,570 @@
+"""fp32 FlashAttention-2 backward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 (opt-in).
+
+Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt from the saved L:
+
+    L2 = L·log2(e)   (+inf for a row that sees no key: its P = exp2(… − inf) = 0)
+    P  = exp2(S·scale·log2(e) − L2),   D = rowsum(dO ∘ O)
+    dP = dO Vᵀ,   dS = P ∘ (dP − D),   dV = Pᵀ dO,   dK = scale·dSᵀ Q,   dQ = scale·dS K
+
+Every product is formed as in tf32_forward: each fp32 operand split x = hi + lo (tf32 parts), three
+tf32 products lo·hi + hi·lo + hi·hi per fp32 product, small terms first. Three kernels on one
+stream, no atomics (bitwise repeatable), FA2's deterministic scheme as in mma_backward:
+
+1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (mma_backward's prep, row for row, on fp32).
+2. dkdv: one block per (BLOCK_N keys, batch · kv head), warp w owning keys 16w..16w+15; the block
+   streams (query head of the group, Q tile) steps, so the GQA sum needs no atomics:
+
+       Sᵀ  = K_w · Q_iᵀ      pattern 1 (A = K rows, B = Q rows, both over d)
+       dPᵀ = V_w · dO_iᵀ     pattern 1
+       Pᵀ  = exp2(Sᵀ·c − L2[query]),  dSᵀ = Pᵀ ∘ (dPᵀ − D[query])
+       dV_w += Pᵀ · dO_i     pattern 2 (A = the Pᵀ accumulators, B = dO rows 2t, 2t+1 at column g)
+       dK_w += dSᵀ · Q_i     pattern 2
+
+3. dq: one block per (BLOCK_M queries, batch · head), warp w owning queries 16w..16w+15:
+
+       S = Q_w · K_jᵀ,  dP = dO_w · V_jᵀ     pattern 1 both
+       dS = exp2(S·c − L2[row]) ∘ (dP − D[row])
+       dQ_w += dS · K_j                       pattern 2 (K rows 2t, 2t+1 at column g)
+
+Fragment patterns (tf32_forward's docstring): pattern 1 reads A and B rows over the summed dim with
+one 16-byte shared load per row feeding two k-steps; pattern 2 takes an accumulator's columns 2t,
+2t+1 as k-indices t, t+4, so the B operand is read at rows 8n+2t, 8n+2t+1. Accumulation truncates
+on the tensor core, so each pair of k-steps of a pattern-1 product and each n-tile of a pattern-2
+product per streamed tile starts from zero and is added to its fp32 total by a rounded FADD.
+
+Shared memory (fp32 words): tiles read only by pattern 1 have rows padded to S1 (== 16 mod 32:
+conflict-free 16-byte loads); tiles read both ways (Q, dO in dkdv; K in dq) use S2 = HEAD_DIM + 8,
+two-way conflicts in each pattern instead of four-way in one (pattern 2 wants rows == 4 mod 16).
+Tiles arrive by cp.async with zero fill past the sequence and d; the streamed ones (Q, dO, L2, D
+in dkdv; K, V in dq) are double-buffered: at the top of step i one barrier says tile i has landed
+and every warp has left step i − 1, whose buffer then receives tile i + 1 while step i computes.
+
+Causal masking aligns to the bottom right (query i sees key j iff j <= i + Nk − Nq): dkdv starts at
+the first Q tile that sees its keys, dq stops after the last K/V tile its rows see; a fully masked
+row has L2 = +inf (P = 0) and gets dq = 0.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from numba import cuda, float32, int32, types
+
+from .. import ptx
+from ..configs import SMEM_PER_BLOCK_MAX, TF32_BWD_TABLE
+from ..launch import launch as launch_kernel
+from ..ptx import SMEM_ALIGN, inline_device
+from ..vec import ld_shared_f32x4 as ld4  # 16-byte shared load
+from . import mma_backward
+from .tf32_forward import LOG2E, head_dim_for
+
+KERNELS = ("dkdv", "dq")
+GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)
+ROW_PAD = mma_backward.ROW_PAD  # scratch rows padded to 128: every Q tile's L2, D are inside
+padded_rows = mma_backward.padded_rows
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes of a specialisation
+# --------------------------------------------------------------------------------------------
+def strides(HEAD_DIM):
+    """(S1, S2): row lengths in words of tiles read by pattern 1 only, and by both patterns."""
+    return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM + 8
+
+
+def threads_per_block(block_own):
+    return 32 * (block_own // 16)
+
+
+def stage_words(kernel, block_streamed, HEAD_DIM):
+    """One buffer of the streamed tiles: dkdv Q, dO (S2) | L2, D; dq K (S2) | V (S1)."""
+    s1, s2 = strides(HEAD_DIM)
+    if kernel == "dkdv":
+        return 2 * block_streamed * s2 + 2 * block_streamed
+    return block_streamed * (s1 + s2)
+
+
+def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM):
+    """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer)."""
+    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM))
+
+
+def problems(kernel, block_own, block_streamed, HEAD_DIM):
+    """Why a specialisation cannot be built (empty when it can)."""
+    if kernel not in KERNELS:
+        return [f"kernel={kernel!r} not in {KERNELS}"]
+    out = []
+    if block_own % 16 or not 16 <= block_own <= 128:
+        out.append(f"own tile of {block_own} rows: one warp per 16 rows, 1..8 warps")
+    if block_streamed not in (8, 16, 32, 64):
+        out.append(f"streamed tile of {block_streamed} rows: 8, 16, 32 or 64 (n-tiles of 8, divides {ROW_PAD})")
+    elif kernel == "dkdv" and block_streamed // 2 > threads_per_block(block_own or 16):
+        out.append(f"{block_streamed} queries' L2 and D need {block_streamed // 2} copying threads")
+    if kernel == "dq" and ROW_PAD % max(block_own, 1):
+        out.append(f"dq tile of {block_own} rows does not divide the scratch padding {ROW_PAD}")
+    if HEAD_DIM not in (32, 64, 128):
+        out.append(f"HEAD_DIM={HEAD_DIM}: 32, 64 or 128")
+    if not out and smem_bytes(kernel, block_own, block_streamed, HEAD_DIM) > SMEM_PER_BLOCK_MAX:
+        out.append(f"{smem_bytes(kernel, block_own, block_streamed, HEAD_DIM)} B of shared memory > "
+                   f"{SMEM_PER_BLOCK_MAX}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel sources
+# --------------------------------------------------------------------------------------------
+def prep_signature():
+    io = types.Array(types.float32, 4, "A")
+    rows = types.Array(types.float32, 2, "A")
+    return types.void(io, io, types.Array(types.float32, 3, "A"), rows, rows, int32, int32)
+
+
+def kernel_signature(kernel):
+    """dkdv(q, k, v, do, l2, dd, dk, dv, ...) / dq(q, k, v, do, l2, dd, dq, ...), fp32 arrays."""
+    io = types.Array(types.float32, 4, "A")
+    rows = types.Array(types.float32, 2, "A")
+    grads = (io, io) if kernel == "dkdv" else (io,)
+    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32)
+
+
+def _helpers(THREADS, HEAD_DIM):
+    """Device functions both kernels share: tile copies, the split, 3xTF32 mma, the two patterns."""
+    CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
+    PAIRS = HEAD_DIM // 16  # pairs of k-steps over d (pattern 1)
+    O_TILES = HEAD_DIM // 8  # n-tiles over d (pattern 2)
+    mma = ptx.mma_m16n8k8_tf32
+    tf32 = ptx.tf32_round
+    cp_async = ptx.cp_async_16_zfill
+    ZERO = float32(0.0)
+
+    @inline_device
+    def split(x):
+        """x = hi + lo, both tf32."""
+        hi = tf32(x)
+        return hi, tf32(x - hi)
+
+    @inline_device
+    def mma3(c, i, a0, a1, a2, a3, l0, l1, l2, l3, b0, b1, m0, m1):
+        """c[i] += A·B from hi parts (a, b) and lo parts (l, m): lo·hi + hi·lo + hi·hi, small first."""
+        c0, c1, c2, c3 = mma(l0, l1, l2, l3, b0, b1, c[i, 0], c[i, 1], c[i, 2], c[i, 3])
+        c0, c1, c2, c3 = mma(a0, a1, a2, a3, m0, m1, c0, c1, c2, c3)
+        c[i, 0], c[i, 1], c[i, 2], c[i, 3] = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @inline_device
+    def load_tile(smem, tile0, STRIDE, src, b, h, row0, n_rows, d, ROWS):
+        """cp.async rows row0.. of src[b, h] into the tile at word tile0 (zero fill past n_rows and d)."""
+        rs = src.strides[2] // 4
+        base = b * (src.strides[0] // 4) + h * (src.strides[1] // 4)
+        for i in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
+            idx = cuda.threadIdx.x + i * THREADS
+            if idx < ROWS * CHUNKS:
+                r = idx // CHUNKS
+                col = (idx - r * CHUNKS) * 4
+                row = row0 + r
+                nbytes = min(max(d - col, 0), 4) * 4 if row < n_rows else 0
+                # a zero-byte copy still names an address inside the array: row 0 of the tile's rows, column 0
+                src_off = base + (row * rs + col if nbytes > 0 else min(row0, n_rows - 1) * rs)
+                cp_async(smem, tile0 + r * STRIDE + col, src, src_off, nbytes)
+
+    @inline_device
+    def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, N_TILES):
+        """out[nt] = A_w · Bᵀ for n-tiles nt < N_TILES over all of d: lane (g, t) brings columns
+        16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane); each pair of
+        k-steps starts from zero and is added by an FADD."""
+        c = cuda.local.array((1, 4), float32)
+        for nt in range(N_TILES):
+            for r in range(4):
+                out[nt, r] = ZERO
+        for cc in range(PAIRS):
+            x0, x1, x2, x3 = ld4(smem, a_lane + 16 * cc)  # row g
+            y0, y1, y2, y3 = ld4(smem, a_lane + 8 * A_STRIDE + 16 * cc)  # row g + 8
+            xh0, xl0 = split(x0)
+            xh1, xl1 = split(x1)
+            xh2, xl2 = split(x2)
+            xh3, xl3 = split(x3)
+            yh0, yl0 = split(y0)
+            yh1, yl1 = split(y1)
+            yh2, yl2 = split(y2)
+            yh3, yl3 = split(y3)
+            for nt in range(N_TILES):
+                z0, z1, z2, z3 = ld4(smem, b_lane + nt * 8 * B_STRIDE + 16 * cc)
+                zh0, zl0 = split(z0)
+                zh1, zl1 = split(z1)
+                zh2, zl2 = split(z2)
+                zh3, zl3 = split(z3)
+                for r in range(4):
+                    c[0, r] = ZERO
+                # a0..a3 = A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4]; b0, b1 = B[t, g], B[t+4, g]
+                mma3(c, 0, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
+                mma3(c, 0, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
+                for r in range(4):
+                    out[nt, r] += c[0, r]
+
+    @inline_device
+    def pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, dt, K_STEPS):
+        """acc[dt] += A · B[:, 8dt:8dt+8] in fresh registers, A = the accumulators ah + al (columns
+        8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g."""
+        c = cuda.local.array((1, 4), float32)
+        for r in range(4):
+            c[0, r] = ZERO
+        for n in range(K_STEPS):
+            off = b_lane + n * 8 * B_STRIDE + dt * 8
+            bh0, bl0 = split(smem[off])
+            bh1, bl1 = split(smem[off + B_STRIDE])
+            mma3(c, 0, ah[n, 0], ah[n, 2], ah[n, 1], ah[n, 3], al[n, 0], al[n, 2], al[n, 1], al[n, 3],
+                 bh0, bh1, bl0, bl1)
+        for r in range(4):
+            acc[dt, r] += c[0, r]
+
+    @inline_device
+    def pattern2(acc, ah, al, smem, b_lane, B_STRIDE, K_STEPS):
+        """Every n-tile of acc (16 x HEAD_DIM) += A · B, one call per n-tile (constant indices: registers)."""
+        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 0, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 1, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 2, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 3, K_STEPS)
+        if O_TILES > 4:
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 4, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 5, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 6, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 7, K_STEPS)
+        if O_TILES > 8:
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 8, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 9, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 10, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 11, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 12, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 13, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 14, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 15, K_STEPS)
+
+    @inline_device
+    def split_all(x, lo, N):
+        """x[n] -> hi in place, lo[n] (pattern 2's A operand, split once per tile)."""
+        for n in range(N):
+            for r in range(4):
+                x[n, r], lo[n, r] = split(x[n, r])
+
+    @inline_device
+    def store_rows(dst, acc, b, h, row0, g, t, n_rows, d, scale):
+        """dst[b, h, rows row0 + g (+8), d columns] = scale · acc (rows past n_rows, columns past d skipped)."""
+        for half in range(2):
+            row = row0 + g + 8 * half
+            if row < n_rows:
+                for dt in range(O_TILES):
+                    col = dt * 8 + 2 * t
+                    if col < d:
+                        dst[b, h, row, col] = acc[dt, 2 * half] * scale
+                    if col + 1 < d:
+                        dst[b, h, row, col + 1] = acc[dt, 2 * half + 1] * scale
+
+    return load_tile, pattern1, pattern2, split_all, store_rows
+
+
+
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
+    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
+
+    GRADS: "dkdv" (both), or "dv" / "dk" alone: at HEAD_DIM 128, dK and dV together are 128
+    accumulator registers per lane and spill, so the launcher runs a dV pass (Sᵀ and dV only) and
+    a dK pass (the four other products), recomputing Sᵀ once more."""
+    DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
+    THREADS = threads_per_block(BLOCK_N)
+    O_TILES = HEAD_DIM // 8
+    M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
+    S1, S2 = strides(HEAD_DIM)
+    SK, SV = 0, BLOCK_N * S1
+    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM)  # two buffers of:
+    SQ = STAGE0
+    SDO = SQ + BLOCK_M * S2
+    SL = SDO + BLOCK_M * S2  # L2 of the tile's queries, then D
+    SD = SL + BLOCK_M
+    CAUSAL = bool(CAUSAL)
+    ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies of a tile's L2 (or D)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM)
+    ex2 = ptx.ex2_approx
+    cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def load_stage(smem, step, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d):
+        """Step step's Q_i, dO_i, L2 and D into buffer step & 1 by cp.async (one group with whatever
+        else is in flight); steps run head-major over the group's query heads."""
+        hh = step // per_head
+        i0 = (qt0 + step - hh * per_head) * BLOCK_M
+        h = h_kv * group + hh
+        st = (step & 1) * STAGE
+        load_tile(smem, SQ + st, S2, q, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO + st, S2, dout, b, h, i0, n_q, d, BLOCK_M)
+        tid = cuda.threadIdx.x
+        row = (b * (group * n_kv_heads) + h) * (l2.strides[0] // 4) + i0  # padded: i0 + BLOCK_M <= NQ_PAD
+        if tid < ROW_CHUNKS:
+            cp_async(smem, SL + st + 4 * tid, l2, row + 4 * tid, 16)
+        elif tid < 2 * ROW_CHUNKS:
+            cp_async(smem, SD + st + 4 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS), 16)
+
+    def tf32_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+        smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        bh = cuda.blockIdx.y
+        n_kv_heads = k.shape[1]
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        k0 = cuda.blockIdx.x * BLOCK_N
+        kw = k0 + warp * 16  # this warp's first key
+        shift = n_k - n_q  # query i sees key j iff j <= i + shift
+
+        # (query head, Q tile) steps, head-major; causal starts at the first tile that sees key k0
+        n_qt = (n_q + BLOCK_M - 1) // BLOCK_M
+        qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt) if CAUSAL else 0
+        per_head = n_qt - qt0
+        steps = group * per_head
+
+        load_tile(smem, SK, S1, k, b, h_kv, k0, n_k, d, BLOCK_N)
+        load_tile(smem, SV, S1, v, b, h_kv, k0, n_k, d, BLOCK_N)
+        if steps > 0:
+            load_stage(smem, 0, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d)
+        cp_commit()
+
+        # Lane offsets: K, V rows g (+8) of the warp and Q, dO rows g of each n-tile at columns 4t
+        # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2).
+        k_lane = SK + (warp * 16 + g) * S1 + 4 * t
+        v_lane = SV + (warp * 16 + g) * S1 + 4 * t
+        q_lane = SQ + g * S2 + 4 * t
+        do_lane = SDO + g * S2 + 4 * t
+        q_t = SQ + 2 * t * S2 + g
+        do_t = SDO + 2 * t * S2 + g
+
+        acc_k = cuda.local.array((O_TILES if DK else 1, 4), float32)
+        acc_v = cuda.local.array((O_TILES if DV else 1, 4), float32)
+        s = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ (hi)
+        dp = cuda.local.array((M_TILES, 4), float32)  # dPᵀ, then dSᵀ (hi)
+        lo = cuda.local.array((M_TILES, 4), float32)  # Pᵀ's, then dSᵀ's lo parts
+        for dt in range(O_TILES):
+            for r in range(4):
+                if DK:
+                    acc_k[dt, r] = ZERO
+                if DV:
+                    acc_v[dt, r] = ZERO
+
+        for step in range(steps):
+            hh = step // per_head
+            i0 = (qt0 + step - hh * per_head) * BLOCK_M
+            cp_wait(0)  # this step's tiles (the only group in flight; K, V too at step 0) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left step - 1, whose buffer ...
+            if step + 1 < steps:  # ... now receives step + 1's tiles while this step computes
+                load_stage(smem, step + 1, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d)
+            cp_commit()
+            st = (step & 1) * STAGE
+
+            pattern1(s, smem, k_lane, S1, q_lane + st, S2, M_TILES)  # Sᵀ = K_w Q_iᵀ
+            if DK:
+                pattern1(dp, smem, v_lane, S1, do_lane + st, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
+
+            # Pᵀ = exp2(Sᵀ·c − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries have L2 = +inf.
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
+            for nt in range(M_TILES):
+                for r in range(4):
+                    col = nt * 8 + 2 * t + (r & 1)
+                    x = s[nt, r] * scale_log2 - smem[SL + st + col]
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
+                        x = NEG_INF
+                    p = ex2(x)
+                    s[nt, r] = p
+                    if DK:
+                        dp[nt, r] = p * (dp[nt, r] - smem[SD + st + col])
+
+            if DV:
+                split_all(s, lo, M_TILES)
+                pattern2(acc_v, s, lo, smem, do_t + st, S2, M_TILES)  # dV_w += Pᵀ dO_i
+            if DK:
+                split_all(dp, lo, M_TILES)
+                pattern2(acc_k, dp, lo, smem, q_t + st, S2, M_TILES)  # dK_w += dSᵀ Q_i
+
+        cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
+        if DV:
+            store_rows(dv, acc_v, b, h_kv, kw, g, t, n_k, d, float32(1.0))
+        if DK:
+            store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
+
+    return tf32_backward_dkdv
+
+
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
+    """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-key K/V tiles streamed."""
+    THREADS = threads_per_block(BLOCK_M)
+    O_TILES = HEAD_DIM // 8
+    N_TILES = BLOCK_N // 8  # n-tiles of S / dP = k-steps of dQ
+    S1, S2 = strides(HEAD_DIM)
+    SQ, SDO = 0, BLOCK_M * S1
+    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM)  # two buffers of K_j | V_j
+    SK = 2 * BLOCK_M * S1
+    SV = SK + BLOCK_N * S2
+    CAUSAL = bool(CAUSAL)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM)
+    ex2 = ptx.ex2_approx
+    cp_commit, cp_wait = ptx.cp_async_commit, ptx.cp_async_wait
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    def tf32_backward_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+        smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        q0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # heaviest causal tiles first
+        bh = cuda.blockIdx.y
+        n_heads = q.shape[1]
+        b = bh // n_heads
+        h = bh - b * n_heads
+        h_kv = h // group
+        qw = q0 + warp * 16  # this warp's first query
+        shift = n_k - n_q
+
+        n_tiles = (n_k + BLOCK_N - 1) // BLOCK_N
+        if CAUSAL:
+            visible = min(q0 + BLOCK_M, n_q) + shift  # keys the tile's last row can see
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_N - 1) // BLOCK_N)
+
+        load_tile(smem, SQ, S1, q, b, h, q0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO, S1, dout, b, h, q0, n_q, d, BLOCK_M)
+        if n_tiles > 0:
+            load_tile(smem, SK, S2, k, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SV, S1, v, b, h_kv, 0, n_k, d, BLOCK_N)
+        cp_commit()
+
+        # L2 and D of rows g, g + 8 (padded scratch: always inside)
+        l2_r = cuda.local.array(2, float32)
+        d_r = cuda.local.array(2, float32)
+        for half in range(2):
+            l2_r[half] = l2[bh, qw + g + 8 * half]
+            d_r[half] = dd[bh, qw + g + 8 * half]
+
+        q_lane = SQ + (warp * 16 + g) * S1 + 4 * t
+        do_lane = SDO + (warp * 16 + g) * S1 + 4 * t
+        k_lane = SK + g * S2 + 4 * t
+        v_lane = SV + g * S1 + 4 * t
+        k_t = SK + 2 * t * S2 + g
+
+        acc = cuda.local.array((O_TILES, 4), float32)
+        s = cuda.local.array((N_TILES, 4), float32)  # S
+        dp = cuda.local.array((N_TILES, 4), float32)  # dP, then dS (hi)
+        lo = cuda.local.array((N_TILES, 4), float32)  # dS's lo parts
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc[dt, r] = ZERO
+
+        for j in range(n_tiles):
+            k0 = j * BLOCK_N
+            cp_wait(0)  # K_j, V_j (the only group in flight; Q, dO too at j = 0) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1, whose buffer ...
+            if j + 1 < n_tiles:  # ... now receives tile j + 1 while this one computes
+                nxt = ((j + 1) & 1) * STAGE
+                load_tile(smem, SK + nxt, S2, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SV + nxt, S1, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+            cp_commit()
+            st = (j & 1) * STAGE
+
+            pattern1(s, smem, q_lane, S1, k_lane + st, S2, N_TILES)  # S = Q_w K_jᵀ
+            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, N_TILES)  # dP = dO_w V_jᵀ
+
+            # dS = exp2(S·c − L2[row]) ∘ (dP − D[row]); mask keys past n_k and past the diagonal.
+            needs_mask = k0 + BLOCK_N > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k0 + BLOCK_N - 1 > qw + shift)
+            for nt in range(N_TILES):
+                for r in range(4):
+                    half = r >> 1
+                    x = s[nt, r] * scale_log2 - l2_r[half]
+                    if needs_mask:
+                        col = k0 + nt * 8 + 2 * t + (r & 1)
+                        if col >= n_k or (CAUSAL and col > qw + g + 8 * half + shift):
+                            x = NEG_INF
+                    dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
+
+            split_all(dp, lo, N_TILES)
+            pattern2(acc, dp, lo, smem, k_t + st, S2, N_TILES)  # dQ_w += dS K_j
+
+        cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
+        store_rows(dq, acc, b, h, qw, g, t, n_q, d, scale)
+
+    return tf32_backward_dq
+
+
+def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv"):
+    """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
+    grads: dkdv_source's GRADS (dkdv only)."""
+    if kernel == "dkdv":
+        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads)
+    return dq_source(block_own, block_streamed, HEAD_DIM, causal)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel factories
+# --------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def make_prep_kernel():
+    return cuda.jit(prep_signature())(mma_backward.prep_source("float32"))
+
+
+@lru_cache(maxsize=None)
+def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None):
+    """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once."""
+    bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
+    if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
+        bad.append(f"grads={grads!r}: one of {GRADS}, and only the dkdv kernel splits")
+    if bad:
+        raise ValueError(f"tf32 backward {kernel} ({block_own}, {block_streamed}, {HEAD_DIM}) cannot be built: "
+                         f"{'; '.join(bad)}")
+    cap = {"max_registers": int(max_registers)} if max_registers else {}
+    return cuda.jit(kernel_signature(kernel), **cap)(kernel_source(kernel, block_own, block_streamed, HEAD_DIM,
+                                                                   bool(causal), grads))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+def config_for(d):
+    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
+    "dk")]} (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv")."""
+    head_dim = head_dim_for(d)
+    return dict(TF32_BWD_TABLE[head_dim], head_dim=head_dim)
+
+
+def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,
+           kernels=("prep", "dkdv", "dq")):
+    """Run prep, dkdv and dq on float32 device arrays; the caller has validated the problem and layout.
+
+    q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d); q, k, v, dout with unit last
+    stride, other strides multiples of 16 B and 16-byte aligned data (cp.async); lse (B, H, Nq) fp32;
+    l2, dd: C-contiguous fp32 scratch (B·H, padded_rows(Nq)). config: as config_for(d) returns it
+    (default). Nq, Nk > 0. kernels: which of the three run (dkdv and dq read prep's scratch)."""
+    B, H, n_q, _ = q.shape
+    Hkv, n_k = k.shape[1], k.shape[2]
+    config = config_for(d) if config is None else config
+    head_dim = config["head_dim"]
+    if d > head_dim:
+        raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
+    scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
+    if "prep" in kernels:
+        rows = mma_backward.PREP_ROWS
+        launch_kernel(make_prep_kernel(), (l2.shape[1] // rows, B * H), rows * mma_backward.PREP_LANES, stream, 0,
+                      out, dout, lse, l2, dd, n_q, d)
+    if "dkdv" in kernels:
+        bn, bm = config["dkdv"]
+        for grads in config.get("dkdv_passes", ("dkdv",)):
+            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads), ((n_k + bn - 1) // bn, B * Hkv),
+                          threads_per_block(bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
+                          q, k, v, dout, l2, dd, dk, dv, *scalars)
+    if "dq" in kernels:
+        bm, bn = config["dq"]
+        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal)), ((n_q + bm - 1) // bm, B * H),
+                      threads_per_block(bm), stream, smem_bytes("dq", bm, bn, head_dim),
+                      q, k, v, dout, l2, dd, dq, *scalars)

@@ -1,0 +1,167 @@
+"""fp32 backward on tensor cores (numba_flash.kernels.tf32_backward, 3xTF32): kernels, API, sm_90 build.
+
+The simulator runs the fragment indexing of both patterns through the twins of mma.m16n8k8.tf32
+and cvt.rna.tf32 on small tiles; the tensor core's truncating accumulation is covered on the GPU
+(tests/test_gpu_backward.py::test_tf32x3_backward_as_accurate_as_simt).
+"""
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import numba_flash
+import reference
+from numba_flash.configs import TF32_BWD_TABLE
+from numba_flash.kernels import tf32_backward as tb
+from test_mma_forward import attention_f64
+from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
+
+
+def problem(B, H, Hkv, n_q, n_k, d, causal, seed=0, scale=None):
+    """fp32 q, k, v, dO and the forward's O, L (from float64), and the float64 reference gradients."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, n_q, d)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal((B, H, n_q, d)).astype(np.float32)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    o, lse = (x.astype(np.float32) for x in attention_f64(q, k, v, causal, scale))
+    refs = reference.attention_backward(q, k, v, o, lse, do, causal=causal, softmax_scale=scale)
+    return (q, k, v, o, lse, do), refs, scale
+
+
+def run_launcher(vals, d, causal, scale, config):
+    q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
+    B, H, n_q, _ = vals[0].shape
+    rows = (B * H, tb.padded_rows(n_q))
+    l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
+    grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]  # unwritten shows as NaN
+    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config)
+    return [g.copy_to_host() for g in grads]
+
+
+def check(grads, refs, tol=2e-6):
+    """fp32-level: max error below tol relative to the gradient's scale (at least 1)."""
+    for name, ours, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert np.all(np.isfinite(ours)), f"{name}: non-finite (unwritten or nan) entries"
+        err = np.abs(ours - ref).max()
+        assert err <= tol * max(1.0, np.abs(ref).max()), f"{name}: {err:.3e} (max |ref| {np.abs(ref).max():.3e})"
+
+
+SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels on small tiles (2 warps)
+# --------------------------------------------------------------------------------------------
+@in_simulator
+@pytest.mark.parametrize("B,H,Hkv,n_q,n_k,d,causal,config", [
+    (1, 2, 1, 37, 45, 24, False, {}),   # GQA, d 24 -> 32, ragged tiles
+    (1, 1, 1, 40, 29, 32, True, {}),    # Nq > Nk causal: 11 rows see nothing (dq = 0)
+    (1, 2, 2, 21, 50, 16, True, {}),    # Nq < Nk causal
+    pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: 125 s under pytest -n 2
+    (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
+    (1, 2, 1, 12, 21, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
+])
+def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
+    vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal)
+    grads = run_launcher(vals, d, causal, scale, {**SMALL, **config})
+    check(grads, refs)
+    if causal and n_q > n_k:
+        assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# sm_90 build of the shipped tiles: no spills, no local memory
+# --------------------------------------------------------------------------------------------
+CHILD = NO_GPU_PATCH + textwrap.dedent(
+    """
+    import json, re, subprocess, sys, tempfile
+    from numba import cuda
+    from numba_flash.configs import TF32_BWD_TABLE
+    from numba_flash.kernels import tf32_backward as tb
+
+    ptxas = sys.argv[-1]
+    out = []
+    for hd, cfg in sorted(TF32_BWD_TABLE.items()):
+        runs = [("dkdv", grads) for grads in cfg.get("dkdv_passes", ("dkdv",))] + [("dq", "dkdv")]
+        for kernel, grads in runs:
+            for causal in (False, True):
+                own, streamed = cfg[kernel]
+                src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
+                ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                    f.write(ptx)
+                r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                                   text=True)
+                rep = r.stderr + r.stdout
+                m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+                out.append(dict(hd=hd, kernel=kernel, grads=grads, causal=causal, own=own, streamed=streamed,
+                                rc=r.returncode,
+                                stack=int(m.group(1)), spills=int(m.group(2)) + int(m.group(3)),
+                                registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
+                                mma=ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+                                local=ptx.count("ld.local") + ptx.count("st.local")))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
+    reports = run_compile_child(CHILD, [], tmp_path)
+    print(json.dumps(reports, indent=0))
+    assert len(reports) == 2 * sum(1 + len(c.get("dkdv_passes", ("dkdv",))) for c in TF32_BWD_TABLE.values())
+    for rep in reports:
+        where = json.dumps(rep)
+        assert rep["rc"] == 0 and rep["stack"] == 0 and rep["spills"] == 0 and rep["local"] == 0, where
+        assert rep["registers"] * 32 * (rep["own"] // 16) <= 65536, where
+        assert tb.smem_bytes(rep["kernel"], rep["own"], rep["streamed"], rep["hd"]) <= 227 * 1024, where
+
+
+# --------------------------------------------------------------------------------------------
+# The public path and the kernel choice
+# --------------------------------------------------------------------------------------------
+@in_simulator
+def test_backward_tf32x3_public_sim(monkeypatch):
+    """numba_flash.backward(kernel='tf32x3'): NumPy in and out, GQA causal. One-warp tiles: the shipped
+    64-row ones take minutes in the simulator (the compile test covers those)."""
+    monkeypatch.setattr(tb, "config_for", lambda d: dict(dkdv=(16, 8), dq=(16, 8), head_dim=32))
+    vals, refs, scale = problem(1, 2, 1, 11, 19, 8, True, seed=3)
+    grads = numba_flash.backward(*vals, causal=True, kernel="tf32x3")
+    assert all(g.dtype == np.float32 for g in grads)
+    check(grads, refs)
+
+
+def test_explain_backward_tf32x3(rng):
+    q = rng.standard_normal((1, 4, 64, 128)).astype(np.float32)
+    k = q[:, :2].copy()
+    text = numba_flash.explain_backward(q, k, k, causal=True, kernel="tf32x3")
+    assert text.startswith("tf32x3 backward: fp32 on tensor cores"), text
+    assert "2 passes (dv then dk" in text and "GQA" in text
+    assert "kernel='tf32x3'" in numba_flash.explain_backward(q, q, q)  # auto stays SIMT and names the option
+    assert numba_flash.explain_backward(q, q, q).startswith("simt backward")
+
+
+def test_tf32x3_backward_refuses(rng):
+    h = rng.standard_normal((1, 1, 16, 32)).astype(np.float16)
+    lse = np.zeros((1, 1, 16), np.float32)
+    with pytest.raises(ValueError, match="kernel='tf32x3' cannot run.*float16"):
+        numba_flash.backward(h, h, h, h, lse, h, kernel="tf32x3")
+    with pytest.raises(ValueError, match="kernel='tf32x3' cannot run.*float16"):
+        numba_flash.explain_backward(h, h, h, kernel="tf32x3")
+    odd = rng.standard_normal((1, 1, 16, 30)).astype(np.float32)
+    with pytest.raises(ValueError, match="kernel='tf32x3' cannot run.*d % 4 == 0"):
+        numba_flash.explain_backward(odd, odd, odd, kernel="tf32x3")
+    big = rng.standard_normal((1, 1, 8, 160)).astype(np.float32)
+    with pytest.raises(ValueError, match="head dim 160 > 128"):
+        numba_flash.explain_backward(big, big, big, kernel="tf32x3")
+
+
+def test_tf32_backward_table_entries_can_be_built():
+    for hd, cfg in TF32_BWD_TABLE.items():
+        assert not tb.problems("dkdv", *cfg["dkdv"], hd) and not tb.problems("dq", *cfg["dq"], hd), hd
+        assert set(cfg.get("dkdv_passes", ("dkdv",))) <= set(tb.GRADS)
