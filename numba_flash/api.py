@@ -141,15 +141,25 @@ def _mma_blockers(p: Problem, views=None) -> list[str]:
         cc = ptx.compute_capability(p.device)  # None (Numba, CAI arrays): the current device
         if cc < (8, 0):
             out.append(f"GPU compute capability {cc} < (8, 0): no mma.sync m16n8k16 / cp.async")
-    if views is None and not out and (p.d * 2) % 16:  # NumPy inputs are copied C-contiguous
-        out.append(f"rows of {p.d} x 2 B: cp.async needs rows that are multiples of 16 B (d % 8 == 0)")
-    if views is not None and not out:
-        for name, x in zip("qkv", views):
-            if x.strides[-1] != x.dtype.itemsize or any(st % 16 for st in x.strides[:-1]):
-                out.append(f"{name} strides {tuple(x.strides)} B: cp.async needs a unit-stride last dim "
-                           "and other strides that are multiples of 16 B (8 elements)")
-            elif address(x) % 16:
-                out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
+    if not out:
+        out += _cp_async_blockers(p, views, 2)
+    return out
+
+
+def _cp_async_blockers(p: Problem, views, itemsize: int) -> list[str]:
+    """Layout the tensor-core kernels' 16-byte cp.async copies need, for elements of itemsize bytes."""
+    per = 16 // itemsize
+    if views is None:  # NumPy inputs are copied C-contiguous: only the row length matters
+        if (p.d * itemsize) % 16:
+            return [f"rows of {p.d} x {itemsize} B: cp.async needs rows that are multiples of 16 B (d % {per} == 0)"]
+        return []
+    out = []
+    for name, x in zip("qkv", views):
+        if x.strides[-1] != x.dtype.itemsize or any(st % 16 for st in x.strides[:-1]):
+            out.append(f"{name} strides {tuple(x.strides)} B: cp.async needs a unit-stride last dim "
+                       f"and other strides that are multiples of 16 B ({per} elements)")
+        elif address(x) % 16:
+            out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
     return out
 
 
@@ -164,15 +174,8 @@ def _tf32_blockers(p: Problem, views=None) -> list[str]:
         cc = ptx.compute_capability(p.device)
         if cc < (8, 0):
             out.append(f"GPU compute capability {cc} < (8, 0): no tf32 mma.sync / cp.async")
-    if views is None and not out and p.d % 4:  # NumPy inputs are copied C-contiguous
-        out.append(f"rows of {p.d} x 4 B: cp.async needs rows that are multiples of 16 B (d % 4 == 0)")
-    if views is not None and not out:
-        for name, x in zip("qkv", views):
-            if x.strides[-1] != x.dtype.itemsize or any(st % 16 for st in x.strides[:-1]):
-                out.append(f"{name} strides {tuple(x.strides)} B: cp.async needs a unit-stride last dim "
-                           "and other strides that are multiples of 16 B (4 elements)")
-            elif address(x) % 16:
-                out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
+    if not out:
+        out += _cp_async_blockers(p, views, 4)
     return out
 
 
@@ -207,8 +210,8 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
-    # In the CUDA simulator auto keeps fp32 on SIMT: the tf32 kernel's tensor-core twins make it ~50x
-    # slower there (each mma is a 32-thread rendezvous); kernel="tf32x3" runs it in the simulator too.
+    # In the CUDA simulator auto keeps fp32 on SIMT: the tf32 kernel's tensor-core twins are slow there
+    # (each mma is a 32-thread rendezvous: six forward tests took 7.7 min); kernel="tf32x3" runs it anyway.
     if kernel in TF32_KERNELS or (kernel == "auto" and p.dtype == "float32" and not nb_config.ENABLE_CUDASIM):
         tf32_blockers = _tf32_blockers(p, views)
         if kernel != "auto" and tf32_blockers:

@@ -56,7 +56,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..vec import ld_shared_f32x4 as ld4  # 16-byte shared load
 from . import mma_backward
-from .tf32_forward import LOG2E, head_dim_for
+from .tf32_forward import LOG2E, head_dim_for, products
 
 KERNELS = ("dkdv", "dq")
 GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)
@@ -132,23 +132,10 @@ def _helpers(THREADS, HEAD_DIM):
     CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
     PAIRS = HEAD_DIM // 16  # pairs of k-steps over d (pattern 1)
     O_TILES = HEAD_DIM // 8  # n-tiles over d (pattern 2)
-    mma = ptx.mma_m16n8k8_tf32
-    tf32 = ptx.tf32_round
     cp_async = ptx.cp_async_16_zfill
     ZERO = float32(0.0)
 
-    @inline_device
-    def split(x):
-        """x = hi + lo, both tf32."""
-        hi = tf32(x)
-        return hi, tf32(x - hi)
-
-    @inline_device
-    def mma3(c, i, a0, a1, a2, a3, l0, l1, l2, l3, b0, b1, m0, m1):
-        """c[i] += A·B from hi parts (a, b) and lo parts (l, m): lo·hi + hi·lo + hi·hi, small first."""
-        c0, c1, c2, c3 = mma(l0, l1, l2, l3, b0, b1, c[i, 0], c[i, 1], c[i, 2], c[i, 3])
-        c0, c1, c2, c3 = mma(a0, a1, a2, a3, m0, m1, c0, c1, c2, c3)
-        c[i, 0], c[i, 1], c[i, 2], c[i, 3] = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    split, mma3 = products(3)
 
     @inline_device
     def load_tile(smem, tile0, STRIDE, src, b, h, row0, n_rows, d, ROWS):

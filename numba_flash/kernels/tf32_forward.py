@@ -107,6 +107,34 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3, PRESPLIT=False):
     return out
 
 
+def products(PASSES_=3):
+    """(split, mma3): the 3xTF32 device functions every tf32 kernel uses (the backward too).
+
+    split(x) -> (hi, lo), x = hi + lo both tf32 (PASSES_=1: lo = 0, unused); mma3(c, i, a.., l.., b.., m..)
+    adds A·B to c[i] from hi parts (a, b) and lo parts (l, m) as lo·hi + hi·lo + hi·hi, small terms first
+    (PASSES_=1: hi·hi only)."""
+    SPLIT = PASSES_ == 3
+    mma, tf32 = ptx.mma_m16n8k8_tf32, ptx.tf32_round
+    ZERO = float32(0.0)
+
+    @inline_device
+    def split(x):
+        hi = tf32(x)
+        if SPLIT:
+            return hi, tf32(x - hi)
+        return hi, ZERO
+
+    @inline_device
+    def mma3(c, i, a0, a1, a2, a3, l0, l1, l2, l3, b0, b1, m0, m1):
+        c0, c1, c2, c3 = c[i, 0], c[i, 1], c[i, 2], c[i, 3]
+        if SPLIT:
+            c0, c1, c2, c3 = mma(l0, l1, l2, l3, b0, b1, c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma(a0, a1, a2, a3, m0, m1, c0, c1, c2, c3)
+        c[i, 0], c[i, 1], c[i, 2], c[i, 3] = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    return split, mma3
+
+
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=True, QK_FRESH=True, PRESPLIT=False,
                   GRID_BH_X=False):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
@@ -142,8 +170,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
     SQ, SK, SV = 0, BLOCK_Q * QK_STRIDE, (BLOCK_Q + BLOCK_K) * QK_STRIDE
     SKL = SV + BLOCK_K * V_STRIDE
     SVL = SKL + BLOCK_K * QK_STRIDE
-    mma = ptx.mma_m16n8k8_tf32
-    tf32 = ptx.tf32_round
     ex2 = ptx.ex2_approx
     shfl_xor = ptx.shfl_xor_sync
     cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
@@ -151,22 +177,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    @inline_device
-    def split(x):
-        """x = hi + lo, both tf32 (3xTF32); plain TF32 keeps hi (lo unused)."""
-        hi = tf32(x)
-        if SPLIT:
-            return hi, tf32(x - hi)
-        return hi, ZERO
-
-    @inline_device
-    def mma3(c, i, a0, a1, a2, a3, l0, l1, l2, l3, b0, b1, m0, m1):
-        """c[i] += A·B from hi parts (a, b) and lo parts (l, m): lo·hi + hi·lo + hi·hi, small first."""
-        c0, c1, c2, c3 = c[i, 0], c[i, 1], c[i, 2], c[i, 3]
-        if SPLIT:
-            c0, c1, c2, c3 = mma(l0, l1, l2, l3, b0, b1, c0, c1, c2, c3)
-            c0, c1, c2, c3 = mma(a0, a1, a2, a3, m0, m1, c0, c1, c2, c3)
-        c[i, 0], c[i, 1], c[i, 2], c[i, 3] = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    split, mma3 = products(PASSES_)
 
     @inline_device
     def split_chunks(smem, tile0, lo0, STRIDE, dst0):
