@@ -50,7 +50,12 @@ def check(out, lse, q, k, v, lens, scale=None):
     assert (out[np.isneginf(ref_l)] == 0).all()
     tol = 2e-6 if q.dtype == np.float32 else 2e-3  # fp16: output rounding (2^-11 relative) dominates
     err = np.abs(out.astype(np.float64) - ref_o).max(initial=0)
-    assert err <= tol * max(1.0, np.abs(ref_o).max(initial=0)), err
+    if q.dtype == np.float32:
+        # The flash-attention rule: large logits (|s| ~ 100) put fp32 score rounding at ~1e-5 of
+        # each weight, for any fp32 implementation; allow twice what the fp32 reference loses.
+        naive_o, _ = decode_attention(q, k, v, cache_seqlens=lens, softmax_scale=scale, dtype=np.float32)
+        tol = max(tol, 2 * np.abs(naive_o.astype(np.float64) - ref_o).max(initial=0))
+    assert err <= tol * max(1.0, np.abs(ref_o).max(initial=0)), (err, tol)
     fin = np.isfinite(ref_l)
     assert np.abs(lse[fin] - ref_l[fin]).max(initial=0) <= 1e-5 * max(1.0, np.abs(ref_l[fin]).max(initial=0))
 
