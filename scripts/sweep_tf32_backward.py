@@ -1,0 +1,159 @@
+"""Sweep the fp32 tensor-core backward's tiles (3xTF32, kernels/tf32_backward.py), each kernel alone.
+
+    python3 scripts/sweep_tf32_backward.py            # GPU: B4 H16 N4096 fp32, d 64 and 128 (--causal: both)
+    python3 scripts/sweep_tf32_backward.py --ptxas    # no GPU: registers / spills / smem per candidate
+
+For each head dim: every dkdv candidate (BLOCK_N keys, BLOCK_M queries streamed, passes) and every dq
+candidate (BLOCK_M queries, BLOCK_N keys streamed), launched through tf32_backward.launch with
+kernels=("dkdv",) or ("dq",) on the same inputs after one prep. Each result's max |difference| to
+the shipped config's is printed beside its time (a wrong tile shows up there, not only in the tests).
+Timing: CUDA events around single launches, median (bench.time_call); TFLOP/s credits dkdv with 4
+of the backward's five N x N x d products (Sᵀ, dPᵀ, dV, dK; passes recompute more) and dq with 3
+(S, dP, dQ), so the two add up to the 2.5 x forward FLOPs that bench_backward credits plus the
+recomputation. Writes $OUT/sweep_tf32_backward.json when $OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+ONE, TWO = ("dkdv",), ("dv", "dk")
+# head dim: (dkdv candidates (BLOCK_N, BLOCK_M, passes), dq candidates (BLOCK_M, BLOCK_N)); first = shipped.
+CANDIDATES = {
+    128: ([(64, 64, TWO), (64, 32, TWO), (128, 32, TWO), (128, 16, TWO),
+           (64, 32, ONE), (64, 16, ONE), (128, 16, ONE), (128, 32, ONE), (32, 32, ONE)],
+          [(64, 64), (64, 32), (128, 32), (128, 16), (32, 64), (32, 32)]),
+    64: ([(64, 32, ONE), (64, 64, ONE), (128, 32, ONE), (128, 64, ONE), (128, 16, ONE), (32, 32, ONE)],
+         [(64, 32), (64, 64), (128, 32), (128, 64), (32, 64)]),
+}
+
+
+def ptxas_report():
+    from numba import cuda
+
+    from numba_flash.kernels import tf32_backward as tb
+
+    if not cuda.is_available():  # numba-cuda asks the device for its cc even under compile_ptx(cc=...)
+        import numba.cuda.dispatcher as _dispatcher
+
+        class _Sm90:
+            compute_capability = (9, 0)
+
+        _dispatcher.get_current_device = lambda: _Sm90()
+    import glob
+    import shutil
+    ptxas = shutil.which("ptxas") or sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))[-1]
+    rows = []
+    for hd, (dkdv, dq) in CANDIDATES.items():
+        runs = [("dkdv", bn, bm, g) for bn, bm, passes in dkdv for g in passes] + [("dq", bm, bn, "dkdv")
+                                                                                   for bm, bn in dq]
+        for kernel, own, streamed, grads in runs:
+            bad = tb.problems(kernel, own, streamed, hd)
+            if bad:
+                print(f"d{hd} {kernel} {own}x{streamed} {grads}: cannot build: {bad}", flush=True)
+                continue
+            src = tb.kernel_source(kernel, own, streamed, hd, False, grads)
+            ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(ptx)
+            r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+            rep = r.stderr + r.stdout
+            m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
+            regs = int(re.search(r"Used (\d+) registers", rep).group(1))
+            smem = tb.smem_bytes(kernel, own, streamed, hd)
+            row = dict(hd=hd, kernel=kernel, own=own, streamed=streamed, grads=grads, registers=regs,
+                       spills=int(m.group(1)) + int(m.group(2)), smem=smem,
+                       blocks_per_sm=min(228 * 1024 // (smem + 1024), 65536 // (regs * tb.threads_per_block(own))))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,)):
+    import torch
+    from numba import cuda
+
+    import numba_flash
+    from numba_flash import bench
+    from numba_flash.kernels import tf32_backward as tb
+
+    rows = []
+    for hd, (dkdv, dq) in CANDIDATES.items():
+        for causal in causals:
+            g = torch.Generator(device="cuda").manual_seed(hd + causal)
+            q, k, v, dout = (torch.randn(B, H, N, hd, device="cuda", generator=g) for _ in range(4))
+            out, lse = numba_flash.forward(q, k, v, causal=causal)
+            l2, dd = (torch.empty(B * H, tb.padded_rows(N), device="cuda") for _ in range(2))
+            grads = [torch.empty_like(x) for x in (q, k, v)]
+            nb = [cuda.as_cuda_array(x) for x in (q, k, v, out, dout, lse, l2, dd, *grads)]
+            scale = hd ** -0.5
+            fwd = bench.flops(B, H, N, N, hd, causal)  # 2 products
+
+            def run(config, kernels):
+                tb.launch(*nb, causal=causal, softmax_scale=scale, d=hd, config=config, stream=0, kernels=kernels)
+
+            run(None, ("prep",))
+            shipped = tb.config_for(hd)
+            for kernel, cands in (("dkdv", dkdv), ("dq", dq)):
+                ref = None
+                for cand in cands:
+                    cfg = dict(shipped)
+                    if kernel == "dkdv":
+                        cfg["dkdv"], cfg["dkdv_passes"] = cand[:2], cand[2]
+                        label = f"dkdv {cand[0]}x{cand[1]} {'+'.join(cand[2])}"
+                        fl = 2 * fwd
+                    else:
+                        cfg["dq"] = cand
+                        label = f"dq {cand[0]}x{cand[1]}"
+                        fl = 1.5 * fwd
+                    bad = tb.problems(kernel, *cfg[kernel], hd)
+                    if bad:
+                        print(f"d{hd} causal={causal} {label}: skipped: {bad}", flush=True)
+                        continue
+                    try:
+                        run(cfg, (kernel,))
+                        torch.cuda.synchronize()
+                        res = [x.clone() for x in (grads[1:] if kernel == "dkdv" else grads[:1])]
+                        ms, reps = bench.time_call(lambda: run(cfg, (kernel,)), budget_s=budget_s)
+                    except Exception as e:  # noqa: BLE001 - a candidate that fails is a result
+                        print(f"d{hd} causal={causal} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        rows.append(dict(hd=hd, causal=causal, label=label, error=str(e)[:300]))
+                        continue
+                    if ref is None:
+                        ref = res
+                    diff = max((a - b).abs().max().item() for a, b in zip(res, ref))
+                    row = dict(hd=hd, causal=causal, label=label, ms=ms, tflops=fl / ms / 1e9, reps=reps,
+                               max_diff_vs_shipped=diff)
+                    rows.append(row)
+                    print(f"d{hd} causal={causal} {label}: {ms:.3f} ms, {row['tflops']:.1f} TFLOP/s, "
+                          f"max diff vs shipped {diff:.2e}", flush=True)
+            del q, k, v, dout, out, lse, l2, dd, grads, nb
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ptxas", action="store_true")
+    ap.add_argument("--dims", type=int, nargs="+", default=None)
+    ap.add_argument("--causal", action="store_true", help="also time causal (default: non-causal only)")
+    args = ap.parse_args()
+    if args.dims:
+        for d in list(CANDIDATES):
+            if d not in args.dims:
+                del CANDIDATES[d]
+    rows = ptxas_report() if args.ptxas else gpu_sweep(causals=(False, True) if args.causal else (False,))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "sweep_tf32_backward.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
