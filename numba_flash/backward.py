@@ -5,8 +5,9 @@
 
 The forward's checks (``api.validate``) plus the backward's own arguments, then three kernels (D,
 dK/dV, dQ): ``kernels.mma_backward`` (tensor cores) for float16/bfloat16 where the forward would
-use tensor cores too, else ``kernels.simt_backward``; ``kernel="tf32x3"`` (opt-in, float32) runs
-``kernels.tf32_backward`` (3xTF32 on tensor cores). For PyTorch autograd see ``numba_flash.torch``.
+use tensor cores too, ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
+forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch autograd see
+``numba_flash.torch``.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from .configs import MMA_BWD_TABLE
 from .kernels import mma_backward, simt_backward, tf32_backward
 from .launch import address
 
-KERNELS = ("auto", "simt", "mma", "tf32x3")  # tf32x3 is opt-in: auto keeps fp32 on SIMT (tf32x3 not yet timed)
+KERNELS = ("auto", "simt", "mma", "tf32x3")
 
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
@@ -65,8 +66,14 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
-    if kernel == "tf32x3":
-        return _choose_tf32x3(p, views)
+    # As in forward: auto keeps fp32 on SIMT in the CUDA simulator, where the tensor-core twins are slow.
+    tf32_blockers = []
+    if kernel == "tf32x3" or (kernel == "auto" and p.dtype == "float32" and not nb_config.ENABLE_CUDASIM):
+        tf32_blockers = _tf32x3_blockers(p, views)
+        if kernel == "tf32x3" and tf32_blockers:
+            raise ValueError("kernel='tf32x3' cannot run this backward: " + "; ".join(tf32_blockers))
+        if not tf32_blockers:
+            return _choose_tf32x3(p)
     blockers = _mma_blockers(p, None if views is None else views[:3])
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
@@ -103,8 +110,13 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
         if cfg_kv.head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {cfg_kv.head_dim} inside the kernels")
         if p.dtype == "float32":
-            reasons.append("float32 on the SIMT path: kernel='tf32x3' (opt-in, not yet timed) runs it on tensor "
-                           "cores with 3xTF32 products instead")
+            if kernel == "simt":
+                why = "kernel='simt' was asked for"
+            elif tf32_blockers:
+                why = "; ".join(tf32_blockers)
+            else:  # only the simulator gets here: auto skips tf32x3 there
+                why = "the CUDA simulator runs fp32 on SIMT unless kernel='tf32x3' is asked for (its twins are slow)"
+            reasons.append(f"float32 on the SIMT path (fp32 FMA), not the tf32x3 tensor-core kernels: {why}")
     if p.H != p.Hkv:
         reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
     if blockers or kernel == "simt":
@@ -125,21 +137,24 @@ def _dout_blockers(do, elements):
     return []
 
 
-def _choose_tf32x3(p: Problem, views) -> tuple[str, Any, list[str]]:
-    """choose_backward for kernel='tf32x3' (opt-in only): the forward's tf32 conditions plus dout's layout."""
+def _tf32x3_blockers(p: Problem, views) -> list[str]:
+    """Why the tf32x3 backward cannot run: the forward's tf32 conditions plus dout's layout (empty when it can)."""
     blockers = _tf32_blockers(p, None if views is None else views[:3])
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "4 elements")
-    if blockers:
-        raise ValueError("kernel='tf32x3' cannot run this backward: " + "; ".join(blockers))
+    return blockers
+
+
+def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
+    """choose_backward's tf32x3 branch, once nothing blocks it: the config and the reasons."""
     cfg = tf32_backward.config_for(p.d)
     hd = cfg["head_dim"]
     (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
     passes = cfg.get("dkdv_passes", ("dkdv",))
     reasons = [
         "tf32x3 backward: fp32 on tensor cores (mma.sync m16n8k8 tf32, each fp32 product as 3 tf32 products: "
-        "fp32-level accuracy); D and L·log2(e), then dK/dV over K/V tiles, then dQ over Q tiles (no atomics); "
-        "opt-in, not yet timed against the SIMT backward",
+        "fp32-level accuracy, as SDPA's memory-efficient fp32 backward); D and L·log2(e), then dK/dV over K/V "
+        "tiles, then dQ over Q tiles (no atomics)",
         f"dkdv: {bn}-key tiles x {bm}-query tiles, {tf32_backward.threads_per_block(bn)} threads, "
         f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory"
         + (f", as {len(passes)} passes ({' then '.join(passes)}: dK and dV together spill at d{hd})"
@@ -210,13 +225,14 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             are read correctly; a last dim that is not contiguous costs coalescing.
         causal, softmax_scale: as for ``forward`` (mask aligned bottom-right: query i sees key
             j iff j <= i + Nk - Nq; scale defaults to 1/sqrt(d)).
-        kernel: "auto" (default), "mma", "simt" or "tf32x3": auto runs the tensor-core
-            kernels for float16/bfloat16 with d <= 128 on sm_80+ when q, k, v and dout rows start
-            16-byte aligned, else the SIMT kernels (with a ``PerformanceWarning`` for half
-            precision); ``explain_backward`` prints the choice and the reason. "tf32x3" (float32
-            only, d <= 128, rows 16-byte aligned, sm_80+; never chosen by auto, not yet timed)
-            runs fp32 on tensor cores with each product as three tf32 products (fp32-level
-            accuracy, as forward's tf32x3); it raises ValueError naming what blocks it.
+        kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
+            forward would: "mma" for float16/bfloat16 with d <= 128, "tf32x3" for float32 with
+            d <= 128 and d % 4 == 0 (each fp32 product as three tf32 products, hi·hi + hi·lo +
+            lo·hi: fp32-level accuracy, as SDPA's memory-efficient fp32 backward), both on sm_80+
+            with q, k, v and dout rows starting 16-byte aligned; else the SIMT kernels (with a
+            ``PerformanceWarning`` for half precision). In the CUDA simulator auto keeps float32
+            on SIMT (the tensor-core twins are slow). A named kernel that cannot run raises
+            ValueError saying what blocks it; ``explain_backward`` prints the choice and why.
         deterministic: True (default): no atomic adds anywhere, the same inputs give the same
             bits every run. False lets the tensor-core path use FA2's scheme: the dK/dV kernel
             also adds dQ into an fp32 buffer with atomic adds (5 tile products instead of 7, one
@@ -236,8 +252,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     a second kernel over Q tiles recomputes P and dS and accumulates dQ = scale·dS K. No atomic
     adds anywhere, so the same inputs give bitwise the same gradients every run. Accumulation
     is fp32. float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
-    dtype for their products, as in FA2), float32 on the SIMT cores. Head dims are zero-padded to
-    the next compiled size as in forward.
+    dtype for their products, as in FA2), float32 on tensor cores as 3xTF32 (or on the SIMT
+    cores). Head dims are zero-padded to the next compiled size as in forward.
 
     Stream: as ``forward`` (the inputs' framework stream; device inputs return without
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row

@@ -184,13 +184,17 @@ TF32_TABLE = {
 # "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32; fourth
 # session, results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
 # (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.
-# head_dim -> tf32x3 backward tiles (kernels.tf32_backward; opt-in, not yet timed: picked as the largest
-# tiles ptxas builds for sm_90 without spills): dkdv (keys, queries), dq (queries, keys). At d128 dK and
-# dV together (128 registers per lane) spill, so dkdv runs as a dV pass and a dK pass ("dkdv_passes").
+# head_dim -> tf32x3 backward tiles (kernels.tf32_backward): dkdv (keys, queries), dq (queries, keys).
+# H200 sweep (scripts/sweep_tf32_backward.py, results/sweep-tf32-backward-2026-12-01.txt; fp32 B4 H16
+# N4096 non-causal, each kernel alone, ms): d = 128 dkdv 128x32 in one pass 30.2 (255 registers, no
+# spills, 8 warps) vs the first guess, 64x64 as a dV pass and a dK pass, 73.3; dq 128x32 24.4 vs 64x64
+# 30.2. d = 64 dkdv 128x64 14.3 vs 64x32 16.9; dq 64x32 11.9 (best). d = 32: not swept (the first guess).
+# "dkdv_passes": run dkdv as separate launches per gradient (("dv", "dk")): slower wherever timed; kept
+# for the sweep.
 TF32_BWD_TABLE = {
     32: {"dkdv": (64, 64), "dq": (64, 64)},
-    64: {"dkdv": (64, 32), "dq": (64, 32)},
-    128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_passes": ("dv", "dk")},
+    64: {"dkdv": (128, 64), "dq": (64, 32)},
+    128: {"dkdv": (128, 32), "dq": (128, 32)},
 }
 MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64)},

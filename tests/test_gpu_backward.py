@@ -138,7 +138,7 @@ def test_cupy_in_cupy_out():
 
 TF32_CASES = [  # (Hkv, n_q, n_k, d, causal), B = 1, H = 4: every shipped head dim, both dkdv plans
     (4, 4096, 4096, 128, False),  # long rows: the tensor core's truncating accumulation would drift here
-    (2, 2048, 2048, 128, True),   # GQA, d128's two dkdv passes
+    (2, 2048, 2048, 128, True),   # GQA, causal d128
     (2, 1000, 1500, 64, False),   # lengths off the tile grid
     (4, 1500, 700, 64, True),     # Nq > Nk: the first 800 rows see no key
     (4, 777, 777, 32, True),

@@ -12,7 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import config, cuda
 
 import numba_flash
 import reference
@@ -141,9 +141,38 @@ def test_explain_backward_tf32x3(rng):
     k = q[:, :2].copy()
     text = numba_flash.explain_backward(q, k, k, causal=True, kernel="tf32x3")
     assert text.startswith("tf32x3 backward: fp32 on tensor cores"), text
-    assert "2 passes (dv then dk" in text and "GQA" in text
-    assert "kernel='tf32x3'" in numba_flash.explain_backward(q, q, q)  # auto stays SIMT and names the option
-    assert numba_flash.explain_backward(q, q, q).startswith("simt backward")
+    bn, bm = TF32_BWD_TABLE[128]["dkdv"]
+    assert f"dkdv: {bn}-key tiles x {bm}-query tiles, {tb.threads_per_block(bn)} threads" in text, text
+    assert "GQA" in text
+    auto = numba_flash.explain_backward(q, q, q)
+    if config.ENABLE_CUDASIM:  # auto keeps fp32 on SIMT in the simulator and names the option
+        assert auto.startswith("simt backward") and "kernel='tf32x3'" in auto, auto
+
+
+def test_auto_backward_fp32_is_tf32x3_off_the_simulator(rng, monkeypatch):
+    """What auto picks for fp32 on an sm_80+ GPU, decided without one: tf32x3 where its conditions hold,
+    else SIMT with the blocker named."""
+    import sys
+    import types
+
+    import numba_flash.api as api
+
+    bw = sys.modules["numba_flash.backward"]  # the attribute numba_flash.backward is the function
+
+    gpu = types.SimpleNamespace(ENABLE_CUDASIM=False)
+    monkeypatch.setattr(bw, "nb_config", gpu)
+    monkeypatch.setattr(api, "nb_config", gpu)
+    monkeypatch.setattr(api.cuda, "is_available", lambda: False)  # skips the cc query (sm_80+ assumed)
+    for d in (24, 64, 128):
+        q = rng.standard_normal((1, 2, 8, d)).astype(np.float32)
+        family, cfg, reasons = bw.choose_backward(api.validate(q, q, q))
+        assert family == "tf32x3" and cfg["head_dim"] == tb.head_dim_for(d), (d, reasons)
+    q = rng.standard_normal((1, 2, 8, 130)).astype(np.float32)
+    family, _, reasons = bw.choose_backward(api.validate(q, q, q))
+    assert family == "simt" and "head dim 130 > 128" in reasons[-1], reasons
+    q = q[..., :64].copy()
+    family, _, reasons = bw.choose_backward(api.validate(q, q, q), "simt")
+    assert family == "simt" and "kernel='simt' was asked for" in reasons[-1], reasons
 
 
 def test_tf32x3_backward_refuses(rng):
