@@ -1,6 +1,6 @@
 """Sweep the fp32 tensor-core backward's tiles (3xTF32, kernels/tf32_backward.py), each kernel alone.
 
-    python3 scripts/sweep_tf32_backward.py            # GPU: B4 H16 N4096 fp32, d 64 and 128 (--causal: both)
+    python3 scripts/sweep_tf32_backward.py            # GPU: B4 H16 N4096 fp32, d 32, 64, 128 (--causal: causal)
     python3 scripts/sweep_tf32_backward.py --ptxas    # no GPU: registers / spills / smem per candidate
 
 For each head dim: every dkdv candidate (BLOCK_N keys, BLOCK_M queries streamed, passes) and every dq
@@ -25,17 +25,27 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 ONE, TWO = ("dkdv",), ("dv", "dk")
-# head dim: (dkdv candidates (BLOCK_N, BLOCK_M, passes), dq candidates (BLOCK_M, BLOCK_N)); first = shipped.
+# head dim: (dkdv candidates (BLOCK_N, BLOCK_M, passes), dq candidates (BLOCK_M, BLOCK_N)); first = the
+# reference the others are diffed against.
 CANDIDATES = {
     128: ([(64, 64, TWO), (64, 32, TWO), (128, 32, TWO), (128, 16, TWO),
            (64, 32, ONE), (64, 16, ONE), (128, 16, ONE), (128, 32, ONE), (32, 32, ONE)],
           [(64, 64), (64, 32), (128, 32), (128, 16), (32, 64), (32, 32)]),
     64: ([(64, 32, ONE), (64, 64, ONE), (128, 32, ONE), (128, 64, ONE), (128, 16, ONE), (32, 32, ONE)],
          [(64, 32), (64, 64), (128, 32), (128, 64), (32, 64)]),
+    32: ([(64, 64, ONE), (128, 64, ONE), (128, 32, ONE), (64, 32, ONE)],
+         [(64, 64), (128, 32), (128, 64), (64, 32)]),
+}
+# --causal: the non-causal sweep's front runners (ptxas spills 216 B at d128 dkdv 128x32 causal, none
+# without the mask), plus d32.
+CAUSAL_CANDIDATES = {
+    128: ([(128, 32, ONE), (128, 16, ONE), (64, 16, ONE), (128, 32, TWO), (64, 32, ONE)], [(128, 32), (64, 64)]),
+    64: ([(128, 64, ONE), (128, 32, ONE), (64, 32, ONE)], [(64, 32), (128, 32), (128, 64)]),
+    32: CANDIDATES[32],
 }
 
 
-def ptxas_report():
+def ptxas_report(causal=False):
     from numba import cuda
 
     from numba_flash.kernels import tf32_backward as tb
@@ -59,7 +69,7 @@ def ptxas_report():
             if bad:
                 print(f"d{hd} {kernel} {own}x{streamed} {grads}: cannot build: {bad}", flush=True)
                 continue
-            src = tb.kernel_source(kernel, own, streamed, hd, False, grads)
+            src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
             ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(ptx)
@@ -68,7 +78,7 @@ def ptxas_report():
             m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
             regs = int(re.search(r"Used (\d+) registers", rep).group(1))
             smem = tb.smem_bytes(kernel, own, streamed, hd)
-            row = dict(hd=hd, kernel=kernel, own=own, streamed=streamed, grads=grads, registers=regs,
+            row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed, grads=grads, registers=regs,
                        spills=int(m.group(1)) + int(m.group(2)), smem=smem,
                        blocks_per_sm=min(228 * 1024 // (smem + 1024), 65536 // (regs * tb.threads_per_block(own))))
             rows.append(row)
@@ -143,15 +153,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ptxas", action="store_true")
     ap.add_argument("--dims", type=int, nargs="+", default=None)
-    ap.add_argument("--causal", action="store_true", help="also time causal (default: non-causal only)")
+    ap.add_argument("--causal", action="store_true", help="causal, over CAUSAL_CANDIDATES (default: non-causal)")
     args = ap.parse_args()
+    if args.causal:
+        CANDIDATES.clear()
+        CANDIDATES.update(CAUSAL_CANDIDATES)
     if args.dims:
         for d in list(CANDIDATES):
             if d not in args.dims:
                 del CANDIDATES[d]
-    rows = ptxas_report() if args.ptxas else gpu_sweep(causals=(False, True) if args.causal else (False,))
+    rows = ptxas_report(args.causal) if args.ptxas else gpu_sweep(causals=(args.causal,))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "sweep_tf32_backward.json"), "w") as f:
+        name = "sweep_tf32_backward" + ("_causal" if args.causal else "") + ".json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(rows, f, indent=1)
 
 

