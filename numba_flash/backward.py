@@ -147,7 +147,7 @@ def _tf32x3_blockers(p: Problem, views) -> list[str]:
 
 def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
     """choose_backward's tf32x3 branch, once nothing blocks it: the config and the reasons."""
-    cfg = tf32_backward.config_for(p.d)
+    cfg = tf32_backward.config_for(p.d, p.causal)
     hd = cfg["head_dim"]
     (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
     passes = cfg.get("dkdv_passes", ("dkdv",))

@@ -184,21 +184,28 @@ TF32_TABLE = {
 # "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32; fourth
 # session, results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
 # (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.
-# head_dim -> tf32x3 backward tiles (kernels.tf32_backward): dkdv (keys, queries), dq (queries, keys).
-# H200 sweep (scripts/sweep_tf32_backward.py, results/sweep-tf32-backward-2026-12-01.txt; fp32 B4 H16
-# N4096 non-causal, each kernel alone, ms): d = 128 dkdv 128x32 in one pass 30.2 (255 registers, no
-# spills, 8 warps) vs the first guess, 64x64 as a dV pass and a dK pass, 73.3; dq 128x32 24.4 vs 64x64
-# 30.2. d = 64 dkdv 128x64 14.3 vs 64x32 16.9; dq 64x32 11.9 (best). d = 32: not swept (the first guess).
+# (head_dim, causal) -> tf32x3 backward tiles (kernels.tf32_backward): dkdv (keys, queries), dq (queries,
+# keys). H200 sweeps (scripts/sweep_tf32_backward.py, results/sweep-tf32-backward-2026-12-01*.txt; fp32
+# B4 H16 N4096, each kernel alone, ms), best vs the first guess (the largest tiles that built unspilled):
+#   d128: dkdv 128x32 in one pass 30.2 (causal 16.6) vs 64x64 as a dV pass and a dK pass 73.3;
+#         dq 128x32 24.4 (causal 13.7) vs 64x64 30.2 (15.9)
+#   d64:  dkdv 128x64 14.3 (causal 8.2) vs 64x32 16.9 (9.5); dq 64x32 11.9, but causal 128x64 5.7 vs 6.9
+#   d32:  dkdv 128x64 7.8 vs 64x64 8.4, causal 64x32 4.5 vs 5.0; dq 128x32 5.4 (causal 3.3) vs 64x64 5.4 (3.8)
 # "dkdv_passes": run dkdv as separate launches per gradient (("dv", "dk")): slower wherever timed; kept
 # for the sweep.
 TF32_BWD_TABLE = {
-    32: {"dkdv": (64, 64), "dq": (64, 64)},
-    64: {"dkdv": (128, 64), "dq": (64, 32)},
-    128: {"dkdv": (128, 32), "dq": (128, 32)},
+    (32, False): {"dkdv": (128, 64), "dq": (128, 32)},
+    (32, True): {"dkdv": (64, 32), "dq": (128, 32)},
+    (64, False): {"dkdv": (128, 64), "dq": (64, 32)},
+    (64, True): {"dkdv": (128, 64), "dq": (128, 64)},
+    (128, False): {"dkdv": (128, 32), "dq": (128, 32)},
+    (128, True): {"dkdv": (128, 32), "dq": (128, 32)},
 }
-# (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal 32 / not 80) of a
-# shipped tf32x3 config the sweep measured fastest anyway (d64 dkdv 128x64 14.3 ms vs 128x32 15.9, no spills).
-TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64): 80}
+# (kernel, own, streamed, HEAD_DIM, causal): spill bytes (ptxas 13.0, sm_90) of a shipped tf32x3 config
+# the sweeps measured fastest anyway: d64 dkdv 128x64 14.3 ms vs 128x32 15.9 (unspilled); d128 causal
+# dkdv 128x32 16.6 ms vs 128x16 19.4 (56 B) (without the mask the same tile does not spill).
+TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 80, ("dkdv", 128, 64, 64, True): 32,
+                     ("dkdv", 128, 32, 128, True): 216}
 MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64)},
     128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64)},

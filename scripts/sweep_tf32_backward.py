@@ -110,7 +110,7 @@ def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,)):
                 tb.launch(*nb, causal=causal, softmax_scale=scale, d=hd, config=config, stream=0, kernels=kernels)
 
             run(None, ("prep",))
-            shipped = tb.config_for(hd)
+            shipped = tb.config_for(hd, causal)
             for kernel, cands in (("dkdv", dkdv), ("dq", dq)):
                 ref = None
                 for cand in cands:

@@ -518,11 +518,11 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def config_for(d):
+def config_for(d, causal):
     """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
     "dk")]} (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv")."""
     head_dim = head_dim_for(d)
-    return dict(TF32_BWD_TABLE[head_dim], head_dim=head_dim)
+    return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
 
 
 def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,
@@ -531,11 +531,11 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d); q, k, v, dout with unit last
     stride, other strides multiples of 16 B and 16-byte aligned data (cp.async); lse (B, H, Nq) fp32;
-    l2, dd: C-contiguous fp32 scratch (B·H, padded_rows(Nq)). config: as config_for(d) returns it
+    l2, dd: C-contiguous fp32 scratch (B·H, padded_rows(Nq)). config: as config_for(d, causal) returns it
     (default). Nq, Nk > 0. kernels: which of the three run (dkdv and dq read prep's scratch)."""
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
-    config = config_for(d) if config is None else config
+    config = config_for(d, causal) if config is None else config
     head_dim = config["head_dim"]
     if d > head_dim:
         raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
