@@ -51,7 +51,8 @@ def main() -> int:
         bad += not ok
         print(f"forward {kernel:5s} {dtype} B{B} H{H}/{Hkv} Nq{n_q} Nk{n_k} d{d} causal={causal}: "
               f"max err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
-    for B, H, Hkv, n_q, n_k, d, dtype, causal in (CASES[:2] + CASES[3:4] if only in (None, "backward") else []):
+    bwd_cases = CASES[:2] + CASES[3:4] + CASES[6:7] + [(1, 2, 1, 50, 90, 24, "float32", True)]  # fp32: tf32x3
+    for B, H, Hkv, n_q, n_k, d, dtype, causal in (bwd_cases if only in (None, "backward") else []):
         q = rng.standard_normal((B, H, n_q, d)).astype(dtype)
         k = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
         v = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
@@ -64,7 +65,8 @@ def main() -> int:
         err = max(float(np.abs(g.astype(np.float64) - r).max() / max(1.0, np.abs(r).max())) for g, r in zip(grads, refs))
         ok = err < (1e-4 if dtype == "float32" else 2e-2)
         bad += not ok
-        print(f"backward {dtype} B{B} H{H}/{Hkv} Nq{n_q} Nk{n_k} d{d} causal={causal}: "
+        family = numba_flash.explain_backward(q, k, v, causal=causal).split(" ")[0]
+        print(f"backward {family:6s} {dtype} B{B} H{H}/{Hkv} Nq{n_q} Nk{n_k} d{d} causal={causal}: "
               f"max rel err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
     for dtype in (("float32", "float16") if only in (None, "decode") else ()):  # decode: ragged, GQA 4, 2 queries
         q = rng.standard_normal((2, 8, 2, 128)).astype(dtype)
