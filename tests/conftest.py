@@ -11,6 +11,10 @@ import pytest
 # force real-GPU mode (tests marked gpu still skip without a device).
 if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")):
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and os.environ.get("NUMBA_FLASH_SIM_SPEEDUP", "1") == "1":
+    import sim_speed  # the simulator's block manager without its busy loop (NUMBA_FLASH_SIM_SPEEDUP=0: off)
+
+    sim_speed.install()
 
 
 @pytest.fixture
