@@ -1,4 +1,4 @@
-"""fp32 FlashAttention-2 backward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 (opt-in).
+"""fp32 FlashAttention-2 backward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 (auto for fp32).
 
 Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt from the saved L:
 
@@ -252,9 +252,10 @@ def _helpers(THREADS, HEAD_DIM):
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
 
-    GRADS: "dkdv" (both), or "dv" / "dk" alone: at HEAD_DIM 128, dK and dV together are 128
-    accumulator registers per lane and spill, so the launcher runs a dV pass (Sᵀ and dV only) and
-    a dK pass (the four other products), recomputing Sᵀ once more."""
+    GRADS: "dkdv" (both), or "dv" / "dk" alone: a dV pass (Sᵀ and dV only) and a dK pass (the four
+    other products), recomputing Sᵀ once more, for tiles where dK and dV together (2 x HEAD_DIM/2
+    accumulator registers per lane) would spill. Timed slower than one pass wherever swept
+    (configs.TF32_BWD_TABLE): no shipped tile uses it."""
     DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
     THREADS = threads_per_block(BLOCK_N)
     O_TILES = HEAD_DIM // 8
