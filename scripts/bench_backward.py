@@ -198,7 +198,7 @@ def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0)
 
 def tf32_rows(B=4, H=16, N=4096, budget_s=1.0):
     """fp32 backward (no autograd, the forward not timed): numba_flash.backward with kernel="tf32x3"
-    (opt-in) and "simt" (what auto runs), beside SDPA memory-efficient's backward (autograd.grad of a
+    (what auto runs for fp32 since the seventh session) and "simt", beside SDPA memory-efficient's backward (autograd.grad of a
     retained graph, itself 3xTF32), d 64 and 128, causal and not; tf32x3's max |difference| to simt."""
     import torch
     import torch.nn.functional as F
@@ -489,7 +489,7 @@ def markdown(result: dict) -> str:
             md.append(f"| {r['d']} | {r['causal']} | {r['kernel']} | {r['tile']} | {ms} | {val} | "
                       f"{r.get('regs', '')} | {check} |")
     if result.get("tf32"):
-        md.append("\n## fp32 backward on tensor cores (kernel='tf32x3', opt-in; bwd only, numba_flash without "
+        md.append("\n## fp32 backward on tensor cores (kernel='tf32x3', auto for fp32; bwd only, numba_flash without "
                   "autograd)\n")
         md.append("| d | causal | impl | ms | TFLOP/s | max abs diff vs simt |")
         md.append("|---|---|---|---|---|---|")
@@ -507,7 +507,7 @@ def main(argv=None):
     ap.add_argument("--sweep-kernels", nargs="+", default=None,
                     help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split dkdv-atomic-variants)")
     ap.add_argument("--sweep-only", action="store_true", help="skip the autograd suite: only the sweeps asked for")
-    ap.add_argument("--tf32", action="store_true", help="time the opt-in fp32 backward kernel='tf32x3' vs simt, SDPA")
+    ap.add_argument("--tf32", action="store_true", help="time the fp32 backward kernel='tf32x3' vs simt, SDPA")
     ap.add_argument("--sweep-split", action="store_true", help="with --sweep-mma: also time dkdv-split")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement (s)")
@@ -533,7 +533,7 @@ def main(argv=None):
                                for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5),
                                                   kernels=args.sweep_kernels, sweep_split=args.sweep_split)]
     if args.tf32:
-        print("fp32 backward: tf32x3 (opt-in) vs simt vs SDPA efficient (B4 H16 N4096, bwd only):", flush=True)
+        print("fp32 backward: tf32x3 (auto) vs simt vs SDPA efficient (B4 H16 N4096, bwd only):", flush=True)
         result["tf32"] = tf32_rows(budget_s=args.budget_s)
     if not args.sweep_only:
         result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
