@@ -3,19 +3,31 @@
 The simulator runs each thread of a block as a Python thread, and its BlockManager.run polls them
 in a busy loop to release syncthreads barriers. That loop holds the GIL in 5 ms slices (the
 interpreter's switch interval), so a simulated thread that wakes up waits for it: every lane of a
-warp-wide tensor-core twin (a 32-lane rendezvous, numba_flash.ptx) paid up to 5 ms per call. This
-version does what the original does, in the same order, but sleeps between polls while nothing
-changes (backing off from 10 µs to 1 ms), so the simulated threads get the GIL when they want it.
-Installed by conftest.py when the simulator is on; if numba-cuda's simulator changed shape, it is
-left alone (tests are then slower, not wrong).
+warp-wide tensor-core twin (a 32-lane rendezvous, numba_flash.ptx) paid up to 5 ms per call.
+
+This version makes the same decisions in the same order (release a barrier when every live thread
+waits at it; on a thread's exception abort the others and re-raise), but sleeps between scans
+until a thread reports something: a thread arriving at syncthreads or finishing bumps a counter
+under a condition the manager waits on (with a 1 ms timeout as a safety net). Installed by
+conftest.py when the simulator is on; if numba-cuda's simulator has changed shape it is left alone
+(tests are then slower, not wrong). NUMBA_FLASH_SIM_SPEEDUP=0 turns it off.
 """
 from __future__ import annotations
 
-import time
+import threading
 
 import numpy as np
 
-MIN_PAUSE, MAX_PAUSE = 1e-5, 1e-3
+SAFETY_TIMEOUT = 1e-3  # s: a missed wake-up costs at most this
+
+
+def _event(manager):
+    """Tell the block's manager that a thread blocked or finished."""
+    cond = manager.__dict__.get("_sim_cond")
+    if cond is not None:
+        with cond:
+            manager._sim_events += 1
+            cond.notify()
 
 
 def install() -> bool:
@@ -23,24 +35,40 @@ def install() -> bool:
         from numba.cuda.simulator import kernel as sim
     except ImportError:
         return False
-    if not (hasattr(sim, "BlockManager") and hasattr(sim, "BlockThread")
-            and hasattr(sim.BlockManager, "run")):
+    thread_cls, manager_cls = getattr(sim, "BlockThread", None), getattr(sim, "BlockManager", None)
+    if thread_cls is None or manager_cls is None or not all(
+            hasattr(thread_cls, name) for name in ("syncthreads", "run")) or not hasattr(manager_cls, "run"):
         return False
-    thread_cls = sim.BlockThread
+
+    def syncthreads(self):
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads call")
+        self.syncthreads_blocked = True
+        _event(self._manager)
+        self.syncthreads_event.wait()
+        self.syncthreads_event.clear()
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads clear")
 
     def run(self, grid_point, *args):
+        cond = self._sim_cond = threading.Condition()
+        self._sim_events = 0
         threads = []
         for block_point in np.ndindex(*self._block_dim):
 
             def target():
-                self._f(*args)
+                try:
+                    self._f(*args)
+                finally:
+                    _event(self)
 
             t = thread_cls(target, self, grid_point, block_point, self._debug)
             t.start()
             threads.append(t)
         live, blocked = set(threads), set()
-        pause = 0.0
         while live:
+            with cond:
+                seen = self._sim_events
             changed = False
             for t in live:
                 if t.syncthreads_blocked:
@@ -61,11 +89,14 @@ def install() -> bool:
             still = {t for t in live if t.is_alive()}
             changed |= len(still) != len(live)
             live = still
-            pause = 0.0 if changed else min(max(2 * pause, MIN_PAUSE), MAX_PAUSE)
-            time.sleep(pause)  # sleep(0) still lets a waiting thread take the GIL
+            if live and not changed:
+                with cond:
+                    if self._sim_events == seen:  # nothing reported since the scan began
+                        cond.wait(SAFETY_TIMEOUT)
         for t in threads:
             if t.exception:
                 raise t.exception[0].with_traceback(t.exception[1])
 
-    sim.BlockManager.run = run
+    thread_cls.syncthreads = syncthreads
+    manager_cls.run = run
     return True
