@@ -119,7 +119,8 @@ VARIANT_CHILD = NO_GPU_PATCH + textwrap.dedent(
 
 
 def test_simt_copy_variants_fit(tmp_path):
-    cases = [(d, extra, causal) for d, extra, _ in VARIANT_CASES for causal in (False, True)]
+    # Non-causal only: these are sweep options, not shipped; the causal mask adds no copies (CI time).
+    cases = [(d, extra, False) for d, extra, _ in VARIANT_CASES]
     reports = run_compile_child(VARIANT_CHILD, [json.dumps(cases)], tmp_path)
     allowed = {(d, json.dumps(extra, sort_keys=True)): spill for d, extra, spill in VARIANT_CASES}
     for rep in reports:
