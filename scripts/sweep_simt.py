@@ -76,18 +76,11 @@ def variant_config(head_dim, overrides):
 
 def ptxas_report(only=None):
     """Registers, spills and shared memory of every variant, compiled for sm_90 (no GPU needed)."""
-    import re
-    import subprocess
-    import tempfile
-
     from numba import cuda
-    if not cuda.is_available():  # compile_ptx asks the current device for its cc: answer sm_90
-        import numba.cuda.dispatcher as dispatcher
 
-        class _Sm90:
-            compute_capability = (9, 0)
+    from ptxas_util import blocks_per_sm, ptxas_v, sm90_ptxas
 
-        dispatcher.get_current_device = lambda: _Sm90()
+    ptxas = sm90_ptxas()
     from numba_flash.kernels.simt_forward import FASTMATH, kernel_signature, kernel_source
 
     rows = []
@@ -98,19 +91,12 @@ def ptxas_report(only=None):
             cfg = variant_config(d, overrides)
             ptx, _ = cuda.compile_ptx(kernel_source(cfg, causal, "float32"), kernel_signature("float32"),
                                       cc=(9, 0), fastmath=FASTMATH)
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(ptx)
             flags = [f"-maxrregcount={cfg.max_registers}"] if cfg.max_registers else []
-            r = subprocess.run(["ptxas", "-arch=sm_90", "-v", *flags, f.name, "-o", "/dev/null"],
-                               capture_output=True, text=True)
-            os.unlink(f.name)
-            rep = r.stderr + r.stdout
-            spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-            regs = int(re.search(r"Used (\d+) registers", rep).group(1))
-            blocks = min(65536 // (((regs * 32 + 255) // 256) * 256 * (cfg.threads // 32)),
-                         (228 * 1024) // (cfg.smem_bytes + 1024))
-            row = dict(shape=label, variant=name, regs=regs, stack=int(spill.group(1)),
-                       spill_stores=int(spill.group(2)), spill_loads=int(spill.group(3)),
+            rep = ptxas_v(ptx, ptxas, flags)
+            regs = rep["registers"]
+            blocks = blocks_per_sm(regs, cfg.threads, cfg.smem_bytes)
+            row = dict(shape=label, variant=name, regs=regs, stack=rep["stack"],
+                       spill_stores=rep["spill_stores"], spill_loads=rep["spill_loads"],
                        smem=cfg.smem_bytes, blocks_per_sm=blocks)
             rows.append(row)
             print(f"{label:30s} {name:12s} {regs:4d} regs  spill {row['spill_stores']:4d}/{row['spill_loads']:4d} B"

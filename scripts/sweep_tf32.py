@@ -66,18 +66,11 @@ def name_of(v):
 
 
 def ptxas_report():
-    import re
-    import subprocess
-    import tempfile
-
     from numba import cuda
-    if not cuda.is_available():  # compile_ptx asks the current device for its cc: answer sm_90
-        import numba.cuda.dispatcher as dispatcher
 
-        class _Sm90:
-            compute_capability = (9, 0)
+    from ptxas_util import blocks_per_sm, ptxas_v, sm90_ptxas
 
-        dispatcher.get_current_device = lambda: _Sm90()
+    ptxas = sm90_ptxas()
     from numba_flash.kernels import tf32_forward as tf
 
     rows = []
@@ -88,20 +81,13 @@ def ptxas_report():
                                                        v.get("ACC_PER_TILE", True), v.get("QK_FRESH", True),
                                                        v.get("PRESPLIT", False), v.get("GRID_BH_X", False)),
                                       tf.kernel_signature(), cc=(9, 0))
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(ptx)
             flags = [f"-maxrregcount={v['MAX_REGS']}"] if v.get("MAX_REGS") else []
-            r = subprocess.run(["ptxas", "-arch=sm_90", "-v", *flags, f.name, "-o", "/dev/null"],
-                               capture_output=True, text=True)
-            os.unlink(f.name)
-            rep = r.stderr + r.stdout
-            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-            regs = int(re.search(r"Used (\d+) registers", rep).group(1))
+            rep = ptxas_v(ptx, ptxas, flags)
+            regs = rep["registers"]
             smem = tf.smem_bytes(v["BLOCK_Q"], v["BLOCK_K"], hd, v.get("PRESPLIT", False))
-            warps = v["BLOCK_Q"] // 16
-            blocks = min(65536 // (((regs * 32 + 255) // 256) * 256 * warps), (228 * 1024) // (smem + 1024))
-            row = dict(shape=label, variant=name_of(v), regs=regs, spill_stores=int(spill.group(1)),
-                       spill_loads=int(spill.group(2)), smem=smem, blocks_per_sm=blocks, mma=ptx.count("mma.sync"))
+            blocks = blocks_per_sm(regs, v["BLOCK_Q"] // 16 * 32, smem)
+            row = dict(shape=label, variant=name_of(v), regs=regs, spill_stores=rep["spill_stores"],
+                       spill_loads=rep["spill_loads"], smem=smem, blocks_per_sm=blocks, mma=ptx.count("mma.sync"))
             rows.append(row)
             print(f"{label:30s} {row['variant']:14s} {regs:4d} regs  spill {row['spill_stores']}/{row['spill_loads']} B"
                   f"  smem {smem} B  blocks/SM {blocks}", flush=True)

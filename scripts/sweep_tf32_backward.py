@@ -6,7 +6,7 @@
 For each head dim: every dkdv candidate (BLOCK_N keys, BLOCK_M queries streamed, passes) and every dq
 candidate (BLOCK_M queries, BLOCK_N keys streamed), launched through tf32_backward.launch with
 kernels=("dkdv",) or ("dq",) on the same inputs after one prep. Each result's max |difference| to
-the shipped config's is printed beside its time (a wrong tile shows up there, not only in the tests).
+the first candidate's is printed beside its time (a wrong tile shows up there, not only in the tests).
 Timing: CUDA events around single launches, median (bench.time_call); TFLOP/s credits dkdv with 4
 of the backward's five N x N x d products (Sᵀ, dPᵀ, dV, dK; passes recompute more) and dq with 3
 (S, dP, dQ), so the two add up to the 2.5 x forward FLOPs that bench_backward credits plus the
@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -48,18 +45,11 @@ CAUSAL_CANDIDATES = {
 def ptxas_report(causal=False):
     from numba import cuda
 
+    from ptxas_util import blocks_per_sm, ptxas_v, sm90_ptxas
+
+    ptxas = sm90_ptxas()
     from numba_flash.kernels import tf32_backward as tb
 
-    if not cuda.is_available():  # numba-cuda asks the device for its cc even under compile_ptx(cc=...)
-        import numba.cuda.dispatcher as _dispatcher
-
-        class _Sm90:
-            compute_capability = (9, 0)
-
-        _dispatcher.get_current_device = lambda: _Sm90()
-    import glob
-    import shutil
-    ptxas = shutil.which("ptxas") or sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))[-1]
     rows = []
     for hd, (dkdv, dq) in CANDIDATES.items():
         runs = [("dkdv", bn, bm, g) for bn, bm, passes in dkdv for g in passes] + [("dq", bm, bn, "dkdv")
@@ -71,16 +61,10 @@ def ptxas_report(causal=False):
                 continue
             src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
             ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(ptx)
-            r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
-            rep = r.stderr + r.stdout
-            m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-            regs = int(re.search(r"Used (\d+) registers", rep).group(1))
+            rep = ptxas_v(ptx, ptxas)
             smem = tb.smem_bytes(kernel, own, streamed, hd)
-            row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed, grads=grads, registers=regs,
-                       spills=int(m.group(1)) + int(m.group(2)), smem=smem,
-                       blocks_per_sm=min(228 * 1024 // (smem + 1024), 65536 // (regs * tb.threads_per_block(own))))
+            row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed, grads=grads, **rep, smem=smem,
+                       blocks_per_sm=blocks_per_sm(rep["registers"], tb.threads_per_block(own), smem))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -140,10 +124,10 @@ def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,)):
                         ref = res
                     diff = max((a - b).abs().max().item() for a, b in zip(res, ref))
                     row = dict(hd=hd, causal=causal, label=label, ms=ms, tflops=fl / ms / 1e9, reps=reps,
-                               max_diff_vs_shipped=diff)
+                               max_diff_vs_first=diff)
                     rows.append(row)
                     print(f"d{hd} causal={causal} {label}: {ms:.3f} ms, {row['tflops']:.1f} TFLOP/s, "
-                          f"max diff vs shipped {diff:.2e}", flush=True)
+                          f"max diff vs first {diff:.2e}", flush=True)
             del q, k, v, dout, out, lse, l2, dd, grads, nb
             torch.cuda.empty_cache()
     return rows
