@@ -2,6 +2,7 @@
 
     python3 scripts/sweep_tf32_backward.py            # GPU: B4 H16 N4096 fp32, d 32, 64, 128 (--causal: causal)
     python3 scripts/sweep_tf32_backward.py --ptxas    # no GPU: registers / spills / smem per candidate
+    python3 scripts/sweep_tf32_backward.py --front --layouts swizzled padded   # A/B of the Q/dO/K layout
 
 For each head dim: every dkdv candidate (BLOCK_N keys, BLOCK_M queries streamed, passes) and every dq
 candidate (BLOCK_M queries, BLOCK_N keys streamed), launched through tf32_backward.launch with
@@ -42,7 +43,16 @@ CAUSAL_CANDIDATES = {
 }
 
 
-def ptxas_report(causal=False):
+# --front: the shipped tiles and their nearest rivals (a short run, e.g. for an A/B of --layouts).
+FRONT = {
+    128: ([(128, 32, ONE), (128, 16, ONE)], [(128, 32), (64, 32)]),
+    64: ([(128, 64, ONE), (128, 32, ONE)], [(64, 32), (128, 64)]),
+    32: ([(128, 64, ONE), (64, 32, ONE)], [(128, 32), (64, 64)]),
+}
+LAYOUTS = {"swizzled": True, "padded": False}  # tiles read by both patterns: tf32_backward.strides
+
+
+def ptxas_report(causal=False, layouts=("swizzled",)):
     from numba import cuda
 
     from ptxas_util import blocks_per_sm, ptxas_v, sm90_ptxas
@@ -54,23 +64,24 @@ def ptxas_report(causal=False):
     for hd, (dkdv, dq) in CANDIDATES.items():
         runs = [("dkdv", bn, bm, g) for bn, bm, passes in dkdv for g in passes] + [("dq", bm, bn, "dkdv")
                                                                                    for bm, bn in dq]
-        for kernel, own, streamed, grads in runs:
+        for (kernel, own, streamed, grads), layout in ((r, lay) for r in runs for lay in layouts):
             bad = tb.problems(kernel, own, streamed, hd)
             if bad:
                 print(f"d{hd} {kernel} {own}x{streamed} {grads}: cannot build: {bad}", flush=True)
                 continue
-            src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
+            swz = LAYOUTS[layout]
+            src = tb.kernel_source(kernel, own, streamed, hd, causal, grads, swz)
             ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
             rep = ptxas_v(ptx, ptxas)
-            smem = tb.smem_bytes(kernel, own, streamed, hd)
-            row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed, grads=grads, **rep, smem=smem,
-                       blocks_per_sm=blocks_per_sm(rep["registers"], tb.threads_per_block(own), smem))
+            smem = tb.smem_bytes(kernel, own, streamed, hd, swz)
+            row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed, grads=grads, layout=layout,
+                       **rep, smem=smem, blocks_per_sm=blocks_per_sm(rep["registers"], tb.threads_per_block(own), smem))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
-def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,)):
+def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("swizzled",)):
     import torch
     from numba import cuda
 
@@ -97,15 +108,16 @@ def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,)):
             shipped = tb.config_for(hd, causal)
             for kernel, cands in (("dkdv", dkdv), ("dq", dq)):
                 ref = None
-                for cand in cands:
-                    cfg = dict(shipped)
+                for cand, layout in ((c, lay) for c in cands for lay in layouts):
+                    cfg = dict(shipped, swizzle=LAYOUTS[layout])
+                    tag = "" if layouts == ("swizzled",) else f" {layout}"
                     if kernel == "dkdv":
                         cfg["dkdv"], cfg["dkdv_passes"] = cand[:2], cand[2]
-                        label = f"dkdv {cand[0]}x{cand[1]} {'+'.join(cand[2])}"
+                        label = f"dkdv {cand[0]}x{cand[1]} {'+'.join(cand[2])}{tag}"
                         fl = 2 * fwd
                     else:
                         cfg["dq"] = cand
-                        label = f"dq {cand[0]}x{cand[1]}"
+                        label = f"dq {cand[0]}x{cand[1]}{tag}"
                         fl = 1.5 * fwd
                     bad = tb.problems(kernel, *cfg[kernel], hd)
                     if bad:
@@ -138,17 +150,21 @@ def main():
     ap.add_argument("--ptxas", action="store_true")
     ap.add_argument("--dims", type=int, nargs="+", default=None)
     ap.add_argument("--causal", action="store_true", help="causal, over CAUSAL_CANDIDATES (default: non-causal)")
+    ap.add_argument("--front", action="store_true", help="only the FRONT candidates (shipped + nearest rivals)")
+    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["swizzled"],
+                    help="layouts of the both-patterns tiles to time (each candidate in each)")
     args = ap.parse_args()
-    if args.causal:
+    if args.causal or args.front:
         CANDIDATES.clear()
-        CANDIDATES.update(CAUSAL_CANDIDATES)
+        CANDIDATES.update(FRONT if args.front else CAUSAL_CANDIDATES)
     if args.dims:
         for d in list(CANDIDATES):
             if d not in args.dims:
                 del CANDIDATES[d]
-    rows = ptxas_report(args.causal) if args.ptxas else gpu_sweep(causals=(args.causal,))
+    layouts = tuple(args.layouts)
+    rows = ptxas_report(args.causal, layouts) if args.ptxas else gpu_sweep(causals=(args.causal,), layouts=layouts)
     if os.environ.get("OUT"):
-        name = "sweep_tf32_backward" + ("_causal" if args.causal else "") + ".json"
+        name = "sweep_tf32_backward" + ("_causal" if args.causal else "") + ("_front" if args.front else "") + ".json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -66,6 +66,7 @@ SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
     pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: 125 s under pytest -n 2
     (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
     (1, 2, 1, 12, 21, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
+    (1, 1, 1, 19, 26, 28, True, dict(swizzle=False)),  # the padded layout the sweep keeps for its A/B
 ])
 def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal)
@@ -73,6 +74,58 @@ def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     check(grads, refs)
     if causal and n_q > n_k:
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared-memory banks of the swizzled (both-patterns) tiles: a model of each warp request
+# --------------------------------------------------------------------------------------------
+def wavefronts(word_addrs, width):
+    """Shared-memory wavefronts of one warp request: lane l reads `width` 4-byte words from
+    word_addrs[l]; 16-byte loads go in four 8-lane phases, 32-bit loads in one. A wavefront
+    serves one word per bank (the same word to several lanes counts once)."""
+    phases = [range(i, i + 8) for i in range(0, 32, 8)] if width == 4 else [range(32)]
+    total = 0
+    for lanes in phases:
+        per_bank = {}
+        for lane in lanes:
+            for w in range(width):
+                a = word_addrs[lane] + w
+                per_bank.setdefault(a % 32, set()).add(a)
+        total += max(len(words) for words in per_bank.values())
+    return total
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_swizzled_tiles_are_bank_conflict_free(head_dim):
+    """The lane addresses of pattern 1 (B rows 8nt + g, chunk 4c + t: tile start + row + (16c) ^ b_x)
+    and pattern 2 (B rows 8n + 2t (+1), column 8dt + g) as the kernels form them need the fewest
+    wavefronts (4 per 16-byte request, 1 per 32-bit one) on tb.chunk_xor's layout; the old padded
+    rows (HEAD_DIM + 8) needed two-way replays in both, which the model must see too."""
+    lanes = [(lane >> 2, lane & 3) for lane in range(32)]  # (g, t)
+    s2 = tb.strides(head_dim)[1]
+    assert s2 == head_dim  # unpadded: the swizzle, not padding, spreads the banks
+    for nt in range(4):
+        for c in range(head_dim // 16):
+            swz = [(8 * nt + g) * s2 + ((16 * c) ^ (4 * (t ^ tb.chunk_xor(g)))) for g, t in lanes]
+            assert wavefronts(swz, 4) == 4, (nt, c)
+            # each lane's 16 bytes are the logical row's chunk 4c + t, where the copy put it
+            assert all(a - (8 * nt + g) * s2 == 4 * ((4 * c + t) ^ tb.chunk_xor(8 * nt + g))
+                       for a, (g, t) in zip(swz, lanes))
+            assert wavefronts([(8 * nt + g) * (head_dim + 8) + 16 * c + 4 * t for g, t in lanes], 4) == 8
+    for n in range(4):
+        for dt in range(head_dim // 8):
+            for odd in (0, 1):
+                swz = []
+                for g, t in lanes:
+                    row = 8 * n + 2 * t + odd
+                    b_x = 4 * ((g >> 2) ^ tb.chunk_xor(2 * t)) ^ (16 * odd)
+                    a = row * s2 + (g & 3) + ((8 * dt) ^ b_x)
+                    chunk = (8 * dt + g) // 4  # the logical column's chunk, stored at chunk ^ chunk_xor(row)
+                    assert a == row * s2 + 4 * (chunk ^ tb.chunk_xor(row)) + (8 * dt + g) % 4
+                    swz.append(a)
+                assert wavefronts(swz, 1) == 1, (n, dt, odd)
+                old = [(8 * n + 2 * t + odd) * (head_dim + 8) + 8 * dt + g for g, t in lanes]
+                assert wavefronts(old, 1) == 2
 
 
 # --------------------------------------------------------------------------------------------

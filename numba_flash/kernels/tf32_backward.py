@@ -33,8 +33,11 @@ on the tensor core, so each pair of k-steps of a pattern-1 product and each n-ti
 product per streamed tile starts from zero and is added to its fp32 total by a rounded FADD.
 
 Shared memory (fp32 words): tiles read only by pattern 1 have rows padded to S1 (== 16 mod 32:
-conflict-free 16-byte loads); tiles read both ways (Q, dO in dkdv; K in dq) use S2 = HEAD_DIM + 8,
-two-way conflicts in each pattern instead of four-way in one (pattern 2 wants rows == 4 mod 16).
+conflict-free 16-byte loads). No row padding serves both patterns (pattern 1 wants rows == 16 mod
+32, pattern 2 rows == 4 mod 16), so tiles read both ways (Q, dO in dkdv; K in dq) have unpadded rows
+(S2 = HEAD_DIM) whose 16-byte chunks are XOR-swizzled by ``chunk_xor(row)``: conflict-free in both
+patterns. (Until the eighth session they used S2 = HEAD_DIM + 8, two-way conflicts in each: ncu on
+an H200 counted 43 % of the d = 128 dkdv's shared wavefronts as bank conflicts, 32 % of dq's.)
 Tiles arrive by cp.async with zero fill past the sequence and d; the streamed ones (Q, dO, L2, D
 in dkdv; K, V in dq) are double-buffered: at the top of step i one barrier says tile i has landed
 and every warp has left step i − 1, whose buffer then receives tile i + 1 while step i computes.
@@ -67,26 +70,40 @@ padded_rows = mma_backward.padded_rows
 # --------------------------------------------------------------------------------------------
 # Shapes of a specialisation
 # --------------------------------------------------------------------------------------------
-def strides(HEAD_DIM):
-    """(S1, S2): row lengths in words of tiles read by pattern 1 only, and by both patterns."""
-    return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM + 8
+def strides(HEAD_DIM, swizzle=True):
+    """(S1, S2): row lengths in words of tiles read by pattern 1 only (padded), and by both patterns
+    (unpadded, chunks swizzled by chunk_xor; swizzle=False: the seventh session's rows padded by 8,
+    kept for the sweep's A/B)."""
+    return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM if swizzle else HEAD_DIM + 8
+
+
+def chunk_xor(row):
+    """The 16-byte chunk swizzle of a both-patterns tile: chunk c of row r is stored at c ^ chunk_xor(r).
+
+    Pattern 1 (16-byte loads, rows 2j and 2j+1 in one 8-lane phase, chunks 4cc + t) needs bit 2 to
+    differ between rows 2j and 2j + 1; pattern 2 (rows 2t, or 2t + 1, at word g of chunk 2dt + g // 4)
+    needs bits 1-2 distinct over t. (r & 6) ^ 4 (r & 1) gives both; only r % 8 matters."""
+    return (row & 6) ^ ((row & 1) << 2)
+
+
+_chunk_xor = inline_device(chunk_xor)  # the same function, callable from the kernels
 
 
 def threads_per_block(block_own):
     return 32 * (block_own // 16)
 
 
-def stage_words(kernel, block_streamed, HEAD_DIM):
+def stage_words(kernel, block_streamed, HEAD_DIM, swizzle=True):
     """One buffer of the streamed tiles: dkdv Q, dO (S2) | L2, D; dq K (S2) | V (S1)."""
-    s1, s2 = strides(HEAD_DIM)
+    s1, s2 = strides(HEAD_DIM, swizzle)
     if kernel == "dkdv":
         return 2 * block_streamed * s2 + 2 * block_streamed
     return block_streamed * (s1 + s2)
 
 
-def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM):
+def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, swizzle=True):
     """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer)."""
-    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM))
+    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM, swizzle))
 
 
 def problems(kernel, block_own, block_streamed, HEAD_DIM):
@@ -127,8 +144,10 @@ def kernel_signature(kernel):
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32)
 
 
-def _helpers(THREADS, HEAD_DIM):
-    """Device functions both kernels share: tile copies, the split, 3xTF32 mma, the two patterns."""
+def _helpers(THREADS, HEAD_DIM, SWIZZLE):
+    """Device functions both kernels share: tile copies, the split, 3xTF32 mma, the two patterns.
+    SWIZZLE: the layout of the both-patterns tiles (strides)."""
+    S2 = strides(HEAD_DIM, SWIZZLE)[1]
     CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
     PAIRS = HEAD_DIM // 16  # pairs of k-steps over d (pattern 1)
     O_TILES = HEAD_DIM // 8  # n-tiles over d (pattern 2)
@@ -138,26 +157,33 @@ def _helpers(THREADS, HEAD_DIM):
     split, mma3 = products(3)
 
     @inline_device
-    def load_tile(smem, tile0, STRIDE, src, b, h, row0, n_rows, d, ROWS):
-        """cp.async rows row0.. of src[b, h] into the tile at word tile0 (zero fill past n_rows and d)."""
+    def load_tile(smem, tile0, STRIDE, SWIZZLED, src, b, h, row0, n_rows, d, ROWS):
+        """cp.async rows row0.. of src[b, h] into the tile at word tile0 (zero fill past n_rows and d);
+        SWIZZLED (0 or 1): chunks at chunk ^ chunk_xor(row) (a both-patterns tile)."""
         rs = src.strides[2] // 4
         base = b * (src.strides[0] // 4) + h * (src.strides[1] // 4)
         for i in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
             idx = cuda.threadIdx.x + i * THREADS
             if idx < ROWS * CHUNKS:
                 r = idx // CHUNKS
-                col = (idx - r * CHUNKS) * 4
+                chunk = idx - r * CHUNKS
+                col = chunk * 4
                 row = row0 + r
                 nbytes = min(max(d - col, 0), 4) * 4 if row < n_rows else 0
                 # a zero-byte copy still names an address inside the array: row 0 of the tile's rows, column 0
                 src_off = base + (row * rs + col if nbytes > 0 else min(row0, n_rows - 1) * rs)
-                cp_async(smem, tile0 + r * STRIDE + col, src, src_off, nbytes)
+                cp_async(smem, tile0 + r * STRIDE + ((chunk ^ (SWIZZLED * _chunk_xor(r))) << 2), src, src_off, nbytes)
 
     @inline_device
-    def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, N_TILES):
+    def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, b_x, B_SWZ, N_TILES):
         """out[nt] = A_w · Bᵀ for n-tiles nt < N_TILES over all of d: lane (g, t) brings columns
-        16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane); each pair of
-        k-steps starts from zero and is added by an FADD."""
+        16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane: the row's start,
+        its chunk 4c + t at words (16c) ^ b_x: b_x = 4t unswizzled, 4 (t ^ chunk_xor(g)) swizzled);
+        each pair of k-steps starts from zero and is added by an FADD. B_SWZ (0 or 1, constant):
+        whether B is swizzled. (16c) ^ b_x is formed as 32 (c >> 1) + (b_x or b_x ^ 16): two lane
+        registers and immediates, not one per c (ptxas spilled hundreds of bytes at d = 128 when
+        each c had its own XOR); unswizzled it is 16c + 4t, an immediate on one register."""
+        b_x1 = b_x ^ 16
         c = cuda.local.array((1, 4), float32)
         for nt in range(N_TILES):
             for r in range(4):
@@ -174,7 +200,10 @@ def _helpers(THREADS, HEAD_DIM):
             yh2, yl2 = split(y2)
             yh3, yl3 = split(y3)
             for nt in range(N_TILES):
-                z0, z1, z2, z3 = ld4(smem, b_lane + nt * 8 * B_STRIDE + 16 * cc)
+                if B_SWZ:
+                    z0, z1, z2, z3 = ld4(smem, b_lane + nt * 8 * B_STRIDE + 32 * (cc >> 1) + (b_x1 if cc & 1 else b_x))
+                else:
+                    z0, z1, z2, z3 = ld4(smem, b_lane + b_x + nt * 8 * B_STRIDE + 16 * cc)
                 zh0, zl0 = split(z0)
                 zh1, zl1 = split(z1)
                 zh2, zl2 = split(z2)
@@ -188,42 +217,54 @@ def _helpers(THREADS, HEAD_DIM):
                     out[nt, r] += c[0, r]
 
     @inline_device
-    def pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, dt, K_STEPS):
+    def pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, dt, K_STEPS):
         """acc[dt] += A · B[:, 8dt:8dt+8] in fresh registers, A = the accumulators ah + al (columns
-        8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g."""
+        8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g
+        of a swizzled tile: b_lane = row 2t's start + g % 4, and with b_x = 4 ((g // 4) ^ chunk_xor(2t))
+        the column's words are (8dt) ^ b_x = 32 (dt >> 2) + o[dt & 3], o[m] = (8m) ^ b_x (pattern2
+        forms o0..o3 once); row 2t + 1's chunk differs in bit 2: words ^ 16, i.e. o[m ^ 2]."""
+        m = dt & 3
+        x0 = o0 if m == 0 else (o1 if m == 1 else (o2 if m == 2 else o3))
+        x1 = o2 if m == 0 else (o3 if m == 1 else (o0 if m == 2 else o1))
         c = cuda.local.array((1, 4), float32)
         for r in range(4):
             c[0, r] = ZERO
         for n in range(K_STEPS):
-            off = b_lane + n * 8 * B_STRIDE + dt * 8
-            bh0, bl0 = split(smem[off])
-            bh1, bl1 = split(smem[off + B_STRIDE])
+            if SWIZZLE:
+                row = b_lane + n * 8 * S2 + 32 * (dt >> 2)
+                bh0, bl0 = split(smem[row + x0])
+                bh1, bl1 = split(smem[row + S2 + x1])
+            else:  # padded rows: b_x = 4 (g // 4), column 8dt + g of both rows, immediates on one register
+                off = b_lane + o0 + n * 8 * S2 + dt * 8
+                bh0, bl0 = split(smem[off])
+                bh1, bl1 = split(smem[off + S2])
             mma3(c, 0, ah[n, 0], ah[n, 2], ah[n, 1], ah[n, 3], al[n, 0], al[n, 2], al[n, 1], al[n, 3],
                  bh0, bh1, bl0, bl1)
         for r in range(4):
             acc[dt, r] += c[0, r]
 
     @inline_device
-    def pattern2(acc, ah, al, smem, b_lane, B_STRIDE, K_STEPS):
+    def pattern2(acc, ah, al, smem, b_lane, b_x, K_STEPS):
         """Every n-tile of acc (16 x HEAD_DIM) += A · B, one call per n-tile (constant indices: registers)."""
-        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 0, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 1, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 2, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 3, K_STEPS)
+        o0, o1, o2, o3 = b_x, b_x ^ 8, b_x ^ 16, b_x ^ 24
+        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 0, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 1, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 2, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 3, K_STEPS)
         if O_TILES > 4:
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 4, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 5, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 6, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 7, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 4, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 5, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 6, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 7, K_STEPS)
         if O_TILES > 8:
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 8, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 9, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 10, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 11, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 12, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 13, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 14, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, B_STRIDE, 15, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 8, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 9, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 10, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 11, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 12, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 13, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 14, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 15, K_STEPS)
 
     @inline_device
     def split_all(x, lo, N):
@@ -249,7 +290,7 @@ def _helpers(THREADS, HEAD_DIM):
 
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=True):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
 
     GRADS: "dkdv" (both), or "dv" / "dk" alone: a dV pass (Sᵀ and dV only) and a dK pass (the four
@@ -260,16 +301,17 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
     THREADS = threads_per_block(BLOCK_N)
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
-    S1, S2 = strides(HEAD_DIM)
+    S1, S2 = strides(HEAD_DIM, SWIZZLE)
+    SWZ = 1 if SWIZZLE else 0
     SK, SV = 0, BLOCK_N * S1
-    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM)  # two buffers of:
+    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM, SWIZZLE)  # two buffers of:
     SQ = STAGE0
     SDO = SQ + BLOCK_M * S2
     SL = SDO + BLOCK_M * S2  # L2 of the tile's queries, then D
     SD = SL + BLOCK_M
     CAUSAL = bool(CAUSAL)
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies of a tile's L2 (or D)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE)
     ex2 = ptx.ex2_approx
     cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -283,8 +325,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
         i0 = (qt0 + step - hh * per_head) * BLOCK_M
         h = h_kv * group + hh
         st = (step & 1) * STAGE
-        load_tile(smem, SQ + st, S2, q, b, h, i0, n_q, d, BLOCK_M)
-        load_tile(smem, SDO + st, S2, dout, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SQ + st, S2, SWZ, q, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO + st, S2, SWZ, dout, b, h, i0, n_q, d, BLOCK_M)
         tid = cuda.threadIdx.x
         row = (b * (group * n_kv_heads) + h) * (l2.strides[0] // 4) + i0  # padded: i0 + BLOCK_M <= NQ_PAD
         if tid < ROW_CHUNKS:
@@ -313,20 +355,22 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
         per_head = n_qt - qt0
         steps = group * per_head
 
-        load_tile(smem, SK, S1, k, b, h_kv, k0, n_k, d, BLOCK_N)
-        load_tile(smem, SV, S1, v, b, h_kv, k0, n_k, d, BLOCK_N)
+        load_tile(smem, SK, S1, 0, k, b, h_kv, k0, n_k, d, BLOCK_N)
+        load_tile(smem, SV, S1, 0, v, b, h_kv, k0, n_k, d, BLOCK_N)
         if steps > 0:
             load_stage(smem, 0, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d)
         cp_commit()
 
         # Lane offsets: K, V rows g (+8) of the warp and Q, dO rows g of each n-tile at columns 4t
-        # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2).
+        # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2). Q and dO are swizzled.
         k_lane = SK + (warp * 16 + g) * S1 + 4 * t
         v_lane = SV + (warp * 16 + g) * S1 + 4 * t
-        q_lane = SQ + g * S2 + 4 * t
-        do_lane = SDO + g * S2 + 4 * t
-        q_t = SQ + 2 * t * S2 + g
-        do_t = SDO + 2 * t * S2 + g
+        q_lane = SQ + g * S2
+        do_lane = SDO + g * S2
+        row_x = 4 * (t ^ (SWZ * _chunk_xor(g)))  # pattern 1's chunk swizzle of rows g
+        q_t = SQ + 2 * t * S2 + (g & 3)
+        do_t = SDO + 2 * t * S2 + (g & 3)
+        col_x = 4 * ((g >> 2) ^ (SWZ * _chunk_xor(2 * t)))  # pattern 2's of rows 2t
 
         acc_k = cuda.local.array((O_TILES if DK else 1, 4), float32)
         acc_v = cuda.local.array((O_TILES if DV else 1, 4), float32)
@@ -350,9 +394,9 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
             cp_commit()
             st = (step & 1) * STAGE
 
-            pattern1(s, smem, k_lane, S1, q_lane + st, S2, M_TILES)  # Sᵀ = K_w Q_iᵀ
+            pattern1(s, smem, k_lane, S1, q_lane + st, S2, row_x, SWZ, M_TILES)  # Sᵀ = K_w Q_iᵀ
             if DK:
-                pattern1(dp, smem, v_lane, S1, do_lane + st, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
+                pattern1(dp, smem, v_lane, S1, do_lane + st, S2, row_x, SWZ, M_TILES)  # dPᵀ = V_w dO_iᵀ
 
             # Pᵀ = exp2(Sᵀ·c − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries have L2 = +inf.
             needs_mask = CAUSAL and kw + 15 > i0 + shift
@@ -369,10 +413,10 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
 
             if DV:
                 split_all(s, lo, M_TILES)
-                pattern2(acc_v, s, lo, smem, do_t + st, S2, M_TILES)  # dV_w += Pᵀ dO_i
+                pattern2(acc_v, s, lo, smem, do_t + st, col_x, M_TILES)  # dV_w += Pᵀ dO_i
             if DK:
                 split_all(dp, lo, M_TILES)
-                pattern2(acc_k, dp, lo, smem, q_t + st, S2, M_TILES)  # dK_w += dSᵀ Q_i
+                pattern2(acc_k, dp, lo, smem, q_t + st, col_x, M_TILES)  # dK_w += dSᵀ Q_i
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
         if DV:
@@ -383,18 +427,19 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv"):
     return tf32_backward_dkdv
 
 
-def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=True):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-key K/V tiles streamed."""
     THREADS = threads_per_block(BLOCK_M)
     O_TILES = HEAD_DIM // 8
     N_TILES = BLOCK_N // 8  # n-tiles of S / dP = k-steps of dQ
-    S1, S2 = strides(HEAD_DIM)
+    S1, S2 = strides(HEAD_DIM, SWIZZLE)
+    SWZ = 1 if SWIZZLE else 0
     SQ, SDO = 0, BLOCK_M * S1
-    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM)  # two buffers of K_j | V_j
+    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM, SWIZZLE)  # two buffers of K_j | V_j
     SK = 2 * BLOCK_M * S1
     SV = SK + BLOCK_N * S2
     CAUSAL = bool(CAUSAL)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE)
     ex2 = ptx.ex2_approx
     cp_commit, cp_wait = ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -421,11 +466,11 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
             visible = min(q0 + BLOCK_M, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_N - 1) // BLOCK_N)
 
-        load_tile(smem, SQ, S1, q, b, h, q0, n_q, d, BLOCK_M)
-        load_tile(smem, SDO, S1, dout, b, h, q0, n_q, d, BLOCK_M)
+        load_tile(smem, SQ, S1, 0, q, b, h, q0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO, S1, 0, dout, b, h, q0, n_q, d, BLOCK_M)
         if n_tiles > 0:
-            load_tile(smem, SK, S2, k, b, h_kv, 0, n_k, d, BLOCK_N)
-            load_tile(smem, SV, S1, v, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SK, S2, SWZ, k, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SV, S1, 0, v, b, h_kv, 0, n_k, d, BLOCK_N)
         cp_commit()
 
         # L2 and D of rows g, g + 8 (padded scratch: always inside)
@@ -437,9 +482,11 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
 
         q_lane = SQ + (warp * 16 + g) * S1 + 4 * t
         do_lane = SDO + (warp * 16 + g) * S1 + 4 * t
-        k_lane = SK + g * S2 + 4 * t
-        v_lane = SV + g * S1 + 4 * t
-        k_t = SK + 2 * t * S2 + g
+        k_lane = SK + g * S2  # K is swizzled (read by both patterns), V is not
+        row_x = 4 * (t ^ (SWZ * _chunk_xor(g)))
+        v_lane = SV + g * S1
+        k_t = SK + 2 * t * S2 + (g & 3)
+        col_x = 4 * ((g >> 2) ^ (SWZ * _chunk_xor(2 * t)))
 
         acc = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((N_TILES, 4), float32)  # S
@@ -455,13 +502,13 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
             cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1, whose buffer ...
             if j + 1 < n_tiles:  # ... now receives tile j + 1 while this one computes
                 nxt = ((j + 1) & 1) * STAGE
-                load_tile(smem, SK + nxt, S2, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
-                load_tile(smem, SV + nxt, S1, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SK + nxt, S2, SWZ, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SV + nxt, S1, 0, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
             cp_commit()
             st = (j & 1) * STAGE
 
-            pattern1(s, smem, q_lane, S1, k_lane + st, S2, N_TILES)  # S = Q_w K_jᵀ
-            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, N_TILES)  # dP = dO_w V_jᵀ
+            pattern1(s, smem, q_lane, S1, k_lane + st, S2, row_x, SWZ, N_TILES)  # S = Q_w K_jᵀ
+            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, 4 * t, 0, N_TILES)  # dP = dO_w V_jᵀ
 
             # dS = exp2(S·c − L2[row]) ∘ (dP − D[row]); mask keys past n_k and past the diagonal.
             needs_mask = k0 + BLOCK_N > n_k
@@ -478,7 +525,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
                     dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
 
             split_all(dp, lo, N_TILES)
-            pattern2(acc, dp, lo, smem, k_t + st, S2, N_TILES)  # dQ_w += dS K_j
+            pattern2(acc, dp, lo, smem, k_t + st, col_x, N_TILES)  # dQ_w += dS K_j
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
         store_rows(dq, acc, b, h, qw, g, t, n_q, d, scale)
@@ -486,12 +533,12 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL):
     return tf32_backward_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv"):
+def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=True):
     """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
-    grads: dkdv_source's GRADS (dkdv only)."""
+    grads: dkdv_source's GRADS (dkdv only); swizzle=False: the padded layout (sweep only)."""
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads)
-    return dq_source(block_own, block_streamed, HEAD_DIM, causal)
+        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads, swizzle)
+    return dq_source(block_own, block_streamed, HEAD_DIM, causal, swizzle)
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,7 +550,8 @@ def make_prep_kernel():
 
 
 @lru_cache(maxsize=None)
-def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None):
+def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
+                swizzle=True):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
     if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
@@ -513,7 +561,7 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
                          f"{'; '.join(bad)}")
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel), **cap)(kernel_source(kernel, block_own, block_streamed, HEAD_DIM,
-                                                                   bool(causal), grads))
+                                                                   bool(causal), grads, bool(swizzle)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,7 +569,8 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
 # --------------------------------------------------------------------------------------------
 def config_for(d, causal):
     """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
-    "dk")]} (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv")."""
+    "dk")][, "swizzle": False]} (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient
+    (default one, "dkdv"); swizzle=False: the padded layout of the both-patterns tiles (sweep A/B)."""
     head_dim = head_dim_for(d)
     return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
 
@@ -541,6 +590,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     if d > head_dim:
         raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
+    swz = bool(config.get("swizzle", True))
     if "prep" in kernels:
         rows = mma_backward.PREP_ROWS
         launch_kernel(make_prep_kernel(), (l2.shape[1] // rows, B * H), rows * mma_backward.PREP_LANES, stream, 0,
@@ -548,11 +598,12 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     if "dkdv" in kernels:
         bn, bm = config["dkdv"]
         for grads in config.get("dkdv_passes", ("dkdv",)):
-            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads), ((n_k + bn - 1) // bn, B * Hkv),
-                          threads_per_block(bn), stream, smem_bytes("dkdv", bn, bm, head_dim),
+            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swz),
+                          ((n_k + bn - 1) // bn, B * Hkv), threads_per_block(bn), stream,
+                          smem_bytes("dkdv", bn, bm, head_dim, swz),
                           q, k, v, dout, l2, dd, dk, dv, *scalars)
     if "dq" in kernels:
         bm, bn = config["dq"]
-        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal)), ((n_q + bm - 1) // bm, B * H),
-                      threads_per_block(bm), stream, smem_bytes("dq", bm, bn, head_dim),
+        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz), ((n_q + bm - 1) // bm, B * H),
+                      threads_per_block(bm), stream, smem_bytes("dq", bm, bn, head_dim, swz),
                       q, k, v, dout, l2, dd, dq, *scalars)
