@@ -49,10 +49,10 @@ FRONT = {
     64: ([(128, 64, ONE), (128, 32, ONE)], [(64, 32), (128, 64)]),
     32: ([(128, 64, ONE), (64, 32, ONE)], [(128, 32), (64, 64)]),
 }
-LAYOUTS = {"swizzled": True, "padded": False}  # tiles read by both patterns: tf32_backward.strides
+LAYOUTS = {"padded": False, "swizzled": True}  # tiles read by both patterns: tf32_backward.strides
 
 
-def ptxas_report(causal=False, layouts=("swizzled",)):
+def ptxas_report(causal=False, layouts=("padded",)):
     from numba import cuda
 
     from ptxas_util import blocks_per_sm, ptxas_v, sm90_ptxas
@@ -81,7 +81,7 @@ def ptxas_report(causal=False, layouts=("swizzled",)):
     return rows
 
 
-def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("swizzled",)):
+def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("padded",)):
     import torch
     from numba import cuda
 
@@ -110,7 +110,7 @@ def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("swizz
                 ref = None
                 for cand, layout in ((c, lay) for c in cands for lay in layouts):
                     cfg = dict(shipped, swizzle=LAYOUTS[layout])
-                    tag = "" if layouts == ("swizzled",) else f" {layout}"
+                    tag = "" if layouts == ("padded",) else f" {layout}"
                     if kernel == "dkdv":
                         cfg["dkdv"], cfg["dkdv_passes"] = cand[:2], cand[2]
                         label = f"dkdv {cand[0]}x{cand[1]} {'+'.join(cand[2])}{tag}"
@@ -151,7 +151,7 @@ def main():
     ap.add_argument("--dims", type=int, nargs="+", default=None)
     ap.add_argument("--causal", action="store_true", help="causal, over CAUSAL_CANDIDATES (default: non-causal)")
     ap.add_argument("--front", action="store_true", help="only the FRONT candidates (shipped + nearest rivals)")
-    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["swizzled"],
+    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["padded"],
                     help="layouts of the both-patterns tiles to time (each candidate in each)")
     args = ap.parse_args()
     if args.causal or args.front:

@@ -118,6 +118,7 @@ VARIANT_CHILD = NO_GPU_PATCH + textwrap.dedent(
 )
 
 
+@pytest.mark.variant
 def test_simt_copy_variants_fit(tmp_path):
     # Non-causal only: these are sweep options, not shipped; the causal mask adds no copies (CI time).
     cases = [(d, extra, False) for d, extra, _ in VARIANT_CASES]

@@ -152,9 +152,11 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 @pytest.mark.parametrize(
     "variants,H,n_q,n_k,d,causal,dtype",
     [
-        ({"dq_cols": 64}, 3, 40, 100, 64, True, "float16"),  # 64-key blocks: one 64-column pass per warp
-        ({"dq_deferred": True}, 3, 40, 100, 64, True, "float16"),  # 3 steps a block: both dSᵀ buffers, reused
-        ({"red_v4": True}, 3, 40, 100, 64, True, "float16"),
+        # each alone: not shipped, 40 s each under the simulator (NUMBA_FLASH_VARIANT_TESTS=1 runs them)
+        pytest.param({"dq_cols": 64}, 3, 40, 100, 64, True, "float16", marks=pytest.mark.variant),  # one pass per warp
+        pytest.param({"dq_deferred": True}, 3, 40, 100, 64, True, "float16",  # 3 steps: both dSᵀ buffers, reused
+                     marks=pytest.mark.variant),
+        pytest.param({"red_v4": True}, 3, 40, 100, 64, True, "float16", marks=pytest.mark.variant),
         ({"dq_cols": 64, "dq_deferred": True, "red_v4": True}, 1, 24, 100, 128, False, "bfloat16"),  # 128 keys, 1 step
     ],
 )
@@ -191,6 +193,7 @@ def test_bench_atomic_variant_check_sim():
 
 
 @in_simulator
+@pytest.mark.variant
 def test_split_d_dkdv_sim():
     """FA2's dkdv warp layout (two warps per 16 keys, Pᵀ / dSᵀ through shared memory): GQA 2, causal,
     Nq > Nk, 16-key blocks of 2 warps streaming 64-query tiles. Not shipped: a sweep candidate."""
@@ -400,7 +403,9 @@ ATOMIC_VARIANT_SPILLS = {
 
 
 @pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
-@pytest.mark.parametrize("name", ["dq_cols64", "dq_deferred", "red_v4", "all3"])
+@pytest.mark.parametrize("name", [pytest.param("dq_cols64", marks=pytest.mark.variant),
+                                  pytest.param("dq_deferred", marks=pytest.mark.variant),
+                                  pytest.param("red_v4", marks=pytest.mark.variant), "all3"])
 def test_atomic_variants_compile_for_sm90(head_dim, name, tmp_path):
     """Each variant the sweep times builds for sm_90 at the shipped atomic tile (causal), with its
     adds as the variant says and spills no worse than recorded."""

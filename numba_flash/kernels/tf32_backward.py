@@ -34,10 +34,14 @@ product per streamed tile starts from zero and is added to its fp32 total by a r
 
 Shared memory (fp32 words): tiles read only by pattern 1 have rows padded to S1 (== 16 mod 32:
 conflict-free 16-byte loads). No row padding serves both patterns (pattern 1 wants rows == 16 mod
-32, pattern 2 rows == 4 mod 16), so tiles read both ways (Q, dO in dkdv; K in dq) have unpadded rows
-(S2 = HEAD_DIM) whose 16-byte chunks are XOR-swizzled by ``chunk_xor(row)``: conflict-free in both
-patterns. (Until the eighth session they used S2 = HEAD_DIM + 8, two-way conflicts in each: ncu on
-an H200 counted 43 % of the d = 128 dkdv's shared wavefronts as bank conflicts, 32 % of dq's.)
+32, pattern 2 rows == 4 mod 16): tiles read both ways (Q, dO in dkdv; K in dq) use S2 = HEAD_DIM + 8,
+two-way conflicts in each pattern instead of four-way in one (ncu on an H200: 43 % of the d = 128
+dkdv's shared wavefronts and 32 % of dq's are bank conflicts). The variant ``swizzle=True`` (a
+config key; the sweep's --layouts) stores them unpadded with 16-byte chunks XOR-swizzled by
+``chunk_xor(row)``, conflict-free in both patterns (ncu: 0.6 M conflicts of 1.4 G wavefronts), but
+the XOR offsets cost registers: timed kernel by kernel it was slower in dkdv (d128 35.0 vs 30.8 ms,
+72 B of spills where the padded kernel has none; d64 16.6 vs 14.5) and 2-3 % faster in dq (d128
+23.9 vs 24.6 ms, one run), so the padded layout ships (benchmarks/NOTES.md, eighth session).
 Tiles arrive by cp.async with zero fill past the sequence and d; the streamed ones (Q, dO, L2, D
 in dkdv; K, V in dq) are double-buffered: at the top of step i one barrier says tile i has landed
 and every warp has left step i − 1, whose buffer then receives tile i + 1 while step i computes.
@@ -70,10 +74,9 @@ padded_rows = mma_backward.padded_rows
 # --------------------------------------------------------------------------------------------
 # Shapes of a specialisation
 # --------------------------------------------------------------------------------------------
-def strides(HEAD_DIM, swizzle=True):
+def strides(HEAD_DIM, swizzle=False):
     """(S1, S2): row lengths in words of tiles read by pattern 1 only (padded), and by both patterns
-    (unpadded, chunks swizzled by chunk_xor; swizzle=False: the seventh session's rows padded by 8,
-    kept for the sweep's A/B)."""
+    (padded by 8, shipped; swizzle=True: unpadded, chunks swizzled by chunk_xor, the sweep's variant)."""
     return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM if swizzle else HEAD_DIM + 8
 
 
@@ -93,7 +96,7 @@ def threads_per_block(block_own):
     return 32 * (block_own // 16)
 
 
-def stage_words(kernel, block_streamed, HEAD_DIM, swizzle=True):
+def stage_words(kernel, block_streamed, HEAD_DIM, swizzle=False):
     """One buffer of the streamed tiles: dkdv Q, dO (S2) | L2, D; dq K (S2) | V (S1)."""
     s1, s2 = strides(HEAD_DIM, swizzle)
     if kernel == "dkdv":
@@ -101,7 +104,7 @@ def stage_words(kernel, block_streamed, HEAD_DIM, swizzle=True):
     return block_streamed * (s1 + s2)
 
 
-def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, swizzle=True):
+def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, swizzle=False):
     """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer)."""
     return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM, swizzle))
 
@@ -290,7 +293,7 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE):
 
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=True):
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
 
     GRADS: "dkdv" (both), or "dv" / "dk" alone: a dV pass (Sᵀ and dV only) and a dK pass (the four
@@ -427,7 +430,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=True):
     return tf32_backward_dkdv
 
 
-def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=True):
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-key K/V tiles streamed."""
     THREADS = threads_per_block(BLOCK_M)
     O_TILES = HEAD_DIM // 8
@@ -533,9 +536,9 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=True):
     return tf32_backward_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=True):
+def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False):
     """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
-    grads: dkdv_source's GRADS (dkdv only); swizzle=False: the padded layout (sweep only)."""
+    grads: dkdv_source's GRADS (dkdv only); swizzle=True: the swizzled variant (sweep only)."""
     if kernel == "dkdv":
         return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads, swizzle)
     return dq_source(block_own, block_streamed, HEAD_DIM, causal, swizzle)
@@ -551,7 +554,7 @@ def make_prep_kernel():
 
 @lru_cache(maxsize=None)
 def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
-                swizzle=True):
+                swizzle=False):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
     if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
@@ -570,7 +573,7 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
 def config_for(d, causal):
     """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
     "dk")][, "swizzle": False]} (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient
-    (default one, "dkdv"); swizzle=False: the padded layout of the both-patterns tiles (sweep A/B)."""
+    (default one, "dkdv"); swizzle=True: the swizzled variant of the both-patterns tiles (sweep A/B)."""
     head_dim = head_dim_for(d)
     return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
 
@@ -590,7 +593,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     if d > head_dim:
         raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
-    swz = bool(config.get("swizzle", True))
+    swz = bool(config.get("swizzle", False))
     if "prep" in kernels:
         rows = mma_backward.PREP_ROWS
         launch_kernel(make_prep_kernel(), (l2.shape[1] // rows, B * H), rows * mma_backward.PREP_LANES, stream, 0,
