@@ -309,8 +309,10 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
 
     TFLOP/s credit each kernel with its own products: dkdv 4 of the 5 backward GEMMs (Sᵀ, dPᵀ, dV,
     dK: 2·F), dq 3 (S, dP, dQ: 1.5·F), where F = 4·B·H·N²·d/2 per GEMM pair (halved for causal).
-    kernels: the names to time (prep, dkdv, dq, dkdv-atomic, dkdv-split, dkdv-atomic-variants), default
-    all. dkdv-atomic-variants: the shipped atomic tile with each ATOMIC_VARIANT_SWEEP entry, each one's
+    kernels: the names to time (prep, dkdv, dq, dkdv-atomic, dkdv-split, dkdv-fa2, dkdv-atomic-fa2,
+    dkdv-shipped, dkdv-atomic-variants), default all but dkdv-split (--sweep-split); dkdv-shipped: the
+    shipped dkdv tile alone (a baseline without the dkdv candidates). dkdv-fa2 / dkdv-atomic-fa2: FA2's
+    dkdv warp tiles (mma_backward.dkdv_fa2_source) without / with the atomic dQ phase. dkdv-atomic-variants: the shipped atomic tile with each ATOMIC_VARIANT_SWEEP entry, each one's
     dq, dk, dv first checked against the shipped kernel's (row["check"])."""
     import torch
     from numba import cuda
@@ -336,22 +338,29 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     # atomic dQ (deterministic=False) with 64 or 128 keys per block; FA2's dkdv warp layout (dkdv-split,
     # slower: results/backward-2026-11-29-split.md) only with --sweep-split
     extra = [("dkdv-atomic", [(64, 64), (128, 64)])] + ([("dkdv-split", [(64, 64)])] if sweep_split else [])
+    extra += [("dkdv-shipped", [tuple(shipped["dkdv"])]), ("dkdv-fa2", [(128, 64), (64, 64)]),
+              ("dkdv-atomic-fa2", [(128, 64), (64, 64)])]
     for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()) + extra:
         if kernels is not None and kernel not in kernels:
             continue
         for tile in tiles:
-            atomic = kernel == "dkdv-atomic"
+            atomic = kernel in ("dkdv-atomic", "dkdv-atomic-fa2")
             split = kernel == "dkdv-split"
-            config = dict(shipped, **({kernel: tile} if tile and not (atomic or split) else {}))
+            fa2 = kernel in ("dkdv-fa2", "dkdv-atomic-fa2")
+            config = dict(shipped, **({kernel: tile} if tile and not (atomic or split or fa2 or
+                                                                   kernel == "dkdv-shipped") else {}))
             if atomic:
                 config["dkdv_atomic"] = tile
             if split:
                 config.update(dkdv=tile, dkdv_split_d=True)
+            if fa2:
+                config.update(dkdv_fa2=True, **({} if atomic else {"dkdv": tile}))
             row = {"kernel": kernel, "tile": list(tile) if tile else None, "d": d, "dtype": dtype, "causal": causal,
                    "B": B, "H": H, "N": N}
             run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
                                               d=d, config=config, stream=stream,
-                                              kernels=("dkdv", "dq") if atomic else ("dkdv",) if split else (kernel,),
+                                              kernels=("dkdv", "dq") if atomic else ("dkdv",) if split or fa2
+                                              or kernel == "dkdv-shipped" else (kernel,),
                                               dq_acc=acc_view if atomic else None)
             try:
                 ms, _ = bench.time_call(run, budget_s=budget_s)
@@ -360,10 +369,13 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
                 continue
             row["ms"] = ms
             if tile:  # dkdv-atomic: its 5 products (2.5·F) and the dq conversion, timed together
-                fn = mma_backward.make_kernel("dkdv" if atomic or split else kernel, *tile, d, causal, dtype,
-                                              atomic_dq=atomic, split_d=split)
+                fn = mma_backward.make_kernel("dkdv" if atomic or split or fa2 or kernel == "dkdv-shipped" else kernel,
+                                              *tile, d, causal, dtype,
+                                              atomic_dq=atomic, split_d=split, **({"fa2": True} if fa2 else {}))
                 row["regs"] = next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs
-                row["tflops"] = {"dkdv": 2.0, "dkdv-split": 2.0, "dq": 1.5, "dkdv-atomic": 2.5}[kernel] * f / ms / 1e9
+                row["tflops"] = {"dkdv": 2.0, "dkdv-shipped": 2.0, "dkdv-split": 2.0, "dkdv-fa2": 2.0, "dq": 1.5,
+                                 "dkdv-atomic": 2.5,
+                                 "dkdv-atomic-fa2": 2.5}[kernel] * f / ms / 1e9
             rows.append(row)
             print(f"  mma {dtype} d{d} causal={causal} {kernel} {tile}: {ms:.3f} ms"
                   + (f", {row['tflops']:.1f} TFLOP/s, regs {row['regs']}" if tile else ""), flush=True)
@@ -505,7 +517,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time the candidate tile configs (fp32 and fp16)")
     ap.add_argument("--sweep-mma", action="store_true", help="time the tensor-core kernels' candidate tiles (fp16)")
     ap.add_argument("--sweep-kernels", nargs="+", default=None,
-                    help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split dkdv-atomic-variants)")
+                    help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split dkdv-fa2 dkdv-atomic-fa2 "
+                         "dkdv-atomic-variants)")
     ap.add_argument("--sweep-only", action="store_true", help="skip the autograd suite: only the sweeps asked for")
     ap.add_argument("--tf32", action="store_true", help="time the fp32 backward kernel='tf32x3' vs simt, SDPA")
     ap.add_argument("--sweep-split", action="store_true", help="with --sweep-mma: also time dkdv-split")

@@ -165,3 +165,30 @@ def test_tf32x3_backward_as_accurate_as_simt(Hkv, n_q, n_k, d, causal):
         assert (tf[0][:, :, : n_q - n_k] == 0).all()
     again = backward(q, k, v, out, lse, dout, causal=causal, kernel="tf32x3")
     assert all(torch.equal(a, b) for a, b in zip(tf, again))
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
+def test_fa2_dkdv_error_rule(monkeypatch, atomic, d, causal):
+    """FA2's dkdv warp tiles (mma_backward.dkdv_fa2_source, a sweep candidate) through the public
+    backward at 128-key blocks, deterministic and atomic: the fp16 error rule per gradient, GQA 2,
+    lengths off the tile grid."""
+    from numba_flash import configs
+
+    table = {hd: dict(cfg, dkdv=(128, 64), dkdv_atomic=(128, 64), dkdv_fa2=True)
+             for hd, cfg in configs.MMA_BWD_TABLE.items()}
+    monkeypatch.setattr("numba_flash.backward.MMA_BWD_TABLE", table)
+    from numba_flash import plans
+
+    plans.clear()  # a recorded plan would replay the shipped kernels (and one recorded here, fa2's)
+    monkeypatch.setattr(plans, "_state", dict(plans._state, enabled=False))
+    q, k, v, dout = _inputs(2, 4, 2, 1000, 1300, d, torch.float16, seed=d + causal)
+    out, lse = numba_flash.forward(q, k, v, causal=causal)
+    grads = backward(q, k, v, out, lse, dout, causal=causal, deterministic=not atomic)
+    ref = _autograd(lambda *x: attention_f64_torch(*x, causal)[0], q, k, v, dout, torch.float64)
+    naive = _autograd(lambda *x: attention_naive_same_dtype(*x, causal), q, k, v, dout)
+    ulp = torch.finfo(torch.float16).eps
+    for name, g, nv, r in zip(("dq", "dk", "dv"), grads, naive[1:], ref[1:]):
+        err, naive_err, mag = _max_err(g, r), _max_err(nv, r), r.abs().max().item()
+        print(f"fa2 atomic={atomic} d{d} causal={causal} {name}: ours {err:.3e}, naive {naive_err:.3e}")
+        assert err <= 2 * naive_err + ulp * mag, f"{name}: ours {err:.3e} vs naive fp16 {naive_err:.3e}"

@@ -193,6 +193,28 @@ def test_bench_atomic_variant_check_sim():
 
 
 @in_simulator
+@pytest.mark.parametrize("atomic", [False, True])
+def test_fa2_dkdv_sim(atomic):
+    """FA2's dkdv warp tiles (dkdv_fa2_source: two warps per 32 keys): GQA 2 over 64-key blocks of 4
+    warps, causal with Nq > Nk (masked rows, a partial last key block), several steps a block, the
+    deterministic and the atomic dQ path."""
+    vals, stored = problem(3, 1, 2, 1, 70, 50, 64, True, "float16")
+    config = {"dkdv": (64, 64), "dq": (16, 16), "head_dim": 64, "dkdv_fa2": True, "dkdv_atomic": (64, 64)}
+    grads = run_backward(stored, 64, True, "float16", config, atomic=atomic)
+    check_error_rule(grads, vals, True, "float16")
+    assert np.all(grads[0][:, :, :20] == 0)  # rows that see no key
+
+
+@in_simulator
+def test_fa2_dkdv_128_keys_sim():
+    """The same layout at d = 128 with 128-key blocks (8 warps: FA2's 4 x 2), bf16, atomic dQ
+    (4 row groups x 2 column halves of dQ_i), one block of one step (the simulator's budget)."""
+    vals, stored = problem(9, 1, 1, 1, 30, 100, 128, False, "bfloat16")
+    config = {"dkdv": (128, 64), "dq": (64, 64), "head_dim": 128, "dkdv_fa2": True, "dkdv_atomic": (128, 64)}
+    check_error_rule(run_backward(stored, 128, False, "bfloat16", config, atomic=True), vals, False, "bfloat16")
+
+
+@in_simulator
 @pytest.mark.variant
 def test_split_d_dkdv_sim():
     """FA2's dkdv warp layout (two warps per 16 keys, Pᵀ / dSᵀ through shared memory): GQA 2, causal,

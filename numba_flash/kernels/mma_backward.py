@@ -94,11 +94,15 @@ def threads_per_block(kernel: str, block_own: int, split_d: bool = False) -> int
 
 
 def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, atomic_dq: bool = False,
-               split_d: bool = False, dq_deferred: bool = False) -> int:
+               split_d: bool = False, dq_deferred: bool = False, fa2: bool = False) -> int:
     """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D,
-    with atomic_dq the 16-bit dSᵀ tile (two with dq_deferred), with split_d the 16-bit Pᵀ and dSᵀ tiles."""
+    with atomic_dq the 16-bit dSᵀ tile (two with dq_deferred), with split_d the 16-bit Pᵀ and dSᵀ tiles;
+    fa2: the Pᵀ and dSᵀ tiles (its atomic dQ phase reads the latter)."""
     streamed = 2 * block_streamed * head_dim + (4 * block_streamed if kernel == "dkdv" else 0)
-    ds = block_own * block_streamed * ((2 if dq_deferred else 1 if atomic_dq else 0) + (2 if split_d else 0))
+    if fa2:
+        ds = 2 * block_own * block_streamed
+    else:
+        ds = block_own * block_streamed * ((2 if dq_deferred else 1 if atomic_dq else 0) + (2 if split_d else 0))
     return 2 * (2 * block_own * head_dim + 2 * streamed + ds)
 
 
@@ -701,6 +705,297 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     return mma_backward_dkdv
 
 
+def two_products_m(HEAD_DIM, M_TILES, N_TILES, mma):
+    """two_products for warps of M_TILES m-tiles (16·M_TILES rows of A): every B fragment feeds
+    M_TILES mma, so the B tiles (shared by every warp) are read 1/M_TILES as often per product.
+    X and Y are (M_TILES, N_TILES, 4) accumulators; A rows of m-tile mt start at a_row + 16 mt."""
+    ldsm = ptx.ldmatrix_x4
+    D_STEPS = HEAD_DIM // 16
+
+    @inline_device
+    def step(x, y, fa, fb, smem, kk, a1, a2, b1, b2, a_row, a_x, b_row, b_x):
+        a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)  # row + 16 mt keeps row % 8: the same swizzle
+        for mt in range(M_TILES):
+            fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3] = ldsm(smem, a1 + a_off + mt * 16 * HEAD_DIM)
+            fb[mt, 0], fb[mt, 1], fb[mt, 2], fb[mt, 3] = ldsm(smem, a2 + a_off + mt * 16 * HEAD_DIM)
+        b_off = b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
+        for np2 in range(N_TILES // 2):
+            nt = 2 * np2
+            c0, c1, c2, c3 = ldsm(smem, b1 + b_off + np2 * 16 * HEAD_DIM)
+            for mt in range(M_TILES):
+                x[mt, nt, 0], x[mt, nt, 1], x[mt, nt, 2], x[mt, nt, 3] = mma(
+                    fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], c0, c1,
+                    x[mt, nt, 0], x[mt, nt, 1], x[mt, nt, 2], x[mt, nt, 3])
+                x[mt, nt + 1, 0], x[mt, nt + 1, 1], x[mt, nt + 1, 2], x[mt, nt + 1, 3] = mma(
+                    fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], c2, c3,
+                    x[mt, nt + 1, 0], x[mt, nt + 1, 1], x[mt, nt + 1, 2], x[mt, nt + 1, 3])
+            c0, c1, c2, c3 = ldsm(smem, b2 + b_off + np2 * 16 * HEAD_DIM)
+            for mt in range(M_TILES):
+                y[mt, nt, 0], y[mt, nt, 1], y[mt, nt, 2], y[mt, nt, 3] = mma(
+                    fb[mt, 0], fb[mt, 1], fb[mt, 2], fb[mt, 3], c0, c1,
+                    y[mt, nt, 0], y[mt, nt, 1], y[mt, nt, 2], y[mt, nt, 3])
+                y[mt, nt + 1, 0], y[mt, nt + 1, 1], y[mt, nt + 1, 2], y[mt, nt + 1, 3] = mma(
+                    fb[mt, 0], fb[mt, 1], fb[mt, 2], fb[mt, 3], c2, c3,
+                    y[mt, nt + 1, 0], y[mt, nt + 1, 1], y[mt, nt + 1, 2], y[mt, nt + 1, 3])
+
+    @inline_device
+    def unrolled(x, y, smem, a1, a2, b1, b2, a_row, a_x, b_row, b_x):
+        fa = cuda.local.array((M_TILES, 4), uint32)
+        fb = cuda.local.array((M_TILES, 4), uint32)
+        for mt in range(M_TILES):
+            for nt in range(N_TILES):
+                for r in range(4):
+                    x[mt, nt, r] = float32(0.0)
+                    y[mt, nt, r] = float32(0.0)
+        step(x, y, fa, fb, smem, 0, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        step(x, y, fa, fb, smem, 1, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        step(x, y, fa, fb, smem, 2, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        step(x, y, fa, fb, smem, 3, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        if D_STEPS > 4:
+            step(x, y, fa, fb, smem, 4, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, fa, fb, smem, 5, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, fa, fb, smem, 6, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, fa, fb, smem, 7, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+
+    if D_STEPS not in (4, 8):
+        raise ValueError(f"HEAD_DIM={HEAD_DIM}: the unrolled products take 64 or 128")
+    return unrolled
+
+
+def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True):
+    """dQ_i[16 rw.., cw..] += dS_i K_j from the dSᵀ tile in shared memory, added to fp32 scratch with
+    atomics: dkdv_source's dQ phase with its shipped flags (DQ_COLS = 32, no RED_V4), for the
+    kernels built beside it (dkdv_fa2_source); warps 4 down dQ_i's 64 rows x WARPS / 4 across d."""
+    ROW_GROUPS = BLOCK_M // 16
+    COL_GROUPS = max(WARPS // ROW_GROUPS, 1)
+    WARP_COLS = HEAD_DIM // COL_GROUPS
+    DQ_COLS = 32
+    DQ_TILES = DQ_COLS // 8
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    ldsm_t = ptx.ldmatrix_x4_trans
+    red_add2 = ptx.red_add_v2_f32
+    red_add = ptx.red_add_f32
+    ZERO = float32(0.0)
+    if WARP_COLS % DQ_COLS:
+        raise ValueError(f"{WARPS} warps leave {WARP_COLS} dQ columns a warp, not a multiple of {DQ_COLS}")
+
+    @inline_device
+    def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
+        rw = warp % ROW_GROUPS
+        cw = warp // ROW_GROUPS
+        mat = lane >> 3
+        a_key = (mat >> 1) * 8 + (lane & 7)  # A (queries x keys) from dSᵀ rows (keys): transposed quarters
+        a_chunk = 2 * rw + (mat & 1)
+        t_row = (mat & 1) * 8 + (lane & 7)
+        t_chunk = mat >> 1
+        acc_q = cuda.local.array((DQ_TILES, 4), float32)
+        row0 = (bh * dq_acc.shape[1] + i0 + rw * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
+        for wc in range(WARP_COLS // DQ_COLS):
+            pc = cw * (WARP_COLS // DQ_COLS) + wc  # this pass's DQ_COLS-column chunk of dQ_i
+            for nt in range(DQ_TILES):
+                for r in range(4):
+                    acc_q[nt, r] = ZERO
+            for kk in range(BLOCK_N // 16):
+                a0, a1, a2, a3 = ldsm_t(smem, sds + swizzle_m(kk * 16 + a_key, a_chunk))
+                for dp2 in range(DQ_COLS // 16):
+                    nt = 2 * dp2
+                    b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
+                    acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
+                        a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
+                    acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
+            for nt in range(DQ_TILES):
+                col = pc * DQ_COLS + nt * 8 + 2 * t
+                for half in range(2):  # scratch rows and columns are padded: no bounds checks
+                    off = row0 + 8 * half * HEAD_DIM + col
+                    if VECTOR_RED:
+                        red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                    else:
+                        red_add(dq_acc, off, acc_q[nt, 2 * half])
+                        red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+
+    return add_dq
+
+
+def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True):
+    """dK/dV with FA2's d = 128 warp tiles (``fa2``): warps in pairs over 32 keys (two m-tiles), each
+    computing Sᵀ and dPᵀ for its 32 keys x half of the 64 queries (32 x 32 tiles: every K, V, Q, dO
+    fragment loaded feeds 2 mma, where the shipped layout's 16 x 64 tiles feed 1 with A), then
+    dV, dK for its 32 keys x half of the head dim from Pᵀ and dSᵀ in shared memory (each dO and Q
+    fragment feeds both m-tiles). BLOCK_N = 128: 8 warps, FA2's 2 x 4 / 4 x 2 layouts; per warp and
+    step at d = 128 112 ldmatrix per 256 mma (the shipped dkdv: 144). Accumulators per lane as the
+    shipped kernel's (dK + dV: 128 fp32 at d = 128). ATOMIC_DQ: dQ_i += dS K_j from the same dSᵀ
+    tile (atomic_dq_phase), no extra barrier: the next step's writes of Pᵀ / dSᵀ follow its first
+    barrier. Same maths and outputs as ``dkdv_source`` up to summation order within a tile."""
+    KT = 2  # m-tiles (16 keys each) per warp
+    R_GROUPS = BLOCK_N // (16 * KT)  # warps 2r, 2r + 1 own keys 32r..32r+31
+    WARPS = 2 * R_GROUPS
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 8
+    KV_COPIES = BLOCK_N * CHUNKS // THREADS
+    Q_HALF = BLOCK_M // 2  # query columns of Sᵀ / dPᵀ per warp
+    Q_TILES_W = Q_HALF // 8
+    M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (all queries)
+    O_TILES_W = HEAD_DIM // 16  # n-tiles of this warp's half of dK / dV
+    CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
+    if BLOCK_M != 64 or BLOCK_N % 32 or BLOCK_N < 64:
+        raise ValueError(f"fa2 dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows) and a multiple of 32 keys "
+                         f">= 64 (whole warp pairs, 4 row groups of dQ); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
+        _store_grads, _dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
+    SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    unrolled = two_products_m(HEAD_DIM, KT, Q_TILES_W, mma)
+    add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED)
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ldsm = ptx.ldmatrix_x4
+    ldsm_t = ptx.ldmatrix_x4_trans
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
+        smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
+        smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
+        smem_w = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # ... and as 32-bit words (pairs)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        rg = warp >> 1  # key group: keys 32 rg..
+        half_c = warp & 1  # query half of Sᵀ / dPᵀ, head-dim half of dK / dV
+        bh = cuda.blockIdx.y
+        n_kv_heads = k.shape[1]
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        k0 = cuda.blockIdx.x * BLOCK_N
+        kw = k0 + rg * 16 * KT  # this warp pair's first key
+        shift = n_k - n_q
+        nq_pad = l2.shape[1]
+
+        qt0, per_head, steps = schedule(k0, n_q, shift, group)
+
+        mat = lane >> 3
+        a_row = rg * 16 * KT + (lane & 15)  # A rows of m-tile 0: K, V (head dim) and Pᵀ, dSᵀ (queries)
+        a_x = (lane >> 4) ^ (a_row & 7)
+        b_row = (mat >> 1) * 8 + (lane & 7)
+        b_x = (mat & 1) ^ (b_row & 7)
+        t_row = (mat & 1) * 8 + (lane & 7)
+        t_chunk = mat >> 1
+        q_off = half_c * Q_HALF * HEAD_DIM  # this warp's query rows of the Q / dO tiles
+
+        load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
+        load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
+        if steps > 0:
+            load_stage(smem, STAGE0, q, dout, l2, dd, b, h_kv * group, qt0 * BLOCK_M, n_q, d, nq_pad)
+        cp_commit()
+
+        acc_k = cuda.local.array((KT, O_TILES_W, 4), float32)
+        acc_v = cuda.local.array((KT, O_TILES_W, 4), float32)
+        s = cuda.local.array((KT, Q_TILES_W, 4), float32)  # Sᵀ, then Pᵀ
+        dp = cuda.local.array((KT, Q_TILES_W, 4), float32)  # dPᵀ, then dSᵀ
+        pa = cuda.local.array((KT, 4), uint32)  # Pᵀ fragments of one k-step, per m-tile
+        da = cuda.local.array((KT, 4), uint32)  # dSᵀ's
+        for mt in range(KT):
+            for dt in range(O_TILES_W):
+                for r in range(4):
+                    acc_k[mt, dt, r] = ZERO
+                    acc_v[mt, dt, r] = ZERO
+
+        for step in range(steps):
+            cp_wait(0)
+            cuda.syncthreads()  # tiles landed; every warp left the previous step (its Pᵀ, dSᵀ, dQ phase)
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
+            cp_commit()
+            hh = step // per_head
+            i0 = (qt0 + step - hh * per_head) * BLOCK_M
+            st = STAGE0 + (step & 1) * STAGE
+
+            # Sᵀ and dPᵀ for keys 32 rg.. x this warp's half of the queries
+            unrolled(s, dp, smem, SK, SV, st + SQ + q_off, st + SDO + q_off, a_row, a_x, b_row, b_x)
+
+            needs_mask = CAUSAL and kw + 16 * KT - 1 > i0 + shift
+            l2_s = (st + SL) >> 1
+            d_s = (st + SD) >> 1
+            for mt in range(KT):
+                for nt in range(Q_TILES_W):
+                    for r in range(4):
+                        col = half_c * Q_HALF + nt * 8 + 2 * t + (r & 1)
+                        x = s[mt, nt, r] * scale_log2 - smem_f[l2_s + col]
+                        if needs_mask and kw + mt * 16 + g + 8 * (r >> 1) > i0 + col + shift:
+                            x = NEG_INF
+                        p = ex2(x)
+                        s[mt, nt, r] = p
+                        dp[mt, nt, r] = p * (dp[mt, nt, r] - smem_f[d_s + col])
+            for mt in range(KT):  # Pᵀ and dSᵀ to shared memory as 16-bit pairs
+                for nt in range(Q_TILES_W):
+                    for half in range(2):
+                        off = swizzle_m(rg * 16 * KT + mt * 16 + g + 8 * half, half_c * Q_TILES_W + nt) + 2 * t
+                        smem_w[(SP + off) >> 1] = pack(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1])
+                        smem_w[(SDS + off) >> 1] = pack(dp[mt, nt, 2 * half], dp[mt, nt, 2 * half + 1])
+            cuda.syncthreads()  # both query halves of every key group are in shared memory
+
+            # dV[32 rg.., d half] += Pᵀ dO and dK[...] += dSᵀ Q over all BLOCK_M queries.
+            for kk in range(M_STEPS):
+                for mt in range(KT):
+                    a_off = swizzle_m(a_row + 16 * mt, 2 * kk + (lane >> 4))
+                    pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3] = ldsm(smem, SP + a_off)
+                    da[mt, 0], da[mt, 1], da[mt, 2], da[mt, 3] = ldsm(smem, SDS + a_off)
+                for dp2 in range(O_TILES_W // 2):
+                    dt = 2 * dp2
+                    t_off = st + swizzle(kk * 16 + t_row, half_c * O_TILES_W + dp2 * 2 + t_chunk)
+                    b0, b1, b2, b3 = ldsm_t(smem, SDO + t_off)
+                    for mt in range(KT):
+                        acc_v[mt, dt, 0], acc_v[mt, dt, 1], acc_v[mt, dt, 2], acc_v[mt, dt, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
+                            acc_v[mt, dt, 0], acc_v[mt, dt, 1], acc_v[mt, dt, 2], acc_v[mt, dt, 3])
+                        acc_v[mt, dt + 1, 0], acc_v[mt, dt + 1, 1], acc_v[mt, dt + 1, 2], acc_v[mt, dt + 1, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
+                            acc_v[mt, dt + 1, 0], acc_v[mt, dt + 1, 1], acc_v[mt, dt + 1, 2], acc_v[mt, dt + 1, 3])
+                    b0, b1, b2, b3 = ldsm_t(smem, SQ + t_off)
+                    for mt in range(KT):
+                        acc_k[mt, dt, 0], acc_k[mt, dt, 1], acc_k[mt, dt, 2], acc_k[mt, dt, 3] = mma(
+                            da[mt, 0], da[mt, 1], da[mt, 2], da[mt, 3], b0, b1,
+                            acc_k[mt, dt, 0], acc_k[mt, dt, 1], acc_k[mt, dt, 2], acc_k[mt, dt, 3])
+                        acc_k[mt, dt + 1, 0], acc_k[mt, dt + 1, 1], acc_k[mt, dt + 1, 2], acc_k[mt, dt + 1, 3] = mma(
+                            da[mt, 0], da[mt, 1], da[mt, 2], da[mt, 3], b2, b3,
+                            acc_k[mt, dt + 1, 0], acc_k[mt, dt + 1, 1], acc_k[mt, dt + 1, 2], acc_k[mt, dt + 1, 3])
+
+            if ATOMIC_DQ:  # dSᵀ is complete since the barrier above
+                add_dq(smem, SDS, dq_acc, bh * group + hh, i0, warp, lane, g, t)
+
+        cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
+
+        col0 = half_c * (HEAD_DIM // 2)
+        for mt in range(KT):
+            for half in range(2):
+                row = kw + mt * 16 + g + 8 * half
+                if row < n_k:
+                    for dt in range(O_TILES_W):
+                        col = col0 + dt * 8 + 2 * t
+                        bits_v = pack(acc_v[mt, dt, 2 * half], acc_v[mt, dt, 2 * half + 1])
+                        bits_k = pack(acc_k[mt, dt, 2 * half] * scale, acc_k[mt, dt, 2 * half + 1] * scale)
+                        if col < d:
+                            dv[b, h_kv, row, col] = uint16(bits_v & 0xFFFF)
+                            dk[b, h_kv, row, col] = uint16(bits_k & 0xFFFF)
+                        if col + 1 < d:
+                            dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
+                            dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+
+    if ATOMIC_DQ:
+        def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale)
+    else:  # dq_acc is never touched: l2 stands in
+        def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale)
+
+    return mma_backward_dkdv
+
+
 def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed."""
     WARPS = BLOCK_M // 16
@@ -841,12 +1136,16 @@ ATOMIC_VARIANTS = {"dq_cols": 32, "dq_deferred": False, "red_v4": False}  # dkdv
 
 
 def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False,
-                  vector_red=True, **variants):
+                  vector_red=True, fa2=False, **variants):
     """The Python kernel of one specialisation (before cuda.jit; the compile tests use it). variants:
     the atomic dQ phase's candidates, ATOMIC_VARIANTS' keys (dkdv_source's DQ_COLS, DQ_DEFERRED, RED_V4)."""
     unknown = set(variants) - set(ATOMIC_VARIANTS)
     if unknown:
         raise ValueError(f"unknown atomic dQ variants {sorted(unknown)}; known {sorted(ATOMIC_VARIANTS)}")
+    if kernel == "dkdv" and fa2:
+        if variants:
+            raise ValueError(f"the fa2 dkdv has no atomic dQ variants (got {sorted(variants)})")
+        return dkdv_fa2_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red)
     if kernel == "dkdv" and split_d:
         return dkdv_split_source(block_own, block_streamed, head_dim, causal, dtype)
     if kernel == "dkdv":
@@ -876,11 +1175,13 @@ def make_convert_kernel(dtype: str):
 @lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
                 max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False,
-                vector_red: bool = True, **variants):
+                vector_red: bool = True, fa2: bool = False, **variants):
     """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme),
     as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
-    split_d (dkdv only): FA2's warp layout, two warps per 16 keys (``dkdv_split_source``).
+    split_d (dkdv only): two warps per 16 keys (``dkdv_split_source``).
+    fa2 (dkdv only): FA2's d = 128 warp tiles, two warps per 32 keys (``dkdv_fa2_source``), with or
+    without atomic dQ.
     variants (atomic dkdv only): candidate dQ phases, ATOMIC_VARIANTS' keys; not shipped."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d)
     if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
@@ -889,11 +1190,14 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     if split_d and (kernel != "dkdv" or block_streamed != 64 or atomic_dq):
         bad.append(f"split_d is a dkdv layout for 64-query tiles without atomic dQ, not {kernel} "
                    f"{block_own}x{block_streamed} atomic_dq={atomic_dq}")
+    if fa2 and (kernel != "dkdv" or block_streamed != 64 or block_own % 32 or block_own < 64 or split_d):
+        bad.append(f"fa2 is a dkdv layout for 64-query tiles and 64, 96 or 128 keys, not {kernel} "
+                   f"{block_own}x{block_streamed} split_d={split_d}")
     if bad:
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
     source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq),
-                           bool(split_d), bool(vector_red), **variants)
+                           bool(split_d), bool(vector_red), bool(fa2), **variants)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq)), **cap)(source)
 
@@ -914,9 +1218,10 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     holding bf16 bits); q, k, v, dout with unit last stride, other strides multiples of 16 B and
     16-byte aligned data (cp.async); lse: (B, H, Nq) fp32; l2, dd: fp32 scratch of shape
     (B·H, padded_rows(Nq)), C-contiguous. ``config``: {"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M,
-    BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_split_d": bool][, "dkdv_atomic": (BLOCK_N, BLOCK_M)]
-    [, "dkdv_atomic_variants": {name: value}]}, as configs.MMA_BWD_TABLE holds them (dkdv_split_d:
-    FA2's two-warps-per-16-keys dkdv layout, ignored with dq_acc; dkdv_atomic: the dkdv tile used
+    BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_split_d": bool][, "dkdv_fa2": bool][, "dkdv_atomic": (BLOCK_N,
+    BLOCK_M)][, "dkdv_atomic_variants": {name: value}]}, as configs.MMA_BWD_TABLE holds them (dkdv_split_d:
+    the two-warps-per-16-keys dkdv layout, ignored with dq_acc; dkdv_fa2: FA2's two warps per 32
+    keys, for the dkdv tile and, with dq_acc, the atomic one; dkdv_atomic: the dkdv tile used
     with dq_acc, default the "dkdv" one; dkdv_atomic_variants: sweep candidates of its dQ phase,
     ATOMIC_VARIANTS' keys, none shipped). Nq, Nk > 0. ``kernels``
     picks which of the three run (the sweep times them one by one; dkdv and dq read prep's scratch).
@@ -935,15 +1240,17 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     words = tuple(_words(x) for x in (q, k, v, dout))
     bn, bm = config.get("dkdv_atomic", config["dkdv"]) if atomic else config["dkdv"]
     split = bool(config.get("dkdv_split_d", False)) and not atomic
+    fa2 = bool(config.get("dkdv_fa2", False))
     if "dkdv" in kernels:
         extra = (dq_acc,) if atomic else ()
         # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
         scalar_red = {"vector_red": False} if atomic and not ptx.current_sm90() else {}
         variants = dict(config.get("dkdv_atomic_variants", {})) if atomic else {}
+        layout = {"fa2": True} if fa2 else {}  # passed only when on, as above
         launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
-                                  **scalar_red, **variants),
+                                  **scalar_red, **layout, **variants),
                       ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn, split), stream,
-                      smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred"))),
+                      smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred")), fa2),
                       *words, l2, dd, _words(dk), _words(dv),
                       *extra, *scalars)
     if atomic:
