@@ -9,6 +9,7 @@ specialisations compile (~1 minute of the budget); the kernels themselves take m
 """
 from __future__ import annotations
 
+import sys
 import zlib
 
 import pytest
@@ -177,7 +178,7 @@ def test_fa2_dkdv_error_rule(monkeypatch, atomic, d, causal):
 
     table = {hd: dict(cfg, dkdv=(128, 64), dkdv_atomic=(128, 64), dkdv_fa2=True)
              for hd, cfg in configs.MMA_BWD_TABLE.items()}
-    monkeypatch.setattr("numba_flash.backward.MMA_BWD_TABLE", table)
+    monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_TABLE", table)  # the module, not the function
     from numba_flash import plans
 
     plans.clear()  # a recorded plan would replay the shipped kernels (and one recorded here, fa2's)
