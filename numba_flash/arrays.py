@@ -126,12 +126,43 @@ def empty_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
     obj, view = _empty_like_kind(kind, ref, shape, dtype, stream)
     watched = getattr(recording, "allocations", None)
     if watched is not None:  # plans.py is watching this call: how to allocate the same again
-        watched.append((obj, view, (kind, ref, tuple(shape), dtype)))
+        watched.append((obj, view, (kind, ref, tuple(shape), dtype, False)))
     return obj, view
 
 
-def allocate(kind: str, ref: Any, shape: tuple, dtype: str, stream) -> tuple:
-    """(object, data pointer) of ``empty_like_kind`` without its view (plans.py: per call)."""
+def zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
+    """(object, device view) of zero-filled scratch, allocated and zeroed by ref's framework on its
+    current stream (PyTorch, CuPy; a plan zeroes it again per call), or by a host copy (Numba and
+    other arrays: not recorded, so such a call keeps the ordinary path)."""
+    if kind in (TORCH, CUPY):
+        obj, view = _zeros_like_kind(kind, ref, shape, dtype)
+        watched = getattr(recording, "allocations", None)
+        if watched is not None:
+            watched.append((obj, view, (kind, ref, tuple(shape), dtype, True)))
+        return obj, view
+    dev = cuda.to_device(np.zeros(shape, np.dtype(dtype)), stream=stream)
+    return dev, (dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI))
+
+
+def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str):
+    if kind == TORCH:
+        import torch
+
+        obj = torch.zeros(shape, dtype=getattr(torch, dtype), device=ref.device)
+        return obj, view_of(obj, TORCH)
+    import cupy
+
+    with cupy.cuda.Device(ref.device.id):
+        obj = cupy.zeros(shape, dtype=dtype)
+    return obj, view_of(obj, CUPY)
+
+
+def allocate(kind: str, ref: Any, shape: tuple, dtype: str, stream, zeroed: bool = False) -> tuple:
+    """(object, data pointer) of ``empty_like_kind`` (or ``zeros_like_kind``) without its view
+    (plans.py: per call)."""
+    if zeroed:
+        obj, view = _zeros_like_kind(kind, ref, shape, dtype)
+        return obj, view.ptr
     if kind == TORCH:
         import torch
 

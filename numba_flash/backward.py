@@ -197,17 +197,7 @@ def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
 
 def _zeros_scratch(kind: str, ref: Any, shape: tuple, stream):
     """Zeroed fp32 device scratch, allocated (and memset) by q's framework on its stream; a view."""
-    if kind == arrays.TORCH:
-        import torch
-
-        return arrays.view_of(torch.zeros(shape, dtype=torch.float32, device=ref.device), arrays.TORCH)
-    if kind == arrays.CUPY:
-        import cupy
-
-        with cupy.cuda.Device(ref.device.id):
-            return arrays.view_of(cupy.zeros(shape, dtype=np.float32), arrays.CUPY)
-    dev = cuda.to_device(np.zeros(shape, np.float32), stream=stream)
-    return dev if nb_config.ENABLE_CUDASIM else arrays.view_of(dev, arrays.CAI)
+    return arrays.zeros_like_kind(kind, ref, shape, "float32", stream)[1]
 
 
 def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True):

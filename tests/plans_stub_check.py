@@ -57,7 +57,15 @@ THREAD_LOG: list = []
 
 launch._Launcher.cufunc = _cufunc
 cu.cuLaunchKernel = _launch_kernel
-torch.zeros = torch.empty  # deterministic=False's scratch (not cached: the plan cannot re-zero it)
+ZEROED: list = []  # shapes of the zero-filled scratch allocated (the stub cannot fill memory)
+
+
+def _zeros(shape, dtype=None, device=None):
+    ZEROED.append(tuple(shape))
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+torch.zeros = _zeros  # deterministic=False's scratch: a plan allocates (and zeroes) it per call
 OUT_BASE = 1 << 44  # outputs get the same fake pointers in every run compared
 
 
@@ -189,15 +197,17 @@ def check_backward():
         o2, do2, l2 = tensor(shape, dt), tensor(shape, dt, misalign=dout_off), tensor(shape[:-1], "float32")
         assert run(lambda: numba_flash.backward(q2, k2, v2, o2, l2, do2, causal=causal), True) == \
             run(lambda: numba_flash.backward(q2, k2, v2, o2, l2, do2, causal=causal), False), label
-    # Zero-filled scratch (deterministic=False) and zero gradients (Nk = 0): no plan, the ordinary path.
+    # Zero-filled scratch (deterministic=False): a plan zeroes a fresh one per call, as the ordinary
+    # path does; zero gradients (Nk = 0): no plan, the ordinary path.
     q, k, v, out, dout = (tensor((1, 2, 64, 64)) for _ in range(5))
     lse = tensor((1, 2, 64), "float32")
     before = plans.cache_info()["uncacheable"]
-    same("deterministic=False", lambda: numba_flash.backward(q, k, v, out, lse, dout, deterministic=False),
-         expect_hit=False)
+    ZEROED.clear()
+    same("deterministic=False", lambda: numba_flash.backward(q, k, v, out, lse, dout, deterministic=False))
+    assert len(ZEROED) == 3 and len(set(ZEROED)) == 1, ZEROED  # off, first call, hit: one scratch each
     k0, v0 = tensor((1, 2, 0, 64)), tensor((1, 2, 0, 64))
     same("Nk=0 empty", lambda: numba_flash.backward(q, k0, v0, out, lse, dout), expect_hit=False)
-    assert plans.cache_info()["uncacheable"] == before + 2
+    assert plans.cache_info()["uncacheable"] == before + 1
 
 
 def check_errors():
@@ -320,6 +330,59 @@ def check_threads():
         inputs = {int(slots[s]) for s in launcher.data_slots[:3]}
         assert inputs <= mine[ident], "a launch carried another thread's pointers"
     assert plans.cache_info()["hits"] > 0
+
+
+def check_nocontext():
+    """A thread with no current CUDA context (PyTorch's autograd device threads bind none): a plan
+    replays there inside its device's context (a hit, not the ordinary path every time), launching
+    what the ordinary path launches."""
+    from numba import cuda
+
+    state = threading.local()
+    real = cu.cuCtxGetDevice
+    entered = []
+
+    def ctx_get_device():
+        if getattr(state, "none", False):
+            return cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, 0
+        return real()
+
+    class Device(pytypes.SimpleNamespace):  # cuda.gpus[i]: a context manager making device i current
+        def __enter__(self):
+            entered.append(threading.get_ident())
+            self.saved, state.none = getattr(state, "none", False), False
+            return self
+
+        def __exit__(self, *exc):
+            state.none = self.saved
+
+    gpus = cuda.gpus
+    cu.cuCtxGetDevice, cuda.gpus = ctx_get_device, [Device(**vars(gpus[0]))]
+    errors = []
+
+    def work():
+        state.none = True
+        try:
+            for label, shape, dt, det in (("backward fp16", (2, 4, 100, 64), "float16", True),
+                                          ("backward fp16 atomic", (1, 2, 64, 128), "float16", False),
+                                          ("backward fp32", (1, 2, 64, 64), "float32", True)):
+                q, k, v, out, dout = (tensor(shape, dt) for _ in range(5))
+                lse = tensor(shape[:-1], "float32")
+                entered.clear()
+                same(f"no context: {label}", lambda: numba_flash.backward(q, k, v, out, lse, dout, causal=True,
+                                                                          deterministic=det))
+                assert len(entered) >= 3, entered  # every call (off, first, hit) ran inside the device's context
+                assert launch.current_device_id() is None  # and left the thread as it found it
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        th = threading.Thread(target=work)
+        th.start()
+        th.join()
+    finally:
+        cu.cuCtxGetDevice, cuda.gpus = real, gpus
+    assert not errors, errors
 
 
 def check_off():

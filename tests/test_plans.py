@@ -30,7 +30,8 @@ def _stub_check(*names, env=None):
     return proc.stdout
 
 
-@pytest.mark.parametrize("check", ["forward", "decode", "backward", "errors", "bound", "fallback", "threads"])
+@pytest.mark.parametrize("check", ["forward", "decode", "backward", "errors", "bound", "fallback", "threads",
+                                   "nocontext"])
 def test_plans_launch_what_the_ordinary_path_launches(check):
     """Same kernels, grids, blocks, shared memory, streams and parameter bytes; same errors and
     warnings; alignment, aliasing, NumPy lengths, uncacheable calls and the bound (see the script)."""
