@@ -183,11 +183,18 @@ def test_fa2_dkdv_error_rule(monkeypatch, atomic, d, causal):
 
     plans.clear()  # a recorded plan would replay the shipped kernels (and one recorded here, fa2's)
     monkeypatch.setattr(plans, "_state", dict(plans._state, enabled=False))
+    from numba_flash.kernels import mma_backward
+
+    built = []
+    make_kernel = mma_backward.make_kernel
+    monkeypatch.setattr(mma_backward, "make_kernel",
+                        lambda *a, **kw: built.append(kw.get("fa2", False)) or make_kernel(*a, **kw))
     q, k, v, dout = _inputs(2, 4, 2, 1000, 1300, d, torch.float16, seed=d + causal)
     out, lse = numba_flash.forward(q, k, v, causal=causal)
     grads = backward(q, k, v, out, lse, dout, causal=causal, deterministic=not atomic)
     ref = _autograd(lambda *x: attention_f64_torch(*x, causal)[0], q, k, v, dout, torch.float64)
     naive = _autograd(lambda *x: attention_naive_same_dtype(*x, causal), q, k, v, dout)
+    assert True in built, f"the fa2 dkdv was not launched ({built})"  # the table patch took effect
     ulp = torch.finfo(torch.float16).eps
     for name, g, nv, r in zip(("dq", "dk", "dv"), grads, naive[1:], ref[1:]):
         err, naive_err, mag = _max_err(g, r), _max_err(nv, r), r.abs().max().item()

@@ -66,7 +66,9 @@ SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
     pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: 125 s under pytest -n 2
     (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
     (1, 2, 1, 12, 21, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
-    pytest.param(1, 1, 1, 19, 26, 28, True, dict(swizzle=True), marks=pytest.mark.variant),  # the sweep's, not shipped
+    # the sweep's swizzled variant (not shipped), at d 64: chunk pairs and n-tiles past the first 32 words
+    pytest.param(1, 1, 1, 19, 26, 60, True, dict(swizzle=True, dkdv=(16, 8), dq=(16, 8), head_dim=64),
+                 marks=pytest.mark.variant),
 ])
 def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal)

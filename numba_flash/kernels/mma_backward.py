@@ -107,7 +107,7 @@ def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, 
 
 
 def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dtype: str,
-             split_d: bool = False) -> list[str]:
+             split_d: bool = False, fa2: bool = False) -> list[str]:
     """Why a specialisation cannot be built (empty when it can)."""
     out = []
     if kernel not in KERNELS:
@@ -128,7 +128,7 @@ def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dt
             out.append(f"{name} tile of {rows}x{head_dim} is not a whole number of 16-byte copies per thread")
     if kernel == "dkdv" and block_streamed // 2 > threads:
         out.append(f"{block_streamed} query rows of L2 and D need {block_streamed // 2} copying threads, have {threads}")
-    nbytes = smem_bytes(kernel, block_own, block_streamed, head_dim, split_d=split_d)
+    nbytes = smem_bytes(kernel, block_own, block_streamed, head_dim, split_d=split_d, fa2=fa2)
     if nbytes > SMEM_PER_BLOCK_MAX:
         out.append(f"{nbytes} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out
@@ -776,8 +776,9 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     red_add2 = ptx.red_add_v2_f32
     red_add = ptx.red_add_f32
     ZERO = float32(0.0)
-    if WARP_COLS % DQ_COLS:
-        raise ValueError(f"{WARPS} warps leave {WARP_COLS} dQ columns a warp, not a multiple of {DQ_COLS}")
+    if WARPS % ROW_GROUPS or WARP_COLS % DQ_COLS:
+        raise ValueError(f"{WARPS} warps over {ROW_GROUPS} row groups of dQ_i ({WARP_COLS} columns a warp): "
+                         f"the warps must fill whole row groups, {DQ_COLS} columns a pass")
 
     @inline_device
     def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
@@ -838,9 +839,9 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (all queries)
     O_TILES_W = HEAD_DIM // 16  # n-tiles of this warp's half of dK / dV
     CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
-    if BLOCK_M != 64 or BLOCK_N % 32 or BLOCK_N < 64:
-        raise ValueError(f"fa2 dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows) and a multiple of 32 keys "
-                         f">= 64 (whole warp pairs, 4 row groups of dQ); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
+    if BLOCK_M != 64 or BLOCK_N not in (64, 128):
+        raise ValueError(f"fa2 dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows) and 64 or 128 keys (whole "
+                         f"warp pairs; 4 or 8 warps over dQ_i's 4 row groups); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
         _store_grads, _dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
@@ -1183,16 +1184,16 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     fa2 (dkdv only): FA2's d = 128 warp tiles, two warps per 32 keys (``dkdv_fa2_source``), with or
     without atomic dQ.
     variants (atomic dkdv only): candidate dQ phases, ATOMIC_VARIANTS' keys; not shipped."""
-    bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d)
+    bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d, fa2)
     if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
         bad.append(f"atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query tiles only, not "
                    f"{kernel} {block_own}x{block_streamed}")
     if split_d and (kernel != "dkdv" or block_streamed != 64 or atomic_dq):
         bad.append(f"split_d is a dkdv layout for 64-query tiles without atomic dQ, not {kernel} "
                    f"{block_own}x{block_streamed} atomic_dq={atomic_dq}")
-    if fa2 and (kernel != "dkdv" or block_streamed != 64 or block_own % 32 or block_own < 64 or split_d):
-        bad.append(f"fa2 is a dkdv layout for 64-query tiles and 64, 96 or 128 keys, not {kernel} "
-                   f"{block_own}x{block_streamed} split_d={split_d}")
+    if fa2 and (kernel != "dkdv" or block_streamed != 64 or block_own not in (64, 128) or split_d):
+        bad.append(f"fa2 is a dkdv layout for 64-query tiles and 64 or 128 keys (whole warp pairs, 4 or 8 "
+                   f"warps over dQ_i), not {kernel} {block_own}x{block_streamed} split_d={split_d}")
     if bad:
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")

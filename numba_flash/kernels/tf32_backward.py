@@ -181,11 +181,12 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE):
     def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, b_x, B_SWZ, N_TILES):
         """out[nt] = A_w · Bᵀ for n-tiles nt < N_TILES over all of d: lane (g, t) brings columns
         16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane: the row's start,
-        its chunk 4c + t at words (16c) ^ b_x: b_x = 4t unswizzled, 4 (t ^ chunk_xor(g)) swizzled);
+        its chunk 4c + t at words (16c) ^ b_x with b_x = 4 (t ^ chunk_xor(g)) if swizzled; unswizzled
+        b_lane is at column 4t and b_x = 0);
         each pair of k-steps starts from zero and is added by an FADD. B_SWZ (0 or 1, constant):
         whether B is swizzled. (16c) ^ b_x is formed as 32 (c >> 1) + (b_x or b_x ^ 16): two lane
         registers and immediates, not one per c (ptxas spilled hundreds of bytes at d = 128 when
-        each c had its own XOR); unswizzled it is 16c + 4t, an immediate on one register."""
+        each c had its own XOR); unswizzled, b_lane + 16c: an immediate on one register."""
         b_x1 = b_x ^ 16
         c = cuda.local.array((1, 4), float32)
         for nt in range(N_TILES):
@@ -225,20 +226,21 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE):
         8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g
         of a swizzled tile: b_lane = row 2t's start + g % 4, and with b_x = 4 ((g // 4) ^ chunk_xor(2t))
         the column's words are (8dt) ^ b_x = 32 (dt >> 2) + o[dt & 3], o[m] = (8m) ^ b_x (pattern2
-        forms o0..o3 once); row 2t + 1's chunk differs in bit 2: words ^ 16, i.e. o[m ^ 2]."""
+        forms o0..o3 once); row 2t + 1's chunk differs in bit 2: words ^ 16, i.e. o[m ^ 2].
+        Padded tiles (SWIZZLE off): b_lane = row 2t's start + g, the o's unused."""
         m = dt & 3
-        x0 = o0 if m == 0 else (o1 if m == 1 else (o2 if m == 2 else o3))
-        x1 = o2 if m == 0 else (o3 if m == 1 else (o0 if m == 2 else o1))
         c = cuda.local.array((1, 4), float32)
         for r in range(4):
             c[0, r] = ZERO
         for n in range(K_STEPS):
             if SWIZZLE:
+                x0 = o0 if m == 0 else (o1 if m == 1 else (o2 if m == 2 else o3))
+                x1 = o2 if m == 0 else (o3 if m == 1 else (o0 if m == 2 else o1))
                 row = b_lane + n * 8 * S2 + 32 * (dt >> 2)
                 bh0, bl0 = split(smem[row + x0])
                 bh1, bl1 = split(smem[row + S2 + x1])
-            else:  # padded rows: b_x = 4 (g // 4), column 8dt + g of both rows, immediates on one register
-                off = b_lane + o0 + n * 8 * S2 + dt * 8
+            else:  # padded rows: b_lane at column g (b_x = 0), 8dt + g of both rows, immediates on one register
+                off = b_lane + n * 8 * S2 + dt * 8
                 bh0, bl0 = split(smem[off])
                 bh1, bl1 = split(smem[off + S2])
             mma3(c, 0, ah[n, 0], ah[n, 2], ah[n, 1], ah[n, 3], al[n, 0], al[n, 2], al[n, 1], al[n, 3],
@@ -368,12 +370,17 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False)
         # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2). Q and dO are swizzled.
         k_lane = SK + (warp * 16 + g) * S1 + 4 * t
         v_lane = SV + (warp * 16 + g) * S1 + 4 * t
-        q_lane = SQ + g * S2
-        do_lane = SDO + g * S2
-        row_x = 4 * (t ^ (SWZ * _chunk_xor(g)))  # pattern 1's chunk swizzle of rows g
-        q_t = SQ + 2 * t * S2 + (g & 3)
-        do_t = SDO + 2 * t * S2 + (g & 3)
-        col_x = 4 * ((g >> 2) ^ (SWZ * _chunk_xor(2 * t)))  # pattern 2's of rows 2t
+        q_lane = SQ + g * S2 + (0 if SWIZZLE else 4 * t)  # padded: columns 4t here (the old code exactly)
+        do_lane = SDO + g * S2 + (0 if SWIZZLE else 4 * t)
+        row_x = 4 * (t ^ _chunk_xor(g)) if SWIZZLE else 0  # pattern 1's chunk swizzle of rows g
+        if SWIZZLE:  # pattern 2's lane offsets: word g % 4 here, the chunk (g // 4, swizzled) in col_x
+            q_t = SQ + 2 * t * S2 + (g & 3)
+            do_t = SDO + 2 * t * S2 + (g & 3)
+            col_x = 4 * ((g >> 2) ^ _chunk_xor(2 * t))
+        else:  # padded rows: column g directly (the seventh session's code, instruction for instruction)
+            q_t = SQ + 2 * t * S2 + g
+            do_t = SDO + 2 * t * S2 + g
+            col_x = 0
 
         acc_k = cuda.local.array((O_TILES if DK else 1, 4), float32)
         acc_v = cuda.local.array((O_TILES if DV else 1, 4), float32)
@@ -485,11 +492,15 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
 
         q_lane = SQ + (warp * 16 + g) * S1 + 4 * t
         do_lane = SDO + (warp * 16 + g) * S1 + 4 * t
-        k_lane = SK + g * S2  # K is swizzled (read by both patterns), V is not
-        row_x = 4 * (t ^ (SWZ * _chunk_xor(g)))
-        v_lane = SV + g * S1
-        k_t = SK + 2 * t * S2 + (g & 3)
-        col_x = 4 * ((g >> 2) ^ (SWZ * _chunk_xor(2 * t)))
+        k_lane = SK + g * S2 + (0 if SWIZZLE else 4 * t)  # K may be swizzled (read by both patterns), V is not
+        row_x = 4 * (t ^ _chunk_xor(g)) if SWIZZLE else 0
+        v_lane = SV + g * S1 + 4 * t
+        if SWIZZLE:
+            k_t = SK + 2 * t * S2 + (g & 3)
+            col_x = 4 * ((g >> 2) ^ _chunk_xor(2 * t))
+        else:
+            k_t = SK + 2 * t * S2 + g
+            col_x = 0
 
         acc = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((N_TILES, 4), float32)  # S
@@ -511,7 +522,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
             st = (j & 1) * STAGE
 
             pattern1(s, smem, q_lane, S1, k_lane + st, S2, row_x, SWZ, N_TILES)  # S = Q_w K_jᵀ
-            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, 4 * t, 0, N_TILES)  # dP = dO_w V_jᵀ
+            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, 0, 0, N_TILES)  # dP = dO_w V_jᵀ
 
             # dS = exp2(S·c − L2[row]) ∘ (dP − D[row]); mask keys past n_k and past the diagonal.
             needs_mask = k0 + BLOCK_N > n_k
