@@ -123,69 +123,53 @@ def to_device_view(x: Any, stream, ndim: int = 4) -> Any:
 
 def empty_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
     """Allocate (original-kind object, device view) for an output of the given shape and dtype."""
-    obj, view = _empty_like_kind(kind, ref, shape, dtype, stream)
-    watched = getattr(recording, "allocations", None)
-    if watched is not None:  # plans.py is watching this call: how to allocate the same again
-        watched.append((obj, view, (kind, ref, tuple(shape), dtype, False)))
-    return obj, view
+    return _recorded(kind, ref, shape, dtype, stream, False)
 
 
 def zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
-    """(object, device view) of zero-filled scratch, allocated and zeroed by ref's framework on its
-    current stream (PyTorch, CuPy; a plan zeroes it again per call), or by a host copy (Numba and
-    other arrays: not recorded, so such a call keeps the ordinary path)."""
-    if kind in (TORCH, CUPY):
-        obj, view = _zeros_like_kind(kind, ref, shape, dtype)
-        watched = getattr(recording, "allocations", None)
-        if watched is not None:
-            watched.append((obj, view, (kind, ref, tuple(shape), dtype, True)))
-        return obj, view
-    dev = cuda.to_device(np.zeros(shape, np.dtype(dtype)), stream=stream)
-    return dev, (dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI))
+    """``empty_like_kind``, zero-filled by ref's framework on its current stream (Numba and other
+    arrays: by a host copy); a plan that replays the call allocates and zeroes it again."""
+    return _recorded(kind, ref, shape, dtype, stream, True)
 
 
-def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str):
-    if kind == TORCH:
-        import torch
-
-        obj = torch.zeros(shape, dtype=getattr(torch, dtype), device=ref.device)
-        return obj, view_of(obj, TORCH)
-    import cupy
-
-    with cupy.cuda.Device(ref.device.id):
-        obj = cupy.zeros(shape, dtype=dtype)
-    return obj, view_of(obj, CUPY)
+def _recorded(kind: str, ref: Any, shape: tuple, dtype: str, stream, zeroed: bool):
+    obj, view = alloc_like_kind(kind, ref, shape, dtype, stream, zeroed)
+    watched = getattr(recording, "allocations", None)
+    if watched is not None:  # plans.py is watching this call: how to allocate the same again
+        watched.append((obj, view, (kind, ref, tuple(shape), dtype, zeroed)))
+    return obj, view
 
 
 def allocate(kind: str, ref: Any, shape: tuple, dtype: str, stream, zeroed: bool = False) -> tuple:
-    """(object, data pointer) of ``empty_like_kind`` (or ``zeros_like_kind``) without its view
-    (plans.py: per call)."""
-    if zeroed:
-        obj, view = _zeros_like_kind(kind, ref, shape, dtype)
-        return obj, view.ptr
-    if kind == TORCH:
+    """(object, data pointer) of ``empty_like_kind`` / ``zeros_like_kind`` without its view and not
+    recorded (plans.py: per call)."""
+    if kind == TORCH:  # the hot case without building a view
         import torch
 
-        obj = torch.empty(shape, dtype=getattr(torch, dtype), device=ref.device)
+        obj = (torch.zeros if zeroed else torch.empty)(shape, dtype=getattr(torch, dtype), device=ref.device)
         return obj, obj.data_ptr()
-    obj, view = _empty_like_kind(kind, ref, shape, dtype, stream)
+    obj, view = alloc_like_kind(kind, ref, shape, dtype, stream, zeroed)
     return obj, view.ptr
 
 
-def _empty_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
+def alloc_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream, zeroed: bool = False):
+    """(object of ref's kind, device view), empty or zero-filled; not recorded for plans."""
     if kind == CUPY:
         import cupy
 
         with cupy.cuda.Device(ref.device.id):
-            obj = cupy.empty(shape, dtype=dtype)
+            obj = (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
         return obj, view_of(obj, CUPY)
     if kind == TORCH:
         import torch
 
-        obj = torch.empty(shape, dtype=getattr(torch, dtype), device=ref.device)
+        obj = (torch.zeros if zeroed else torch.empty)(shape, dtype=getattr(torch, dtype), device=ref.device)
         return obj, view_of(obj, TORCH)
     storage = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
-    dev = cuda.device_array(shape, dtype=storage, stream=stream)
+    if zeroed:
+        dev = cuda.to_device(np.zeros(shape, storage), stream=stream)
+    else:
+        dev = cuda.device_array(shape, dtype=storage, stream=stream)
     return dev, (dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI))
 
 

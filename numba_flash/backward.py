@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 from numba import config as nb_config
-from numba import cuda
 
 from . import arrays, plans
 from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
@@ -180,19 +179,10 @@ def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"
 
 
 def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
-    """Zero gradients for the degenerate cases (no queries or no keys): no kernel runs."""
-    if kind == arrays.TORCH:
-        import torch
-
-        return torch.zeros(shape, dtype=getattr(torch, dtype), device=ref.device)
-    if kind == arrays.CUPY:
-        import cupy
-
-        with cupy.cuda.Device(ref.device.id):
-            return cupy.zeros(shape, dtype=dtype)
-    storage = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
-    dev = cuda.to_device(np.zeros(shape, storage), stream=stream)
-    return arrays.to_host_kind(kind, dev, dtype, stream)
+    """Zero gradients for the degenerate cases (no queries or no keys): no kernel runs (not recorded
+    for a plan: such calls keep the ordinary path)."""
+    return arrays.to_host_kind(kind, arrays.alloc_like_kind(kind, ref, shape, dtype, stream, zeroed=True)[0],
+                               dtype, stream)
 
 
 def _zeros_scratch(kind: str, ref: Any, shape: tuple, stream):

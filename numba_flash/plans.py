@@ -20,9 +20,9 @@ Why a hit is safe:
   the same input raises again, from the same check.
 - Every array parameter of every watched launch must point into an argument or an allocation of
   the call, at a fixed byte offset; otherwise the signature is marked uncacheable and keeps taking
-  the ordinary path (degenerate backward shapes; deterministic=False's zero-filled scratch on
-  Numba / ``__cuda_array_interface__`` arrays: PyTorch and CuPy zero it again per call, by the
-  framework, on its current stream, as the ordinary path does).
+  the ordinary path (degenerate backward shapes). Zero-filled scratch (deterministic=False) is an
+  allocation like the outputs: a plan allocates and zeroes it again per call, as the ordinary path
+  does (``arrays.zeros_like_kind``).
 - A plan is published only after its first call has launched (shared-memory opt-in done), and its
   launches go through the same cuLaunchKernel and per-thread slot buffers as ``launch.launch``.
 - A plan replays on the device its first call launched on (else the ordinary path runs), the
@@ -51,6 +51,7 @@ import threading
 import warnings
 
 from numba import config as nb_config
+from numba import cuda
 
 from . import arrays
 from . import launch as _launch
@@ -225,8 +226,6 @@ class Plan:
         """The call's result (the same objects the ordinary path returns), or None to take that path."""
         device_id = current_device_id()
         if device_id is None and self.device is not None:  # no context in this thread: the device's
-            from numba import cuda
-
             with cuda.gpus[self.device]:
                 return self._run(args, ptrs, self.device)
         if device_id != self.device:

@@ -303,6 +303,33 @@ def compare_atomic_variants(grads_of, names):
     return out
 
 
+# sweep_mma's kernel names: the config key its tile replaces, the layout flags it sets, TFLOP/s credit
+# (x F: dkdv 4 of the 5 products, dq 3, the atomic dkdv all 5 with the dq conversion)
+MMA_SWEEP_KINDS = {
+    "dkdv": ("dkdv", {}, 2.0), "dkdv-shipped": ("dkdv", {}, 2.0), "dq": ("dq", {}, 1.5),
+    "dkdv-atomic": ("dkdv_atomic", {}, 2.5), "dkdv-split": ("dkdv", {"dkdv_split_d": True}, 2.0),
+    "dkdv-fa2": ("dkdv", {"dkdv_fa2": True}, 2.0), "dkdv-atomic-fa2": ("dkdv_atomic", {"dkdv_fa2": True}, 2.5),
+}
+
+
+def sweep_mma_case(kernel, tile, shipped):
+    """(launch config, kernels to launch, make_kernel's kernel name and keyword arguments, TFLOP/s
+    credit) of one sweep_mma entry; "prep" has no tile (and no credit). The atomic path launches dkdv
+    with dq_acc, then the dq conversion. The keyword arguments are mma_backward.launch's, in its
+    order, so that asking make_kernel for the registers hits its cache instead of compiling again."""
+    if kernel == "prep":
+        return dict(shipped), ("prep",), ("prep", {}), None
+    key, flags, credit = MMA_SWEEP_KINDS[kernel]
+    config = dict(shipped, **flags, **{key: tuple(tile)})
+    if key == "dq":
+        return config, ("dq",), ("dq", {}), credit
+    atomic = key == "dkdv_atomic"
+    make = {"atomic_dq": atomic, "split_d": bool(flags.get("dkdv_split_d")) and not atomic}
+    if flags.get("dkdv_fa2"):
+        make["fa2"] = True
+    return config, ("dkdv", "dq") if atomic else ("dkdv",), ("dkdv", make), credit
+
+
 def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=0.5, kernels=None,
               sweep_split=False):
     """Time prep, then each candidate dkdv and dq tile of the tensor-core backward, kernel by kernel.
@@ -344,25 +371,12 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
         if kernels is not None and kernel not in kernels:
             continue
         for tile in tiles:
-            atomic = kernel in ("dkdv-atomic", "dkdv-atomic-fa2")
-            split = kernel == "dkdv-split"
-            fa2 = kernel in ("dkdv-fa2", "dkdv-atomic-fa2")
-            config = dict(shipped, **({kernel: tile} if tile and not (atomic or split or fa2 or
-                                                                   kernel == "dkdv-shipped") else {}))
-            if atomic:
-                config["dkdv_atomic"] = tile
-            if split:
-                config.update(dkdv=tile, dkdv_split_d=True)
-            if fa2:
-                config.update(dkdv_fa2=True, **({} if atomic else {"dkdv": tile}))
+            config, launched, (name, make), credit = sweep_mma_case(kernel, tile, shipped)
+            atomic = make.get("atomic_dq", False)
             row = {"kernel": kernel, "tile": list(tile) if tile else None, "d": d, "dtype": dtype, "causal": causal,
-                   "B": B, "H": H, "N": N}
-            table_key = {"dkdv": "dkdv", "dkdv-shipped": "dkdv", "dq": "dq", "dkdv-atomic": "dkdv_atomic"}.get(kernel)
-            row["shipped"] = bool(tile) and table_key is not None and tuple(tile) == tuple(shipped[table_key])
+                   "B": B, "H": H, "N": N, "shipped": credit is not None and config == shipped}
             run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
-                                              d=d, config=config, stream=stream,
-                                              kernels=("dkdv", "dq") if atomic else ("dkdv",) if split or fa2
-                                              or kernel == "dkdv-shipped" else (kernel,),
+                                              d=d, config=config, stream=stream, kernels=launched,
                                               dq_acc=acc_view if atomic else None)
             try:
                 ms, _ = bench.time_call(run, budget_s=budget_s)
@@ -371,13 +385,9 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
                 continue
             row["ms"] = ms
             if tile:  # dkdv-atomic: its 5 products (2.5·F) and the dq conversion, timed together
-                fn = mma_backward.make_kernel("dkdv" if atomic or split or fa2 or kernel == "dkdv-shipped" else kernel,
-                                              *tile, d, causal, dtype,
-                                              atomic_dq=atomic, split_d=split, **({"fa2": True} if fa2 else {}))
+                fn = mma_backward.make_kernel(name, *tile, d, causal, dtype, **make)
                 row["regs"] = next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs
-                row["tflops"] = {"dkdv": 2.0, "dkdv-shipped": 2.0, "dkdv-split": 2.0, "dkdv-fa2": 2.0, "dq": 1.5,
-                                 "dkdv-atomic": 2.5,
-                                 "dkdv-atomic-fa2": 2.5}[kernel] * f / ms / 1e9
+                row["tflops"] = credit * f / ms / 1e9
             rows.append(row)
             print(f"  mma {dtype} d{d} causal={causal} {kernel} {tile}: {ms:.3f} ms"
                   + (f", {row['tflops']:.1f} TFLOP/s, regs {row['regs']}" if tile else ""), flush=True)

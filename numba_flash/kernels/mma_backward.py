@@ -370,88 +370,24 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
         store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
     # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
-    # DQ_COLS: dQ columns per pass (DQ_COLS / 2 accumulators per lane), added atomically after each pass
-    DQ_TILES = DQ_COLS // 8
-    ROW_GROUPS = BLOCK_M // 16  # warps down dQ_i's rows ...
-    COL_GROUPS = max(WARPS // ROW_GROUPS, 1)  # ... and across its columns
-    WARP_COLS = HEAD_DIM // COL_GROUPS
     if ATOMIC_DQ and not (BLOCK_M == 64 and BLOCK_N in (64, 128)):
         raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 64 or 128 keys (4 or 8 warps "
                          f"over dQ_i); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
     if DQ_COLS not in (32, 64) or ((DQ_COLS != 32 or DQ_DEFERRED or RED_V4) and not (ATOMIC_DQ and VECTOR_RED)):
         raise ValueError(f"DQ_COLS={DQ_COLS} (32 or 64), DQ_DEFERRED={DQ_DEFERRED}, RED_V4={RED_V4}: variants of "
                          f"the sm_90 atomic dQ (ATOMIC_DQ={ATOMIC_DQ}, VECTOR_RED={VECTOR_RED})")
-    if ATOMIC_DQ and WARP_COLS % DQ_COLS:
-        raise ValueError(f"DQ_COLS={DQ_COLS} does not divide the {WARP_COLS} dQ columns of a warp "
-                         f"(BLOCK_N={BLOCK_N}, HEAD_DIM={HEAD_DIM})")
     DS_TILE = BLOCK_N * BLOCK_M  # words of one dSᵀ buffer (two with DQ_DEFERRED)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES, mma)
+    # the dQ phase (built only with ATOMIC_DQ: its warp layout needs 4 or 8 warps)
+    add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED,
+                             DQ_COLS, RED_V4) if ATOMIC_DQ else None
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
-    ldsm_t = ptx.ldmatrix_x4_trans
-    red_add2 = ptx.red_add_v2_f32
-    red_add = ptx.red_add_f32
-    red_add4 = ptx.red_add_v4_f32
-    shfl = ptx.shfl_xor_sync
-    FULL = ptx.FULL_MASK
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
-
-    @inline_device
-    def red_pairs(dq_acc, acc_q, row0, pc, t):
-        """RED_V4: even t keeps row g and takes its partner's row-g pair, odd t keeps row g + 8 and
-        takes its partner's: each lane then holds 4 adjacent columns (16-byte aligned) of one row."""
-        odd = (t & 1) == 1
-        for nt in range(DQ_TILES):
-            lo0, lo1, hi0, hi1 = acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3]
-            x = shfl(FULL, lo0 if odd else hi0, 1)  # even sends row g + 8, odd row g
-            y = shfl(FULL, lo1 if odd else hi1, 1)
-            off = row0 + pc * DQ_COLS + nt * 8 + 2 * t + (8 * HEAD_DIM - 2 if odd else 0)
-            red_add4(dq_acc, off, x if odd else lo0, y if odd else lo1, hi0 if odd else x, hi1 if odd else y)
-
-    @inline_device
-    def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
-        """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
-        WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
-        ldmatrix.trans, then atomic adds."""
-        rw = warp % ROW_GROUPS
-        cw = warp // ROW_GROUPS
-        mat = lane >> 3
-        a_key = (mat >> 1) * 8 + (lane & 7)  # A (queries x keys) from dSᵀ rows (keys): transposed quarters
-        a_chunk = 2 * rw + (mat & 1)
-        t_row = (mat & 1) * 8 + (lane & 7)
-        t_chunk = mat >> 1
-        acc_q = cuda.local.array((DQ_TILES, 4), float32)
-        row0 = (bh * dq_acc.shape[1] + i0 + rw * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
-        for wc in range(WARP_COLS // DQ_COLS):
-            pc = cw * (WARP_COLS // DQ_COLS) + wc  # this pass's DQ_COLS-column chunk of dQ_i
-            for nt in range(DQ_TILES):
-                for r in range(4):
-                    acc_q[nt, r] = ZERO
-            for kk in range(BLOCK_N // 16):
-                a0, a1, a2, a3 = ldsm_t(smem, sds + swizzle_m(kk * 16 + a_key, a_chunk))
-                for dp2 in range(DQ_COLS // 16):
-                    nt = 2 * dp2
-                    b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
-                    acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
-                    acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
-            if RED_V4:
-                red_pairs(dq_acc, acc_q, row0, pc, t)
-            else:
-                for nt in range(DQ_TILES):
-                    col = pc * DQ_COLS + nt * 8 + 2 * t
-                    for half in range(2):  # scratch rows and columns are padded: no bounds checks
-                        off = row0 + 8 * half * HEAD_DIM + col
-                        if VECTOR_RED:
-                            red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
-                        else:
-                            red_add(dq_acc, off, acc_q[nt, 2 * half])
-                            red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
 
     @inline_device
     def last_dq(smem, dq_acc, step, qt0, per_head, bh, group, warp, lane, g, t):
@@ -762,26 +698,47 @@ def two_products_m(HEAD_DIM, M_TILES, N_TILES, mma):
     return unrolled
 
 
-def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True):
-    """dQ_i[16 rw.., cw..] += dS_i K_j from the dSᵀ tile in shared memory, added to fp32 scratch with
-    atomics: dkdv_source's dQ phase with its shipped flags (DQ_COLS = 32, no RED_V4), for the
-    kernels built beside it (dkdv_fa2_source); warps 4 down dQ_i's 64 rows x WARPS / 4 across d."""
-    ROW_GROUPS = BLOCK_M // 16
-    COL_GROUPS = max(WARPS // ROW_GROUPS, 1)
-    WARP_COLS = HEAD_DIM // COL_GROUPS
-    DQ_COLS = 32
+def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True, DQ_COLS=32,
+                    RED_V4=False):
+    """The atomic dQ phase of a dK/dV kernel (dkdv_source with ATOMIC_DQ, dkdv_fa2_source): from the
+    dSᵀ tile in shared memory, dQ_i[16 rw.., cw..] += dS_i K_j, added to fp32 scratch with atomics.
+    Warps 4 down dQ_i's 64 rows (rw = w mod 4) x WARPS / 4 across its columns (cw), DQ_COLS columns
+    per pass (DQ_COLS / 2 accumulators per lane), each pass added atomically; RED_V4 (dkdv_source's
+    variant): lane pairs swap half a fragment so each add covers 4 columns."""
     DQ_TILES = DQ_COLS // 8
+    ROW_GROUPS = BLOCK_M // 16  # warps down dQ_i's rows ...
+    COL_GROUPS = max(WARPS // ROW_GROUPS, 1)  # ... and across its columns
+    WARP_COLS = HEAD_DIM // COL_GROUPS
+    if WARPS % ROW_GROUPS or WARP_COLS % DQ_COLS:
+        raise ValueError(f"{WARPS} warps over {ROW_GROUPS} row groups of dQ_i ({WARP_COLS} columns a warp): "
+                         f"the warps must fill whole row groups, DQ_COLS={DQ_COLS} columns a pass "
+                         f"(BLOCK_N={BLOCK_N}, HEAD_DIM={HEAD_DIM})")
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     ldsm_t = ptx.ldmatrix_x4_trans
     red_add2 = ptx.red_add_v2_f32
     red_add = ptx.red_add_f32
+    red_add4 = ptx.red_add_v4_f32
+    shfl = ptx.shfl_xor_sync
+    FULL = ptx.FULL_MASK
     ZERO = float32(0.0)
-    if WARPS % ROW_GROUPS or WARP_COLS % DQ_COLS:
-        raise ValueError(f"{WARPS} warps over {ROW_GROUPS} row groups of dQ_i ({WARP_COLS} columns a warp): "
-                         f"the warps must fill whole row groups, {DQ_COLS} columns a pass")
+
+    @inline_device
+    def red_pairs(dq_acc, acc_q, row0, pc, t):
+        """RED_V4: even t keeps row g and takes its partner's row-g pair, odd t keeps row g + 8 and
+        takes its partner's: each lane then holds 4 adjacent columns (16-byte aligned) of one row."""
+        odd = (t & 1) == 1
+        for nt in range(DQ_TILES):
+            lo0, lo1, hi0, hi1 = acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3]
+            x = shfl(FULL, lo0 if odd else hi0, 1)  # even sends row g + 8, odd row g
+            y = shfl(FULL, lo1 if odd else hi1, 1)
+            off = row0 + pc * DQ_COLS + nt * 8 + 2 * t + (8 * HEAD_DIM - 2 if odd else 0)
+            red_add4(dq_acc, off, x if odd else lo0, y if odd else lo1, hi0 if odd else x, hi1 if odd else y)
 
     @inline_device
     def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
+        """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
+        WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
+        ldmatrix.trans, then atomic adds."""
         rw = warp % ROW_GROUPS
         cw = warp // ROW_GROUPS
         mat = lane >> 3
@@ -805,15 +762,18 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
                         a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
                     acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
                         a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
-            for nt in range(DQ_TILES):
-                col = pc * DQ_COLS + nt * 8 + 2 * t
-                for half in range(2):  # scratch rows and columns are padded: no bounds checks
-                    off = row0 + 8 * half * HEAD_DIM + col
-                    if VECTOR_RED:
-                        red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
-                    else:
-                        red_add(dq_acc, off, acc_q[nt, 2 * half])
-                        red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+            if RED_V4:
+                red_pairs(dq_acc, acc_q, row0, pc, t)
+            else:
+                for nt in range(DQ_TILES):
+                    col = pc * DQ_COLS + nt * 8 + 2 * t
+                    for half in range(2):  # scratch rows and columns are padded: no bounds checks
+                        off = row0 + 8 * half * HEAD_DIM + col
+                        if VECTOR_RED:
+                            red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                        else:
+                            red_add(dq_acc, off, acc_q[nt, 2 * half])
+                            red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
 
     return add_dq
 
@@ -847,7 +807,8 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products_m(HEAD_DIM, KT, Q_TILES_W, mma)
-    add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED)
+    add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m,
+                             VECTOR_RED) if ATOMIC_DQ else None
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
     cp_commit = ptx.cp_async_commit

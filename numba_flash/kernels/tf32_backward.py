@@ -80,6 +80,7 @@ def strides(HEAD_DIM, swizzle=False):
     return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM if swizzle else HEAD_DIM + 8
 
 
+@inline_device  # register_jitable: callable from the kernels and from Python (tests) alike
 def chunk_xor(row):
     """The 16-byte chunk swizzle of a both-patterns tile: chunk c of row r is stored at c ^ chunk_xor(r).
 
@@ -87,9 +88,6 @@ def chunk_xor(row):
     differ between rows 2j and 2j + 1; pattern 2 (rows 2t, or 2t + 1, at word g of chunk 2dt + g // 4)
     needs bits 1-2 distinct over t. (r & 6) ^ 4 (r & 1) gives both; only r % 8 matters."""
     return (row & 6) ^ ((row & 1) << 2)
-
-
-_chunk_xor = inline_device(chunk_xor)  # the same function, callable from the kernels
 
 
 def threads_per_block(block_own):
@@ -175,7 +173,7 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE):
                 nbytes = min(max(d - col, 0), 4) * 4 if row < n_rows else 0
                 # a zero-byte copy still names an address inside the array: row 0 of the tile's rows, column 0
                 src_off = base + (row * rs + col if nbytes > 0 else min(row0, n_rows - 1) * rs)
-                cp_async(smem, tile0 + r * STRIDE + ((chunk ^ (SWIZZLED * _chunk_xor(r))) << 2), src, src_off, nbytes)
+                cp_async(smem, tile0 + r * STRIDE + ((chunk ^ (SWIZZLED * chunk_xor(r))) << 2), src, src_off, nbytes)
 
     @inline_device
     def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, b_x, B_SWZ, N_TILES):
@@ -372,11 +370,11 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False)
         v_lane = SV + (warp * 16 + g) * S1 + 4 * t
         q_lane = SQ + g * S2 + (0 if SWIZZLE else 4 * t)  # padded: columns 4t here (the old code exactly)
         do_lane = SDO + g * S2 + (0 if SWIZZLE else 4 * t)
-        row_x = 4 * (t ^ _chunk_xor(g)) if SWIZZLE else 0  # pattern 1's chunk swizzle of rows g
+        row_x = 4 * (t ^ chunk_xor(g)) if SWIZZLE else 0  # pattern 1's chunk swizzle of rows g
         if SWIZZLE:  # pattern 2's lane offsets: word g % 4 here, the chunk (g // 4, swizzled) in col_x
             q_t = SQ + 2 * t * S2 + (g & 3)
             do_t = SDO + 2 * t * S2 + (g & 3)
-            col_x = 4 * ((g >> 2) ^ _chunk_xor(2 * t))
+            col_x = 4 * ((g >> 2) ^ chunk_xor(2 * t))
         else:  # padded rows: column g directly (the seventh session's code, instruction for instruction)
             q_t = SQ + 2 * t * S2 + g
             do_t = SDO + 2 * t * S2 + g
@@ -493,11 +491,11 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
         q_lane = SQ + (warp * 16 + g) * S1 + 4 * t
         do_lane = SDO + (warp * 16 + g) * S1 + 4 * t
         k_lane = SK + g * S2 + (0 if SWIZZLE else 4 * t)  # K may be swizzled (read by both patterns), V is not
-        row_x = 4 * (t ^ _chunk_xor(g)) if SWIZZLE else 0
+        row_x = 4 * (t ^ chunk_xor(g)) if SWIZZLE else 0
         v_lane = SV + g * S1 + 4 * t
         if SWIZZLE:
             k_t = SK + 2 * t * S2 + (g & 3)
-            col_x = 4 * ((g >> 2) ^ _chunk_xor(2 * t))
+            col_x = 4 * ((g >> 2) ^ chunk_xor(2 * t))
         else:
             k_t = SK + 2 * t * S2 + g
             col_x = 0
