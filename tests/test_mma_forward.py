@@ -63,15 +63,18 @@ def from_bits(o, dtype):
 
 
 def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, scale=None, pad_to=None, big=1.0,
-                **config):
+                k_ramp=None, **config):
     """mma_forward.launch on device arrays; returns (O, L) as float64 and the float64 reference.
 
-    pad_to: q, k, v are views of rows of pad_to elements (strided, only d used). Works on a GPU
+    pad_to: q, k, v are views of rows of pad_to elements (strided, only d used). k_ramp: key j is
+    multiplied by 1 + k_ramp·j / n_k (scores that grow along the keys). Works on a GPU
     and in the simulator (where device arrays wrap NumPy arrays).
     """
     rng = np.random.default_rng(seed)
     q32 = rng.standard_normal((B, H, n_q, d)).astype(np.float32) * big
     k32 = rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32)
+    if k_ramp:
+        k32 *= (1 + k_ramp * np.arange(n_k, dtype=np.float32) / n_k)[:, None]
     v32 = rng.standard_normal((B, Hkv, n_k, d)).astype(np.float32)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     device, values = [], []
@@ -416,6 +419,23 @@ def test_variants_head_dim_128_and_odd_d_sim(flags):
     dropped, a padded column), Nq > Nk causal (whole rows masked), bf16, 4 warps x 16 rows."""
     r = run_forward(1, 1, 1, 40, 23, 120, True, "bfloat16", seed=22, HEAD_DIM=128, BLOCK_Q=64, BLOCK_K=16, **flags)
     assert_close(*r, "bfloat16")
+
+
+@in_simulator
+@pytest.mark.parametrize("big,k_ramp,causal", [(4.0, 3.0, False), (4.0, 3.0, True), (1.0, 0.0, False)])
+def test_lazy_rescale_sim(big, k_ramp, causal):
+    """LAZY_RESCALE: with keys that grow along the sequence and large scores (4x q), row maxima climb
+    by more than 2^8 from tile to tile for some rows (M moves: acc, l_i rescaled) and by less for
+    others (M stays behind, p up to 2^8); with plain N(0, 1) data M settles after the first tile.
+    2 warps x 32 rows, 16-key tiles (5 of them, the last ragged), GQA 2, bf16 too (P packed at up to 256)."""
+    r = run_forward(1, 2, 1, 40, 70, 64, causal, "float16", seed=26, big=big, k_ramp=k_ramp, BLOCK_Q=64,
+                    BLOCK_K=16, M_TILES=2, LAZY_RESCALE=True)
+    assert np.isfinite(r[0]).all()
+    assert_close(*r, "float16")
+    if causal:
+        r = run_forward(1, 1, 1, 40, 23, 120, True, "bfloat16", seed=27, big=big, k_ramp=k_ramp, HEAD_DIM=128,
+                        BLOCK_Q=64, BLOCK_K=16, LAZY_RESCALE=True, SMEM_EPILOGUE=True)
+        assert_close(*r, "bfloat16")
 
 
 @in_simulator

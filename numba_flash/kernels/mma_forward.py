@@ -59,6 +59,9 @@ from ..ptx import SMEM_ALIGN, inline_device
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# LAZY_RESCALE: M moves only when a tile's maximum exceeds it by more than this (log2 units), so every
+# p <= 2^8 = 256 (FA4's threshold: far from overflow in fp32 acc/l and in f16/bf16 P).
+RESCALE_LOG2 = 8.0
 DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
 WORD, F16, F32 = np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32)
 
@@ -143,7 +146,7 @@ def tile_copies(HEAD_DIM, THREADS):
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                   M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1,
-                  WARP_SKIP=False):
+                  WARP_SKIP=False, LAZY_RESCALE=False):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
@@ -177,6 +180,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     BLOCK_K a Q tile's last tiles lie wholly above the diagonal for its first warps, which then only
     take part in those tiles' barriers and copies (a second loop), skipping Q·K_jᵀ, softmax and P·V_j
     (exact: there p would be 0 and alpha 1). The main loop body is unchanged; only its bound is per warp.
+    LAZY_RESCALE: a row's running maximum M moves only when a tile's maximum exceeds it by more than
+    RESCALE_LOG2 (FA4's conditional rescaling, see softmax_lazy), so the rescale of acc and l_i by alpha
+    (HEAD_DIM/4 FMUL per lane and m-tile per tile) is skipped on almost every tile.
     """
     WARP_SKIP = bool(WARP_SKIP and CAUSAL)
     if WARP_SKIP and not (TWO_SYNCS and FAST_LOADS):
@@ -230,6 +236,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     FULL = ptx.FULL_MASK
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
+    ONE = float32(1.0)
 
     swizzle, load_tile = tile_copies(HEAD_DIM, THREADS)
 
@@ -297,6 +304,51 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3] = mma(
                     q_frag[qk, 0], q_frag[qk, 1], q_frag[qk, 2], q_frag[qk, 3], b2, b3,
                     s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
+
+    @inline_device
+    def softmax_lazy(s, acc, m_i, l_i, scale_log2):
+        """LAZY_RESCALE's online softmax of one tile (FA4's conditional rescaling): a row's M moves only
+        when the tile's maximum exceeds it by more than RESCALE_LOG2 (base-2 units), so p = 2^(s·c − M)
+        stays <= 2^RESCALE_LOG2 (exact in fp32, and in f16/bf16 P), and acc and l_i keep their scale.
+        The result is the same softmax: O = acc / l and L = (M + log2 l)·ln 2 use one M throughout.
+        Past the first tiles M rarely moves, so the per-tile rescale of acc (HEAD_DIM/4 FMUL per lane
+        per m-tile, on the path into P·V's mma) is skipped by a branch the whole warp takes together."""
+        m_nw = cuda.local.array(ROWS_L, float32)
+        rescale = False
+        for mr in range(ROWS_L):  # row g + 8 (mr % 2) of m-tile mr // 2: maxima of the raw scores
+            half = mr & 1
+            s0 = (mr >> 1) * S_TILES
+            m_tile = NEG_INF
+            for nt in range(S_TILES):
+                m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
+            m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
+            m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+            m_c = m_tile * scale_log2
+            # -inf + RESCALE_LOG2 is -inf: a row's first visible key always sets M.
+            m_nw[mr] = m_c if m_c > m_i[mr] + RESCALE_LOG2 else m_i[mr]
+            rescale |= m_nw[mr] != m_i[mr]
+        if rescale:
+            for mr in range(ROWS_L):
+                half = mr & 1
+                a0_ = (mr >> 1) * O_TILES
+                # exactly 1 where M held; 0 where the row saw nothing before (acc, l_i are 0 there)
+                alpha = ONE if m_nw[mr] == m_i[mr] else ex2(m_i[mr] - m_nw[mr])
+                l_i[mr] *= alpha
+                m_i[mr] = m_nw[mr]
+                for dt in range(O_TILES):
+                    acc[a0_ + dt, 2 * half] *= alpha
+                    acc[a0_ + dt, 2 * half + 1] *= alpha
+        for mr in range(ROWS_L):
+            half = mr & 1
+            s0 = (mr >> 1) * S_TILES
+            m_scaled = ZERO if m_i[mr] == NEG_INF else m_i[mr]  # nothing visible yet: ex2(-inf) = 0, not nan
+            row_sum = ZERO
+            for nt in range(S_TILES):
+                for c in range(2):
+                    p = ex2(cuda.fma(s[s0 + nt, 2 * half + c], scale_log2, -m_scaled))
+                    s[s0 + nt, 2 * half + c] = p
+                    row_sum += p
+            l_i[mr] += row_sum
 
     def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         # One dynamic allocation, Q | K | V tiles at word offsets SQ, SK, SV: 128-row tiles at
@@ -475,34 +527,37 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 
             # Online softmax on the fragments: row maxima over the quad, then p, alpha, l_i. m_i is
             # kept in raw score units; the scale is folded into the exponent, one FFMA per element.
-            for mr in range(2 * M_TILES):  # row g + 8 (mr % 2) of m-tile mr // 2
-                half = mr & 1
-                s0 = (mr >> 1) * S_TILES
-                a0_ = (mr >> 1) * O_TILES
-                m_tile = NEG_INF
-                for nt in range(S_TILES):
-                    m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
-                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
-                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-                # m_i is kept scaled (M = m·scale·log2 e, rounded once): p = 2^(s·c − M) by one FFMA, and
-                # alpha = 2^(M_old − M_new) is then exactly the factor that moves the earlier p's to the new
-                # M (1 while the maximum holds). Unscaled m with alpha from m_old·c − m_new·c was contracted
-                # by NVVM to an FMA that left alpha = 1 ± 2^-23 on every tile: L drifted by 4e-5 at Nk 16384.
-                # A row with nothing visible yet keeps M = -inf; subtract 0 so ex2 gives 0, not nan.
-                m_new = max(m_i[mr], m_tile * scale_log2)
-                alpha = ZERO if m_new == NEG_INF else ex2(m_i[mr] - m_new)
-                m_scaled = ZERO if m_new == NEG_INF else m_new
-                row_sum = ZERO
-                for nt in range(S_TILES):
-                    for c in range(2):
-                        p = ex2(cuda.fma(s[s0 + nt, 2 * half + c], scale_log2, -m_scaled))
-                        s[s0 + nt, 2 * half + c] = p
-                        row_sum += p
-                l_i[mr] = alpha * l_i[mr] + row_sum
-                m_i[mr] = m_new
-                for dt in range(O_TILES):
-                    acc[a0_ + dt, 2 * half] *= alpha
-                    acc[a0_ + dt, 2 * half + 1] *= alpha
+            if LAZY_RESCALE:
+                softmax_lazy(s, acc, m_i, l_i, scale_log2)
+            else:
+                for mr in range(2 * M_TILES):  # row g + 8 (mr % 2) of m-tile mr // 2
+                    half = mr & 1
+                    s0 = (mr >> 1) * S_TILES
+                    a0_ = (mr >> 1) * O_TILES
+                    m_tile = NEG_INF
+                    for nt in range(S_TILES):
+                        m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
+                    m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
+                    m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+                    # m_i is kept scaled (M = m·scale·log2 e, rounded once): p = 2^(s·c − M) by one FFMA, and
+                    # alpha = 2^(M_old − M_new) is then exactly the factor that moves the earlier p's to the new
+                    # M (1 while the maximum holds). Unscaled m with alpha from m_old·c − m_new·c was contracted
+                    # by NVVM to an FMA that left alpha = 1 ± 2^-23 on every tile: L drifted by 4e-5 at Nk 16384.
+                    # A row with nothing visible yet keeps M = -inf; subtract 0 so ex2 gives 0, not nan.
+                    m_new = max(m_i[mr], m_tile * scale_log2)
+                    alpha = ZERO if m_new == NEG_INF else ex2(m_i[mr] - m_new)
+                    m_scaled = ZERO if m_new == NEG_INF else m_new
+                    row_sum = ZERO
+                    for nt in range(S_TILES):
+                        for c in range(2):
+                            p = ex2(cuda.fma(s[s0 + nt, 2 * half + c], scale_log2, -m_scaled))
+                            s[s0 + nt, 2 * half + c] = p
+                            row_sum += p
+                    l_i[mr] = alpha * l_i[mr] + row_sum
+                    m_i[mr] = m_new
+                    for dt in range(O_TILES):
+                        acc[a0_ + dt, 2 * half] *= alpha
+                        acc[a0_ + dt, 2 * half + 1] *= alpha
 
             if not TWO_STAGES:
                 cp_wait(0)  # V_j
@@ -630,7 +685,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                         MAX_REGS=None, M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False,
-                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False):
+                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False, LAZY_RESCALE=False):
     """The compiled kernel for one specialisation; cached so each compiles once.
 
     MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
@@ -641,7 +696,7 @@ def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=Non
                          f"{'; '.join(bad)}")
     source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK),
                            M_TILES, bool(TWO_SYNCS), bool(GRID_BH_X), bool(SMEM_EPILOGUE), bool(PROLOGUE_V),
-                           int(KV_STAGES), bool(WARP_SKIP))
+                           int(KV_STAGES), bool(WARP_SKIP), bool(LAZY_RESCALE))
     if MAX_REGS:
         return cuda.jit(kernel_signature(), max_registers=int(MAX_REGS))(source)
     return cuda.jit(kernel_signature())(source)
@@ -655,7 +710,7 @@ def _words(x):
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
            Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1, TWO_SYNCS=True,
            GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False,
-           layout_checked=False):
+           LAZY_RESCALE=False, layout_checked=False):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -694,9 +749,11 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     if SMEM_EPILOGUE and (address(out) % 16 or any(s % 16 for s in out.strides[:-1])):
         SMEM_EPILOGUE = False  # 16-byte stores need 16-byte aligned rows
     extra = {}  # the variants only when asked for: the default call keeps make_forward_kernel's cache key
-    if GRID_BH_X or SMEM_EPILOGUE or PROLOGUE_V or KV_STAGES != 1 or WARP_SKIP:
+    if GRID_BH_X or SMEM_EPILOGUE or PROLOGUE_V or KV_STAGES != 1 or WARP_SKIP or LAZY_RESCALE:
         extra = dict(GRID_BH_X=bool(GRID_BH_X), SMEM_EPILOGUE=bool(SMEM_EPILOGUE), PROLOGUE_V=bool(PROLOGUE_V),
                      KV_STAGES=int(KV_STAGES), WARP_SKIP=bool(WARP_SKIP))
+        if LAZY_RESCALE:  # only when on: configs without it keep their cache key
+            extra["LAZY_RESCALE"] = True
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
                                  bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra)
     grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)

@@ -1,0 +1,90 @@
+"""A/B timing of tensor-core forward variants on a GPU: interleaved rounds, so slow drift (clocks,
+temperature) falls on every variant alike.
+
+    python3 scripts/ab_mma.py --shape 'N4096 d128$' --variants '128x64 mt2 epi' '128x64 mt2 epi lazy' --rounds 5
+
+Variants and shapes are sweep_mma.py's (names exactly as there). Each variant is checked once against
+torch SDPA (max |O - O_sdpa|), then every round times each variant in turn (CUDA events around single
+``mma_forward.launch`` calls, median of --iters); the figure is the median over rounds, with the
+spread (min-max over rounds). SDPA's flash backend is timed in the same rounds as a yardstick.
+Writes $OUT/ab_mma.json when $OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from sweep_mma import SHAPES, VARIANTS, as_numba, kernel_for, kernel_info, time_ms  # noqa: E402
+
+from numba_flash.kernels import mma_forward  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", action="append", required=True, help="regex on sweep_mma's shape labels (repeatable)")
+    ap.add_argument("--variants", nargs="+", required=True, help="variant names (exact) of sweep_mma.VARIANTS")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    results = []
+    for label, dtype, B, H, N, d, causal in SHAPES:
+        if not any(re.search(p, label) for p in args.shape) or "overhead" in label:
+            continue
+        hd = 64 if d <= 64 else 128
+        table = {name: cfg for name, cfg, *_ in VARIANTS[hd]}
+        names = [n for n in args.variants if n in table]
+        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
+        scale = 1.0 / math.sqrt(d)
+        flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+        qn, kn, vn, on, ln = (as_numba(x) for x in (q, k, v, out, lse))
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
+        calls, info = {}, {}
+        for name in names:
+            cfg = table[name]
+            out.zero_()
+            mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale, **cfg)
+            torch.cuda.synchronize()
+            err = (out.float() - ref).abs().max().item()
+            info[name] = dict(max_abs_err=err, ok=bool(math.isfinite(err) and err < (2e-2 if dtype == torch.float16 else 6e-2)),
+                              **kernel_info(kernel_for(cfg, hd, causal, dtype), cfg, hd))
+            calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale, **cfg))
+
+        def sdpa():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        calls["sdpa-flash"] = sdpa
+        times = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, fn in calls.items():
+                times[name].append(time_ms(fn, 2, args.iters))
+        for name, ts in times.items():
+            ms = float(np.median(ts))
+            row = dict(shape=label, variant=name, ms=ms, tflops=flops / ms / 1e9, rounds_ms=ts,
+                       spread_pct=100 * (max(ts) - min(ts)) / ms, **info.get(name, {}))
+            results.append(row)
+            extra = (f"err {row['max_abs_err']:.1e}{'' if row['ok'] else ' BAD'} regs {row['regs']} "
+                     f"local {row['local_bytes']}") if name in info else ""
+            print(f"{label:30s} {name:36s} {ms:7.3f} ms {row['tflops']:6.1f} TFLOP/s "
+                  f"(rounds {min(ts):.3f}-{max(ts):.3f}) {extra}", flush=True)
+        del q, k, v, out, lse, ref
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "ab_mma.json"), "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), rounds=args.rounds, rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
