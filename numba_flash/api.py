@@ -199,7 +199,8 @@ _TF32_VARIANT_WORDS = {"PRESPLIT": "K/V split into tf32 hi/lo once per tile, not
 _VARIANT_WORDS = {"SMEM_EPILOGUE": "O stored through shared memory (16-byte stores)",
                   "GRID_BH_X": "heaviest causal Q tiles of every head first",
                   "PROLOGUE_V": "Q and K_0 copied as one group",
-                  "KV_STAGES": "double-buffered K/V", "WARP_SKIP": "warps skip tiles their rows cannot see"}
+                  "KV_STAGES": "double-buffered K/V", "WARP_SKIP": "warps skip tiles their rows cannot see",
+                  "LAZY_RESCALE": "running max moved only when a tile exceeds it by 2^8 (O rescaled rarely)"}
 
 
 def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:

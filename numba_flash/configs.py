@@ -149,11 +149,15 @@ _SIMT_TABLE = {
 # WARP_SKIP (a warp skips the products of tiles its rows cannot see):
 #   d128 epi 314.5 vs 301.6; d128 causal grid+epi+pro 286.0 vs 256.8; d64 kv2 282.1 vs 267.3;
 #   d64 causal 128x64 grid+skip+epi+pro 229.0 vs the 64x64 tile shipped before, 169.5.
+# LAZY_RESCALE (ninth session; FA4's conditional rescaling: a row's max moves only when a tile beats it by more
+# than 2^8), scripts/ab_mma.py, 4 interleaved rounds, results/ab-mma-2026-12-01-lazy.txt: d128 327.4 vs 322.9,
+# causal 295.8 vs 292.1, bf16 N16384 344.7 vs 338.2 (spills 88 -> 64 B); d64 276.5 vs 281.4 (kv2) and causal
+# 215.3 vs 216.2: not shipped at d64.
 MMA_TABLE = {
     (64, False): (128, 64, 2, {"KV_STAGES": 2}),
     (64, True): (128, 64, 2, {"GRID_BH_X": True, "WARP_SKIP": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True}),
-    (128, False): (128, 64, 2, {"SMEM_EPILOGUE": True}),
-    (128, True): (128, 64, 2, {"GRID_BH_X": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True}),
+    (128, False): (128, 64, 2, {"SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
+    (128, True): (128, 64, 2, {"GRID_BH_X": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True, "LAZY_RESCALE": True}),
 }
 # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 / bf16) of a
 # shipped config measured faster anyway; d128 was 64-80 B, the fifth session's softmax (scaled row maxima) made

@@ -228,6 +228,7 @@ def flash_attention(
     kv_order=None,
     q_rows: slice | None = None,
     dtype=None,
+    rescale_threshold: float = 0.0,
 ):
     """The FA2 tile loop of 3.6.6 in NumPy: never builds an Nq×Nk array.
 
@@ -246,12 +247,17 @@ def flash_attention(
     * ``q_rows``: a ``slice`` (step 1) of query rows to compute, as a launch of only part of the
       grid would; the causal alignment still uses the full Nq. Q blocks start at the slice start.
       Default: all rows.
+    * ``rescale_threshold``: the running max moves only when a block beats it by more than this
+      (natural-log units; see ``online_softmax_step``): the kernels' LAZY_RESCALE with 8·ln 2.
 
     Returns ``(O, L)`` for the selected rows: O (*lead, rows, d), L (*lead, rows).
     """
     pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
+    if isinstance(rescale_threshold, bool) or not isinstance(rescale_threshold, (int, float, np.floating, np.integer)) \
+            or not 0 <= rescale_threshold < np.inf:
+        raise ValueError(f"rescale_threshold must be a finite number >= 0 (natural-log units), got {rescale_threshold!r}")
     if q_rows is None:
         row_start, row_stop = 0, pr.n_q
     else:
@@ -279,7 +285,8 @@ def flash_attention(
             s_ij = (q_i @ np.swapaxes(pr.k[..., k_start:k_stop, :], -1, -2)) * pr.scale
             if tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal):
                 s_ij[..., causal_mask(q_start, q_stop, k_start, k_stop, pr.n_q, pr.n_k)] = -np.inf
-            step = online_softmax_step(m_i, l_i, acc, s_ij, pr.v[..., k_start:k_stop, :])
+            step = online_softmax_step(m_i, l_i, acc, s_ij, pr.v[..., k_start:k_stop, :],
+                                       rescale_threshold=rescale_threshold)
             m_i, l_i, acc = step.m_new, step.l_i, step.acc
         O_i, L_i = _finalize(m_i, l_i, acc)  # O_i = acc / l_i once, at the end
         O[..., q_start - row_start : q_stop - row_start, :] = O_i

@@ -105,16 +105,24 @@ class OnlineStep(NamedTuple):
     acc: np.ndarray  # O_new = α·O_old + p·V_blk
 
 
-def online_softmax_step(m_i, l_i, acc, s_ij, v_j) -> OnlineStep:
+def online_softmax_step(m_i, l_i, acc, s_ij, v_j, *, rescale_threshold: float = 0.0) -> OnlineStep:
     """One block of the online softmax (3.6.4), for any number of rows at once.
 
     Shapes, with ``...`` any leading (batch) dims and Bk >= 1 keys in the block:
     ``m_i``, ``l_i``: (..., R); ``acc``: (..., R, d); ``s_ij``: (..., R, Bk) scores, −inf = masked;
     ``v_j``: (..., Bk, d). Pure function: returns the new state (and the intermediates) as an
     :class:`OnlineStep`; the inputs are not modified. No validation (callers validate).
+
+    ``rescale_threshold`` (>= 0, natural-log units; the kernels' LAZY_RESCALE uses 8·ln 2): a row's
+    running max moves only when the block's max exceeds it by more than this, so α = 1 (no rescale of
+    ℓ and O) on most blocks while each p stays <= exp(threshold). Any m gives the same softmax as long
+    as ℓ, O and L use the same one; 0 is the textbook recurrence (m_new = max(m_old, m̃)).
     """
     m_tilde = np.max(s_ij, axis=-1)
-    m_new = np.maximum(m_i, m_tilde)
+    if rescale_threshold:  # −inf + threshold is −inf: a row's first visible key always sets m
+        m_new = np.where(m_tilde > m_i + rescale_threshold, m_tilde, m_i)
+    else:
+        m_new = np.maximum(m_i, m_tilde)
     m_sub = _safe_max(m_new)  # m_new = -inf: every key so far masked; -inf - -inf would be nan
     alpha = np.exp(m_i - m_sub)
     p = np.exp(s_ij - m_sub[..., None])

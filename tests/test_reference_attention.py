@@ -89,14 +89,18 @@ def attention_problems(draw, max_n=40):
     causal=st.booleans(),
     order_seed=st.integers(0, 2**63 - 1),
     order_kind=st.sampled_from(["natural", "reverse", "random"]),
+    rescale_threshold=st.sampled_from([0.0, 0.0, 8 * math.log(2), 30.0]),
 )
-def test_flash_equals_standard(problem, block_q, block_k, causal, order_seed, order_kind):
+def test_flash_equals_standard(problem, block_q, block_k, causal, order_seed, order_kind, rescale_threshold):
+    """Any block sizes, any K/V block order, any rescale threshold (the kernels' LAZY_RESCALE: a stale
+    running max is still the same softmax): the same O and L as the standard attention."""
     q, k, v, softmax_scale = problem
     n_k = k.shape[-2]
     kv_order = (lambda n: np.random.default_rng(order_seed).permutation(n)) if order_kind == "random" else order_kind
     O_ref, L_ref = standard_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     O, L = flash_attention(
-        q, k, v, block_q=block_q, block_k=block_k, causal=causal, softmax_scale=softmax_scale, kv_order=kv_order
+        q, k, v, block_q=block_q, block_k=block_k, causal=causal, softmax_scale=softmax_scale, kv_order=kv_order,
+        rescale_threshold=rescale_threshold,
     )
     assert O.shape == O_ref.shape and L.shape == L_ref.shape and O.dtype == np.float64
     scale = softmax_scale or 1 / math.sqrt(q.shape[-1])
@@ -278,6 +282,9 @@ def test_dtypes(rng):
         (dict(kv_order="random"), ValueError, "'random' is not understood"),
         (dict(q_rows=slice(0, 4, 2)), TypeError, "q_rows must be a slice with step 1"),
         (dict(dtype=np.int16), TypeError, "dtype=int16 is not a real floating dtype"),
+        (dict(rescale_threshold=-1.0), ValueError, "rescale_threshold must be a finite number >= 0.*-1.0"),
+        (dict(rescale_threshold=float("inf")), ValueError, "rescale_threshold must be a finite number >= 0"),
+        (dict(rescale_threshold="8"), ValueError, "rescale_threshold must be .*'8'"),
     ],
 )
 def test_flash_validation_messages(kwargs, error, match):

@@ -230,6 +230,28 @@ def test_step_is_the_recurrence_of_3_6_4(rng):
     assert (step.alpha <= 1).all() and np.array_equal(step.m_new, m_new)
 
 
+def test_rescale_threshold_moves_the_max_only_past_it(rng):
+    """rescale_threshold (the kernels' LAZY_RESCALE): rows whose block max beats m by more than the
+    threshold take the new max (alpha < 1), the others keep m (alpha exactly 1, p up to e^threshold);
+    the state then finalises to the same O and L as the textbook step's."""
+    thr = 8 * math.log(2)
+    m_i = np.array([0.0, 0.0, 0.0, -np.inf, 5.0])
+    l_i = np.array([1.0, 2.0, 1.5, 0.0, 1.0])
+    acc = rng.standard_normal((5, 3))
+    acc[3] = 0.0
+    s_ij = np.array([[1.0, 2.0], [5.0, -1.0], [9.0, 0.0], [-3.0, -4.0], [-np.inf, -np.inf]])
+    v_j = rng.standard_normal((2, 3))
+    lazy = online_softmax_step(m_i, l_i, acc, s_ij, v_j, rescale_threshold=thr)
+    exact = online_softmax_step(m_i, l_i, acc, s_ij, v_j)
+    np.testing.assert_array_equal(lazy.m_new, [0.0, 0.0, 9.0, -3.0, 5.0])  # 9 > 0 + 5.55; first keys set m
+    assert (lazy.alpha[[0, 1, 4]] == 1).all() and lazy.alpha[2] < 1
+    assert lazy.p.max() <= math.exp(thr) and lazy.p.max() > 1  # e^5 under a stale max
+    from reference.softmax import _finalize
+
+    for got, want in zip(_finalize(lazy.m_new, lazy.l_i, lazy.acc), _finalize(exact.m_new, exact.l_i, exact.acc)):
+        np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-14)
+
+
 def test_chapter_example_through_the_state():
     state = OnlineSoftmaxState(1, 1)
     first = state.update([[1.0, 3.0]], [[10.0], [20.0]])
