@@ -8,5 +8,5 @@ run t_forward_half 120 $P tests/test_gpu_forward.py -k "float16 or bfloat16"
 run t_mma 120 $P tests/test_mma_forward.py
 run san_memcheck 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py forward
 run san_racecheck 100 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py forward
-run bench_fwd 200 python3 scripts/bench_forward.py --quick --dtypes float16 --no-memory --out "$work/results/forward-2026-12-01-lazy"
+run bench_fwd 200 python3 scripts/bench_forward.py --quick --dtypes float16 --no-memory --out "$work/results"
 cat $work/bench_fwd.log | grep -v -i warn | tail -30
