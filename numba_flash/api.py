@@ -200,7 +200,8 @@ _VARIANT_WORDS = {"SMEM_EPILOGUE": "O stored through shared memory (16-byte stor
                   "GRID_BH_X": "heaviest causal Q tiles of every head first",
                   "PROLOGUE_V": "Q and K_0 copied as one group",
                   "KV_STAGES": "double-buffered K/V", "WARP_SKIP": "warps skip tiles their rows cannot see",
-                  "LAZY_RESCALE": "running max moved only when a tile exceeds it by 2^8 (O rescaled rarely)"}
+                  "LAZY_RESCALE": "running max moved only when a tile exceeds it by 2^8 (O rescaled rarely)",
+                  "SPLIT_TAIL": "the last wave's Q tiles split over every block slot and merged"}
 
 
 def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
@@ -347,8 +348,11 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
                 plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
             out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":
+                # SPLIT_TAIL's fp32 scratch comes from q's framework (and a plan's replay allocates it again)
                 mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
-                                   stream=stream, layout_checked=True, **cfg)
+                                   stream=stream, layout_checked=True,
+                                   alloc=lambda shape, dt: arrays.empty_like_kind(p.kind, q, shape, dt, stream)[1],
+                                   **cfg)
             elif family in TF32_KERNELS:
                 tf32_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
                                     stream=stream, layout_checked=True, **cfg)

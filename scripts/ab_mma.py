@@ -51,16 +51,23 @@ def main(argv=None):
         lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
         qn, kn, vn, on, ln = (as_numba(x) for x in (q, k, v, out, lse))
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
-        calls, info = {}, {}
+        calls, info, buffers = {}, {}, {}
+
+        def scratch(shape, dt):
+            """SPLIT_TAIL's fp32 scratch, allocated once per shape (as torch's caching allocator would)."""
+            if shape not in buffers:
+                buffers[shape] = as_numba(torch.empty(shape, device="cuda", dtype=getattr(torch, dt)))
+            return buffers[shape]
         for name in names:
             cfg = table[name]
             out.zero_()
-            mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale, **cfg)
+            mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale, alloc=scratch, **cfg)
             torch.cuda.synchronize()
             err = (out.float() - ref).abs().max().item()
             info[name] = dict(max_abs_err=err, ok=bool(math.isfinite(err) and err < (2e-2 if dtype == torch.float16 else 6e-2)),
                               **kernel_info(kernel_for(cfg, hd, causal, dtype), cfg, hd))
-            calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale, **cfg))
+            calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
+                                                              alloc=scratch, **cfg))
 
         def sdpa():
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):

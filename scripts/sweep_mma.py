@@ -45,7 +45,8 @@ from numba_flash.kernels import mma_forward  # noqa: E402
 # "pro" = PROLOGUE_V (Q + K_0 one cp.async group, V_0 right behind, no Q-only barrier), "kv2" = KV_STAGES=2
 # (double-buffered K/V, one barrier per tile), "skip" = WARP_SKIP (causal: a warp skips a tile none of its
 # rows sees), "lazy" = LAZY_RESCALE (a row's max moves only when a tile beats it by > 2^8: the O rescale is
-# skipped on almost every tile). They come first: the shipped config, then its variants.
+# skipped on almost every tile), "split" = SPLIT_TAIL (the last wave's Q tiles shared by every block slot,
+# merged by a second kernel). They come first: the shipped config, then its variants.
 # An optional third element names the only shapes (a label or a tuple of labels) a variant runs on.
 D128_FIRST = "f16 B4H16 N4096 d128"
 D128C = "f16 B4H16 N4096 d128 causal"
@@ -56,8 +57,10 @@ MT2_128 = dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)  # shipped for d=128 (both) a
 EPI, PRO, GRID, KV2 = dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V=True), dict(GRID_BH_X=True), dict(KV_STAGES=2)
 SKIP = dict(WARP_SKIP=True)
 LAZY = dict(LAZY_RESCALE=True)
+SPLIT = dict(SPLIT_TAIL=True)
 VARIANTS = {
     128: [
+        ("128x64 mt2 epi lazy split", {**MT2_128, **EPI, **LAZY, **SPLIT}, (D128_FIRST, BF16)),
         ("128x64 mt2 epi lazy", {**MT2_128, **EPI, **LAZY}, (D128_FIRST, BF16)),
         ("128x64 mt2 grid+epi+pro lazy", {**MT2_128, **GRID, **EPI, **PRO, **LAZY}, D128C),
         ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, (D128_FIRST, BF16)),
@@ -81,6 +84,7 @@ VARIANTS = {
         ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
     ],
     64: [
+        ("128x64 mt2 kv2 split", {**MT2_128, **KV2, **SPLIT}, D64),
         ("128x64 mt2 kv2 lazy", {**MT2_128, **KV2, **LAZY}, D64),
         ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),
         ("128x64 mt2 grid+skip+epi+pro lazy", {**MT2_128, **GRID, **SKIP, **EPI, **PRO, **LAZY}, D64C),
@@ -125,13 +129,15 @@ OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
 def kernel_for(cfg, head_dim, causal, dtype):
     """The compiled kernel launch() uses for cfg (same key as launch's call, so the lru_cache hits)."""
     extra = {}
-    if any(cfg.get(n) for n in ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "WARP_SKIP", "LAZY_RESCALE")) or \
+    if any(cfg.get(n) for n in ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "WARP_SKIP", "LAZY_RESCALE", "SPLIT_TAIL")) or \
             cfg.get("KV_STAGES", 1) != 1:
         extra = dict(GRID_BH_X=bool(cfg.get("GRID_BH_X", False)), SMEM_EPILOGUE=bool(cfg.get("SMEM_EPILOGUE", False)),
                      PROLOGUE_V=bool(cfg.get("PROLOGUE_V", False)), KV_STAGES=int(cfg.get("KV_STAGES", 1)),
                      WARP_SKIP=bool(cfg.get("WARP_SKIP", False)))
         if cfg.get("LAZY_RESCALE"):
             extra["LAZY_RESCALE"] = True
+        if cfg.get("SPLIT_TAIL") and not causal:
+            extra["SPLIT_TAIL"] = True
     return mma_forward.make_forward_kernel(
         cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim, bool(causal),
         "bfloat16" if dtype == torch.bfloat16 else "float16", cfg.get("Q_IN_REGS"),

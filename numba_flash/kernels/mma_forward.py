@@ -66,11 +66,16 @@ DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f
 WORD, F16, F32 = np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32)
 
 
-def kernel_signature():
-    """Every specialisation takes q, k, v, out as 16-bit words (any strides, last dim unit)."""
+def kernel_signature(SPLIT_TAIL=False):
+    """Every specialisation takes q, k, v, out as 16-bit words (any strides, last dim unit); SPLIT_TAIL's
+    also the partial results o_part (slots·BLOCK_Q, HEAD_DIM) and l_part (slots·BLOCK_Q), fp32, and the
+    block split n_dp, n_sk (split_tail_plan)."""
     io = types.Array(types.uint16, 4, "A")
     lse = types.Array(types.float32, 3, "A")
-    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+    base = (io, io, io, io, lse, int32, int32, int32, int32, float32)
+    if SPLIT_TAIL:
+        base += (types.Array(types.float32, 2, "C"), types.Array(types.float32, 1, "C"), int32, int32)
+    return types.void(*base)
 
 
 def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES=1):
@@ -146,7 +151,7 @@ def tile_copies(HEAD_DIM, THREADS):
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                   M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1,
-                  WARP_SKIP=False, LAZY_RESCALE=False):
+                  WARP_SKIP=False, LAZY_RESCALE=False, SPLIT_TAIL=False):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
@@ -185,6 +190,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     (HEAD_DIM/4 FMUL per lane and m-tile per tile) is skipped on almost every tile.
     """
     WARP_SKIP = bool(WARP_SKIP and CAUSAL)
+    if SPLIT_TAIL and (CAUSAL or WARP_SKIP or GRID_BH_X or not (TWO_SYNCS and FAST_LOADS)):
+        raise ValueError("SPLIT_TAIL is for the non-causal kernel (equal Q tiles), on TWO_SYNCS=True, FAST_LOADS=True")
     if WARP_SKIP and not (TWO_SYNCS and FAST_LOADS):
         raise ValueError("WARP_SKIP is built on TWO_SYNCS=True, FAST_LOADS=True")
     if (PROLOGUE_V or KV_STAGES == 2) and not (TWO_SYNCS and FAST_LOADS):
@@ -350,7 +357,24 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     row_sum += p
             l_i[mr] += row_sum
 
-    def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+    @inline_device
+    def split_units(q, n_q, n_k, n_dp, n_sk):
+        """SPLIT_TAIL: (sk, u_first, u_end), this block's units [u_first, u_end) of the 1-D grid over (Q tile,
+        K/V tile) pairs, n_kv per Q tile in Q-tile order. Blocks below n_dp take one whole Q tile each; the
+        n_sk blocks after them (sk = 0..n_sk-1) share the remaining units in near-equal ranges."""
+        n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
+        blk = cuda.blockIdx.x
+        sk = blk - n_dp
+        if sk < 0:
+            return sk, blk * n_kv, blk * n_kv + n_kv
+        tail = (q.shape[0] * q.shape[1] * ((n_q + BLOCK_Q - 1) // BLOCK_Q) - n_dp) * n_kv
+        return sk, n_dp * n_kv + (sk * tail) // n_sk, n_dp * n_kv + ((sk + 1) * tail) // n_sk
+
+
+    @inline_device
+    def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, o_part, l_part, n_dp, n_sk, seg):
+        # o_part, l_part, n_dp, n_sk, seg: SPLIT_TAIL's partial results, block split (split_tail_plan) and
+        # segment of this block; the kernel without SPLIT_TAIL passes placeholders that are never read.
         # One dynamic allocation, Q | K | V tiles at word offsets SQ, SK, SV: 128-row tiles at
         # d = 128 need 64 KiB, over the 48 KiB static limit (offsets, not slices: a slice of a
         # dynamic array is clamped to its run-time length). ptxas: 64x64x128 174 -> 209
@@ -361,8 +385,20 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         lane = tid & 31
         g = lane >> 2  # fragment row (and row + 8)
         t = lane & 3  # fragment column pair
+        if SPLIT_TAIL:  # segment seg of this block's units (split_units): Q tile `tile`, K/V tiles j_lo..j_hi-1
+            if seg == 1:
+                cuda.syncthreads()  # every warp is done with the first segment's shared memory
+            n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
+            q_tiles_h = (n_q + BLOCK_Q - 1) // BLOCK_Q
+            _, u_first, u_end = split_units(q, n_q, n_k, n_dp, n_sk)
+            u = u_first if seg == 0 else (u_first // n_kv + 1) * n_kv
+            tile = u // n_kv
+            j_lo = u - tile * n_kv
+            j_hi = min(n_kv, u_end - tile * n_kv)
+            bh = tile // q_tiles_h
+            q_tile = tile - bh * q_tiles_h
         # Heaviest causal tiles first: they start while the light ones fill the tail.
-        if GRID_BH_X:  # ... of all heads: B·H on x (dispatched fastest), Q tiles reversed on y
+        elif GRID_BH_X:  # ... of all heads: B·H on x (dispatched fastest), Q tiles reversed on y
             q_tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
             bh = cuda.blockIdx.x
         else:  # ... within each head
@@ -375,7 +411,11 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         q0 = q_tile * BLOCK_Q
         shift = n_k - n_q  # bottom-right causal alignment: query i sees key j iff j <= i + shift
 
+        if SPLIT_TAIL:  # the loop below sees keys j_lo·BLOCK_K.. as keys 0..: its code and registers stay the plain kernel's
+            n_k = n_k - j_lo * BLOCK_K
         n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
+        if SPLIT_TAIL:
+            n_tiles = j_hi - j_lo
         if CAUSAL:
             visible = min(q0 + BLOCK_Q, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
@@ -396,6 +436,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         if FAST_LOADS:
             k_src, k_stride, col_bytes, kv_dst = copy_plan(k, b, h_kv, d)
             v_src, v_stride, _, _ = copy_plan(v, b, h_kv, d)
+            if SPLIT_TAIL:
+                k_src += j_lo * BLOCK_K * k_stride
+                v_src += j_lo * BLOCK_K * v_stride
 
         # Prologue: Q, then K_0 (two groups); Q goes straight into A fragments, kept in registers.
         if FAST_LOADS:
@@ -624,68 +667,105 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             if n_tiles == 0:  # (block-uniform)
                 cuda.syncthreads()
 
-        # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
-        for mr in range(2 * M_TILES):
-            half = mr & 1
-            a0_ = (mr >> 1) * O_TILES
-            l_row = l_i[mr]
-            l_row += shfl_xor(FULL, l_row, 1)
-            l_row += shfl_xor(FULL, l_row, 2)
-            row = q0 + warp * ROWS_W + 8 * mr + g
-            inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
-            if SMEM_EPILOGUE:
-                if row < n_q and t == 0:
-                    if l_row > ZERO:
-                        lse[b, h, row] = (m_i[mr] + math.log2(l_row)) * float32(LN2)
-                    else:
-                        lse[b, h, row] = NEG_INF
-                if mr == 0:
-                    syncwarp()  # every lane is past its last ldmatrix of these Q rows
-                row_t = warp * ROWS_W + 8 * mr + g  # the warp's own rows of the Q tile
-                for dt in range(O_TILES):  # conflict-free: chunk dt ^ g of row g, word t
-                    bits = pack(acc[a0_ + dt, 2 * half] * inv_l, acc[a0_ + dt, 2 * half + 1] * inv_l)
-                    st_shared_b32(smem, SQ + swizzle(row_t, dt) + 2 * t, bits)
-            elif row < n_q:
-                if t == 0:
-                    if l_row > ZERO:
-                        lse[b, h, row] = (m_i[mr] + math.log2(l_row)) * float32(LN2)
-                    else:
-                        lse[b, h, row] = NEG_INF
-                for dt in range(O_TILES):
-                    col = dt * 8 + 2 * t
-                    bits = pack(acc[a0_ + dt, 2 * half] * inv_l, acc[a0_ + dt, 2 * half + 1] * inv_l)
-                    if col < d:
-                        out[b, h, row, col] = uint16(bits & 0xFFFF)
-                    if col + 1 < d:
-                        out[b, h, row, col + 1] = uint16(bits >> 16)
-        if SMEM_EPILOGUE:  # the warp's O rows, 16 bytes per lane per store, a row's chunks on adjacent lanes
-            syncwarp()
-            o_base = b * (out.strides[0] // 2) + h * (out.strides[1] // 2)
-            o_stride = out.strides[2] // 2
-            for i in range(O_STORES):
-                c = lane + 32 * i
-                r = c // CHUNKS
-                chunk = c - r * CHUNKS
-                row_t = warp * ROWS_W + r
-                row = q0 + row_t
-                col = chunk * 8
-                if row < n_q and col < d:
-                    src = SQ + swizzle(row_t, chunk)
-                    if col + 8 <= d:
-                        w0, w1, w2, w3 = ld_shared_v4(smem, src)
-                        st_global_v4(out, o_base + row * o_stride + col, w0, w1, w2, w3)
-                    else:  # d not a multiple of 8: the chunk's first d - col elements one by one
-                        for e in range(8):
-                            if col + e < d:
-                                out[b, h, row, col + e] = smem[src + e]
+        write_final = True
+        if SPLIT_TAIL:
+            # Blocks past n_dp only ever hold part of a tile (shorter ranges than a tile): O = acc / l and L
+            # of the part, fp32, for merge_kernel; slot 2·sk + seg (recomputed here, not kept live in the loop).
+            if cuda.blockIdx.x >= n_dp:
+                write_final = False
+                for mr in range(2 * M_TILES):
+                    half = mr & 1
+                    a0_ = (mr >> 1) * O_TILES
+                    l_row = l_i[mr]
+                    l_row += shfl_xor(FULL, l_row, 1)
+                    l_row += shfl_xor(FULL, l_row, 2)
+                    prow = (2 * (cuda.blockIdx.x - n_dp) + seg) * BLOCK_Q + warp * ROWS_W + 8 * mr + g
+                    inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO
+                    if t == 0:
+                        l_part[prow] = (m_i[mr] + math.log2(l_row)) * float32(LN2) if l_row > ZERO else NEG_INF
+                    for dt in range(O_TILES):
+                        o_part[prow, dt * 8 + 2 * t] = acc[a0_ + dt, 2 * half] * inv_l
+                        o_part[prow, dt * 8 + 2 * t + 1] = acc[a0_ + dt, 2 * half + 1] * inv_l
+        if write_final:
+            # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
+            for mr in range(2 * M_TILES):
+                half = mr & 1
+                a0_ = (mr >> 1) * O_TILES
+                l_row = l_i[mr]
+                l_row += shfl_xor(FULL, l_row, 1)
+                l_row += shfl_xor(FULL, l_row, 2)
+                row = q0 + warp * ROWS_W + 8 * mr + g
+                inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
+                if SMEM_EPILOGUE:
+                    if row < n_q and t == 0:
+                        if l_row > ZERO:
+                            lse[b, h, row] = (m_i[mr] + math.log2(l_row)) * float32(LN2)
+                        else:
+                            lse[b, h, row] = NEG_INF
+                    if mr == 0:
+                        syncwarp()  # every lane is past its last ldmatrix of these Q rows
+                    row_t = warp * ROWS_W + 8 * mr + g  # the warp's own rows of the Q tile
+                    for dt in range(O_TILES):  # conflict-free: chunk dt ^ g of row g, word t
+                        bits = pack(acc[a0_ + dt, 2 * half] * inv_l, acc[a0_ + dt, 2 * half + 1] * inv_l)
+                        st_shared_b32(smem, SQ + swizzle(row_t, dt) + 2 * t, bits)
+                elif row < n_q:
+                    if t == 0:
+                        if l_row > ZERO:
+                            lse[b, h, row] = (m_i[mr] + math.log2(l_row)) * float32(LN2)
+                        else:
+                            lse[b, h, row] = NEG_INF
+                    for dt in range(O_TILES):
+                        col = dt * 8 + 2 * t
+                        bits = pack(acc[a0_ + dt, 2 * half] * inv_l, acc[a0_ + dt, 2 * half + 1] * inv_l)
+                        if col < d:
+                            out[b, h, row, col] = uint16(bits & 0xFFFF)
+                        if col + 1 < d:
+                            out[b, h, row, col + 1] = uint16(bits >> 16)
+            if SMEM_EPILOGUE:  # the warp's O rows, 16 bytes per lane per store, a row's chunks on adjacent lanes
+                syncwarp()
+                o_base = b * (out.strides[0] // 2) + h * (out.strides[1] // 2)
+                o_stride = out.strides[2] // 2
+                for i in range(O_STORES):
+                    c = lane + 32 * i
+                    r = c // CHUNKS
+                    chunk = c - r * CHUNKS
+                    row_t = warp * ROWS_W + r
+                    row = q0 + row_t
+                    col = chunk * 8
+                    if row < n_q and col < d:
+                        src = SQ + swizzle(row_t, chunk)
+                        if col + 8 <= d:
+                            w0, w1, w2, w3 = ld_shared_v4(smem, src)
+                            st_global_v4(out, o_base + row * o_stride + col, w0, w1, w2, w3)
+                        else:  # d not a multiple of 8: the chunk's first d - col elements one by one
+                            for e in range(8):
+                                if col + e < d:
+                                    out[b, h, row, col + e] = smem[src + e]
 
-    return mma_forward
+
+    def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+        forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, lse, lse, 0, 0, 0)
+
+    def mma_forward_split_tail(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, o_part, l_part, n_dp, n_sk):
+        # A block's range of units is shorter than a Q tile's (split_tail_plan makes sure): one segment,
+        # or the end of one Q tile and the start of the next.
+        _, u_first, u_end = split_units(q, n_q, n_k, n_dp, n_sk)
+        n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
+        n_seg = 0 if u_end == u_first else (1 if (u_end - 1) // n_kv == u_first // n_kv else 2)
+        # Two calls rather than a loop over segments (ptxas: 0 B spilled at d = 64 against 8-12 B for the loop;
+        # d = 128 spills either way, 304 B here and 236 B looped, against 64 B without SPLIT_TAIL).
+        if n_seg > 0:
+            forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, o_part, l_part, n_dp, n_sk, 0)
+        if n_seg > 1:
+            forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, o_part, l_part, n_dp, n_sk, 1)
+
+    return mma_forward_split_tail if SPLIT_TAIL else mma_forward
 
 
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                         MAX_REGS=None, M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False,
-                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False, LAZY_RESCALE=False):
+                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False, LAZY_RESCALE=False, SPLIT_TAIL=False):
     """The compiled kernel for one specialisation; cached so each compiles once.
 
     MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
@@ -696,10 +776,121 @@ def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=Non
                          f"{'; '.join(bad)}")
     source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK),
                            M_TILES, bool(TWO_SYNCS), bool(GRID_BH_X), bool(SMEM_EPILOGUE), bool(PROLOGUE_V),
-                           int(KV_STAGES), bool(WARP_SKIP), bool(LAZY_RESCALE))
+                           int(KV_STAGES), bool(WARP_SKIP), bool(LAZY_RESCALE), bool(SPLIT_TAIL))
+    sig = kernel_signature(bool(SPLIT_TAIL))
     if MAX_REGS:
-        return cuda.jit(kernel_signature(), max_registers=int(MAX_REGS))(source)
-    return cuda.jit(kernel_signature())(source)
+        return cuda.jit(sig, max_registers=int(MAX_REGS))(source)
+    return cuda.jit(sig)(source)
+
+
+# --- SPLIT_TAIL: the last wave of Q tiles spread over every block slot ------------------------------
+# With equal Q tiles (non-causal) and S blocks resident at once (2 per SM here), T tiles run as
+# ceil(T / S) waves and the last is T mod S tiles: the H200 benchmark's 2048 tiles on 264 slots leave
+# 64 slots idle for the last eighth (2.5-2.9 % per tile, benchmarks/mma_ladder.md v8). SPLIT_TAIL runs
+# the first T - T mod S tiles as before, one block each, and gives the rest to S more blocks as equal
+# ranges of (Q tile, K/V tile) units, stream-K style; a range is shorter than a Q tile, so a block works
+# on at most two tiles, and every such tile is shared by 2-3 blocks. Each writes O = acc / l and L of
+# its part in fp32; merge_kernel combines a tile's parts (O = sum of exp(L_s - L) O_s, L = logsumexp L_s),
+# the same merge as split-K decode's.
+SPLIT_MIN_UNITS = 4  # K/V tiles per part at least (each part pays a Q load, a prologue and a partial write)
+SPLIT_MAX_FILL = 0.9  # leave a last wave that is >= 90 % full alone (too little to win back)
+
+
+def split_tail_plan(n_tiles, n_kv, slots):
+    """(n_dp, n_sk): Q tiles run whole by one block each, and blocks sharing the remaining tiles'
+    units (0 when the tail is not worth splitting: no tail, a nearly full last wave, short rows)."""
+    if slots <= 0:
+        return n_tiles, 0
+    tail = n_tiles % slots if n_tiles >= slots else n_tiles
+    if tail == 0 or tail > SPLIT_MAX_FILL * slots or n_kv < 2 * SPLIT_MIN_UNITS:
+        return n_tiles, 0
+    n_sk = min(slots, tail * n_kv // SPLIT_MIN_UNITS)
+    if n_sk <= tail:  # a block would get a whole tile or more: nothing to gain (and > 2 segments)
+        return n_tiles, 0
+    return n_tiles - tail, n_sk
+
+
+@lru_cache(maxsize=None)
+def make_merge_kernel(BLOCK_Q, BLOCK_K, DTYPE):
+    """SPLIT_TAIL's merge: one block of MERGE_THREADS per shared tail tile, one warp per row at a time,
+    lanes over d; the parts are found by the same arithmetic that split them (split_units)."""
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    WARPS = MERGE_THREADS // 32
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def part_slot(c, tail, n_sk, t_first):
+        """Slot of block c's part in the tile whose units start at t_first: its first or second part."""
+        return 2 * c if (c * tail) // n_sk >= t_first else 2 * c + 1
+
+    def merge(out, lse, o_part, l_part, n_q, n_k, d, n_dp, n_sk):
+        n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
+        q_tiles_h = (n_q + BLOCK_Q - 1) // BLOCK_Q
+        tail = (out.shape[0] * out.shape[1] * q_tiles_h - n_dp) * n_kv
+        t_first = cuda.blockIdx.x * n_kv  # this tile's units, counted from the first shared one
+        t_end = t_first + n_kv
+        c0 = (t_first * n_sk) // tail  # first block whose range reaches into the tile
+        while c0 > 0 and (c0 * tail) // n_sk > t_first:
+            c0 -= 1
+        while ((c0 + 1) * tail) // n_sk <= t_first:
+            c0 += 1
+        tile = n_dp + cuda.blockIdx.x
+        bh = tile // q_tiles_h
+        b = bh // out.shape[1]
+        h = bh - b * out.shape[1]
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        for r in range(warp, BLOCK_Q, WARPS):
+            row = (tile - bh * q_tiles_h) * BLOCK_Q + r
+            if row >= n_q:
+                continue
+            m = NEG_INF
+            c = c0
+            while c < n_sk and (c * tail) // n_sk < t_end:
+                m = max(m, l_part[part_slot(c, tail, n_sk, t_first) * BLOCK_Q + r])
+                c += 1
+            total = ZERO
+            c = c0
+            while c < n_sk and (c * tail) // n_sk < t_end:
+                if m > NEG_INF:
+                    total += math.exp(l_part[part_slot(c, tail, n_sk, t_first) * BLOCK_Q + r] - m)
+                c += 1
+            L = m + math.log(total) if total > ZERO else NEG_INF
+            for col in range(lane, d, 32):
+                o = ZERO
+                c = c0
+                while c < n_sk and (c * tail) // n_sk < t_end:
+                    slot = part_slot(c, tail, n_sk, t_first)
+                    if L > NEG_INF:
+                        o += math.exp(l_part[slot * BLOCK_Q + r] - L) * o_part[slot * BLOCK_Q + r, col]
+                    c += 1
+                out[b, h, row, col] = uint16(pack(o, ZERO) & 0xFFFF)
+            if lane == 0:
+                lse[b, h, row] = L
+
+    io = types.Array(types.uint16, 4, "A")
+    sig = types.void(io, types.Array(types.float32, 3, "A"), types.Array(types.float32, 2, "C"),
+                     types.Array(types.float32, 1, "C"), int32, int32, int32, int32, int32)
+    return cuda.jit(sig)(merge)
+
+
+MERGE_THREADS = 128
+_SLOTS: dict = {}
+
+
+def block_slots(kernel, threads, smem):
+    """How many blocks of ``kernel`` the current device holds at once (occupancy x SMs); cached."""
+    from ..launch import current_device_id, function, launcher_of
+
+    cufunc = function(launcher_of(kernel), current_device_id(), smem)  # (sets the shared-memory opt-in)
+    key = (kernel, cufunc.device.id, threads, smem)
+    if key not in _SLOTS:
+        from numba.cuda.cudadrv.devices import get_context
+
+        per_sm = get_context().get_active_blocks_per_multiprocessor(cufunc, threads, smem)
+        _SLOTS[key] = int(per_sm) * int(cufunc.device.MULTIPROCESSOR_COUNT)
+    return _SLOTS[key]
 
 
 def _words(x):
@@ -710,7 +901,7 @@ def _words(x):
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
            Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True, MAX_REGS=None, M_TILES=1, TWO_SYNCS=True,
            GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False,
-           LAZY_RESCALE=False, layout_checked=False):
+           LAZY_RESCALE=False, SPLIT_TAIL=False, split_slots=None, alloc=None, layout_checked=False):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -725,8 +916,11 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     compare); MAX_REGS (None: no cap) is ptxas's -maxrregcount; M_TILES (1 or 2) is the number of
     16-row m-tiles per warp (threads per block = 32 * BLOCK_Q / (16 * M_TILES)); TWO_SYNCS (default
     on): two barriers per K/V tile (False: the older three). GRID_BH_X, SMEM_EPILOGUE, PROLOGUE_V,
-    KV_STAGES and WARP_SKIP are the sweep variants of kernel_source (default off); SMEM_EPILOGUE quietly falls back
-    to the fragment stores when out's rows are not 16-byte aligned. layout_checked=True skips the stride and
+    KV_STAGES, WARP_SKIP, LAZY_RESCALE and SPLIT_TAIL are the variants of kernel_source (default off); SMEM_EPILOGUE
+    quietly falls back to the fragment stores when out's rows are not 16-byte aligned. SPLIT_TAIL (non-causal;
+    ignored causal) splits the last wave of Q tiles over all block slots (split_slots: how many blocks run
+    at once; default: the device's occupancy for this kernel) and merges the parts with merge_kernel, in
+    fp32 scratch from alloc(shape, "float32") -> device array (default: cuda.device_array). layout_checked=True skips the stride and
     alignment checks for a caller that has made them (numba_flash.forward: they are per-call host time).
     """
     B, H, n_q, d = q.shape
@@ -756,9 +950,27 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
             extra["LAZY_RESCALE"] = True
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
                                  bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra)
+    threads, smem = threads_per_block(BLOCK_Q, M_TILES), smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES)
+    if SPLIT_TAIL and not causal and n_k > 0:
+        split = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, False, dtype, Q_IN_REGS, bool(FAST_LOADS),
+                                    bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra, SPLIT_TAIL=True)
+        n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
+        # the simulator has no occupancy to ask: it splits only when told how many slots to fill
+        slots = split_slots or (0 if ptx.SIMULATOR else block_slots(split, threads, smem))
+        n_dp, n_sk = split_tail_plan(B * H * q_tiles, n_kv, slots)
+        if n_sk:
+            if alloc is None:
+                alloc = lambda shape, dt: cuda.device_array(shape, dt, stream=stream)  # noqa: E731
+            o_part = alloc((2 * n_sk * BLOCK_Q, HEAD_DIM), "float32")
+            l_part = alloc((2 * n_sk * BLOCK_Q,), "float32")
+            scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
+            launch_kernel(split, n_dp + n_sk, threads, stream, smem, _words(q), _words(k), _words(v), _words(out),
+                          lse, *scalars, o_part, l_part, n_dp, n_sk)
+            launch_kernel(make_merge_kernel(BLOCK_Q, BLOCK_K, dtype), B * H * q_tiles - n_dp, MERGE_THREADS, stream,
+                          0, _words(out), lse, o_part, l_part, n_q, n_k, d, n_dp, n_sk)
+            return
     grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)
-    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q, M_TILES), stream,
-                  smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES),
+    launch_kernel(kernel, grid, threads, stream, smem,
                   _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv,
                   float32(softmax_scale * LOG2E))
 
