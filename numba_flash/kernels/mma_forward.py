@@ -74,7 +74,7 @@ def kernel_signature(SPLIT_TAIL=False):
     lse = types.Array(types.float32, 3, "A")
     base = (io, io, io, io, lse, int32, int32, int32, int32, float32)
     if SPLIT_TAIL:
-        base += (types.Array(types.float32, 2, "C"), types.Array(types.float32, 1, "C"), int32, int32)
+        base += (types.Array(types.float32, 2, "A"), types.Array(types.float32, 1, "A"), int32, int32)
     return types.void(*base)
 
 
