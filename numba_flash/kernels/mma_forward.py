@@ -870,8 +870,8 @@ def make_merge_kernel(BLOCK_Q, BLOCK_K, DTYPE):
                 lse[b, h, row] = L
 
     io = types.Array(types.uint16, 4, "A")
-    sig = types.void(io, types.Array(types.float32, 3, "A"), types.Array(types.float32, 2, "C"),
-                     types.Array(types.float32, 1, "C"), int32, int32, int32, int32, int32)
+    sig = types.void(io, types.Array(types.float32, 3, "A"), types.Array(types.float32, 2, "A"),
+                     types.Array(types.float32, 1, "A"), int32, int32, int32, int32, int32)
     return cuda.jit(sig)(merge)
 
 
