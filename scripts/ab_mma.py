@@ -35,6 +35,7 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", required=True, help="variant names (exact) of sweep_mma.VARIANTS")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="also list each variant's kernels (torch.profiler)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     results = []
@@ -77,6 +78,16 @@ def main(argv=None):
         for _ in range(args.rounds):
             for name, fn in calls.items():
                 times[name].append(time_ms(fn, 2, args.iters))
+        if args.profile:  # which kernels a call runs and how long each takes (e.g. SPLIT_TAIL's merge)
+            from torch.profiler import ProfilerActivity, profile
+            for name, fn in calls.items():
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                for ev in prof.key_averages():
+                    if ev.device_time_total > 0:
+                        print(f"{label:30s} {name:36s} kernel {ev.key[:60]:60s} {ev.device_time_total / ev.count / 1e3:.3f} ms x{ev.count}")
         for name, ts in times.items():
             ms = float(np.median(ts))
             row = dict(shape=label, variant=name, ms=ms, tflops=flops / ms / 1e9, rounds_ms=ts,

@@ -804,7 +804,9 @@ def split_tail_plan(n_tiles, n_kv, slots):
     tail = n_tiles % slots if n_tiles >= slots else n_tiles
     if tail == 0 or tail > SPLIT_MAX_FILL * slots or n_kv < 2 * SPLIT_MIN_UNITS:
         return n_tiles, 0
-    n_sk = min(slots, tail * n_kv // SPLIT_MIN_UNITS)
+    # ranges of >= SPLIT_MIN_UNITS units, and few enough parts per tile for the merge's shared memory
+    min_units = max(SPLIT_MIN_UNITS, -(-n_kv // (MERGE_MAX_PARTS - 2)))
+    n_sk = min(slots, tail * n_kv // min_units)
     if n_sk <= tail:  # a block would get a whole tile or more: nothing to gain (and > 2 segments)
         return n_tiles, 0
     return n_tiles - tail, n_sk
@@ -812,29 +814,40 @@ def split_tail_plan(n_tiles, n_kv, slots):
 
 @lru_cache(maxsize=None)
 def make_merge_kernel(BLOCK_Q, BLOCK_K, DTYPE):
-    """SPLIT_TAIL's merge: one block of MERGE_THREADS per shared tail tile, one warp per row at a time,
-    lanes over d; the parts are found by the same arithmetic that split them (split_units)."""
+    """SPLIT_TAIL's merge: one block of MERGE_THREADS per shared tail tile. Its parts' slots are found once
+    (by the arithmetic that split them, split_units) into shared memory; then each warp takes a row at a
+    time: the lanes share out the parts' L (max and sum over the warp), write the weights exp(L_s − L) to
+    shared memory, and sum weights x parts over the columns (lanes on adjacent columns: coalesced)."""
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    shfl_xor, syncwarp, FULL = ptx.shfl_xor_sync, ptx.syncwarp, ptx.FULL_MASK
     WARPS = MERGE_THREADS // 32
+    MAX_P = MERGE_MAX_PARTS
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    @inline_device
-    def part_slot(c, tail, n_sk, t_first):
-        """Slot of block c's part in the tile whose units start at t_first: its first or second part."""
-        return 2 * c if (c * tail) // n_sk >= t_first else 2 * c + 1
-
     def merge(out, lse, o_part, l_part, n_q, n_k, d, n_dp, n_sk):
+        slots = cuda.shared.array(MAX_P, int32)
+        weights = cuda.shared.array((WARPS, MAX_P), float32)
+        n_parts = cuda.shared.array(1, int32)
         n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
         q_tiles_h = (n_q + BLOCK_Q - 1) // BLOCK_Q
         tail = (out.shape[0] * out.shape[1] * q_tiles_h - n_dp) * n_kv
         t_first = cuda.blockIdx.x * n_kv  # this tile's units, counted from the first shared one
         t_end = t_first + n_kv
-        c0 = (t_first * n_sk) // tail  # first block whose range reaches into the tile
-        while c0 > 0 and (c0 * tail) // n_sk > t_first:
-            c0 -= 1
-        while ((c0 + 1) * tail) // n_sk <= t_first:
-            c0 += 1
+        if cuda.threadIdx.x == 0:
+            c = (t_first * n_sk) // tail  # first block whose range reaches into the tile
+            while c > 0 and (c * tail) // n_sk > t_first:
+                c -= 1
+            while ((c + 1) * tail) // n_sk <= t_first:
+                c += 1
+            n = 0
+            while c < n_sk and (c * tail) // n_sk < t_end:  # a block's first part, or its second
+                slots[n] = 2 * c if (c * tail) // n_sk >= t_first else 2 * c + 1
+                n += 1
+                c += 1
+            n_parts[0] = n
+        cuda.syncthreads()
+        n = n_parts[0]
         tile = n_dp + cuda.blockIdx.x
         bh = tile // q_tiles_h
         b = bh // out.shape[1]
@@ -843,31 +856,31 @@ def make_merge_kernel(BLOCK_Q, BLOCK_K, DTYPE):
         lane = cuda.threadIdx.x & 31
         for r in range(warp, BLOCK_Q, WARPS):
             row = (tile - bh * q_tiles_h) * BLOCK_Q + r
-            if row >= n_q:
+            if row >= n_q:  # (warp-uniform)
                 continue
             m = NEG_INF
-            c = c0
-            while c < n_sk and (c * tail) // n_sk < t_end:
-                m = max(m, l_part[part_slot(c, tail, n_sk, t_first) * BLOCK_Q + r])
-                c += 1
+            for p in range(lane, n, 32):
+                m = max(m, l_part[slots[p] * BLOCK_Q + r])
+            for x in (16, 8, 4, 2, 1):
+                m = max(m, shfl_xor(FULL, m, x))
             total = ZERO
-            c = c0
-            while c < n_sk and (c * tail) // n_sk < t_end:
-                if m > NEG_INF:
-                    total += math.exp(l_part[part_slot(c, tail, n_sk, t_first) * BLOCK_Q + r] - m)
-                c += 1
+            if m > NEG_INF:
+                for p in range(lane, n, 32):
+                    total += math.exp(l_part[slots[p] * BLOCK_Q + r] - m)
+            for x in (16, 8, 4, 2, 1):
+                total += shfl_xor(FULL, total, x)
             L = m + math.log(total) if total > ZERO else NEG_INF
+            for p in range(lane, n, 32):
+                weights[warp, p] = math.exp(l_part[slots[p] * BLOCK_Q + r] - L) if L > NEG_INF else ZERO
+            syncwarp()
             for col in range(lane, d, 32):
                 o = ZERO
-                c = c0
-                while c < n_sk and (c * tail) // n_sk < t_end:
-                    slot = part_slot(c, tail, n_sk, t_first)
-                    if L > NEG_INF:
-                        o += math.exp(l_part[slot * BLOCK_Q + r] - L) * o_part[slot * BLOCK_Q + r, col]
-                    c += 1
+                for p in range(n):
+                    o += weights[warp, p] * o_part[slots[p] * BLOCK_Q + r, col]
                 out[b, h, row, col] = uint16(pack(o, ZERO) & 0xFFFF)
             if lane == 0:
                 lse[b, h, row] = L
+            syncwarp()  # the weights are read before the next row's overwrite them
 
     io = types.Array(types.uint16, 4, "A")
     sig = types.void(io, types.Array(types.float32, 3, "A"), types.Array(types.float32, 2, "A"),
@@ -876,6 +889,7 @@ def make_merge_kernel(BLOCK_Q, BLOCK_K, DTYPE):
 
 
 MERGE_THREADS = 128
+MERGE_MAX_PARTS = 256  # parts of one tile at most (split_tail_plan keeps ranges long enough)
 _SLOTS: dict = {}
 
 

@@ -4,6 +4,6 @@
 #   bash scripts/gpu/session_ninth_d.sh $OUT
 source "$(dirname "$0")/common.sh"
 run t_split 150 $P tests/test_mma_forward.py -k "split_tail"
-run ab_split 300 python3 scripts/ab_mma.py --rounds 5 --shape 'N4096 d64$' --shape 'N4096 d128$' --shape bf16 \
+run ab_split 300 python3 scripts/ab_mma.py --rounds 5 --profile --shape 'N4096 d64$' --shape 'N4096 d128$' --shape bf16 \
     --variants '128x64 mt2 kv2' '128x64 mt2 kv2 split' '128x64 mt2 epi lazy' '128x64 mt2 epi lazy split'
-cat $work/t_split.log $work/ab_split.log | grep -v -i warn | tail -30
+tail -3 $work/t_split.log; grep -E "TFLOP|kernel" $work/ab_split.log | cut -c1-150
