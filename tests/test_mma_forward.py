@@ -356,6 +356,7 @@ def test_gpu_sweep_configs(head_dim, config, causal):
         assert_close(*r, "bfloat16")
 
 
+@pytest.mark.variant
 @pytest.mark.parametrize("slots", [None, 5])
 @pytest.mark.parametrize("head_dim,config", [(64, dict(KV_STAGES=2)), (128, dict(SMEM_EPILOGUE=True, LAZY_RESCALE=True))])
 @pytest.mark.gpu
@@ -476,6 +477,7 @@ def test_split_tail_plan():
 SPLIT_MIN = mma_forward.SPLIT_MIN_UNITS
 
 
+@pytest.mark.variant
 @in_simulator
 @pytest.mark.parametrize("slots,flags", [(5, dict(M_TILES=2, KV_STAGES=2)),
                                          (16, dict(M_TILES=2, LAZY_RESCALE=True, SMEM_EPILOGUE=True))])
@@ -489,6 +491,7 @@ def test_split_tail_sim(slots, flags):
     assert_close(*r, "float16")
 
 
+@pytest.mark.variant
 @in_simulator
 def test_split_tail_head_dim_128_bf16_sim():
     """The shipped d = 128 flags with SPLIT_TAIL: bf16, d = 120 in HEAD_DIM 128, Nk = 130 (ragged last K/V

@@ -188,6 +188,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     LAZY_RESCALE: a row's running maximum M moves only when a tile's maximum exceeds it by more than
     RESCALE_LOG2 (FA4's conditional rescaling, see softmax_lazy), so the rescale of acc and l_i by alpha
     (HEAD_DIM/4 FMUL per lane and m-tile per tile) is skipped on almost every tile.
+    SPLIT_TAIL (non-causal; not shipped: measured slower, benchmarks/mma_ladder.md v8): the kernel of a 1-D
+    grid whose first n_dp blocks take a whole Q tile each and whose next n_sk blocks share the remaining
+    tiles' K/V tiles in equal ranges (split_units), writing fp32 parts that merge_kernel combines.
     """
     WARP_SKIP = bool(WARP_SKIP and CAUSAL)
     if SPLIT_TAIL and (CAUSAL or WARP_SKIP or GRID_BH_X or not (TWO_SYNCS and FAST_LOADS)):
