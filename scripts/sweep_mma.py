@@ -87,6 +87,7 @@ VARIANTS = {
         ("128x64 mt2 kv2 split", {**MT2_128, **KV2, **SPLIT}, D64),
         ("128x64 mt2 kv2 lazy", {**MT2_128, **KV2, **LAZY}, D64),
         ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),
+        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}, D64),
         ("128x64 mt2 grid+skip+epi+pro lazy", {**MT2_128, **GRID, **SKIP, **EPI, **PRO, **LAZY}, D64C),
         ("128x64 mt2", MT2_128),  # shipped non-causal; never timed causal
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # shipped causal (170 registers causal: 2 blocks/SM)
