@@ -152,9 +152,10 @@ _SIMT_TABLE = {
 # LAZY_RESCALE (ninth session; FA4's conditional rescaling: a row's max moves only when a tile beats it by more
 # than 2^8), scripts/ab_mma.py, 4 interleaved rounds, results/ab-mma-2026-12-01-lazy.txt: d128 327.4 vs 322.9,
 # causal 295.8 vs 292.1, bf16 N16384 344.7 vs 338.2 (spills 88 -> 64 B); d64 276.5 vs 281.4 (kv2) and causal
-# 215.3 vs 216.2: not shipped at d64.
+# 215.3 vs 216.2: not shipped at d64. d64 kv2 + SMEM_EPILOGUE (never timed together before), 6 rounds,
+# results/ab-mma-2026-12-01-d64-epi.txt: 291.6 vs 287.2 (kv2 + epi + lazy 285.1, kv2 + lazy 280.0): shipped.
 MMA_TABLE = {
-    (64, False): (128, 64, 2, {"KV_STAGES": 2}),
+    (64, False): (128, 64, 2, {"KV_STAGES": 2, "SMEM_EPILOGUE": True}),
     (64, True): (128, 64, 2, {"GRID_BH_X": True, "WARP_SKIP": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True}),
     (128, False): (128, 64, 2, {"SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
     (128, True): (128, 64, 2, {"GRID_BH_X": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True, "LAZY_RESCALE": True}),
