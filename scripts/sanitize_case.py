@@ -25,6 +25,7 @@ CASES = [  # (B, H, Hkv, Nq, Nk, d, dtype, causal)
     (1, 2, 2, 129, 65, 128, "float32", False),
     (1, 2, 1, 70, 133, 40, "float16", True),
     (1, 2, 2, 129, 65, 128, "float16", False),
+    (1, 2, 1, 300, 260, 64, "float16", False),  # d = 64 non-causal: two K/V stages, O through shared memory
     (1, 1, 1, 33, 20, 200, "float16", True),   # d > 128: SIMT
     (1, 2, 1, 150, 200, 96, "float16", True),  # d = 96 padded to 128: 128x64 tiles, 64 KiB dynamic smem
     (1, 2, 1, 150, 200, 128, "float32", True),  # tf32x3 causal: 128x32 tiles, K/V split in shared memory

@@ -284,7 +284,8 @@ def test_dtypes(rng):
         (dict(dtype=np.int16), TypeError, "dtype=int16 is not a real floating dtype"),
         (dict(rescale_threshold=-1.0), ValueError, "rescale_threshold must be a finite number >= 0.*-1.0"),
         (dict(rescale_threshold=float("inf")), ValueError, "rescale_threshold must be a finite number >= 0"),
-        (dict(rescale_threshold="8"), ValueError, "rescale_threshold must be .*'8'"),
+        (dict(rescale_threshold="8"), TypeError, "rescale_threshold must be a real number.*'8'"),
+        (dict(rescale_threshold=float("nan")), ValueError, "rescale_threshold must be a finite number >= 0"),
     ],
 )
 def test_flash_validation_messages(kwargs, error, match):

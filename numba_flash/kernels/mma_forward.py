@@ -247,6 +247,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
     ONE = float32(1.0)
+    RESCALE = float32(RESCALE_LOG2)  # a Python float would make the comparison fp64 (cvt + add.f64 per row)
 
     swizzle, load_tile = tile_copies(HEAD_DIM, THREADS)
 
@@ -322,7 +323,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         stays <= 2^RESCALE_LOG2 (exact in fp32, and in f16/bf16 P), and acc and l_i keep their scale.
         The result is the same softmax: O = acc / l and L = (M + log2 l)·ln 2 use one M throughout.
         Past the first tiles M rarely moves, so the per-tile rescale of acc (HEAD_DIM/4 FMUL per lane
-        per m-tile, on the path into P·V's mma) is skipped by a branch the whole warp takes together."""
+        per m-tile, on the path into P·V's mma) is skipped by one branch per lane (its rows' M held)."""
         m_nw = cuda.local.array(ROWS_L, float32)
         rescale = False
         for mr in range(ROWS_L):  # row g + 8 (mr % 2) of m-tile mr // 2: maxima of the raw scores
@@ -335,7 +336,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
             m_c = m_tile * scale_log2
             # -inf + RESCALE_LOG2 is -inf: a row's first visible key always sets M.
-            m_nw[mr] = m_c if m_c > m_i[mr] + RESCALE_LOG2 else m_i[mr]
+            m_nw[mr] = m_c if m_c > m_i[mr] + RESCALE else m_i[mr]
             rescale |= m_nw[mr] != m_i[mr]
         if rescale:
             for mr in range(ROWS_L):
@@ -672,7 +673,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 
         write_final = True
         if SPLIT_TAIL:
-            # Blocks past n_dp only ever hold part of a tile (shorter ranges than a tile): O = acc / l and L
+            # Blocks past n_dp write every part (a range that happens to be a whole tile merges as one part): O = acc / l and L
             # of the part, fp32, for merge_kernel; slot 2·sk + seg (recomputed here, not kept live in the loop).
             if cuda.blockIdx.x >= n_dp:
                 write_final = False
@@ -750,7 +751,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, lse, lse, 0, 0, 0)
 
     def mma_forward_split_tail(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, o_part, l_part, n_dp, n_sk):
-        # A block's range of units is shorter than a Q tile's (split_tail_plan makes sure): one segment,
+        # A block's range of units is no longer than a Q tile's (split_tail_plan makes sure): one segment,
         # or the end of one Q tile and the start of the next.
         _, u_first, u_end = split_units(q, n_q, n_k, n_dp, n_sk)
         n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
@@ -791,8 +792,8 @@ def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=Non
 # ceil(T / S) waves and the last is T mod S tiles: the H200 benchmark's 2048 tiles on 264 slots leave
 # 64 slots idle for the last eighth (2.5-2.9 % per tile, benchmarks/mma_ladder.md v8). SPLIT_TAIL runs
 # the first T - T mod S tiles as before, one block each, and gives the rest to S more blocks as equal
-# ranges of (Q tile, K/V tile) units, stream-K style; a range is shorter than a Q tile, so a block works
-# on at most two tiles, and every such tile is shared by 2-3 blocks. Each writes O = acc / l and L of
+# ranges of (Q tile, K/V tile) units, stream-K style; a range is no longer than a Q tile, so a block works
+# on at most two tiles. Each writes O = acc / l and L of
 # its part in fp32; merge_kernel combines a tile's parts (O = sum of exp(L_s - L) O_s, L = logsumexp L_s),
 # the same merge as split-K decode's.
 SPLIT_MIN_UNITS = 4  # K/V tiles per part at least (each part pays a Q load, a prologue and a partial write)
@@ -812,7 +813,7 @@ def split_tail_plan(n_tiles, n_kv, slots):
     n_sk = min(slots, tail * n_kv // min_units)
     if n_sk <= tail:  # a block would get a whole tile or more: nothing to gain (and > 2 segments)
         return n_tiles, 0
-    return n_tiles - tail, n_sk
+    return n_tiles - tail, n_sk  # n_sk > tail: every range is at most n_kv units, so it touches <= 2 Q tiles
 
 
 @lru_cache(maxsize=None)
