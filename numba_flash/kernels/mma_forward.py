@@ -374,7 +374,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         tail = (q.shape[0] * q.shape[1] * ((n_q + BLOCK_Q - 1) // BLOCK_Q) - n_dp) * n_kv
         return sk, n_dp * n_kv + (sk * tail) // n_sk, n_dp * n_kv + ((sk + 1) * tail) // n_sk
 
-
     @inline_device
     def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, o_part, l_part, n_dp, n_sk, seg):
         # o_part, l_part, n_dp, n_sk, seg: SPLIT_TAIL's partial results, block split (split_tail_plan) and
