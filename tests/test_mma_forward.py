@@ -293,6 +293,8 @@ def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.{0}.{0}.f32".format("f16" if dtype == "float16" else "bf16")
     assert mma in text and "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
     assert "ld.local" not in text and "st.local" not in text  # NVVM keeps every fragment in registers
+    # no fp64 anywhere (a Python-float constant in the lazy-rescale comparison once made it cvt/add/setp.f64)
+    assert ".f64" not in text
     report = ptxas_report(text, tmp_path)
     allowed = MMA_SPILL_OK.get((bq, bk, head_dim, mt), 0)
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
