@@ -349,10 +349,10 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
             out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":
                 # SPLIT_TAIL's fp32 scratch comes from q's framework (and a plan's replay allocates it again)
+                alloc = ((lambda shape, dt: arrays.empty_like_kind(p.kind, q, shape, dt, stream)[1])
+                         if cfg.get("SPLIT_TAIL") else None)
                 mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
-                                   stream=stream, layout_checked=True,
-                                   alloc=lambda shape, dt: arrays.empty_like_kind(p.kind, q, shape, dt, stream)[1],
-                                   **cfg)
+                                   stream=stream, layout_checked=True, alloc=alloc, **cfg)
             elif family in TF32_KERNELS:
                 tf32_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
                                     stream=stream, layout_checked=True, **cfg)

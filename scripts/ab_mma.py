@@ -24,7 +24,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sweep_mma import SHAPES, VARIANTS, as_numba, kernel_for, kernel_info, time_ms  # noqa: E402
+from sweep_mma import (SHAPES, VARIANTS, as_numba, kernel_for, kernel_info, launch_and_check,  # noqa: E402
+                       scratch_allocator, time_ms)
 
 from numba_flash.kernels import mma_forward  # noqa: E402
 
@@ -52,21 +53,11 @@ def main(argv=None):
         lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
         qn, kn, vn, on, ln = (as_numba(x) for x in (q, k, v, out, lse))
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
-        calls, info, buffers = {}, {}, {}
-
-        def scratch(shape, dt):
-            """SPLIT_TAIL's fp32 scratch, allocated once per shape (as torch's caching allocator would)."""
-            if shape not in buffers:
-                buffers[shape] = as_numba(torch.empty(shape, device="cuda", dtype=getattr(torch, dt)))
-            return buffers[shape]
+        calls, info, scratch = {}, {}, scratch_allocator()
         for name in names:
             cfg = table[name]
-            out.zero_()
-            mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale, alloc=scratch, **cfg)
-            torch.cuda.synchronize()
-            err = (out.float() - ref).abs().max().item()
-            info[name] = dict(max_abs_err=err, ok=bool(math.isfinite(err) and err < (2e-2 if dtype == torch.float16 else 6e-2)),
-                              **kernel_info(kernel_for(cfg, hd, causal, dtype), cfg, hd))
+            err, ok = launch_and_check((qn, kn, vn, on, ln), out, ref, dtype, causal, scale, cfg, scratch)
+            info[name] = dict(max_abs_err=err, ok=ok, **kernel_info(kernel_for(cfg, hd, causal, dtype), cfg, hd))
             calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
                                                               alloc=scratch, **cfg))
 

@@ -317,6 +317,30 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
 
     @inline_device
+    def tile_row_max(s, mr):
+        """Row g + 8 (mr % 2) of m-tile mr // 2: the maximum of this tile's raw scores, over the quad."""
+        half = mr & 1
+        s0 = (mr >> 1) * S_TILES
+        m_tile = NEG_INF
+        for nt in range(S_TILES):
+            m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
+        m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
+        return max(m_tile, shfl_xor(FULL, m_tile, 2))
+
+    @inline_device
+    def exp_row(s, mr, m_sub, scale_log2):
+        """p = 2^(s·c − m_sub) in place of row mr's scores (one FFMA and one ex2 each); this lane's sum of them."""
+        half = mr & 1
+        s0 = (mr >> 1) * S_TILES
+        row_sum = ZERO
+        for nt in range(S_TILES):
+            for c in range(2):
+                p = ex2(cuda.fma(s[s0 + nt, 2 * half + c], scale_log2, -m_sub))
+                s[s0 + nt, 2 * half + c] = p
+                row_sum += p
+        return row_sum
+
+    @inline_device
     def softmax_lazy(s, acc, m_i, l_i, scale_log2):
         """LAZY_RESCALE's online softmax of one tile (FA4's conditional rescaling): a row's M moves only
         when the tile's maximum exceeds it by more than RESCALE_LOG2 (base-2 units), so p = 2^(s·c − M)
@@ -326,15 +350,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         per m-tile, on the path into P·V's mma) is skipped by one branch per lane (its rows' M held)."""
         m_nw = cuda.local.array(ROWS_L, float32)
         rescale = False
-        for mr in range(ROWS_L):  # row g + 8 (mr % 2) of m-tile mr // 2: maxima of the raw scores
-            half = mr & 1
-            s0 = (mr >> 1) * S_TILES
-            m_tile = NEG_INF
-            for nt in range(S_TILES):
-                m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
-            m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
-            m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-            m_c = m_tile * scale_log2
+        for mr in range(ROWS_L):
+            m_c = tile_row_max(s, mr) * scale_log2
             # -inf + RESCALE_LOG2 is -inf: a row's first visible key always sets M.
             m_nw[mr] = m_c if m_c > m_i[mr] + RESCALE else m_i[mr]
             rescale |= m_nw[mr] != m_i[mr]
@@ -350,16 +367,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     acc[a0_ + dt, 2 * half] *= alpha
                     acc[a0_ + dt, 2 * half + 1] *= alpha
         for mr in range(ROWS_L):
-            half = mr & 1
-            s0 = (mr >> 1) * S_TILES
             m_scaled = ZERO if m_i[mr] == NEG_INF else m_i[mr]  # nothing visible yet: ex2(-inf) = 0, not nan
-            row_sum = ZERO
-            for nt in range(S_TILES):
-                for c in range(2):
-                    p = ex2(cuda.fma(s[s0 + nt, 2 * half + c], scale_log2, -m_scaled))
-                    s[s0 + nt, 2 * half + c] = p
-                    row_sum += p
-            l_i[mr] += row_sum
+            l_i[mr] += exp_row(s, mr, m_scaled, scale_log2)
 
     @inline_device
     def split_units(q, n_q, n_k, n_dp, n_sk):
@@ -578,13 +587,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             else:
                 for mr in range(2 * M_TILES):  # row g + 8 (mr % 2) of m-tile mr // 2
                     half = mr & 1
-                    s0 = (mr >> 1) * S_TILES
                     a0_ = (mr >> 1) * O_TILES
-                    m_tile = NEG_INF
-                    for nt in range(S_TILES):
-                        m_tile = max(m_tile, max(s[s0 + nt, 2 * half], s[s0 + nt, 2 * half + 1]))
-                    m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
-                    m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+                    m_tile = tile_row_max(s, mr)
                     # m_i is kept scaled (M = m·scale·log2 e, rounded once): p = 2^(s·c − M) by one FFMA, and
                     # alpha = 2^(M_old − M_new) is then exactly the factor that moves the earlier p's to the new
                     # M (1 while the maximum holds). Unscaled m with alpha from m_old·c − m_new·c was contracted
@@ -593,13 +597,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     m_new = max(m_i[mr], m_tile * scale_log2)
                     alpha = ZERO if m_new == NEG_INF else ex2(m_i[mr] - m_new)
                     m_scaled = ZERO if m_new == NEG_INF else m_new
-                    row_sum = ZERO
-                    for nt in range(S_TILES):
-                        for c in range(2):
-                            p = ex2(cuda.fma(s[s0 + nt, 2 * half + c], scale_log2, -m_scaled))
-                            s[s0 + nt, 2 * half + c] = p
-                            row_sum += p
-                    l_i[mr] = alpha * l_i[mr] + row_sum
+                    l_i[mr] = alpha * l_i[mr] + exp_row(s, mr, m_scaled, scale_log2)
                     m_i[mr] = m_new
                     for dt in range(O_TILES):
                         acc[a0_ + dt, 2 * half] *= alpha
@@ -674,6 +672,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         if SPLIT_TAIL:
             # Blocks past n_dp write every part (a range that happens to be a whole tile merges as one part): O = acc / l and L
             # of the part, fp32, for merge_kernel; slot 2·sk + seg (recomputed here, not kept live in the loop).
+            # (Folded into the epilogue loop below, ptxas spilled more in the split kernel: d64 28 -> 76 B.)
             if cuda.blockIdx.x >= n_dp:
                 write_final = False
                 for mr in range(2 * M_TILES):
@@ -755,8 +754,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         _, u_first, u_end = split_units(q, n_q, n_k, n_dp, n_sk)
         n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
         n_seg = 0 if u_end == u_first else (1 if (u_end - 1) // n_kv == u_first // n_kv else 2)
-        # Two calls rather than a loop over segments (ptxas: 0 B spilled at d = 64 against 8-12 B for the loop;
-        # d = 128 spills either way, 304 B here and 236 B looped, against 64 B without SPLIT_TAIL).
+        # Two calls rather than a loop over segments (ptxas when timed, f6118ed: 0 B spilled at d = 64 against
+        # 8-12 B for the loop; d = 128 304 B here, 236 B looped, 64 B without SPLIT_TAIL). The softmax helpers
+        # shared since then moved these to 28 B (d = 64) and 268 B (d = 128); not re-timed.
         if n_seg > 0:
             forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, o_part, l_part, n_dp, n_sk, 0)
         if n_seg > 1:
@@ -797,6 +797,8 @@ def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=Non
 # the same merge as split-K decode's.
 SPLIT_MIN_UNITS = 4  # K/V tiles per part at least (each part pays a Q load, a prologue and a partial write)
 SPLIT_MAX_FILL = 0.9  # leave a last wave that is >= 90 % full alone (too little to win back)
+MERGE_THREADS = 128
+MERGE_MAX_PARTS = 256  # parts of one tile at most (split_tail_plan keeps ranges long enough)
 
 
 def split_tail_plan(n_tiles, n_kv, slots):
@@ -861,20 +863,22 @@ def make_merge_kernel(BLOCK_Q, BLOCK_K, DTYPE):
             row = (tile - bh * q_tiles_h) * BLOCK_Q + r
             if row >= n_q:  # (warp-uniform)
                 continue
-            m = NEG_INF
+            m = NEG_INF  # the parts' L, then exp(L_s - m), then the weights exp(L_s - L), in place
             for p in range(lane, n, 32):
-                m = max(m, l_part[slots[p] * BLOCK_Q + r])
+                weights[warp, p] = l_part[slots[p] * BLOCK_Q + r]
+                m = max(m, weights[warp, p])
             for x in (16, 8, 4, 2, 1):
                 m = max(m, shfl_xor(FULL, m, x))
             total = ZERO
-            if m > NEG_INF:
-                for p in range(lane, n, 32):
-                    total += math.exp(l_part[slots[p] * BLOCK_Q + r] - m)
+            for p in range(lane, n, 32):
+                weights[warp, p] = math.exp(weights[warp, p] - m) if m > NEG_INF else ZERO
+                total += weights[warp, p]
             for x in (16, 8, 4, 2, 1):
                 total += shfl_xor(FULL, total, x)
             L = m + math.log(total) if total > ZERO else NEG_INF
+            inv_total = float32(1.0) / total if total > ZERO else ZERO
             for p in range(lane, n, 32):
-                weights[warp, p] = math.exp(l_part[slots[p] * BLOCK_Q + r] - L) if L > NEG_INF else ZERO
+                weights[warp, p] *= inv_total
             syncwarp()
             for col in range(lane, d, 32):
                 o = ZERO
@@ -891,8 +895,6 @@ def make_merge_kernel(BLOCK_Q, BLOCK_K, DTYPE):
     return cuda.jit(sig)(merge)
 
 
-MERGE_THREADS = 128
-MERGE_MAX_PARTS = 256  # parts of one tile at most (split_tail_plan keeps ranges long enough)
 _SLOTS: dict = {}
 
 
