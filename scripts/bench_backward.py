@@ -531,6 +531,9 @@ def main(argv=None):
     ap.add_argument("--sweep-kernels", nargs="+", default=None,
                     help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split dkdv-fa2 dkdv-atomic-fa2 "
                          "dkdv-atomic-variants)")
+    ap.add_argument("--sweep-d", nargs="+", type=int, default=None, help="with --sweep-mma: only these head dims")
+    ap.add_argument("--sweep-causal", nargs="+", default=None, choices=["False", "True"],
+                    help="with --sweep-mma: only these causal settings (d64 sweeps only non-causal)")
     ap.add_argument("--sweep-only", action="store_true", help="skip the autograd suite: only the sweeps asked for")
     ap.add_argument("--tf32", action="store_true", help="time the fp32 backward kernel='tf32x3' vs simt, SDPA")
     ap.add_argument("--sweep-split", action="store_true", help="with --sweep-mma: also time dkdv-split")
@@ -554,7 +557,9 @@ def main(argv=None):
                            for r in sweep(d=d, dtype=dt, budget_s=args.budget_s)]
     if args.sweep_mma:
         print("tensor-core backward tiles (B4 H16 N4096 fp16), kernel by kernel:", flush=True)
-        result["sweep_mma"] = [r for d in MMA_SWEEP for causal in ((False, True) if d == 128 else (False,))
+        result["sweep_mma"] = [r for d in MMA_SWEEP if args.sweep_d is None or d in args.sweep_d
+                               for causal in ((False, True) if d == 128 else (False,))
+                               if args.sweep_causal is None or str(causal) in args.sweep_causal
                                for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5),
                                                   kernels=args.sweep_kernels, sweep_split=args.sweep_split)]
     if args.tf32:

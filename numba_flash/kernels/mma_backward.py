@@ -290,13 +290,19 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
         return qt0, per_head, group * per_head
 
     @inline_device
+    def step_tile(step, qt0, per_head, group):
+        """(query head hh of the group, first query row i0) of step ``step``. Without GQA (group 1) no
+        integer division: it was a ~40-instruction chain per step (ncu, tenth session)."""
+        hh = step // per_head if group > 1 else 0
+        return hh, (qt0 + step - hh * per_head) * BLOCK_M
+
+    @inline_device
     def prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad):
         """Step step + 1's tiles into the buffer step - 1 used (after the barrier that freed it)."""
         if step + 1 < steps:
             nxt = step + 1
-            hh = nxt // per_head
-            load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh,
-                       (qt0 + nxt - hh * per_head) * BLOCK_M, n_q, d, nq_pad)
+            hh, i0 = step_tile(nxt, qt0, per_head, group)
+            load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh, i0, n_q, d, nq_pad)
 
     @inline_device
     def dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3):
@@ -337,7 +343,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
                         dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
 
     layout = (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, EXTRA0)
-    return layout, swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, store_grads, dv_dk_step
+    return layout, swizzle, load_rows, load_stage, schedule, step_tile, prefetch, swizzle_m, store_grads, dv_dk_step
 
 
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, DQ_COLS=32,
@@ -367,8 +373,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
     O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
     CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
-    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
-        store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, load_rows, load_stage, schedule, step_tile, prefetch, \
+        swizzle_m, store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
     # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
     if ATOMIC_DQ and not (BLOCK_M == 64 and BLOCK_N in (64, 128)):
         raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 64 or 128 keys (4 or 8 warps "
@@ -393,9 +399,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     def last_dq(smem, dq_acc, step, qt0, per_head, bh, group, warp, lane, g, t):
         """DQ_DEFERRED: dQ of step - 1 from its dSᵀ buffer (parity step - 1)."""
         prev = step - 1
-        hp = prev // per_head
-        add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, bh * group + hp, (qt0 + prev - hp * per_head) * BLOCK_M,
-               warp, lane, g, t)
+        hp, i0 = step_tile(prev, qt0, per_head, group)
+        add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, bh * group + hp, i0, warp, lane, g, t)
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
@@ -447,8 +452,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             cuda.syncthreads()  # ... for every thread; and every warp has left the previous step
             prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
             cp_commit()
-            hh = step // per_head
-            i0 = (qt0 + step - hh * per_head) * BLOCK_M
+            hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
             if DQ_DEFERRED and step > 0:  # the barrier above published step - 1's dSᵀ
                 last_dq(smem, dq_acc, step, qt0, per_head, bh, group, warp, lane, g, t)
@@ -535,8 +539,8 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     CAUSAL = bool(CAUSAL)
     if BLOCK_M != 64:
         raise ValueError(f"split_d dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows); got BLOCK_M={BLOCK_M}")
-    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
-        store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, step_tile, prefetch, \
+        swizzle_m, store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES_W, mma)
@@ -599,8 +603,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
             cuda.syncthreads()  # tiles landed; every warp left the previous step (and its Pᵀ, dSᵀ)
             prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
             cp_commit()
-            hh = step // per_head
-            i0 = (qt0 + step - hh * per_head) * BLOCK_M
+            hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
 
             # Sᵀ and dPᵀ for keys 16 rg.. x this warp's half of the queries
@@ -802,8 +805,8 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
     if BLOCK_M != 64 or BLOCK_N not in (64, 128):
         raise ValueError(f"fa2 dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows) and 64 or 128 keys (whole "
                          f"warp pairs; 4 or 8 warps over dQ_i's 4 row groups); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
-    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, prefetch, swizzle_m, \
-        _store_grads, _dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, step_tile, prefetch, \
+        swizzle_m, _store_grads, _dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products_m(HEAD_DIM, KT, Q_TILES_W, mma)
@@ -873,8 +876,7 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
             cuda.syncthreads()  # tiles landed; every warp left the previous step (its Pᵀ, dSᵀ, dQ phase)
             prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
             cp_commit()
-            hh = step // per_head
-            i0 = (qt0 + step - hh * per_head) * BLOCK_M
+            hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
 
             # Sᵀ and dPᵀ for keys 32 rg.. x this warp's half of the queries
