@@ -217,12 +217,14 @@ MMA_BWD_TABLE = {
     128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64)},
 }
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
-# shipped config the sweep measured fastest anyway; the build test allows exactly these.
-MMA_BWD_SPILL_OK = {("dkdv", 64, 64, 128): 104, ("dq", 64, 64, 128): 48,
+# shipped config the sweep measured fastest anyway; the build test allows exactly these. Tenth session:
+# the streamed tiles' whole-tile copies freed registers (dkdv d128 104 -> 100, the atomic 128-key dkdv
+# 56 -> 0) except in the causal dq at d128 (48 -> 56); re-swept: results/backward-2026-12-01-sweep.md.
+MMA_BWD_SPILL_OK = {("dkdv", 64, 64, 128): 100, ("dq", 64, 64, 128): 56,
                     # the atomic-dQ dkdv of backward(deterministic=False) with red.v2 adds, 64 or 128 keys
                     # (worst of causal / not; timed in benchmarks/NOTES.md)
-                    ("dkdv-atomic", 64, 64, 64): 44, ("dkdv-atomic", 64, 64, 128): 136,
-                    ("dkdv-atomic", 128, 64, 64): 56, ("dkdv-atomic", 128, 64, 128): 56}
+                    ("dkdv-atomic", 64, 64, 64): 44, ("dkdv-atomic", 64, 64, 128): 92,
+                    ("dkdv-atomic", 128, 64, 64): 40, ("dkdv-atomic", 128, 64, 128): 0}
 
 
 def _simt_for(head_dim: int) -> SimtConfig:

@@ -108,6 +108,8 @@ def shipped(head_dim):
         (1, 2, 1, 40, 72, 64, True, "float16"),   # GQA 2, Nq < Nk, 2 K/V tiles, the second partial
         (1, 1, 1, 70, 30, 24, True, "bfloat16"),  # Nq > Nk: rows 0..39 see no key; d 24 padded to 64
         (1, 1, 1, 33, 45, 128, False, "float16"),  # d = 128
+        (1, 1, 1, 72, 66, 64, False, "float16"),  # a whole 64-row Q tile (dkdv) and K/V tile (dq): the
+                                                   # copies' whole-tile path, then the clamped one
     ],
 )
 def test_shipped_configs_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
@@ -361,20 +363,20 @@ def _dkdv_ptx_cases():
 DKDV_PTX_CASES = _dkdv_ptx_cases()
 
 
-# Code sha256 of each DKDV_PTX_CASES kernel's sm_90 PTX as d0d51d1 built it (before the atomic dQ
-# variants), recorded with numba 0.68.1, numba-cuda 0.30.4, NVVM 2.0; other versions skip.
-DKDV_PTX_SHA256_D0D51D1 = {
-    "dkdv-64x64-d128-False-float16": "479703da6ab391a1bc6451d8a71b7797e47c459c98235c1f01c05318cc3fc121",
-    "dkdv-64x64-d128-True-float16": "8c0aa76b69bc1555a39ad2b44764a68c20fb1a569707e31dfdcfb0129705a7ef",
-    "dkdv-64x64-d64-False-float16": "76ce6f8894e936b3dfb71f71b00621a071499fe77fa636b00119ccac581260d3",
-    "dkdv-64x64-d64-True-float16": "a9de1cf8bbf23ef15d130ac3ff55a937eb6db9b90df566bb8e441f6fcb953ad0",
-    "dkdv-atomic-128x64-d128-False-float16": "146e57dd25105fc4b03364992099266c0a4bc79a395562dc5a392c20c2fa2b11",
-    "dkdv-atomic-128x64-d128-True-bfloat16": "9f88f3c78cf1f55396103145e2ed274d33de2eabed57016cbd6a64e42527c415",
-    "dkdv-atomic-128x64-d128-True-float16": "57473859d7376e5926697434b32ae0d75254c996d102242534f43bd23635cd0c",
-    "dkdv-atomic-128x64-d64-False-float16": "8fa3567990cf4fae4140dc80d3d56f05b2d54fb4d6ece813794e2b8b7fb1e10c",
-    "dkdv-atomic-64x64-d128-False-float16": "9403fe36047dbb5178a9a904d181f12c0a29eb724720f7ce559fafbfc25e5fee",
-    "dkdv-atomic-64x64-d64-False-float16": "32553488c43f1b364c0c54a016d4ad5cdd9634db276fd9f6afa3770e8276aad0",
-    "dkdv-atomic-64x64-d64-True-float16": "b3f81b54b94df04ee74011c22c30a3663fda0de3909188537039e299675e512a",
+# Code sha256 of each DKDV_PTX_CASES kernel's sm_90 PTX, recorded with numba 0.68.1, numba-cuda 0.30.4,
+# NVVM 2.0 (other versions skip) when the tenth session changed the kernels on purpose (whole-tile copies
+# of the streamed tiles, no per-step division without GQA); d0d51d1's hashes had held from before the
+# atomic dQ variants until then.
+DKDV_PTX_SHA256 = {
+    "dkdv-64x64-d128-False-float16": "e975c3638f86ca384ac829d9d1f94e7621e68f4c71a56333aa7dfea12a99ecdf",
+    "dkdv-64x64-d128-True-float16": "fa5c4353a2f4305dc2296c3557e6ab75ac8e298bdb2a9522de5bcd1761edeeef",
+    "dkdv-64x64-d64-False-float16": "848c0fe76a9c4871a6445a5e8ee618eee96a5ff7ba76ea8afba177b617f40b33",
+    "dkdv-64x64-d64-True-float16": "8d689672e47f4fd8fe2582d5f0acf9f00474b3d5fe5e8641e3f153d9f49b13e6",
+    "dkdv-atomic-128x64-d128-False-float16": "0e9276381f708da7079b123c12a926cc3f832461205ea4f10972dd1c8eb9818c",
+    "dkdv-atomic-128x64-d128-True-bfloat16": "87f33dc8e0d03900161b1c1adebcc89cd3502e9c65015dc8e2692e7a892c1983",
+    "dkdv-atomic-128x64-d128-True-float16": "a31ffff4cfa262dd5f0a4d88173ee6a010427954a2b8d7b20c4603eb5f896747",
+    "dkdv-atomic-64x64-d64-False-float16": "3b98b4a94a97bcf8086f9a2dc0b4ea49e68357437dfc88dc59960dea82343cbf",
+    "dkdv-atomic-64x64-d64-True-float16": "2746e475e90df1d35e46994ca87934ac130b3b28f4cc9c4bd7de531e56850395",
 }
 
 
@@ -392,7 +394,7 @@ def code_ptx_sha256(text):
 
 def test_atomic_variants_off_ptx_unchanged(tmp_path):
     """With the atomic dQ variants off (kernel_source's defaults), the shipped dkdv kernels (atomic and
-    not) compile to d0d51d1's instructions: the variants are confined to their flags."""
+    not) compile to the recorded instructions: the variants are confined to their flags."""
     from test_mma_forward import SHIPPED_PTX_VERSIONS
     from test_ptx import NO_GPU_PATCH, run_compile_child
 
@@ -418,14 +420,14 @@ print(json.dumps(dict(versions=versions, hashes=out)))
     if got["versions"] != want:
         pytest.skip(f"hashes recorded with {want}, this is {got['versions']}")
     assert sorted(got["hashes"]) == sorted(DKDV_PTX_CASES)
-    assert got["hashes"] == {name: DKDV_PTX_SHA256_D0D51D1[name] for name in DKDV_PTX_CASES}
+    assert got["hashes"] == {name: DKDV_PTX_SHA256[name] for name in DKDV_PTX_CASES}
 
 
 # ptxas sm_90 spill bytes (stores; loads are equal) of each atomic dQ variant at the shipped atomic
 # tiles, worst of causal / not (ptxas 13.0): recorded so a change shows, not a limit that was chosen.
-ATOMIC_VARIANT_SPILLS = {
-    (128, "dq_cols64"): 40, (128, "dq_deferred"): 40, (128, "red_v4"): 44, (128, "all3"): 28,
-    (64, "dq_cols64"): 88, (64, "dq_deferred"): 4, (64, "red_v4"): 40, (64, "all3"): 0,
+ATOMIC_VARIANT_SPILLS = {  # since the tenth session's whole-tile copies (before: 40, 40, 44, 28; 88, 4, 40, 0)
+    (128, "dq_cols64"): 28, (128, "dq_deferred"): 4, (128, "red_v4"): 0, (128, "all3"): 4,
+    (64, "dq_cols64"): 48, (64, "dq_deferred"): 0, (64, "red_v4"): 48, (64, "all3"): 0,
 }
 
 
