@@ -186,7 +186,9 @@ TF32_TABLE = {
 # per lane) plus Sᵀ and dPᵀ (2 x BLOCK_M/2).
 # H200 sweep (results/backward-2026-11-29-mma-sweep.md, fp16 B4 H16 N4096, each kernel alone): d = 128
 # dkdv 64x64 257.0 vs 64x32 244.6 TFLOP/s (causal 205.9 vs 192.8) although ptxas spills 92 B of it,
-# dq 64x64 269.3 (next 128x64 264.6); d = 64 64x64 best for both (242.5, 249.1).
+# dq 64x64 269.3 (next 128x64 264.6); d = 64 64x64 best for both (242.5, 249.1). Re-swept at d128 non-causal
+# after the tenth session's whole-tile copies (results/backward-2026-12-01-sweep-copies.md): the same tiles win
+# (dkdv 64x64 3.630 ms vs 64x32 3.927; dq 64x64 2.647 vs 128x64 2.895; atomic 128x64 5.770 vs 64x64 6.451).
 # "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32; fourth
 # session, results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
 # (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.

@@ -42,16 +42,17 @@ Three kernels on one stream, no atomics anywhere (bitwise repeatable, like the S
 backward(deterministic=False) swaps kernel 3 for FA2's scheme: ``dkdv`` built with ATOMIC_DQ also
 writes dSᵀ to shared memory, computes dQ_i += dS K_j for 16 query rows per warp (dS by
 ldmatrix.trans of the stored dSᵀ) and adds it to fp32 scratch with ``red.global.add.f32``; a
-``convert`` kernel then writes dq = scale · scratch. Measured slower than the deterministic path on
-an H200 (benchmarks/NOTES.md): the extra phase runs serialised inside a kernel already at 255
-registers.
+``convert`` kernel then writes dq = scale · scratch. On an H200 it is faster than the deterministic
+path (213.6 vs 201.4 TFLOP/s at d128, benchmarks/NOTES.md) but slower per product: its dQ phase runs
+after a second barrier, with every warp of the block's only resident block in it at once.
 
 Shared memory: 16-bit tiles with rows of HEAD_DIM, 16-byte chunks XOR-swizzled by row % 8 (the
 forward's layout: every ldmatrix phase hits 8 distinct bank groups). The streamed tiles (Q, dO,
 L2, D in ``dkdv``; K, V in ``dq``) are double-buffered: at the top of step i one barrier says tile
 i has landed and that every warp has left step i−1, whose buffer then receives tile i+1 by cp.async
-while step i computes. Out-of-range rows and head-dim columns are zero-filled by cp.async's
-src-size operand.
+while step i computes. A tile whose rows all exist is copied from one per-thread offset plus a
+constant step per copy; out-of-range rows and head-dim columns (a sequence's last tile, a padded head
+dim) are zero-filled by cp.async's src-size operand.
 
 Causal (bottom-right, query i sees key j iff j <= i + Nk − Nq): ``dkdv`` starts at the first Q
 tile that sees its keys, ``dq`` stops after the last K/V tile its rows see; only tiles that cross

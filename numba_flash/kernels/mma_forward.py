@@ -119,7 +119,9 @@ def tile_copies(HEAD_DIM, THREADS):
     swizzle(row, chunk): element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR
     row % 8). load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES): rows row0.. of src[b, h]
     into the tile at word tile0, COPIES 16-byte copies per thread; rows past n_rows and columns past
-    d are zero-filled (the forward's FAST_LOADS plans are the faster path for whole tiles)."""
+    d are zero-filled. A tile whose rows all exist takes one offset per thread and a constant step per
+    copy; only a sequence's last tile pays for the row clamps. (The forward's FAST_LOADS plans keep their
+    per-thread offsets across tiles instead.)"""
     CHUNKS = HEAD_DIM // 8
     ROW_STEP = THREADS // CHUNKS  # rows between a thread's successive copies
     # Then a thread's copies share row % 8 (one swizzled chunk) and its column: a whole tile is one
