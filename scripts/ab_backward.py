@@ -65,6 +65,8 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--modes", nargs="+", default=["deterministic", "atomic"], choices=["deterministic", "atomic"],
+                    help="deterministic: backward(deterministic=True); atomic: deterministic=False")
     args = ap.parse_args(argv)
     old = load_old(args.old)
     versions = {"before": old.backward, "after": numba_flash.backward}
@@ -85,7 +87,7 @@ def main(argv=None):
             torch.autograd.grad(o_ref, (qr, kr, vr), dout, retain_graph=True)
 
         calls, check = {}, {}
-        for det in (True, False):
+        for det in [m == "deterministic" for m in args.modes]:
             grads = {}
             for name, fn in versions.items():
                 def call(fn=fn, det=det):

@@ -738,11 +738,43 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
             off = row0 + pc * DQ_COLS + nt * 8 + 2 * t + (8 * HEAD_DIM - 2 if odd else 0)
             red_add4(dq_acc, off, x if odd else lo0, y if odd else lo1, hi0 if odd else x, hi1 if odd else y)
 
+    PASSES = WARP_COLS // DQ_COLS
+
+    @inline_device
+    def dq_pass(smem, sds, dq_acc, acc_q, row0, pc, a_key, a_chunk, t_row, t_chunk, t):
+        """One DQ_COLS-column chunk pc of this warp's dQ_i rows: acc_q = dS_i K_j[:, chunk], then the adds."""
+        for nt in range(DQ_TILES):
+            for r in range(4):
+                acc_q[nt, r] = ZERO
+        for kk in range(BLOCK_N // 16):
+            a0, a1, a2, a3 = ldsm_t(smem, sds + swizzle_m(kk * 16 + a_key, a_chunk))
+            for dp2 in range(DQ_COLS // 16):
+                nt = 2 * dp2
+                b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
+                acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
+                    a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
+                acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
+                    a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
+        if RED_V4:
+            red_pairs(dq_acc, acc_q, row0, pc, t)
+        else:
+            for nt in range(DQ_TILES):
+                col = pc * DQ_COLS + nt * 8 + 2 * t
+                for half in range(2):  # scratch rows and columns are padded: no bounds checks
+                    off = row0 + 8 * half * HEAD_DIM + col
+                    if VECTOR_RED:
+                        red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                    else:
+                        red_add(dq_acc, off, acc_q[nt, 2 * half])
+                        red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+
     @inline_device
     def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
         """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
         WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
-        ldmatrix.trans, then atomic adds."""
+        ldmatrix.trans, then atomic adds. Two passes are written out, each with its own accumulators:
+        as a loop (NVVM kept it rolled) the second pass's first ldmatrix reused registers that the
+        first pass's red instructions were still reading (long-scoreboard stalls in ncu)."""
         rw = warp % ROW_GROUPS
         cw = warp // ROW_GROUPS
         mat = lane >> 3
@@ -750,34 +782,14 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
         a_chunk = 2 * rw + (mat & 1)
         t_row = (mat & 1) * 8 + (lane & 7)
         t_chunk = mat >> 1
-        acc_q = cuda.local.array((DQ_TILES, 4), float32)
         row0 = (bh * dq_acc.shape[1] + i0 + rw * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
-        for wc in range(WARP_COLS // DQ_COLS):
-            pc = cw * (WARP_COLS // DQ_COLS) + wc  # this pass's DQ_COLS-column chunk of dQ_i
-            for nt in range(DQ_TILES):
-                for r in range(4):
-                    acc_q[nt, r] = ZERO
-            for kk in range(BLOCK_N // 16):
-                a0, a1, a2, a3 = ldsm_t(smem, sds + swizzle_m(kk * 16 + a_key, a_chunk))
-                for dp2 in range(DQ_COLS // 16):
-                    nt = 2 * dp2
-                    b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
-                    acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
-                    acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
-            if RED_V4:
-                red_pairs(dq_acc, acc_q, row0, pc, t)
-            else:
-                for nt in range(DQ_TILES):
-                    col = pc * DQ_COLS + nt * 8 + 2 * t
-                    for half in range(2):  # scratch rows and columns are padded: no bounds checks
-                        off = row0 + 8 * half * HEAD_DIM + col
-                        if VECTOR_RED:
-                            red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
-                        else:
-                            red_add(dq_acc, off, acc_q[nt, 2 * half])
-                            red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+        acc_a = cuda.local.array((DQ_TILES, 4), float32)
+        acc_b = cuda.local.array((DQ_TILES, 4), float32)
+        for wc in range(0, PASSES, 2):  # one trip for the shipped tiles (2 passes, or 1)
+            pc = cw * PASSES + wc  # this pass's DQ_COLS-column chunk of dQ_i
+            dq_pass(smem, sds, dq_acc, acc_a, row0, pc, a_key, a_chunk, t_row, t_chunk, t)
+            if PASSES > 1:
+                dq_pass(smem, sds, dq_acc, acc_b, row0, pc + 1, a_key, a_chunk, t_row, t_chunk, t)
 
     return add_dq
 
