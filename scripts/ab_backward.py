@@ -7,7 +7,8 @@ slow drift (clocks, temperature) falls on both alike.
 --old names a directory holding a ``numba_flash`` package; it is imported under the name
 ``numba_flash_old`` (the package's imports are relative, so it loads its own kernels). Per shape and
 mode (deterministic, deterministic=False), each round times one direct ``backward`` call of each
-version (CUDA events, median of --iters calls) and SDPA's flash backward (torch.autograd.grad of a
+version (CUDA events, median of --iters calls; the versions alternate which goes first from round to
+round, since 2026-12-01's runs, which timed "before" first every round) and SDPA's flash backward (torch.autograd.grad of a
 retained graph, as a yardstick); the figure is the median over rounds with the min-max spread. Both
 versions' gradients are compared: equal bits are expected where only instruction scheduling changed
 (deterministic mode), and every version is checked against SDPA once. Writes $OUT/ab_backward.json.
@@ -97,10 +98,12 @@ def main(argv=None):
                 calls[(name, det)] = call
                 check[f"{name} det={det}"] = dict(max_abs_err_vs_sdpa=err)
             same = all(torch.equal(a, b) for a, b in zip(grads["before"], grads["after"]))
+            # expected True only for deterministic=True (atomic adds land in any order)
             check[f"det={det} before==after bitwise"] = same
         times = {key: [] for key in list(calls) + ["sdpa"]}
-        for _ in range(args.rounds):
-            for key, call in calls.items():
+        for rnd in range(args.rounds):  # the versions alternate which goes first
+            order = list(calls.items())
+            for key, call in (order if rnd % 2 == 0 else order[::-1]):
                 times[key].append(time_ms(call, args.iters))
             times["sdpa"].append(time_ms(sdpa, args.iters))
         row = dict(shape=label, check=check, rounds=args.rounds, iters=args.iters, ms={})
@@ -117,7 +120,7 @@ def main(argv=None):
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "ab_backward.json"), "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("NUMBA_FLASH_COMMIT"),
-                           results=results), f, indent=1)
+                           old=os.path.abspath(args.old), command=" ".join(sys.argv), results=results), f, indent=1)
 
 
 if __name__ == "__main__":

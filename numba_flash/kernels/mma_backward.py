@@ -772,9 +772,10 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
         """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
         WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
-        ldmatrix.trans, then atomic adds. Two passes are written out, each with its own accumulators:
-        as a loop (NVVM kept it rolled) the second pass's first ldmatrix reused registers that the
-        first pass's red instructions were still reading (long-scoreboard stalls in ncu)."""
+        ldmatrix.trans, then atomic adds. The passes go in pairs, written out with an accumulator array
+        each (the shipped tiles have one pair, or one pass): as a rolled loop (NVVM kept it rolled) the
+        second pass's first ldmatrix reused registers that the first pass's red instructions were still
+        reading (long-scoreboard stalls in ncu). Four passes (a sweep tile) loop over two pairs."""
         rw = warp % ROW_GROUPS
         cw = warp // ROW_GROUPS
         mat = lane >> 3
@@ -819,7 +820,8 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
         raise ValueError(f"fa2 dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows) and 64 or 128 keys (whole "
                          f"warp pairs; 4 or 8 warps over dQ_i's 4 row groups); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, step_tile, prefetch, \
-        swizzle_m, _store_grads, _dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
+        swizzle_m, _store_grads, _dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS,
+                                                           O_TILES_W)
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products_m(HEAD_DIM, KT, Q_TILES_W, mma)

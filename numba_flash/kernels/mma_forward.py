@@ -177,7 +177,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
     stride, the column's byte count); a tile then costs one add per copy, and only a tile that
     crosses the end of the sequence pays for row checks (v3 recomputed row, clamp, zero fill and a
-    per-row array view for every copy of every tile). UNROLL_QK: the k-steps of S = Q·Kᵀ are written
+    per-row array view for every copy of every tile; FAST_LOADS=False now takes tile_copies' load_tile,
+    which since the tenth session has a whole-tile path of its own, so it no longer rebuilds v3's
+    loads exactly). UNROLL_QK: the k-steps of S = Q·Kᵀ are written
     out one call each (NVVM left that loop rolled, so every ldmatrix address was 64-bit arithmetic
     on a loop counter and ptxas could not schedule loads of step kk+1 under the mma of step kk).
     M_TILES: 16-row m-tiles per warp (warps = BLOCK_Q / (16 M_TILES)); with 2, every K and V
