@@ -43,8 +43,9 @@ backward(deterministic=False) swaps kernel 3 for FA2's scheme: ``dkdv`` built wi
 writes dSᵀ to shared memory, computes dQ_i += dS K_j for 16 query rows per warp (dS by
 ldmatrix.trans of the stored dSᵀ) and adds it to fp32 scratch with ``red.global.add.f32``; a
 ``convert`` kernel then writes dq = scale · scratch. On an H200 it is faster than the deterministic
-path (213.6 vs 201.4 TFLOP/s at d128, benchmarks/NOTES.md) but slower per product: its dQ phase runs
-after a second barrier, with every warp of the block's only resident block in it at once.
+path (220.9 vs 202.8 TFLOP/s at d128 through autograd, benchmarks/NOTES.md) but slower per product:
+its dQ phase runs after a second barrier, with every warp of the block's only resident block in it
+at once.
 
 Shared memory: 16-bit tiles with rows of HEAD_DIM, 16-byte chunks XOR-swizzled by row % 8 (the
 forward's layout: every ldmatrix phase hits 8 distinct bank groups). The streamed tiles (Q, dO,
