@@ -89,6 +89,17 @@ def check_softmax_scale(softmax_scale, d: int) -> float:
     return scale
 
 
+def check_nonnegative_real(name: str, value, what: str = "") -> float:
+    """``value`` as a float, finite and >= 0 (bools refused); ``what`` adds its units to the messages."""
+    units = f" ({what})" if what else ""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number{units}, got {value!r} of type {type(value).__name__}")
+    x = float(value)
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0{units}, got {value!r}")
+    return x
+
+
 def check_causal(causal) -> bool:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r} of type {type(causal).__name__}")

@@ -34,6 +34,7 @@ from ._validation import (
     as_real_array,
     check_causal,
     check_finite,
+    check_nonnegative_real,
     check_positive_int,
     check_softmax_scale,
     compute_dtype,
@@ -255,10 +256,7 @@ def flash_attention(
     pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
-    if isinstance(rescale_threshold, bool) or not isinstance(rescale_threshold, (int, float, np.floating, np.integer)):
-        raise TypeError(f"rescale_threshold must be a real number (natural-log units), got {rescale_threshold!r}")
-    if not 0 <= rescale_threshold < np.inf:
-        raise ValueError(f"rescale_threshold must be a finite number >= 0 (natural-log units), got {rescale_threshold!r}")
+    rescale_threshold = check_nonnegative_real("rescale_threshold", rescale_threshold, "natural-log units")
     if q_rows is None:
         row_start, row_stop = 0, pr.n_q
     else:

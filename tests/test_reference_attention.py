@@ -286,6 +286,7 @@ def test_dtypes(rng):
         (dict(rescale_threshold=float("inf")), ValueError, "rescale_threshold must be a finite number >= 0"),
         (dict(rescale_threshold="8"), TypeError, "rescale_threshold must be a real number.*'8'"),
         (dict(rescale_threshold=float("nan")), ValueError, "rescale_threshold must be a finite number >= 0"),
+        (dict(rescale_threshold=np.True_), TypeError, "rescale_threshold must be a real number.*bool"),
     ],
 )
 def test_flash_validation_messages(kwargs, error, match):
