@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import numba_flash  # noqa: E402
+from numba_flash.bench import time_call  # noqa: E402
 
 SHAPES = {  # label: (dtype, B, H, N, d, causal)
     "f16 N4096 d128": (torch.float16, 4, 16, 4096, 128, False),
@@ -47,17 +48,8 @@ def load_old(root):
 
 
 def time_ms(fn, iters):
-    """Median of single-call CUDA-event timings."""
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median of single-call CUDA-event timings (numba_flash.bench.time_call, two warm-up calls)."""
+    return time_call(fn, reps=iters)[0]
 
 
 def main(argv=None):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -24,8 +23,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sweep_mma import (SHAPES, VARIANTS, as_numba, kernel_for, kernel_info, launch_and_check,  # noqa: E402
-                       scratch_allocator, time_ms)
+from sweep_mma import (SHAPES, VARIANTS, kernel_for, kernel_info, launch_and_check,  # noqa: E402
+                       scratch_allocator, shape_inputs, time_ms)
 
 from numba_flash.kernels import mma_forward  # noqa: E402
 
@@ -46,12 +45,7 @@ def main(argv=None):
         hd = 64 if d <= 64 else 128
         table = {name: cfg for name, cfg, *_ in VARIANTS[hd]}
         names = [n for n in args.variants if n in table]
-        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
-        scale = 1.0 / math.sqrt(d)
-        flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
-        out = torch.empty_like(q)
-        lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
-        qn, kn, vn, on, ln = (as_numba(x) for x in (q, k, v, out, lse))
+        (q, k, v, out, lse), (qn, kn, vn, on, ln), scale, flops = shape_inputs(B, H, N, d, dtype, causal)
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
         calls, info, scratch = {}, {}, scratch_allocator()
         for name in names:

@@ -128,17 +128,11 @@ OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
 
 
 def kernel_for(cfg, head_dim, causal, dtype):
-    """The compiled kernel launch() uses for cfg (same key as launch's call, so the lru_cache hits)."""
-    extra = {}
-    if any(cfg.get(n) for n in ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "WARP_SKIP", "LAZY_RESCALE", "SPLIT_TAIL")) or \
-            cfg.get("KV_STAGES", 1) != 1:
-        extra = dict(GRID_BH_X=bool(cfg.get("GRID_BH_X", False)), SMEM_EPILOGUE=bool(cfg.get("SMEM_EPILOGUE", False)),
-                     PROLOGUE_V=bool(cfg.get("PROLOGUE_V", False)), KV_STAGES=int(cfg.get("KV_STAGES", 1)),
-                     WARP_SKIP=bool(cfg.get("WARP_SKIP", False)))
-        if cfg.get("LAZY_RESCALE"):
-            extra["LAZY_RESCALE"] = True
-        if cfg.get("SPLIT_TAIL") and not causal:
-            extra["SPLIT_TAIL"] = True
+    """The compiled kernel launch() uses for cfg (the same key as launch's call, so the lru_cache hits)."""
+    names = ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "KV_STAGES", "WARP_SKIP", "LAZY_RESCALE")
+    extra = mma_forward.variant_kwargs(**{n: cfg[n] for n in names if n in cfg})
+    if cfg.get("SPLIT_TAIL") and not causal:
+        extra["SPLIT_TAIL"] = True
     return mma_forward.make_forward_kernel(
         cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim, bool(causal),
         "bfloat16" if dtype == torch.bfloat16 else "float16", cfg.get("Q_IN_REGS"),
@@ -151,6 +145,17 @@ def as_numba(t):
     if t.dtype == torch.bfloat16:
         return cuda.as_cuda_array(t.view(torch.int16), sync=False).view(np.uint16)
     return cuda.as_cuda_array(t, sync=False)
+
+
+def shape_inputs(B, H, N, d, dtype, causal):
+    """Fresh random q, k, v and empty out, lse for one shape (torch), their Numba views, the scale and the
+    FLOPs (halved causal)."""
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+    tensors = (q, k, v, out, lse)
+    return tensors, tuple(as_numba(x) for x in tensors), 1.0 / math.sqrt(d), \
+        4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
 
 
 def scratch_allocator():
@@ -223,12 +228,7 @@ def main(argv=None):
     for label, dtype, B, H, N, d, causal in SHAPES:
         if args.shapes and not re.search(args.shapes, label):
             continue
-        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
-        scale = 1.0 / math.sqrt(d)
-        flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
-        out = torch.empty_like(q)
-        lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
-        qn, kn, vn, on, ln = (as_numba(x) for x in (q, k, v, out, lse))
+        (q, k, v, out, lse), (qn, kn, vn, on, ln), scale, flops = shape_inputs(B, H, N, d, dtype, causal)
         scratch = scratch_allocator()
         ref = None
         if label not in OVERHEAD_ONLY:

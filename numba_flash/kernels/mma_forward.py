@@ -363,6 +363,13 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         return row_sum
 
     @inline_device
+    def quad_row_sum(l_i, mr):
+        """Row mr's l over the quad (each lane summed its own columns of the row)."""
+        l_row = l_i[mr]
+        l_row += shfl_xor(FULL, l_row, 1)
+        return l_row + shfl_xor(FULL, l_row, 2)
+
+    @inline_device
     def softmax_lazy(s, acc, m_i, l_i, scale_log2):
         """LAZY_RESCALE's online softmax of one tile (FA4's conditional rescaling): a row's M moves only
         when the tile's maximum exceeds it by more than RESCALE_LOG2 (base-2 units), so p = 2^(s·c − M)
@@ -700,9 +707,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 for mr in range(2 * M_TILES):
                     half = mr & 1
                     a0_ = (mr >> 1) * O_TILES
-                    l_row = l_i[mr]
-                    l_row += shfl_xor(FULL, l_row, 1)
-                    l_row += shfl_xor(FULL, l_row, 2)
+                    l_row = quad_row_sum(l_i, mr)
                     prow = (2 * (cuda.blockIdx.x - n_dp) + seg) * BLOCK_Q + warp * ROWS_W + 8 * mr + g
                     inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO
                     if t == 0:
@@ -715,9 +720,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             for mr in range(2 * M_TILES):
                 half = mr & 1
                 a0_ = (mr >> 1) * O_TILES
-                l_row = l_i[mr]
-                l_row += shfl_xor(FULL, l_row, 1)
-                l_row += shfl_xor(FULL, l_row, 2)
+                l_row = quad_row_sum(l_i, mr)
                 row = q0 + warp * ROWS_W + 8 * mr + g
                 inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
                 if SMEM_EPILOGUE:
@@ -934,6 +937,20 @@ def block_slots(kernel, threads, smem):
     return _SLOTS[key]
 
 
+def variant_kwargs(GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False,
+                   LAZY_RESCALE=False):
+    """make_forward_kernel's keyword arguments for these variants: none when all are off and LAZY_RESCALE only
+    when on, so a config without them keeps the cache key it had before they existed (launch() and the sweep
+    scripts ask for the same key, so each kernel compiles once)."""
+    if not (GRID_BH_X or SMEM_EPILOGUE or PROLOGUE_V or KV_STAGES != 1 or WARP_SKIP or LAZY_RESCALE):
+        return {}
+    extra = dict(GRID_BH_X=bool(GRID_BH_X), SMEM_EPILOGUE=bool(SMEM_EPILOGUE), PROLOGUE_V=bool(PROLOGUE_V),
+                 KV_STAGES=int(KV_STAGES), WARP_SKIP=bool(WARP_SKIP))
+    if LAZY_RESCALE:
+        extra["LAZY_RESCALE"] = True
+    return extra
+
+
 def _words(x):
     """The array as 16-bit words (bf16 already arrives as uint16; f16 is reinterpreted)."""
     return x if x.dtype == WORD else x.view(WORD)
@@ -983,18 +1000,14 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
                          "grid's y limit of 65535")
     if SMEM_EPILOGUE and (address(out) % 16 or any(s % 16 for s in out.strides[:-1])):
         SMEM_EPILOGUE = False  # 16-byte stores need 16-byte aligned rows
-    extra = {}  # the variants only when asked for: the default call keeps make_forward_kernel's cache key
-    if GRID_BH_X or SMEM_EPILOGUE or PROLOGUE_V or KV_STAGES != 1 or WARP_SKIP or LAZY_RESCALE:
-        extra = dict(GRID_BH_X=bool(GRID_BH_X), SMEM_EPILOGUE=bool(SMEM_EPILOGUE), PROLOGUE_V=bool(PROLOGUE_V),
-                     KV_STAGES=int(KV_STAGES), WARP_SKIP=bool(WARP_SKIP))
-        if LAZY_RESCALE:  # only when on: configs without it keep their cache key
-            extra["LAZY_RESCALE"] = True
-    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
-                                 bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra)
+    extra = variant_kwargs(GRID_BH_X, SMEM_EPILOGUE, PROLOGUE_V, KV_STAGES, WARP_SKIP, LAZY_RESCALE)
+
+    def build(**split):
+        return make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
+                                   bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra, **split)
     threads, smem = threads_per_block(BLOCK_Q, M_TILES), smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, KV_STAGES)
     if SPLIT_TAIL and not causal and n_k > 0:
-        split = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, False, dtype, Q_IN_REGS, bool(FAST_LOADS),
-                                    bool(UNROLL_QK), MAX_REGS, int(M_TILES), bool(TWO_SYNCS), **extra, SPLIT_TAIL=True)
+        split = build(SPLIT_TAIL=True)
         n_kv = (n_k + BLOCK_K - 1) // BLOCK_K
         # the simulator has no occupancy to ask: it splits only when told how many slots to fill
         slots = split_slots or (0 if ptx.SIMULATOR else block_slots(split, threads, smem))
@@ -1011,7 +1024,7 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
                           0, _words(out), lse, o_part, l_part, n_q, n_k, d, n_dp, n_sk)
             return
     grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)
-    launch_kernel(kernel, grid, threads, stream, smem,
+    launch_kernel(build(), grid, threads, stream, smem,
                   _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv,
                   float32(softmax_scale * LOG2E))
 
