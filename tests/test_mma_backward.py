@@ -383,18 +383,6 @@ DKDV_PTX_SHA256 = {
 }
 
 
-def code_ptx_sha256(text):
-    """sha256 of the PTX without Numba's NumbaEnv declarations (unused globals named after each helper's
-    mangled signature: add_dq's new buffer argument renames one) and its per-process counters."""
-    import hashlib
-    import re
-
-    text = re.sub(r"B\d+v\d+B", "BvB", text)
-    text = re.sub(r"_cudapy_smem_\d+", "_cudapy_smem", text)
-    lines = [x for x in text.splitlines(True) if not (x.startswith(".common .global") and "NumbaEnv" in x)]
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
-
-
 def test_atomic_variants_off_ptx_unchanged(tmp_path):
     """With the atomic dQ variants off (kernel_source's defaults), the shipped dkdv kernels (atomic and
     not) compile to the recorded instructions: the variants are confined to their flags."""
@@ -408,14 +396,15 @@ from numba import cuda
 from numba.cuda.cudadrv import nvvm
 from numba_flash.kernels import mma_backward
 sys.path.insert(0, "tests")
-from test_mma_backward import DKDV_PTX_CASES, code_ptx_sha256
+from test_mma_backward import DKDV_PTX_CASES
+from test_mma_forward import normalised_ptx_sha256
 versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
 out = {}
 if versions == [numba.__version__, "0.30.4", [2, 0]]:
     for name, (own, st, d, causal, dtype, atomic) in sorted(DKDV_PTX_CASES.items()):
         fn = mma_backward.kernel_source("dkdv", own, st, d, causal, dtype, atomic_dq=atomic)
         ptx, _ = cuda.compile_ptx(fn, mma_backward.kernel_signature("dkdv", atomic), cc=(9, 0))
-        out[name] = code_ptx_sha256(ptx)
+        out[name] = normalised_ptx_sha256(ptx)
 print(json.dumps(dict(versions=versions, hashes=out)))
 """
     got = run_compile_child(source, [], tmp_path)
