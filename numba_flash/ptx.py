@@ -27,7 +27,9 @@ Packed pairs: a .b32 holds two 16-bit values, the first (lower-index) element in
 ``cvt d, y, x``. In the twins a packed pair is a Python int with the same bits.
 
 Shared-memory addresses are passed as (array, element offset): the 16 bytes at that element of the
-array's memory. Arrays handed to ``ldmatrix_*`` / ``cp_async_*`` must be 16-byte aligned: declare
+array's memory. The ``*_at`` loads take a byte address instead, ``shared_base(array) + 2·offset`` (0-based
+in the simulator): a kernel that adds a compile-time offset last lets ptxas fold it into the instruction
+(``[R+imm]``), where an element offset is scaled after every add. Arrays handed to ``ldmatrix_*`` / ``cp_async_*`` must be 16-byte aligned: declare
 shared arrays as ``cuda.shared.array(shape, dtype, alignment=SMEM_ALIGN)`` (``SMEM_ALIGN`` is None in
 the simulator, which refuses an alignment argument).
 """
@@ -396,6 +398,54 @@ def _make_ldmatrix_intrinsic(trans):
     return ldmatrix
 
 
+def _make_ldmatrix_at_intrinsic(trans):
+    text = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];"
+
+    @intrinsic
+    def ldmatrix_at(typingctx, smem, addr):
+        if not (_is_16bit_array(smem) and _is_int(addr)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(smem, addr)
+
+        def codegen(context, builder, sig, args):
+            a = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I32)
+            ret = ir.LiteralStructType([_I32] * 4)
+            r = _asm(builder, ret, [a], text, "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+            return context.make_tuple(builder, sig.return_type, _unpack(builder, r, 4))
+
+        return sig, codegen
+
+    return ldmatrix_at
+
+
+@intrinsic
+def _shared_base_intrinsic(typingctx, smem):
+    if not isinstance(smem, types.Array):
+        return None
+    sig = types.uint32(smem)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        return builder.ptrtoint(builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3)), _I32)
+
+    return sig, codegen
+
+
+def _shared_base_twin(smem):
+    return 0  # the twins of the *_at loads take byte offsets from the array's start
+
+
+def _make_ldmatrix_at_twin(trans):
+    load = _make_ldmatrix_twin(trans)
+
+    def ldmatrix_at(smem, addr):
+        if int(addr) % 2:
+            raise ValueError(f"ldmatrix: odd byte address {addr} of a 16-bit array")
+        return load(smem, int(addr) // 2)
+
+    return ldmatrix_at
+
+
 def _make_ldmatrix_twin(trans):
     def ldmatrix(smem, offset):
         row = _flat_bytes(smem, offset, 16, "ldmatrix").view(np.uint16).astype(np.int64)
@@ -450,6 +500,26 @@ def _cp_async_16_zfill_intrinsic(typingctx, dst, dst_offset, src, src_offset, sr
         n = context.cast(builder, args[4], sig.args[4], types.uint32)
         text = "cp.async.cg.shared.global [$0], [$1], 16, $2;"  # bytes past src-size are zeroed
         _asm(builder, ir.VoidType(), [d, s, n], text, "r,l,r,~{memory}", True)
+
+    return sig, codegen
+
+
+@intrinsic
+def _cp_async_16_zero_if_intrinsic(typingctx, dst, dst_offset, src, src_offset, zero):
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array)):
+        return None
+    if not (_is_int(dst_offset, src_offset) and isinstance(zero, (types.Boolean, types.Integer))):
+        return None
+    sig = types.void(dst, dst_offset, src, src_offset, zero)
+
+    def codegen(context, builder, sig, args):
+        d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        s = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        z = context.cast(builder, args[4], sig.args[4], types.uint32)
+        # the ignore-src predicate (PTX 7.5): 16 zero bytes instead of a read; a plain LDGSTS.ZFILL, where
+        # a src-size register costs ptxas an address adjustment per copy
+        text = "{ .reg .pred p; setp.ne.u32 p, $2, 0; cp.async.cg.shared.global [$0], [$1], 16, p; }"
+        _asm(builder, ir.VoidType(), [d, s, z], text, "r,l,r,~{memory}", True)
 
     return sig, codegen
 
@@ -518,6 +588,10 @@ def _cp_async_16_zfill_twin(dst, dst_offset, src, src_offset, src_bytes):
     source = _span_bytes(src, src_offset, n, "cp.async src") if n else None
     target[:] = _POISON
     _cp_async_state()["pending"].append((target, source, n))
+
+
+def _cp_async_16_zero_if_twin(dst, dst_offset, src, src_offset, zero):
+    _cp_async_16_zfill_twin(dst, dst_offset, src, src_offset, 0 if zero else 16)
 
 
 def _cp_async_16_twin(dst, dst_offset, src, src_offset):
@@ -957,8 +1031,12 @@ if SIMULATOR:
     tf32_round = _tf32_round_twin
     ldmatrix_x4 = _make_ldmatrix_twin(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_twin(trans=True)
+    ldmatrix_x4_at = _make_ldmatrix_at_twin(trans=False)
+    ldmatrix_x4_trans_at = _make_ldmatrix_at_twin(trans=True)
+    shared_base = _shared_base_twin
     cp_async_16 = _cp_async_16_twin
     cp_async_16_zfill = _cp_async_16_zfill_twin
+    cp_async_16_zero_if = _cp_async_16_zero_if_twin
     cp_async_commit = _cp_async_commit_twin
     cp_async_wait = _cp_async_wait_twin
     pack_f16x2 = _make_pack_twin(f16_bits)
@@ -982,8 +1060,12 @@ else:
     tf32_round = _tf32_round_intrinsic
     ldmatrix_x4 = _make_ldmatrix_intrinsic(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_intrinsic(trans=True)
+    ldmatrix_x4_at = _make_ldmatrix_at_intrinsic(trans=False)
+    ldmatrix_x4_trans_at = _make_ldmatrix_at_intrinsic(trans=True)
+    shared_base = _shared_base_intrinsic
     cp_async_16 = _cp_async_16_intrinsic
     cp_async_16_zfill = _cp_async_16_zfill_intrinsic
+    cp_async_16_zero_if = _cp_async_16_zero_if_intrinsic
     cp_async_commit = _cp_async_commit_intrinsic
     cp_async_wait = _cp_async_wait_intrinsic
     pack_f16x2 = _make_pack_intrinsic("f16")
@@ -1009,7 +1091,8 @@ else:
 __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "tf32_round", "ldmatrix_x4", "ldmatrix_x4_trans",
-    "cp_async_16", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
+    "ldmatrix_x4_at", "ldmatrix_x4_trans_at", "shared_base",
+    "cp_async_16", "cp_async_16_zfill", "cp_async_16_zero_if", "cp_async_commit", "cp_async_wait",
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
     "red_add_v4_f32",

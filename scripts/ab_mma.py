@@ -8,6 +8,11 @@ torch SDPA (max |O - O_sdpa|), then every round times each variant in turn (CUDA
 ``mma_forward.launch`` calls, median of --iters); the figure is the median over rounds, with the
 spread (min-max over rounds). SDPA's flash backend is timed in the same rounds as a yardstick.
 Writes $OUT/ab_mma.json when $OUT is set.
+
+--old DIR adds, for each variant, the same config built by another version of the package (a directory
+holding ``numba_flash``, e.g. ``git archive <commit> numba_flash | tar x -C DIR``, imported as
+``numba_flash_old``), named ``old:<variant>``, and reports whether its O and L are bitwise equal to this
+version's (expected where only address arithmetic or scheduling changed).
 """
 from __future__ import annotations
 
@@ -36,7 +41,13 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also list each variant's kernels (torch.profiler)")
+    ap.add_argument("--old", help="directory holding another numba_flash package to time beside this one")
     args = ap.parse_args(argv)
+    old = None
+    if args.old:
+        from ab_backward import load_old
+        load_old(args.old)
+        import numba_flash_old.kernels.mma_forward as old  # noqa: E402
     torch.manual_seed(0)
     results = []
     for label, dtype, B, H, N, d, causal in SHAPES:
@@ -54,6 +65,17 @@ def main(argv=None):
             info[name] = dict(max_abs_err=err, ok=ok, **kernel_info(kernel_for(cfg, hd, causal, dtype), cfg, hd))
             calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
                                                               alloc=scratch, **cfg))
+            if old is not None:
+                calls[f"old:{name}"] = (lambda cfg=cfg: old.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
+                                                                   alloc=scratch, **cfg))
+                same = []
+                for fn in (calls[name], calls[f"old:{name}"]):
+                    out.zero_()
+                    fn()
+                    torch.cuda.synchronize()
+                    same.append((out.clone(), lse.clone()))
+                info[f"old:{name}"] = dict(bitwise_equal=bool(torch.equal(same[0][0], same[1][0])
+                                                              and torch.equal(same[0][1], same[1][1])))
 
         def sdpa():
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -79,7 +101,9 @@ def main(argv=None):
                        spread_pct=100 * (max(ts) - min(ts)) / ms, **info.get(name, {}))
             results.append(row)
             extra = (f"err {row['max_abs_err']:.1e}{'' if row['ok'] else ' BAD'} regs {row['regs']} "
-                     f"local {row['local_bytes']}") if name in info else ""
+                     f"local {row['local_bytes']}") if "max_abs_err" in info.get(name, {}) else ""
+            if "bitwise_equal" in info.get(name, {}):
+                extra = f"bitwise equal to this version's: {info[name]['bitwise_equal']}"
             print(f"{label:30s} {name:36s} {ms:7.3f} ms {row['tflops']:6.1f} TFLOP/s "
                   f"(rounds {min(ts):.3f}-{max(ts):.3f}) {extra}", flush=True)
         del q, k, v, out, lse, ref

@@ -54,8 +54,17 @@ def test_pv_tile_gpu(dtype):
     check_pv_tile(dtype)
 
 
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_by_address_gpu(trans):
+    check_ldmatrix(trans, warps=4, by_address=True)
+
+
 def test_cp_async_zfill_gpu():
     check_cp_async_zfill()
+
+
+def test_cp_async_zero_if_gpu():
+    check_cp_async_zfill(zero_if=True)
 
 
 def test_cp_async_groups_gpu():

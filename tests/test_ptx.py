@@ -214,24 +214,31 @@ def check_mma_from_registers(dtype, seed=0):
     np.testing.assert_allclose(D, expect, rtol=0, atol=1e-5 * (1 + np.abs(expect).max()))
 
 
-def check_ldmatrix(trans, warps=1):
-    """Each lane's 4 registers after ldmatrix.x4 of a 16x16 tile whose element (r, c) has bits 256r+c."""
+def check_ldmatrix(trans, warps=1, by_address=False):
+    """Each lane's 4 registers after ldmatrix.x4 of a 16x16 tile whose element (r, c) has bits 256r+c;
+    by_address: the *_at form, given shared_base(tile) + 2·offset + 2·16·16 (the tile's second copy, an
+    immediate ptxas may fold) instead of the element offset."""
     tile = (np.arange(16)[:, None] * 256 + np.arange(16)[None, :]).astype(np.uint16)
     load = ptx.ldmatrix_x4_trans if trans else ptx.ldmatrix_x4
+    load_at = ptx.ldmatrix_x4_trans_at if trans else ptx.ldmatrix_x4_at
 
     @cuda.jit
     def kernel(src, out):
         tid = cuda.threadIdx.x
         lane = tid & 31
-        sm = cuda.shared.array((16, 16), np.uint16, alignment=SMEM_ALIGN)
+        sm = cuda.shared.array((32, 16), np.uint16, alignment=SMEM_ALIGN)
         for i in range(tid, 256, cuda.blockDim.x):
-            sm[i // 16, i % 16] = src[i // 16, i % 16]
+            sm[i // 16, i % 16] = 0xDEAD  # the first copy is a decoy for the address form
+            sm[16 + i // 16, i % 16] = src[i // 16, i % 16]
         cuda.syncthreads()
         # Matrix j = quarter (j & 1, j >> 1) of the tile: rows 8(j&1).., cols 8(j>>1)..
         j = lane >> 3
         row = (j & 1) * 8 + (lane & 7)
         col = (j >> 1) * 8
-        r0, r1, r2, r3 = load(sm, row * 16 + col)
+        if by_address:
+            r0, r1, r2, r3 = load_at(sm, ptx.shared_base(sm) + 2 * (row * 16 + col) + 2 * 256)
+        else:
+            r0, r1, r2, r3 = load(sm, 256 + row * 16 + col)
         out[tid, 0] = r0
         out[tid, 1] = r1
         out[tid, 2] = r2
@@ -333,8 +340,9 @@ def check_pv_tile(dtype, seed=0):
     np.testing.assert_allclose(O, P @ V, rtol=0, atol=1e-5 * (1 + np.abs(P @ V).max()))
 
 
-def check_cp_async_zfill():
-    """16-byte copies with src-size 16, 6 and 0: bytes past src-size are zero."""
+def check_cp_async_zfill(zero_if=False):
+    """16-byte copies with src-size 16, 6 and 0: bytes past src-size are zero. zero_if: rows 0-3 and 6-7 by
+    cp_async_16_zero_if (a copy, or 16 zero bytes), rows 4-5 as before."""
     src = np.arange(1, 8 * 8 + 1, dtype=np.uint16).reshape(8, 8)
 
     @cuda.jit
@@ -343,7 +351,10 @@ def check_cp_async_zfill():
         sm = cuda.shared.array((8, 8), np.uint16, alignment=SMEM_ALIGN)
         if tid < 8:
             nbytes = 16 if tid < 4 else (6 if tid < 6 else 0)
-            ptx.cp_async_16_zfill(sm, tid * 8, src[tid], 0, nbytes)
+            if zero_if and nbytes != 6:
+                ptx.cp_async_16_zero_if(sm, tid * 8, src[tid], 0, nbytes == 0)
+            else:
+                ptx.cp_async_16_zfill(sm, tid * 8, src[tid], 0, nbytes)
         ptx.cp_async_commit()
         ptx.cp_async_wait(0)
         cuda.syncthreads()
@@ -479,6 +490,17 @@ def check_bulk_copy_ring(tiles=5):
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_mma_from_registers_sim(dtype):
     check_mma_from_registers(dtype)
+
+
+@in_simulator
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_by_address_sim(trans):
+    check_ldmatrix(trans, warps=2, by_address=True)
+
+
+@in_simulator
+def test_cp_async_zero_if_sim():
+    check_cp_async_zfill(zero_if=True)
 
 
 @in_simulator
@@ -660,8 +682,13 @@ def every_intrinsic(out, a, b, acc):
     ptx.cp_async_commit()
     ptx.cp_async_wait(0)
     cuda.syncthreads()
+    ptx.cp_async_16_zero_if(sb, lane * 8, b, lane * 8, lane >= 16)
     a0, a1, a2, a3 = ptx.ldmatrix_x4(sa, (lane & 15) * 16 + (lane >> 4) * 8)
     b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(sb, ((lane >> 3) & 1) * 64 + (lane & 7) * 8)
+    c0, c1, c2, c3 = ptx.ldmatrix_x4_at(sa, ptx.shared_base(sa) + 2 * ((lane & 15) * 16 + (lane >> 4) * 8))
+    f0, f1, f2, f3 = ptx.ldmatrix_x4_trans_at(sb, ptx.shared_base(sb) + 2 * ((lane & 7) * 8) + 128)
+    a0 ^= c0 ^ f0
+    b1 ^= c3 ^ f3
     d0, d1, d2, d3 = ptx.mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, 0.0, 0.0, 0.0, 0.0)
     e0, e1, e2, e3 = ptx.mma_m16n8k16_bf16(a0, a1, a2, a3, b2, b3, d0, d1, d2, d3)
     p = ptx.pack_f16x2(e0, e1) ^ ptx.pack_bf16x2(e2, ptx.ex2_approx(e3))
@@ -681,6 +708,7 @@ def test_every_intrinsic_compiles_for_sm90(tmp_path):
         "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
         "cp.async.cg.shared.global",
+        ", 16, p;",  # cp_async_16_zero_if's ignore-src predicate
         "cp.async.commit_group",
         "cp.async.wait_group 0",
         "cvt.rn.f16x2.f32",

@@ -171,7 +171,7 @@ def tile_copies(HEAD_DIM, THREADS):
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                   M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_STAGES=1,
-                  WARP_SKIP=False, LAZY_RESCALE=False, SPLIT_TAIL=False):
+                  WARP_SKIP=False, LAZY_RESCALE=False, SPLIT_TAIL=False, PARTIAL_CHUNK=False):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
@@ -210,6 +210,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     LAZY_RESCALE: a row's running maximum M moves only when a tile's maximum exceeds it by more than
     RESCALE_LOG2 (FA4's conditional rescaling, see softmax_lazy), so the rescale of acc and l_i by alpha
     (HEAD_DIM/4 FMUL per lane and m-tile per tile) is skipped on almost every tile.
+    PARTIAL_CHUNK (launch() sets it when d % 8 != 0): copies name their source bytes (cp.async's src-size),
+    so the 16-byte chunk holding column d - 1 is part data, part zeros; otherwise every chunk is all data or
+    all zeros, and FAST_LOADS copies use the ignore-src form, which ptxas issues without address arithmetic.
+
     SPLIT_TAIL (non-causal; not shipped: measured slower, benchmarks/mma_ladder.md v8): the kernel of a 1-D
     grid whose first n_dp blocks take a whole Q tile each and whose next n_sk blocks share the remaining
     tiles' K/V tiles in equal ranges (split_units), writing fp32 parts that merge_kernel combines.
@@ -260,11 +264,12 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     ex2 = ptx.ex2_approx
     shfl_xor = ptx.shfl_xor_sync
     cp_async = ptx.cp_async_16_zfill
+    cp_zero_if = ptx.cp_async_16_zero_if
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     st_shared_b32, ld_shared_v4, st_global_v4, syncwarp = ptx.st_shared_b32, ptx.ld_shared_v4, ptx.st_global_v4, ptx.syncwarp
-    ldsm = ptx.ldmatrix_x4
-    ldsm_t = ptx.ldmatrix_x4_trans
+    ldsm_t_at = ptx.ldmatrix_x4_trans_at
+    ldsm_at = ptx.ldmatrix_x4_at
     FULL = ptx.FULL_MASK
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
@@ -272,15 +277,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     RESCALE = float32(RESCALE_LOG2)  # a Python float would make the comparison fp64 (cvt + add.f64 per row)
 
     swizzle, load_tile = tile_copies(HEAD_DIM, THREADS)
-
-    @inline_device
-    def load_a(frag, slot, smem, offset):
-        """One x4 ldmatrix into A-fragment registers frag[slot, 0..3]."""
-        a0, a1, a2, a3 = ldsm(smem, offset)
-        frag[slot, 0] = a0
-        frag[slot, 1] = a1
-        frag[slot, 2] = a2
-        frag[slot, 3] = a3
 
     @inline_device
     def copy_plan(src, b, h, d):
@@ -297,37 +293,57 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         return base, row_stride, col_bytes, swizzle(r0, chunk)
 
     @inline_device
-    def load_tile_fast(smem, tile0, src, base, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
-        """cp.async rows row0.. of the tile at word tile0 of smem by the plan of copy_plan (zero fill
-        past n_rows / d)."""
-        tile = base + row0 * row_stride
+    def copy16(smem, dst, src, src_off, nbytes):
+        """One 16-byte cp.async of nbytes source bytes (0 or 16 unless PARTIAL_CHUNK), zeros after them."""
+        if PARTIAL_CHUNK:  # d % 8 != 0: the chunk holding column d - 1 is part data, part zeros
+            cp_async(smem, dst, src, src_off, nbytes)
+        else:  # the ignore-src form: ptxas adjusted the address of every src-size copy (2 instructions)
+            cp_zero_if(smem, dst, src, src_off, nbytes == 0)
+
+    @inline_device
+    def load_tile_fast(smem, tile0, src, off, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
+        """cp.async rows row0.. of the tile at word tile0 of smem by the plan of copy_plan, off being this
+        thread's first source offset for row0 (callers step it by a constant per tile); zeros past
+        n_rows / d."""
         r0 = cuda.threadIdx.x // CHUNKS
-        if row0 + COPIES * ROW_STEP <= n_rows:  # the whole tile is inside: no row checks
+        if int32(row0 + COPIES * ROW_STEP) <= n_rows:  # the whole tile is inside: no row checks
             for i in range(COPIES):
                 dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
                     r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS))
-                cp_async(smem, dst, src, tile + i * (ROW_STEP * row_stride), col_bytes)
+                copy16(smem, dst, src, off + i * (ROW_STEP * row_stride), col_bytes)
         else:
             for i in range(COPIES):
                 dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
                     r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS))
                 row = row0 + r0 + i * ROW_STEP
-                # A zero-byte copy still names an address: the last row, inside the array.
-                inside = row < n_rows
-                nbytes = col_bytes if inside else 0
-                src_off = base + (min(row, n_rows - 1) - r0) * row_stride
-                cp_async(smem, dst, src, src_off, nbytes)
+                # A copy of zeros still names an address: the last row, inside the array.
+                src_off = off + (min(row, n_rows - 1) - row0 - r0) * row_stride
+                copy16(smem, dst, src, src_off, col_bytes if row < n_rows else 0)
 
     @inline_device
-    def qk_step(s, q_frag, smem, kk, q_base, q_x, k_base, k_x):
-        """k-step kk of S += Q_w K_jᵀ. Swizzled chunk (2kk + c) ^ (row % 8) = 2kk ^ (c ^ row % 8), so
-        the lane's x = c ^ row % 8 is fixed and kk enters as a constant XOR."""
+    def lane_rows(addr, smem_b, row, chunk):
+        """addr[0..3] = byte addresses of this lane's ldmatrix row ``row`` (first chunk ``chunk``) for k-steps 0..3.
+        Swizzled chunk (2kk + c) ^ (row % 8) = 2kk ^ (c ^ row % 8): k-step kk reads entry kk % 4 plus
+        kk // 4 · 128 bytes (whole 8-chunk groups), and rows 16 further down are 32·HEAD_DIM bytes on,
+        so every load of the loop is one of these four registers plus an immediate."""
+        x = chunk ^ (row & 7)
+        for i in range(4):
+            addr[i] = smem_b + 2 * (row * HEAD_DIM + (((2 * i) ^ x) << 3))
+
+    @inline_device
+    def qk_step(s, q_frag, smem, kk, q_at, k_at, kv_bytes):
+        """k-step kk of S += Q_w K_jᵀ; q_at, k_at: lane_rows of the Q and K tiles, kv_bytes: the
+        (K, V) buffer's byte offset."""
+        step = (kk >> 2) * 128
         if not Q_IN_REGS:  # re-read this k-step of Q: 4 registers per m-tile instead of 4 * QK_STEPS
             for mt in range(M_TILES):
-                load_a(q_frag, mt, smem, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
-        k_off = k_base + (((2 * kk) ^ k_x) << 3)
+                a0, a1, a2, a3 = ldsm_at(smem, q_at[kk & 3] + step + mt * (2 * MT_Q))
+                q_frag[mt, 0] = a0
+                q_frag[mt, 1] = a1
+                q_frag[mt, 2] = a2
+                q_frag[mt, 3] = a3
         for np2 in range(S_TILES // 2):
-            b0, b1, b2, b3 = ldsm(smem, k_off + np2 * 16 * HEAD_DIM)
+            b0, b1, b2, b3 = ldsm_at(smem, k_at[kk & 3] + kv_bytes + step + np2 * (32 * HEAD_DIM))
             for mt in range(M_TILES):  # one K fragment, M_TILES m-tiles
                 qk = mt * Q_FRAGS + (kk if Q_IN_REGS else 0)
                 nt = mt * S_TILES + 2 * np2
@@ -470,32 +486,44 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         v_row = (mat & 1) * 8 + (lane & 7)  # B via .trans: (keys 0-7 | 8-15) per d-tile pair
         v_chunk = mat >> 1
 
-        q_base = SQ + q_row * HEAD_DIM  # ldmatrix lane offsets: row base and x = chunk ^ row % 8
-        q_x = q_chunk ^ (q_row & 7)
-        k_base = SK + k_row * HEAD_DIM
-        k_x = k_chunk ^ (k_row & 7)
+        smem_b = ptx.shared_base(smem)
+        # ldmatrix byte addresses, four per tile (lane_rows): every load below adds only constants to them
+        # (as element offsets, ptxas rebuilt each of the 16 V addresses per tile: results/ncu-*-tenth*)
+        q_at = cuda.local.array(4, uint32)
+        k_at = cuda.local.array(4, uint32)
+        v_at = cuda.local.array(4, uint32)
+        lane_rows(q_at, smem_b + 2 * SQ, q_row, q_chunk)
+        lane_rows(k_at, smem_b + 2 * SK, k_row, k_chunk)
+        lane_rows(v_at, smem_b + 2 * SV, v_row, v_chunk)  # d-tile pair dp is "k-step" dp of lane_rows
         if FAST_LOADS:
-            k_src, k_stride, col_bytes, kv_dst = copy_plan(k, b, h_kv, d)
-            v_src, v_stride, _, _ = copy_plan(v, b, h_kv, d)
+            # k_next, v_next: this thread's source offset in the next K (V) tile to copy, stepped by a
+            # constant per copied tile (no row × stride multiply in the loop)
+            k_next, k_stride, col_bytes, kv_dst = copy_plan(k, b, h_kv, d)
+            v_next, v_stride, _, _ = copy_plan(v, b, h_kv, d)
+            k_step = BLOCK_K * k_stride
+            v_step = BLOCK_K * v_stride
             if SPLIT_TAIL:
-                k_src += j_lo * BLOCK_K * k_stride
-                v_src += j_lo * BLOCK_K * v_stride
+                k_next += j_lo * k_step
+                v_next += j_lo * v_step
 
         # Prologue: Q, then K_0 (two groups); Q goes straight into A fragments, kept in registers.
         if FAST_LOADS:
             q_src, q_stride, _, q_dst = copy_plan(q, b, h, d)
-            load_tile_fast(smem, SQ, q, q_src, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
+            load_tile_fast(smem, SQ, q, q_src + q0 * q_stride, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         else:
             load_tile(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
         if EARLY_KV:  # one group Q + K_0 (+ V_0 for two stages); V_0 its own group
             if n_tiles > 0:
-                load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                k_next += k_step
                 if TWO_STAGES:
-                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                    v_next += v_step
             cp_commit()
             if PROLOGUE_V:
                 if n_tiles > 0:
-                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                    v_next += v_step
                 cp_commit()
             if Q_IN_REGS:  # Q's fragments are loaded before the loop
                 cp_wait(WAIT_Q)
@@ -504,7 +532,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             cp_commit()
             if n_tiles > 0:
                 if FAST_LOADS:
-                    load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                    load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
+                    k_next += k_step
                 else:
                     load_tile(smem, SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
             cp_commit()
@@ -514,7 +543,11 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         if Q_IN_REGS:
             for mt in range(M_TILES):
                 for kk in range(QK_STEPS):
-                    load_a(q_frag, mt * Q_FRAGS + kk, smem, q_base + mt * MT_Q + (((2 * kk) ^ q_x) << 3))
+                    a0, a1, a2, a3 = ldsm_at(smem, q_at[kk & 3] + (kk >> 2) * 128 + mt * (2 * MT_Q))
+                    q_frag[mt * Q_FRAGS + kk, 0] = a0
+                    q_frag[mt * Q_FRAGS + kk, 1] = a1
+                    q_frag[mt * Q_FRAGS + kk, 2] = a2
+                    q_frag[mt * Q_FRAGS + kk, 3] = a3
 
         # Fragments of m-tile mt: s[mt * S_TILES + nt], acc[mt * O_TILES + dt], rows 2 mt + {0, 1}.
         s = cuda.local.array((S_ALL, 4), float32)
@@ -528,21 +561,27 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             m_i[r] = NEG_INF
             l_i[r] = ZERO
 
+        # The tile loop counts in int32 (Numba's ints are 64-bit: a pair of instructions per add/compare).
+        n_tiles = int32(n_tiles)
+        last_tile = int32(n_tiles - 1)
         n_tiles_w = n_tiles  # tiles this warp computes (WARP_SKIP: those its rows see)
         if WARP_SKIP:
             seen_w = q0 + warp * ROWS_W + ROWS_W + shift  # keys the warp's last row sees
-            n_tiles_w = min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K)
+            n_tiles_w = int32(min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K))
         for j in range(n_tiles_w):
-            k0 = j * BLOCK_K
+            k0 = int32(j * BLOCK_K)
+            k1 = int32(k0 + BLOCK_K)  # the next tile's first key
             if TWO_STAGES:  # one barrier: K_j, V_j landed and every warp left tile j-1's buffers
-                kv_buf = (j & 1) * KV_WORDS  # word offset of this tile's (K, V) pair
+                kv_buf = int32((j & 1) * KV_WORDS)  # word offset of this tile's (K, V) pair
                 cp_wait(0)
                 cuda.syncthreads()
-                if j + 1 < n_tiles:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
-                    load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_src, k_stride, col_bytes, kv_dst,
-                                   k0 + BLOCK_K, n_k, KV_COPIES)
-                    load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_src, v_stride, col_bytes, kv_dst,
-                                   k0 + BLOCK_K, n_k, KV_COPIES)
+                if j < last_tile:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
+                    load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst,
+                                   k1, n_k, KV_COPIES)
+                    k_next += k_step
+                    load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst,
+                                   k1, n_k, KV_COPIES)
+                    v_next += v_step
                 cp_commit()
             elif PROLOGUE_V:  # tile 0: Q + K_0 landed (V_0 may be in flight); later tiles as TWO_SYNCS
                 if j == 0:
@@ -551,7 +590,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     cp_wait(0)
                 cuda.syncthreads()
                 if j > 0:
-                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                    v_next += v_step
                 cp_commit()
             else:
                 if TWO_SYNCS:  # FA2's order: one barrier says K_j landed and every warp left P·V_{j-1}
@@ -559,7 +599,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     cuda.syncthreads()
                 # V_j streams in while S = Q K_jᵀ and the softmax run.
                 if FAST_LOADS:
-                    load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                    v_next += v_step
                 else:
                     load_tile(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
                 cp_commit()
@@ -571,35 +612,35 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             for nt in range(M_TILES * S_TILES):
                 for r in range(4):
                     s[nt, r] = ZERO
-            k_tile = k_base + kv_buf if TWO_STAGES else k_base
+            kv_bytes = 2 * kv_buf if TWO_STAGES else 0
             if UNROLL_QK:  # one call per k-step (NVVM inlines each; kk becomes a constant)
-                qk_step(s, q_frag, smem, 0, q_base, q_x, k_tile, k_x)
-                qk_step(s, q_frag, smem, 1, q_base, q_x, k_tile, k_x)
-                qk_step(s, q_frag, smem, 2, q_base, q_x, k_tile, k_x)
-                qk_step(s, q_frag, smem, 3, q_base, q_x, k_tile, k_x)
+                qk_step(s, q_frag, smem, 0, q_at, k_at, kv_bytes)
+                qk_step(s, q_frag, smem, 1, q_at, k_at, kv_bytes)
+                qk_step(s, q_frag, smem, 2, q_at, k_at, kv_bytes)
+                qk_step(s, q_frag, smem, 3, q_at, k_at, kv_bytes)
                 if QK_STEPS > 4:
-                    qk_step(s, q_frag, smem, 4, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 5, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 6, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 7, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 4, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 5, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 6, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 7, q_at, k_at, kv_bytes)
                 if QK_STEPS > 8:
-                    qk_step(s, q_frag, smem, 8, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 9, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 10, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 11, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 8, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 9, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 10, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 11, q_at, k_at, kv_bytes)
                 if QK_STEPS > 12:
-                    qk_step(s, q_frag, smem, 12, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 13, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 14, q_base, q_x, k_tile, k_x)
-                    qk_step(s, q_frag, smem, 15, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, 12, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 13, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 14, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 15, q_at, k_at, kv_bytes)
             else:
                 for kk in range(QK_STEPS):
-                    qk_step(s, q_frag, smem, kk, q_base, q_x, k_tile, k_x)
+                    qk_step(s, q_frag, smem, kk, q_at, k_at, kv_bytes)
 
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
-            needs_mask = k0 + BLOCK_K > n_k
+            needs_mask = k1 > n_k
             if CAUSAL:
-                needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * ROWS_W + shift)
+                needs_mask = needs_mask or (k1 - 1 > q0 + warp * ROWS_W + shift)
             if needs_mask:
                 for mt in range(M_TILES):
                     row_g = q0 + warp * ROWS_W + 16 * mt + g
@@ -635,11 +676,12 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             if not TWO_STAGES:
                 cp_wait(0)  # V_j
                 cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
-                if j + 1 < n_tiles:  # K_{j+1} under P·V_j
+                if j < last_tile:  # K_{j+1} under P·V_j
                     if FAST_LOADS:
-                        load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                        load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
+                        k_next += k_step
                     else:
-                        load_tile(smem, SK, k, b, h_kv, k0 + BLOCK_K, n_k, d, KV_COPIES)
+                        load_tile(smem, SK, k, b, h_kv, k1, n_k, d, KV_COPIES)
                 cp_commit()
 
             # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
@@ -652,7 +694,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     p_frag[mt, 2] = pack(s[st + 1, 0], s[st + 1, 1])
                     p_frag[mt, 3] = pack(s[st + 1, 2], s[st + 1, 3])
                 for dp in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldsm_t(smem, (SV + kv_buf if TWO_STAGES else SV) + swizzle(kk * 16 + v_row, dp * 2 + v_chunk))
+                    b0, b1, b2, b3 = ldsm_t_at(smem, v_at[dp & 3] + kv_bytes + (dp >> 2) * 128 + kk * (32 * HEAD_DIM))
                     for mt in range(M_TILES):  # one V fragment, M_TILES m-tiles
                         a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
                         dt = mt * O_TILES + 2 * dp
@@ -666,16 +708,19 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 
         if WARP_SKIP:  # the tiles this warp does not see: the same barriers and copies, no maths
             for j in range(n_tiles_w, n_tiles):
-                k0 = j * BLOCK_K
+                k0 = int32(j * BLOCK_K)
+                k1 = int32(k0 + BLOCK_K)
                 if TWO_STAGES:
-                    kv_buf = (j & 1) * KV_WORDS
+                    kv_buf = int32((j & 1) * KV_WORDS)
                     cp_wait(0)
                     cuda.syncthreads()
-                    if j + 1 < n_tiles:
-                        load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_src, k_stride, col_bytes, kv_dst,
-                                       k0 + BLOCK_K, n_k, KV_COPIES)
-                        load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_src, v_stride, col_bytes, kv_dst,
-                                       k0 + BLOCK_K, n_k, KV_COPIES)
+                    if j < last_tile:
+                        load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst,
+                                       k1, n_k, KV_COPIES)
+                        k_next += k_step
+                        load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst,
+                                       k1, n_k, KV_COPIES)
+                        v_next += v_step
                     cp_commit()
                 else:
                     if PROLOGUE_V and j == 0:
@@ -684,12 +729,14 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                         cp_wait(0)
                     cuda.syncthreads()
                     if not PROLOGUE_V or j > 0:
-                        load_tile_fast(smem, SV, v, v_src, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                        load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
+                        v_next += v_step
                     cp_commit()
                     cp_wait(0)
                     cuda.syncthreads()
-                    if j + 1 < n_tiles:
-                        load_tile_fast(smem, SK, k, k_src, k_stride, col_bytes, kv_dst, k0 + BLOCK_K, n_k, KV_COPIES)
+                    if j < last_tile:
+                        load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
+                        k_next += k_step
                     cp_commit()
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
@@ -793,7 +840,8 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
                         MAX_REGS=None, M_TILES=1, TWO_SYNCS=True, GRID_BH_X=False, SMEM_EPILOGUE=False,
-                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False, LAZY_RESCALE=False, SPLIT_TAIL=False):
+                        PROLOGUE_V=False, KV_STAGES=1, WARP_SKIP=False, LAZY_RESCALE=False, SPLIT_TAIL=False,
+                        PARTIAL_CHUNK=False):
     """The compiled kernel for one specialisation; cached so each compiles once.
 
     MAX_REGS caps registers per thread (ptxas -maxrregcount): e.g. 168 lets three 4-warp blocks
@@ -804,7 +852,7 @@ def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=Non
                          f"{'; '.join(bad)}")
     source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), DTYPE, Q_IN_REGS, bool(FAST_LOADS), bool(UNROLL_QK),
                            M_TILES, bool(TWO_SYNCS), bool(GRID_BH_X), bool(SMEM_EPILOGUE), bool(PROLOGUE_V),
-                           int(KV_STAGES), bool(WARP_SKIP), bool(LAZY_RESCALE), bool(SPLIT_TAIL))
+                           int(KV_STAGES), bool(WARP_SKIP), bool(LAZY_RESCALE), bool(SPLIT_TAIL), bool(PARTIAL_CHUNK))
     sig = kernel_signature(bool(SPLIT_TAIL))
     if MAX_REGS:
         return cuda.jit(sig, max_registers=int(MAX_REGS))(source)
@@ -1001,6 +1049,8 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
     if SMEM_EPILOGUE and (address(out) % 16 or any(s % 16 for s in out.strides[:-1])):
         SMEM_EPILOGUE = False  # 16-byte stores need 16-byte aligned rows
     extra = variant_kwargs(GRID_BH_X, SMEM_EPILOGUE, PROLOGUE_V, KV_STAGES, WARP_SKIP, LAZY_RESCALE)
+    if d % 8:  # a part-data chunk per row (kernel_source's PARTIAL_CHUNK); the key stays as it was otherwise
+        extra["PARTIAL_CHUNK"] = True
 
     def build(**split):
         return make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), dtype, Q_IN_REGS, bool(FAST_LOADS),
