@@ -60,10 +60,11 @@ LAZY = dict(LAZY_RESCALE=True)
 SPLIT = dict(SPLIT_TAIL=True)
 VARIANTS = {
     128: [
-        ("128x64 mt2 epi lazy", {**MT2_128, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped (ninth session)
+        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped (eleventh)
         ("128x64 mt2 grid+epi+pro lazy", {**MT2_128, **GRID, **EPI, **PRO, **LAZY}, D128C),  # shipped causal
+        ("128x64 mt2 grid+kv2+epi lazy", {**MT2_128, **GRID, **KV2, **EPI, **LAZY}, D128C),
+        ("128x64 mt2 epi lazy", {**MT2_128, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped in the ninth session
         ("128x64 mt2 epi lazy split", {**MT2_128, **EPI, **LAZY, **SPLIT}, (D128_FIRST, BF16)),
-        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, (D128_FIRST, BF16)),
         ("128x64 mt2", MT2_128),  # FA2's d=128 tile; 64 KiB dynamic smem
         ("128x64 mt2 epi", {**MT2_128, **EPI}),
         ("128x64 mt2 pro", {**MT2_128, **PRO}),
@@ -84,10 +85,12 @@ VARIANTS = {
         ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
     ],
     64: [
-        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}, D64),  # shipped non-causal (ninth session)
+        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),  # shipped non-causal (eleventh)
+        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),  # shipped causal
+        ("128x64 mt2 grid+skip+kv2+epi lazy", {**MT2_128, **GRID, **SKIP, **KV2, **EPI, **LAZY}, D64C),
+        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}, D64),  # shipped in the ninth session
         ("128x64 mt2 kv2 split", {**MT2_128, **KV2, **SPLIT}, D64),
         ("128x64 mt2 kv2 lazy", {**MT2_128, **KV2, **LAZY}, D64),
-        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),
         ("128x64 mt2 grid+skip+epi+pro lazy", {**MT2_128, **GRID, **SKIP, **EPI, **PRO, **LAZY}, D64C),
         ("128x64 mt2", MT2_128),  # never timed causal
         ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # d64 causal before v7 (170 registers causal: 2 blocks/SM)
@@ -103,7 +106,6 @@ VARIANTS = {
         ("128x64 mt2 qsmem", {**MT2_128, "Q_IN_REGS": False}),
         ("128x64 mt2 grid+epi+pro", {**MT2_128, **GRID, **EPI, **PRO}, D64C),
         ("128x64 mt2 skip", {**MT2_128, **SKIP}, D64C),
-        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),
         ("128x128 mt2", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2)),
         ("256x64 mt2", dict(BLOCK_Q=256, BLOCK_K=64, M_TILES=2)),
         ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
