@@ -158,17 +158,21 @@ _SIMT_TABLE = {
 # session's kernels (results/ab-mma-2026-12-01-eleventh.txt): d128 kv2 + epi + lazy 346.1 (it spilled 136-164 B
 # before and timed 290.6; now none) vs epi + lazy 338.0 (was 320.3), bf16 N16384 390.2 vs 382.7 (was 359.4);
 # d64 kv2 + epi + lazy 302.4 (was 290.6) vs kv2 + epi 287.3 (287.2): both non-causal rows now take kv2 + lazy.
+# Causal, one run of 5 rounds (results/ab-mma-2026-12-01-eleventh-b.txt): d128 grid + kv2 + epi + lazy 332.8 vs
+# grid + epi + pro + lazy 322.1; d64 grid + skip + kv2 + epi + lazy 261.2 vs grid + skip + epi + pro 234.7 (+ lazy
+# 240.5); SDPA FA2 293.2 / 247.5: every row now double-buffers K/V and rescales lazily.
 MMA_TABLE = {
     (64, False): (128, 64, 2, {"KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
-    (64, True): (128, 64, 2, {"GRID_BH_X": True, "WARP_SKIP": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True}),
+    (64, True): (128, 64, 2, {"GRID_BH_X": True, "WARP_SKIP": True, "KV_STAGES": 2, "SMEM_EPILOGUE": True,
+                              "LAZY_RESCALE": True}),
     (128, False): (128, 64, 2, {"KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
-    (128, True): (128, 64, 2, {"GRID_BH_X": True, "SMEM_EPILOGUE": True, "PROLOGUE_V": True, "LAZY_RESCALE": True}),
+    (128, True): (128, 64, 2, {"GRID_BH_X": True, "KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
 }
 # (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 / bf16) of a
 # shipped config measured faster anyway; d128 was 64-80 B, the fifth session's softmax (scaled row maxima) made
 # it 84-92 B and d64 causal 20/36 B (fp16 speed re-measured after it: benchmarks/mma_ladder.md); LAZY_RESCALE
 # (ninth session) brought d128 to 64 (non-causal) / 72 B (causal). Eleventh session (ldmatrix byte addresses,
-# copy offsets stepped per tile): the shipped non-causal d128 (now kv2) spills nothing, the causal 16 B of stack.
+# copy offsets stepped per tile): the shipped non-causal d128 (now kv2) spills nothing, the causal 24 B of stack.
 MMA_SPILL_OK = {(128, 64, 128, 2): 72, (128, 64, 64, 2): 40}
 
 # fp32 on tensor cores (kernels/tf32_forward.py, 3xTF32), (head dim, causal): (BLOCK_Q, BLOCK_K, variants).

@@ -61,8 +61,8 @@ SPLIT = dict(SPLIT_TAIL=True)
 VARIANTS = {
     128: [
         ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped (eleventh)
-        ("128x64 mt2 grid+epi+pro lazy", {**MT2_128, **GRID, **EPI, **PRO, **LAZY}, D128C),  # shipped causal
-        ("128x64 mt2 grid+kv2+epi lazy", {**MT2_128, **GRID, **KV2, **EPI, **LAZY}, D128C),
+        ("128x64 mt2 grid+kv2+epi lazy", {**MT2_128, **GRID, **KV2, **EPI, **LAZY}, D128C),  # shipped causal
+        ("128x64 mt2 grid+epi+pro lazy", {**MT2_128, **GRID, **EPI, **PRO, **LAZY}, D128C),  # ... before
         ("128x64 mt2 epi lazy", {**MT2_128, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped in the ninth session
         ("128x64 mt2 epi lazy split", {**MT2_128, **EPI, **LAZY, **SPLIT}, (D128_FIRST, BF16)),
         ("128x64 mt2", MT2_128),  # FA2's d=128 tile; 64 KiB dynamic smem
@@ -86,8 +86,8 @@ VARIANTS = {
     ],
     64: [
         ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),  # shipped non-causal (eleventh)
-        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),  # shipped causal
-        ("128x64 mt2 grid+skip+kv2+epi lazy", {**MT2_128, **GRID, **SKIP, **KV2, **EPI, **LAZY}, D64C),
+        ("128x64 mt2 grid+skip+kv2+epi lazy", {**MT2_128, **GRID, **SKIP, **KV2, **EPI, **LAZY}, D64C),  # shipped causal
+        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),  # ... before
         ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}, D64),  # shipped in the ninth session
         ("128x64 mt2 kv2 split", {**MT2_128, **KV2, **SPLIT}, D64),
         ("128x64 mt2 kv2 lazy", {**MT2_128, **KV2, **LAZY}, D64),
