@@ -95,12 +95,18 @@ def threads_per_block(kernel: str, block_own: int, split_d: bool = False) -> int
     return 32 * (block_own // 16) * (2 if split_d else 1)
 
 
+def stage_words(block_m: int, head_dim: int) -> int:
+    """16-bit words of one dkdv stage [Q | dO | L2 | D], in whole rows of head_dim words: a stage
+    offset then leaves the swizzle's chunk bits alone (the ldmatrix offsets XOR them in)."""
+    return -(-(2 * block_m * head_dim + 4 * block_m) // head_dim) * head_dim
+
+
 def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, atomic_dq: bool = False,
                split_d: bool = False, dq_deferred: bool = False, fa2: bool = False) -> int:
     """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D,
     with atomic_dq the 16-bit dSᵀ tile (two with dq_deferred), with split_d the 16-bit Pᵀ and dSᵀ tiles;
     fa2: the Pᵀ and dSᵀ tiles (its atomic dQ phase reads the latter)."""
-    streamed = 2 * block_streamed * head_dim + (4 * block_streamed if kernel == "dkdv" else 0)
+    streamed = stage_words(block_streamed, head_dim) if kernel == "dkdv" else 2 * block_streamed * head_dim
     if fa2:
         ds = 2 * block_own * block_streamed
     else:
@@ -206,23 +212,26 @@ def convert_source(dtype: str):
 def two_products(HEAD_DIM, N_TILES, mma):
     """X = A1 B1ᵀ and Y = A2 B2ᵀ over the head dim (Sᵀ, dPᵀ in dkdv; S, dP in dq): A of 16 rows per
     warp, B of N_TILES n-tiles, all from swizzled tiles. The k-steps are written out one call each:
-    NVVM leaves the loop rolled at d = 128 (half the mma in the PTX), as in the forward's Q·Kᵀ."""
+    NVVM leaves the loop rolled at d = 128 (half the mma in the PTX), as in the forward's Q·Kᵀ.
+    a1, a2, b1: word offsets of whole rows (multiples of HEAD_DIM), b2 - b1 a constant: a lane's
+    chunk 2 kk is then its chunk 0's offset XOR kk << 4 (the row's bits lie above the chunk's), one
+    LOP3 per k-step and operand instead of the swizzle rebuilt and rescaled for every ldmatrix."""
     ldsm = ptx.ldmatrix_x4
     D_STEPS = HEAD_DIM // 16
 
     @inline_device
-    def step(x, y, smem, kk, a1, a2, b1, b2, a_row, a_x, b_row, b_x):
-        a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)
+    def step(x, y, smem, kk, a1, a2, b1, b2, a_lane, b_lane):
+        a_off = a_lane ^ (kk << 4)
         p0, p1, p2, p3 = ldsm(smem, a1 + a_off)
         r0, r1, r2, r3 = ldsm(smem, a2 + a_off)
-        b_off = b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
+        b_off = (b1 + b_lane) ^ (kk << 4)  # the stage offset inside: a register and immediates per k-step
         for np2 in range(N_TILES // 2):
             nt = 2 * np2
-            c0, c1, c2, c3 = ldsm(smem, b1 + b_off + np2 * 16 * HEAD_DIM)
+            c0, c1, c2, c3 = ldsm(smem, b_off + np2 * 16 * HEAD_DIM)
             x[nt, 0], x[nt, 1], x[nt, 2], x[nt, 3] = mma(p0, p1, p2, p3, c0, c1, x[nt, 0], x[nt, 1], x[nt, 2], x[nt, 3])
             x[nt + 1, 0], x[nt + 1, 1], x[nt + 1, 2], x[nt + 1, 3] = mma(
                 p0, p1, p2, p3, c2, c3, x[nt + 1, 0], x[nt + 1, 1], x[nt + 1, 2], x[nt + 1, 3])
-            c0, c1, c2, c3 = ldsm(smem, b2 + b_off + np2 * 16 * HEAD_DIM)
+            c0, c1, c2, c3 = ldsm(smem, b_off + (b2 - b1) + np2 * 16 * HEAD_DIM)
             y[nt, 0], y[nt, 1], y[nt, 2], y[nt, 3] = mma(r0, r1, r2, r3, c0, c1, y[nt, 0], y[nt, 1], y[nt, 2], y[nt, 3])
             y[nt + 1, 0], y[nt + 1, 1], y[nt + 1, 2], y[nt + 1, 3] = mma(
                 r0, r1, r2, r3, c2, c3, y[nt + 1, 0], y[nt + 1, 1], y[nt + 1, 2], y[nt + 1, 3])
@@ -233,15 +242,17 @@ def two_products(HEAD_DIM, N_TILES, mma):
             for r in range(4):
                 x[nt, r] = float32(0.0)
                 y[nt, r] = float32(0.0)
-        step(x, y, smem, 0, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-        step(x, y, smem, 1, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-        step(x, y, smem, 2, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-        step(x, y, smem, 3, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        a_lane = a_row * HEAD_DIM + (a_x << 3)  # chunk 0 of the lane's row (2 kk: ^ (kk << 4))
+        b_lane = b_row * HEAD_DIM + (b_x << 3)
+        step(x, y, smem, 0, a1, a2, b1, b2, a_lane, b_lane)
+        step(x, y, smem, 1, a1, a2, b1, b2, a_lane, b_lane)
+        step(x, y, smem, 2, a1, a2, b1, b2, a_lane, b_lane)
+        step(x, y, smem, 3, a1, a2, b1, b2, a_lane, b_lane)
         if D_STEPS > 4:
-            step(x, y, smem, 4, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-            step(x, y, smem, 5, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-            step(x, y, smem, 6, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-            step(x, y, smem, 7, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, smem, 4, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 5, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 6, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 7, a1, a2, b1, b2, a_lane, b_lane)
 
     if D_STEPS not in (4, 8):
         raise ValueError(f"HEAD_DIM={HEAD_DIM}: the unrolled products take 64 or 128")
@@ -256,7 +267,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     layout adds (EXTRA0 on)."""
     SK, SV = 0, BLOCK_N * HEAD_DIM
     STAGE0 = 2 * BLOCK_N * HEAD_DIM
-    STAGE = 2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M
+    STAGE = stage_words(BLOCK_M, HEAD_DIM)
     SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
     EXTRA0 = STAGE0 + 2 * STAGE
     Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
@@ -432,7 +443,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (Q, dO rows): (rows, d 0-7 | 8-15)
         b_x = (mat & 1) ^ (b_row & 7)
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (dO, Q as k x n): (rows 0-7 | 8-15) per d pair
-        t_chunk = mat >> 1
+        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
 
         load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
         load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
@@ -497,7 +508,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                 d3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
                 for dp2 in range(O_TILES // 2):
                     dt = 2 * dp2
-                    t_off = st + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk)
+                    t_off = ((st + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM
                     dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
 
             if ATOMIC_DQ and not DQ_DEFERRED:
@@ -1030,7 +1041,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
         b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (K, V rows)
         b_x = (mat & 1) ^ (b_row & 7)
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (K as k x n)
-        t_chunk = mat >> 1
+        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
 
         load_rows(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
         load_rows(smem, SDO, dout, b, h, q0, n_q, d, Q_COPIES)
@@ -1090,7 +1101,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
                 a3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
                 for dp2 in range(O_TILES // 2):
                     dt = 2 * dp2
-                    b0, b1, b2, b3 = ldsm_t(smem, st + SK + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk))
+                    b0, b1, b2, b3 = ldsm_t(smem, ((st + SK + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM)
                     acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
                         a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
                     acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
