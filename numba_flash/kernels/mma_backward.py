@@ -403,6 +403,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                              DQ_COLS, RED_V4) if ATOMIC_DQ else None
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
+    st_b32 = ptx.st_shared_b32
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -419,7 +420,6 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
-        smem_w = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # ... and as 32-bit words (dSᵀ pairs)
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
@@ -444,6 +444,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         b_x = (mat & 1) ^ (b_row & 7)
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (dO, Q as k x n): (rows 0-7 | 8-15) per d pair
         t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
+        ds_lane = swizzle_m(warp * 16 + g, 0) + 2 * t  # dSᵀ pair (key 16w + g, queries 8 nt + 2t): ^ (nt << 3)
 
         load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
         load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
@@ -492,8 +493,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             if ATOMIC_DQ:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
                 for nt in range(Q_TILES):
                     for half in range(2):
-                        key = warp * 16 + g + 8 * half
-                        smem_w[(sds + swizzle_m(key, nt) + 2 * t) >> 1] = pack(dp[nt, 2 * half], dp[nt, 2 * half + 1])
+                        st_b32(smem, sds + (ds_lane ^ (nt << 3)) + half * 8 * BLOCK_M,
+                               pack(dp[nt, 2 * half], dp[nt, 2 * half + 1]))
 
             # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i: accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk.
             for kk in range(M_STEPS):
@@ -753,16 +754,17 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     PASSES = WARP_COLS // DQ_COLS
 
     @inline_device
-    def dq_pass(smem, sds, dq_acc, acc_q, row0, pc, a_key, a_chunk, t_row, t_chunk, t):
+    def dq_pass(smem, ds_lane, dq_acc, acc_q, row0, pc, t_row, t_chunk, t):
         """One DQ_COLS-column chunk pc of this warp's dQ_i rows: acc_q = dS_i K_j[:, chunk], then the adds."""
         for nt in range(DQ_TILES):
             for r in range(4):
                 acc_q[nt, r] = ZERO
+        k_lane = SK + swizzle(t_row, pc * DQ_TILES + t_chunk)  # d pair dp2, k-step kk: ^ (dp2 << 4), + kk·16 rows
         for kk in range(BLOCK_N // 16):
-            a0, a1, a2, a3 = ldsm_t(smem, sds + swizzle_m(kk * 16 + a_key, a_chunk))
+            a0, a1, a2, a3 = ldsm_t(smem, ds_lane + kk * 16 * BLOCK_M)
             for dp2 in range(DQ_COLS // 16):
                 nt = 2 * dp2
-                b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
+                b0, b1, b2, b3 = ldsm_t(smem, (k_lane ^ (dp2 << 4)) + kk * 16 * HEAD_DIM)
                 acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
                     a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
                 acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
@@ -792,7 +794,7 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
         cw = warp // ROW_GROUPS
         mat = lane >> 3
         a_key = (mat >> 1) * 8 + (lane & 7)  # A (queries x keys) from dSᵀ rows (keys): transposed quarters
-        a_chunk = 2 * rw + (mat & 1)
+        ds_lane = sds + swizzle_m(a_key, 2 * rw + (mat & 1))  # ... of k-step kk: + kk·16 rows
         t_row = (mat & 1) * 8 + (lane & 7)
         t_chunk = mat >> 1
         row0 = (bh * dq_acc.shape[1] + i0 + rw * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
@@ -800,9 +802,9 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
         acc_b = cuda.local.array((DQ_TILES, 4), float32)
         for wc in range(0, PASSES, 2):  # one trip for the shipped tiles (2 passes, or 1)
             pc = cw * PASSES + wc  # this pass's DQ_COLS-column chunk of dQ_i
-            dq_pass(smem, sds, dq_acc, acc_a, row0, pc, a_key, a_chunk, t_row, t_chunk, t)
+            dq_pass(smem, ds_lane, dq_acc, acc_a, row0, pc, t_row, t_chunk, t)
             if PASSES > 1:
-                dq_pass(smem, sds, dq_acc, acc_b, row0, pc + 1, a_key, a_chunk, t_row, t_chunk, t)
+                dq_pass(smem, ds_lane, dq_acc, acc_b, row0, pc + 1, t_row, t_chunk, t)
 
     return add_dq
 
