@@ -369,18 +369,18 @@ DKDV_PTX_CASES = _dkdv_ptx_cases()
 # d0d51d1's hashes had held from before the atomic dQ variants until then. Re-recorded with each change of
 # the bwd-lean branch's address arithmetic (same floating-point operations; git log says which).
 DKDV_PTX_SHA256 = {
-    "dkdv-64x64-d128-False-float16": "93d207b2ad2c0ff910becd1a56964de9dfc8de04200c77b2356d983a9e2247b0",
-    "dkdv-64x64-d128-True-float16": "8e136ba0c9299d01a066914fce472821ef1b94fe65792c8ca04c66acd142ae5c",
-    "dkdv-64x64-d64-False-float16": "0fe23761d209f8395d1114814bf99466c9da1d2cc13fdd5dc8b27ed34e736dc8",
-    "dkdv-64x64-d64-True-float16": "643dfa27e2b503bbee85a148d8a64e78dcd3c604aeff0f6c3815aed73dccb46a",
-    "dkdv-atomic-128x64-d128-False-float16": "d83f997601b5f057cdaf8f69bdc2f88c11308c5d787b5bc97b0db520f5a4d745",
-    "dkdv-atomic-128x64-d128-True-bfloat16": "d08de137f45dec7a3297efedc333f0156aead821b0b794cc7e0a1997dd427656",
-    "dkdv-atomic-128x64-d128-True-float16": "0a014ae8e577d78aa8915e37c7994073024451af675a3feb5f6c820ad3d49bfa",
-    "dkdv-atomic-64x64-d64-False-float16": "10df62f497c539c408ea5449048151b01379971742fcd57e0220bba679f9901e",
-    "dkdv-atomic-64x64-d64-True-float16": "e04c4b5c9808c277456a6a4d50923599a73351c8c97ab22b35f06b59bc069092",
+    "dkdv-64x64-d128-False-float16": "52dd098474956a6f0b8e457e3064cb4d79a228e35d39cd145f2f1187896bd72e",
+    "dkdv-64x64-d128-True-float16": "b8e20a9847ca0b6b01be499a4407a6a47efbaeb21a995d8052778ed6b82a7ed8",
+    "dkdv-64x64-d64-False-float16": "2107154ec420d57c7d43c627c99fe26ab7e7d605d257050db875de866637cd4c",
+    "dkdv-64x64-d64-True-float16": "c53e3ac6320920341a576b4d068795c310e46397e5f72046d24c80bdd5968970",
+    "dkdv-atomic-128x64-d128-False-float16": "f2823315bdc94db86ec361e8379dabf335f3888afd99b43892e30d38cb1c1ae7",
+    "dkdv-atomic-128x64-d128-True-bfloat16": "b5681b6d4facf1c9189bf013dcc9388bc38938854715abff8c761912fbe3373a",
+    "dkdv-atomic-128x64-d128-True-float16": "f67fa25b7d3c37fdd47d59e731582fc0f2de2201abee4f011475d51620c64ed9",
+    "dkdv-atomic-64x64-d64-False-float16": "e3de9ac9a73294cfc0deceadf3dd4b4f33036631af33f4c69c84e54712bb1451",
+    "dkdv-atomic-64x64-d64-True-float16": "2f3faaaae76285d3f490a1a7d95f85177ff9229ffb04c1c10dc51c2217fe1d01",
     # the two variant tiles (NUMBA_FLASH_VARIANT_TESTS=1 adds them to DKDV_PTX_CASES)
-    "dkdv-atomic-128x64-d64-False-float16": "90e8726f9a75b54a1e6a238a1b21896a9437a9d46a75ee8f382be2b5d912d035",
-    "dkdv-atomic-64x64-d128-False-float16": "b73d32c2f1a3b8ba1a98ecfaf4d03020ff4fa4bb2efac785199fbbf93f387cdb",
+    "dkdv-atomic-128x64-d64-False-float16": "1e56e6cd05c63c1f41fb255bf342a0a0130088d032f0cbd1554ef82cb121d086",
+    "dkdv-atomic-64x64-d128-False-float16": "fe9f67a228435d202fe6fd6e51e1833afaacfd5b6923908dac3a7c60b962b13e",
 }
 
 

@@ -300,14 +300,14 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
         if CAUSAL:
             qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt)
         per_head = n_qt - qt0
-        return qt0, per_head, group * per_head
+        return int32(qt0), int32(per_head), int32(group * per_head)  # 32-bit: the step loop's arithmetic
 
     @inline_device
     def step_tile(step, qt0, per_head, group):
         """(query head hh of the group, first query row i0) of step ``step``. Without GQA (group 1) no
         integer division: it was a ~40-instruction chain per step (ncu, tenth session)."""
-        hh = step // per_head if group > 1 else 0
-        return hh, (qt0 + step - hh * per_head) * BLOCK_M
+        hh = int32(step // per_head) if group > 1 else int32(0)
+        return hh, int32((qt0 + step - hh * per_head) * BLOCK_M)
 
     @inline_device
     def prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad):
