@@ -1066,7 +1066,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
             for r in range(4):
                 acc[dt, r] = ZERO
 
-        for j in range(n_tiles):
+        for j in range(int32(n_tiles)):  # 32-bit: the loop's arithmetic
             k0 = j * BLOCK_N
             cp_wait(0)  # K_j, V_j (the only group in flight) ...
             cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1
