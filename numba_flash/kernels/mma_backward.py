@@ -95,12 +95,18 @@ def threads_per_block(kernel: str, block_own: int, split_d: bool = False) -> int
     return 32 * (block_own // 16) * (2 if split_d else 1)
 
 
+def stage_words(block_m: int, head_dim: int) -> int:
+    """16-bit words of one dkdv stage [Q | dO | L2 | D], in whole rows of head_dim words: a stage
+    offset then leaves the swizzle's chunk bits alone (the ldmatrix offsets XOR them in)."""
+    return -(-(2 * block_m * head_dim + 4 * block_m) // head_dim) * head_dim
+
+
 def smem_bytes(kernel: str, block_own: int, block_streamed: int, head_dim: int, atomic_dq: bool = False,
                split_d: bool = False, dq_deferred: bool = False, fa2: bool = False) -> int:
     """Own tiles once (K, V or Q, dO), streamed tiles twice (double buffer); dkdv adds L2 and D,
     with atomic_dq the 16-bit dSᵀ tile (two with dq_deferred), with split_d the 16-bit Pᵀ and dSᵀ tiles;
     fa2: the Pᵀ and dSᵀ tiles (its atomic dQ phase reads the latter)."""
-    streamed = 2 * block_streamed * head_dim + (4 * block_streamed if kernel == "dkdv" else 0)
+    streamed = stage_words(block_streamed, head_dim) if kernel == "dkdv" else 2 * block_streamed * head_dim
     if fa2:
         ds = 2 * block_own * block_streamed
     else:
@@ -206,23 +212,26 @@ def convert_source(dtype: str):
 def two_products(HEAD_DIM, N_TILES, mma):
     """X = A1 B1ᵀ and Y = A2 B2ᵀ over the head dim (Sᵀ, dPᵀ in dkdv; S, dP in dq): A of 16 rows per
     warp, B of N_TILES n-tiles, all from swizzled tiles. The k-steps are written out one call each:
-    NVVM leaves the loop rolled at d = 128 (half the mma in the PTX), as in the forward's Q·Kᵀ."""
+    NVVM leaves the loop rolled at d = 128 (half the mma in the PTX), as in the forward's Q·Kᵀ.
+    a1, a2, b1: word offsets of whole rows (multiples of HEAD_DIM), b2 - b1 a constant: a lane's
+    chunk 2 kk is then its chunk 0's offset XOR kk << 4 (the row's bits lie above the chunk's), one
+    LOP3 per k-step and operand instead of the swizzle rebuilt and rescaled for every ldmatrix."""
     ldsm = ptx.ldmatrix_x4
     D_STEPS = HEAD_DIM // 16
 
     @inline_device
-    def step(x, y, smem, kk, a1, a2, b1, b2, a_row, a_x, b_row, b_x):
-        a_off = a_row * HEAD_DIM + (((2 * kk) ^ a_x) << 3)
+    def step(x, y, smem, kk, a1, a2, b1, b2, a_lane, b_lane):
+        a_off = a_lane ^ (kk << 4)
         p0, p1, p2, p3 = ldsm(smem, a1 + a_off)
         r0, r1, r2, r3 = ldsm(smem, a2 + a_off)
-        b_off = b_row * HEAD_DIM + (((2 * kk) ^ b_x) << 3)
+        b_off = (b1 + b_lane) ^ (kk << 4)  # the stage offset inside: a register and immediates per k-step
         for np2 in range(N_TILES // 2):
             nt = 2 * np2
-            c0, c1, c2, c3 = ldsm(smem, b1 + b_off + np2 * 16 * HEAD_DIM)
+            c0, c1, c2, c3 = ldsm(smem, b_off + np2 * 16 * HEAD_DIM)
             x[nt, 0], x[nt, 1], x[nt, 2], x[nt, 3] = mma(p0, p1, p2, p3, c0, c1, x[nt, 0], x[nt, 1], x[nt, 2], x[nt, 3])
             x[nt + 1, 0], x[nt + 1, 1], x[nt + 1, 2], x[nt + 1, 3] = mma(
                 p0, p1, p2, p3, c2, c3, x[nt + 1, 0], x[nt + 1, 1], x[nt + 1, 2], x[nt + 1, 3])
-            c0, c1, c2, c3 = ldsm(smem, b2 + b_off + np2 * 16 * HEAD_DIM)
+            c0, c1, c2, c3 = ldsm(smem, b_off + (b2 - b1) + np2 * 16 * HEAD_DIM)
             y[nt, 0], y[nt, 1], y[nt, 2], y[nt, 3] = mma(r0, r1, r2, r3, c0, c1, y[nt, 0], y[nt, 1], y[nt, 2], y[nt, 3])
             y[nt + 1, 0], y[nt + 1, 1], y[nt + 1, 2], y[nt + 1, 3] = mma(
                 r0, r1, r2, r3, c2, c3, y[nt + 1, 0], y[nt + 1, 1], y[nt + 1, 2], y[nt + 1, 3])
@@ -233,15 +242,17 @@ def two_products(HEAD_DIM, N_TILES, mma):
             for r in range(4):
                 x[nt, r] = float32(0.0)
                 y[nt, r] = float32(0.0)
-        step(x, y, smem, 0, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-        step(x, y, smem, 1, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-        step(x, y, smem, 2, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-        step(x, y, smem, 3, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+        a_lane = a_row * HEAD_DIM + (a_x << 3)  # chunk 0 of the lane's row (2 kk: ^ (kk << 4))
+        b_lane = b_row * HEAD_DIM + (b_x << 3)
+        step(x, y, smem, 0, a1, a2, b1, b2, a_lane, b_lane)
+        step(x, y, smem, 1, a1, a2, b1, b2, a_lane, b_lane)
+        step(x, y, smem, 2, a1, a2, b1, b2, a_lane, b_lane)
+        step(x, y, smem, 3, a1, a2, b1, b2, a_lane, b_lane)
         if D_STEPS > 4:
-            step(x, y, smem, 4, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-            step(x, y, smem, 5, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-            step(x, y, smem, 6, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
-            step(x, y, smem, 7, a1, a2, b1, b2, a_row, a_x, b_row, b_x)
+            step(x, y, smem, 4, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 5, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 6, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 7, a1, a2, b1, b2, a_lane, b_lane)
 
     if D_STEPS not in (4, 8):
         raise ValueError(f"HEAD_DIM={HEAD_DIM}: the unrolled products take 64 or 128")
@@ -256,7 +267,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     layout adds (EXTRA0 on)."""
     SK, SV = 0, BLOCK_N * HEAD_DIM
     STAGE0 = 2 * BLOCK_N * HEAD_DIM
-    STAGE = 2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M
+    STAGE = stage_words(BLOCK_M, HEAD_DIM)
     SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
     EXTRA0 = STAGE0 + 2 * STAGE
     Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
@@ -289,14 +300,14 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
         if CAUSAL:
             qt0 = min(max(k0 - shift, 0) // BLOCK_M, n_qt)
         per_head = n_qt - qt0
-        return qt0, per_head, group * per_head
+        return int32(qt0), int32(per_head), int32(group * per_head)  # 32-bit: the step loop's arithmetic
 
     @inline_device
     def step_tile(step, qt0, per_head, group):
         """(query head hh of the group, first query row i0) of step ``step``. Without GQA (group 1) no
         integer division: it was a ~40-instruction chain per step (ncu, tenth session)."""
-        hh = step // per_head if group > 1 else 0
-        return hh, (qt0 + step - hh * per_head) * BLOCK_M
+        hh = int32(step // per_head) if group > 1 else int32(0)
+        return hh, int32((qt0 + step - hh * per_head) * BLOCK_M)
 
     @inline_device
     def prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad):
@@ -392,6 +403,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                              DQ_COLS, RED_V4) if ATOMIC_DQ else None
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
+    st_b32 = ptx.st_shared_b32
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -408,7 +420,6 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
-        smem_w = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # ... and as 32-bit words (dSᵀ pairs)
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
@@ -432,7 +443,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (Q, dO rows): (rows, d 0-7 | 8-15)
         b_x = (mat & 1) ^ (b_row & 7)
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (dO, Q as k x n): (rows 0-7 | 8-15) per d pair
-        t_chunk = mat >> 1
+        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
+        ds_lane = swizzle_m(warp * 16 + g, 0) + 2 * t  # dSᵀ pair (key 16w + g, queries 8 nt + 2t): ^ (nt << 3)
 
         load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
         load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
@@ -481,8 +493,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             if ATOMIC_DQ:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
                 for nt in range(Q_TILES):
                     for half in range(2):
-                        key = warp * 16 + g + 8 * half
-                        smem_w[(sds + swizzle_m(key, nt) + 2 * t) >> 1] = pack(dp[nt, 2 * half], dp[nt, 2 * half + 1])
+                        st_b32(smem, sds + (ds_lane ^ (nt << 3)) + half * 8 * BLOCK_M,
+                               pack(dp[nt, 2 * half], dp[nt, 2 * half + 1]))
 
             # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i: accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk.
             for kk in range(M_STEPS):
@@ -497,7 +509,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
                 d3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
                 for dp2 in range(O_TILES // 2):
                     dt = 2 * dp2
-                    t_off = st + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk)
+                    t_off = ((st + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM
                     dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
 
             if ATOMIC_DQ and not DQ_DEFERRED:
@@ -742,16 +754,17 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     PASSES = WARP_COLS // DQ_COLS
 
     @inline_device
-    def dq_pass(smem, sds, dq_acc, acc_q, row0, pc, a_key, a_chunk, t_row, t_chunk, t):
+    def dq_pass(smem, ds_lane, dq_acc, acc_q, row0, pc, t_row, t_chunk, t):
         """One DQ_COLS-column chunk pc of this warp's dQ_i rows: acc_q = dS_i K_j[:, chunk], then the adds."""
         for nt in range(DQ_TILES):
             for r in range(4):
                 acc_q[nt, r] = ZERO
+        k_lane = SK + swizzle(t_row, pc * DQ_TILES + t_chunk)  # d pair dp2, k-step kk: ^ (dp2 << 4), + kk·16 rows
         for kk in range(BLOCK_N // 16):
-            a0, a1, a2, a3 = ldsm_t(smem, sds + swizzle_m(kk * 16 + a_key, a_chunk))
+            a0, a1, a2, a3 = ldsm_t(smem, ds_lane + kk * 16 * BLOCK_M)
             for dp2 in range(DQ_COLS // 16):
                 nt = 2 * dp2
-                b0, b1, b2, b3 = ldsm_t(smem, SK + swizzle(kk * 16 + t_row, pc * DQ_TILES + dp2 * 2 + t_chunk))
+                b0, b1, b2, b3 = ldsm_t(smem, (k_lane ^ (dp2 << 4)) + kk * 16 * HEAD_DIM)
                 acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
                     a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
                 acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
@@ -781,7 +794,7 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
         cw = warp // ROW_GROUPS
         mat = lane >> 3
         a_key = (mat >> 1) * 8 + (lane & 7)  # A (queries x keys) from dSᵀ rows (keys): transposed quarters
-        a_chunk = 2 * rw + (mat & 1)
+        ds_lane = sds + swizzle_m(a_key, 2 * rw + (mat & 1))  # ... of k-step kk: + kk·16 rows
         t_row = (mat & 1) * 8 + (lane & 7)
         t_chunk = mat >> 1
         row0 = (bh * dq_acc.shape[1] + i0 + rw * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
@@ -789,9 +802,9 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
         acc_b = cuda.local.array((DQ_TILES, 4), float32)
         for wc in range(0, PASSES, 2):  # one trip for the shipped tiles (2 passes, or 1)
             pc = cw * PASSES + wc  # this pass's DQ_COLS-column chunk of dQ_i
-            dq_pass(smem, sds, dq_acc, acc_a, row0, pc, a_key, a_chunk, t_row, t_chunk, t)
+            dq_pass(smem, ds_lane, dq_acc, acc_a, row0, pc, t_row, t_chunk, t)
             if PASSES > 1:
-                dq_pass(smem, sds, dq_acc, acc_b, row0, pc + 1, a_key, a_chunk, t_row, t_chunk, t)
+                dq_pass(smem, ds_lane, dq_acc, acc_b, row0, pc + 1, t_row, t_chunk, t)
 
     return add_dq
 
@@ -1030,7 +1043,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
         b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (K, V rows)
         b_x = (mat & 1) ^ (b_row & 7)
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (K as k x n)
-        t_chunk = mat >> 1
+        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
 
         load_rows(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
         load_rows(smem, SDO, dout, b, h, q0, n_q, d, Q_COPIES)
@@ -1053,7 +1066,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
             for r in range(4):
                 acc[dt, r] = ZERO
 
-        for j in range(n_tiles):
+        for j in range(int32(n_tiles)):  # 32-bit: the loop's arithmetic
             k0 = j * BLOCK_N
             cp_wait(0)  # K_j, V_j (the only group in flight) ...
             cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1
@@ -1090,7 +1103,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
                 a3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
                 for dp2 in range(O_TILES // 2):
                     dt = 2 * dp2
-                    b0, b1, b2, b3 = ldsm_t(smem, st + SK + swizzle(kk * 16 + t_row, dp2 * 2 + t_chunk))
+                    b0, b1, b2, b3 = ldsm_t(smem, ((st + SK + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM)
                     acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
                         a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
                     acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
