@@ -599,8 +599,8 @@ BASE_TILES_613AB89 = {(64, False): (128, 64, 2), (64, True): (64, 64, 1), (128, 
 
 
 def test_variants_off_ptx_unchanged(tmp_path):
-    """With every variant off (kernel_source's defaults), the kernels shipped at 613ab89 compile to
-    the PTX of 613ab89: the variants are confined to their flags."""
+    """With every variant off (kernel_source's defaults), the tiles shipped at 613ab89 compile to the
+    recorded PTX (613ab89's until the eleventh session's loop change): the variants are confined to their flags."""
     from test_ptx import NO_GPU_PATCH, run_compile_child
 
     source = NO_GPU_PATCH + """

@@ -34,10 +34,12 @@ with the m16n8k16 fragment layouts of numba_flash.ptx (g = lane >> 2, t = lane %
 
 Shared memory holds the Q, K and V tiles as 16-bit words, rows of HEAD_DIM, with the 16-byte
 chunks of row r XOR-swizzled by r % 8: the 8 row addresses of each ldmatrix phase then fall in 8
-different bank groups (no padding, so d = 128 fits the 48 KiB static limit). Tiles arrive by
-cp.async (16 bytes per copy; rows past the sequence and columns past d are zero-filled by the
-src-size operand). Pipeline: V_j is copied while S = Q·K_jᵀ and the softmax run, and K_{j+1}
-while P·V_j runs (two cp.async groups per tile, one buffer each).
+different bank groups (no padding). Each lane keeps four byte addresses per tile (lane_rows) and
+every ldmatrix adds a constant to one of them, which ptxas folds into the instruction. Tiles arrive
+by cp.async (16 bytes per copy; rows past the sequence and columns past d are zero-filled by the
+ignore-src operand, or by src-size when d % 8 != 0). Pipeline: V_j is copied while S = Q·K_jᵀ and
+the softmax run, and K_{j+1} while P·V_j runs (two cp.async groups per tile, one buffer each); the
+shipped configs double-buffer K and V instead (KV_STAGES=2: tile j+1 is copied under all of tile j).
 
 Causal masking aligns to the bottom right: query i sees key j iff j <= i + Nk - Nq. Tiles wholly
 above the diagonal are never loaded; only tiles that cross it or the end of the keys pay for the
