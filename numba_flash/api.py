@@ -253,6 +253,9 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
                            "not through shared memory")
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernel")
+        if p.d % 8:
+            reasons.append(f"head dim {p.d} % 8 != 0: each row's last 16-byte copy is part data, part zeros "
+                           "(cp.async src-size: two more instructions per copy than the all-or-nothing form)")
         return "mma", cfg, reasons
     cfg = simt_config(p.d)
     reasons = [f"simt: {cfg.block_q}x{cfg.block_k} tiles, {cfg.threads} threads, "

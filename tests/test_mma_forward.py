@@ -641,3 +641,17 @@ def test_explain_names_the_shipped_variants(rng):
         for key, words in _VARIANT_WORDS.items():
             on = variants.get(key, 1) > 1 if key == "KV_STAGES" else variants.get(key, False) is True
             assert (words in text) == on, (d, causal, key, text)
+
+
+@in_simulator
+def test_explain_says_when_a_row_ends_in_a_part_data_copy(rng):
+    """d % 8 != 0 (device rows of a padded buffer, as cp.async needs) takes the src-size copies (PARTIAL_CHUNK),
+    and the kernel choice says so; d % 8 == 0 does not."""
+    from numba_flash import api
+
+    for d, partial in ((44, True), (48, False), (64, False)):
+        padded = cuda.to_device(rng.standard_normal((1, 2, 64, 64)).astype(np.float16))[:, :, :, :d]
+        p = api.Problem(kind="numba", dtype="float16", q_shape=(1, 2, 64, d), B=1, H=2, Hkv=2, n_q=64, n_k=64, d=d,
+                        causal=False, softmax_scale=0.125, device=None)
+        family, _, reasons = api.choose_kernel(p, "auto", (padded, padded, padded))
+        assert family == "mma" and any("part data" in r for r in reasons) == partial, (d, reasons)
