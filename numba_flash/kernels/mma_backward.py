@@ -272,7 +272,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     EXTRA0 = STAGE0 + 2 * STAGE
     Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
-    swizzle, load_rows = tile_copies(HEAD_DIM, THREADS)
+    swizzle, load_rows, _, _ = tile_copies(HEAD_DIM, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     ldsm_t = ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
@@ -1004,7 +1004,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     STAGE = 2 * BLOCK_N * HEAD_DIM
     SK, SV = 0, BLOCK_N * HEAD_DIM
     CAUSAL = bool(CAUSAL)
-    swizzle, load_rows = tile_copies(HEAD_DIM, THREADS)
+    swizzle, load_rows, _, _ = tile_copies(HEAD_DIM, THREADS)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, K_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
