@@ -61,10 +61,19 @@ def problem(seed, B, H, Hkv, n_q, n_k, d, causal, dtype, big=1.0):
     return (q, k, v, o, lse, do), (store[0], store[1], store[2], o_store, lse, store[3])
 
 
-def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False):
+def padded_view(x, pad_to):
+    """x on the device as a view of rows of pad_to elements whose padding holds NaN bits (f16 and bf16):
+    a copy that reads past column d - 1 puts NaN into a tile."""
+    padded = np.full(x.shape[:-1] + (pad_to,), 0xFFFF, np.uint16).view(x.dtype)
+    padded[..., : x.shape[-1]] = x
+    return cuda.to_device(padded)[:, :, :, : x.shape[-1]]  # Numba device arrays reject `...`
+
+
+def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False, pad_to=None):
     """mma_backward.launch on device arrays (simulator or GPU); returns (dq, dk, dv) as float64.
-    atomic: dQ added up by the dkdv kernel with atomic adds (deterministic=False)."""
-    q, k, v, o, lse, do = (cuda.to_device(x) for x in stored)
+    atomic: dQ added up by the dkdv kernel with atomic adds (deterministic=False). pad_to: q, k, v, out
+    and dout are padded_view's of rows of pad_to elements."""
+    q, k, v, o, lse, do = (padded_view(x, pad_to) if pad_to and x.ndim == 4 else cuda.to_device(x) for x in stored)
     B, H, n_q, _ = stored[0].shape
     rows = (B * H, mma_backward.padded_rows(n_q))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
@@ -118,6 +127,24 @@ def test_shipped_configs_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
     check_error_rule(grads, vals, causal, dtype)
     if n_q > n_k and causal:  # rows that see no key: dQ exactly zero
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+@in_simulator
+@pytest.mark.parametrize(
+    "d,pad_to,atomic",
+    [
+        (20, 24, False),  # d % 8 != 0: the chunk of columns 16..23 is part data (the kernels' PARTIAL_CHUNK)
+        (24, 32, False),  # d % 8 == 0: the chunk of columns 24..31 is all zeros (ignore-src), never read
+        (36, 40, True),   # the atomic dkdv (64 keys, 128 threads) with a part-data chunk
+    ],
+)
+def test_padded_rows_sim(d, pad_to, atomic):
+    """q, k, v, dout as strided views whose row padding is NaN: the copies read only columns < d."""
+    causal, dtype = True, "float16"
+    config = shipped(64) if atomic else {"dkdv": (16, 16), "dq": (32, 16), "head_dim": 64}
+    vals, stored = problem(d, 1, 2, 1, 37, 29, d, causal, dtype)
+    grads = run_backward(stored, d, causal, dtype, config, atomic=atomic, pad_to=pad_to)
+    check_error_rule(grads, vals, causal, dtype)
 
 
 @in_simulator
@@ -369,18 +396,18 @@ DKDV_PTX_CASES = _dkdv_ptx_cases()
 # d0d51d1's hashes had held from before the atomic dQ variants until then. Re-recorded with each change of
 # the bwd-lean branch's address arithmetic (same floating-point operations; git log says which).
 DKDV_PTX_SHA256 = {
-    "dkdv-64x64-d128-False-float16": "52dd098474956a6f0b8e457e3064cb4d79a228e35d39cd145f2f1187896bd72e",
-    "dkdv-64x64-d128-True-float16": "b8e20a9847ca0b6b01be499a4407a6a47efbaeb21a995d8052778ed6b82a7ed8",
-    "dkdv-64x64-d64-False-float16": "2107154ec420d57c7d43c627c99fe26ab7e7d605d257050db875de866637cd4c",
-    "dkdv-64x64-d64-True-float16": "c53e3ac6320920341a576b4d068795c310e46397e5f72046d24c80bdd5968970",
-    "dkdv-atomic-128x64-d128-False-float16": "f2823315bdc94db86ec361e8379dabf335f3888afd99b43892e30d38cb1c1ae7",
-    "dkdv-atomic-128x64-d128-True-bfloat16": "b5681b6d4facf1c9189bf013dcc9388bc38938854715abff8c761912fbe3373a",
-    "dkdv-atomic-128x64-d128-True-float16": "f67fa25b7d3c37fdd47d59e731582fc0f2de2201abee4f011475d51620c64ed9",
-    "dkdv-atomic-64x64-d64-False-float16": "e3de9ac9a73294cfc0deceadf3dd4b4f33036631af33f4c69c84e54712bb1451",
-    "dkdv-atomic-64x64-d64-True-float16": "2f3faaaae76285d3f490a1a7d95f85177ff9229ffb04c1c10dc51c2217fe1d01",
+    "dkdv-64x64-d128-False-float16": "c3efa3a4519f6e562a61c146bf655c6e8a9626739468b355b1c1e92798b80d8e",
+    "dkdv-64x64-d128-True-float16": "b03c5d445f1d27ab8e593d034b94e03f290fb27d961911839e40d3d0301836ac",
+    "dkdv-64x64-d64-False-float16": "a87cecd5614559b04e18ca2bbc8f1157a60727cbff2397cf603aff4b2ad6129c",
+    "dkdv-64x64-d64-True-float16": "2c3ac4bc02ce3994015711a10eb8e91b3036bb4d991b1d698857e71fc57ef1dc",
+    "dkdv-atomic-128x64-d128-False-float16": "fb4bf2d0fb554a65c81f06066da10ab352d5672e963e202ea76dca912b00982c",
+    "dkdv-atomic-128x64-d128-True-bfloat16": "3f424ae4a3b2addf3e64b4f04482dc25394a2df29959821ded31a4612a48d8fb",
+    "dkdv-atomic-128x64-d128-True-float16": "05e2a2971d0d0c6c34839a8a17ef28a39dc23c83588808f3aa1b0e442a884564",
+    "dkdv-atomic-64x64-d64-False-float16": "f0ea5f3d1e971cd7e2937f5a1eb22ef6b3a8f2cdac9b72c70925fc0012f5a965",
+    "dkdv-atomic-64x64-d64-True-float16": "2d71315e29c91fa72f9e601a8c303eb6c57da57c097ecc4cb176912804bb052b",
     # the two variant tiles (NUMBA_FLASH_VARIANT_TESTS=1 adds them to DKDV_PTX_CASES)
-    "dkdv-atomic-128x64-d64-False-float16": "1e56e6cd05c63c1f41fb255bf342a0a0130088d032f0cbd1554ef82cb121d086",
-    "dkdv-atomic-64x64-d128-False-float16": "fe9f67a228435d202fe6fd6e51e1833afaacfd5b6923908dac3a7c60b962b13e",
+    "dkdv-atomic-128x64-d64-False-float16": "883ac771d6017e4c235fd813db7f5a471f0f236ad8fe9b3f83713d29709ab7dd",
+    "dkdv-atomic-64x64-d128-False-float16": "852556a62892038165507b098b4592cd90ec2102bb3274b29ba158de3dedb246",
 }
 
 

@@ -51,9 +51,11 @@ Shared memory: 16-bit tiles with rows of HEAD_DIM, 16-byte chunks XOR-swizzled b
 forward's layout: every ldmatrix phase hits 8 distinct bank groups). The streamed tiles (Q, dO,
 L2, D in ``dkdv``; K, V in ``dq``) are double-buffered: at the top of step i one barrier says tile
 i has landed and that every warp has left step i−1, whose buffer then receives tile i+1 by cp.async
-while step i computes. A tile whose rows all exist is copied from one per-thread offset plus a
-constant step per copy; out-of-range rows and head-dim columns (a sequence's last tile, a padded head
-dim) are zero-filled by cp.async's src-size operand.
+while step i computes. Each thread's copy plan (source offset, byte count and swizzled destination
+of its 16-byte chunks, mma_forward.tile_copies) is computed once before the loop; a tile whose rows
+all exist then costs the step's row offset and a constant step per copy. Out-of-range rows and
+head-dim columns (a sequence's last tile, a padded head dim) are zero-filled by cp.async's ignore-src
+predicate, or by its src-size operand when d % 8 != 0 (PARTIAL_CHUNK: a chunk of data and zeros).
 
 Causal (bottom-right, query i sees key j iff j <= i + Nk − Nq): ``dkdv`` starts at the first Q
 tile that sees its keys, ``dq`` stops after the last K/V tile its rows see; only tiles that cross
@@ -259,9 +261,10 @@ def two_products(HEAD_DIM, N_TILES, mma):
     return unrolled
 
 
-def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
-    """What both dK/dV layouts share: the shared-memory plan, the streamed stage's copies, the
-    schedule of (query head, Q tile) steps and the epilogue. OUT_TILES: n-tiles of dK / dV per warp.
+def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, PARTIAL_CHUNK):
+    """What both dK/dV layouts share: the shared-memory plan, the copies (K and V, the streamed stage),
+    the schedule of (query head, Q tile) steps and the epilogue. OUT_TILES: n-tiles of dK / dV per warp.
+    PARTIAL_CHUNK: d % 8 != 0 (tile_copies' flag).
 
     Word offsets: K and V once, then two stages of [Q | dO | L2 (fp32) | D (fp32)], then what the
     layout adds (EXTRA0 on)."""
@@ -271,25 +274,49 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
     SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
     EXTRA0 = STAGE0 + 2 * STAGE
     Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
+    KV_COPIES = BLOCK_N * (HEAD_DIM // 8) // THREADS
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
-    swizzle, load_rows = tile_copies(HEAD_DIM, THREADS)
+    swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     ldsm_t = ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     cp_async = ptx.cp_async_16
+    cp_commit = ptx.cp_async_commit
     CAUSAL = bool(CAUSAL)
 
     @inline_device
-    def load_stage(smem, st, q, dout, l2, dd, b, h, i0, n_q, d, nq_pad):
-        """Q_i, dO_i rows i0.. and their L2, D into the stage at word st (one cp.async group's worth)."""
-        load_rows(smem, st + SQ, q, b, h, i0, n_q, d, Q_COPIES)
-        load_rows(smem, st + SDO, dout, b, h, i0, n_q, d, Q_COPIES)
+    def load_stage(smem, st, q, dout, l2, dd, plan, b, h0, hh, i0, n_q, nq_pad):
+        """Q_i, dO_i rows i0.. of query head h0 + hh and their L2, D into the stage at word st (one
+        cp.async group's worth), by this thread's plan for head h0 (the prologue's)."""
+        q_off, do_off, col_bytes, dst0 = plan
+        q_rs, do_rs = q.strides[2] // 2, dout.strides[2] // 2
+        load_tile_fast(smem, st + SQ, q, q_off + hh * (q.strides[1] // 2) + i0 * q_rs, q_rs, col_bytes, dst0, i0,
+                       n_q, Q_COPIES)
+        load_tile_fast(smem, st + SDO, dout, do_off + hh * (dout.strides[1] // 2) + i0 * do_rs, do_rs, col_bytes,
+                       dst0, i0, n_q, Q_COPIES)
         tid = cuda.threadIdx.x
-        row = (b * q.shape[1] + h) * nq_pad + i0  # scratch rows are padded: always inside
+        row = (b * q.shape[1] + h0 + hh) * nq_pad + i0  # scratch rows are padded: always inside
         if tid < ROW_CHUNKS:
             cp_async(smem, st + SL + 8 * tid, l2, row + 4 * tid)
         elif tid < 2 * ROW_CHUNKS:
             cp_async(smem, st + SD + 8 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS))
+
+    @inline_device
+    def prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad):
+        """K_j, V_j and step 0's stage as one cp.async group; returns this thread's copy plan of the Q and dO
+        tiles of query head h_kv·group (offsets, source bytes per copy, shared offset), kept for the loop's
+        stages so a step only adds its head's and rows' offsets."""
+        k_off, k_rs, col_bytes, dst0 = copy_plan(k, b, h_kv, d)
+        v_off, v_rs, _, _ = copy_plan(v, b, h_kv, d)
+        load_tile_fast(smem, SK, k, k_off + k0 * k_rs, k_rs, col_bytes, dst0, k0, n_k, KV_COPIES)
+        load_tile_fast(smem, SV, v, v_off + k0 * v_rs, v_rs, col_bytes, dst0, k0, n_k, KV_COPIES)
+        q_off, _, _, _ = copy_plan(q, b, h_kv * group, d)
+        do_off, _, _, _ = copy_plan(dout, b, h_kv * group, d)
+        plan = (q_off, do_off, int32(col_bytes), dst0)  # 0..16: one register, not a 64-bit pair
+        if steps > 0:
+            load_stage(smem, STAGE0, q, dout, l2, dd, plan, b, h_kv * group, int32(0), qt0 * BLOCK_M, n_q, nq_pad)
+        cp_commit()
+        return plan
 
     @inline_device
     def schedule(k0, n_q, shift, group):
@@ -310,12 +337,12 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
         return hh, int32((qt0 + step - hh * per_head) * BLOCK_M)
 
     @inline_device
-    def prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad):
+    def prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, plan, b, h_kv, group, n_q, nq_pad):
         """Step step + 1's tiles into the buffer step - 1 used (after the barrier that freed it)."""
-        if step + 1 < steps:
-            nxt = step + 1
+        nxt = int32(step + 1)
+        if nxt < steps:
             hh, i0 = step_tile(nxt, qt0, per_head, group)
-            load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, b, h_kv * group + hh, i0, n_q, d, nq_pad)
+            load_stage(smem, STAGE0 + (nxt & 1) * STAGE, q, dout, l2, dd, plan, b, h_kv * group, hh, i0, n_q, nq_pad)
 
     @inline_device
     def dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3):
@@ -356,12 +383,14 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES):
                         dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
 
     layout = (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, EXTRA0)
-    return layout, swizzle, load_rows, load_stage, schedule, step_tile, prefetch, swizzle_m, store_grads, dv_dk_step
+    return layout, swizzle, prologue, schedule, step_tile, prefetch, swizzle_m, store_grads, dv_dk_step
 
 
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, DQ_COLS=32,
-                DQ_DEFERRED=False, RED_V4=False):
+                DQ_DEFERRED=False, RED_V4=False, PARTIAL_CHUNK=False):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
+    PARTIAL_CHUNK (every kernel here; launch() sets it when d % 8 != 0): the copies' source bytes per
+    16-byte chunk (mma_forward.kernel_source's flag of that name).
 
     ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
     dQ_i = dS_i K_j each step and adds it to fp32 dq_acc with atomic adds, so no dQ kernel has to
@@ -380,14 +409,13 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     red.global.add.v4.f32: half the atomic instructions."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
-    CHUNKS = HEAD_DIM // 8
-    KV_COPIES = BLOCK_N * CHUNKS // THREADS
     Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
     O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
     CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
-    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, load_rows, load_stage, schedule, step_tile, prefetch, \
-        swizzle_m, store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, prologue, schedule, step_tile, prefetch, \
+        swizzle_m, store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES,
+                                                               PARTIAL_CHUNK)
     # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
     if ATOMIC_DQ and not (BLOCK_M == 64 and BLOCK_N in (64, 128)):
         raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 64 or 128 keys (4 or 8 warps "
@@ -446,11 +474,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
         ds_lane = swizzle_m(warp * 16 + g, 0) + 2 * t  # dSᵀ pair (key 16w + g, queries 8 nt + 2t): ^ (nt << 3)
 
-        load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
-        load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
-        if steps > 0:
-            load_stage(smem, STAGE0, q, dout, l2, dd, b, h_kv * group, qt0 * BLOCK_M, n_q, d, nq_pad)
-        cp_commit()
+        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
 
         acc_k = cuda.local.array((O_TILES, 4), float32)
         acc_v = cuda.local.array((O_TILES, 4), float32)
@@ -464,7 +488,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         for step in range(steps):
             cp_wait(0)  # this step's tiles (the only group in flight) ...
             cuda.syncthreads()  # ... for every thread; and every warp has left the previous step
-            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, plan, b, h_kv, group, n_q, nq_pad)
             cp_commit()
             hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
@@ -535,7 +559,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     return mma_backward_dkdv
 
 
-def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
+def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
     """dK/dV with FA2's warp layout (``split_d``): two warps per 16 keys, each owning half of the
     head dim of dK and dV (so half the accumulators: 64 fp32 per lane at d = 128 instead of 128)
     and half of the query columns of Sᵀ and dPᵀ. Pᵀ and dSᵀ meet in shared memory (16-bit,
@@ -544,8 +568,6 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     R_GROUPS = BLOCK_N // 16  # warps 2r, 2r + 1 own keys 16r..16r+15
     WARPS = 2 * R_GROUPS
     THREADS = 32 * WARPS
-    CHUNKS = HEAD_DIM // 8
-    KV_COPIES = BLOCK_N * CHUNKS // THREADS
     Q_HALF = BLOCK_M // 2  # query columns of Sᵀ / dPᵀ per warp
     Q_TILES_W = Q_HALF // 8
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (all queries)
@@ -553,8 +575,9 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
     CAUSAL = bool(CAUSAL)
     if BLOCK_M != 64:
         raise ValueError(f"split_d dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows); got BLOCK_M={BLOCK_M}")
-    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, step_tile, prefetch, \
-        swizzle_m, store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, prologue, schedule, step_tile, prefetch, \
+        swizzle_m, store_grads, dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES_W,
+                                                               PARTIAL_CHUNK)
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES_W, mma)
@@ -597,11 +620,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
         t_chunk = mat >> 1
         q_off = half_c * Q_HALF * HEAD_DIM  # this warp's query rows of the Q / dO tiles
 
-        load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
-        load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
-        if steps > 0:
-            load_stage(smem, STAGE0, q, dout, l2, dd, b, h_kv * group, qt0 * BLOCK_M, n_q, d, nq_pad)
-        cp_commit()
+        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
 
         acc_k = cuda.local.array((O_TILES_W, 4), float32)
         acc_v = cuda.local.array((O_TILES_W, 4), float32)
@@ -615,7 +634,7 @@ def dkdv_split_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE):
         for step in range(steps):
             cp_wait(0)
             cuda.syncthreads()  # tiles landed; every warp left the previous step (and its Pᵀ, dSᵀ)
-            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, plan, b, h_kv, group, n_q, nq_pad)
             cp_commit()
             hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
@@ -809,7 +828,7 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     return add_dq
 
 
-def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True):
+def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, PARTIAL_CHUNK=False):
     """dK/dV with FA2's d = 128 warp tiles (``fa2``): warps in pairs over 32 keys (two m-tiles), each
     computing Sᵀ and dPᵀ for its 32 keys x half of the 64 queries (32 x 32 tiles: every K, V, Q, dO
     fragment loaded feeds 2 mma, where the shipped layout's 16 x 64 tiles feed 1 with A), then
@@ -823,8 +842,6 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
     R_GROUPS = BLOCK_N // (16 * KT)  # warps 2r, 2r + 1 own keys 32r..32r+31
     WARPS = 2 * R_GROUPS
     THREADS = 32 * WARPS
-    CHUNKS = HEAD_DIM // 8
-    KV_COPIES = BLOCK_N * CHUNKS // THREADS
     Q_HALF = BLOCK_M // 2  # query columns of Sᵀ / dPᵀ per warp
     Q_TILES_W = Q_HALF // 8
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (all queries)
@@ -833,9 +850,9 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
     if BLOCK_M != 64 or BLOCK_N not in (64, 128):
         raise ValueError(f"fa2 dkdv needs 64-query tiles (8-chunk swizzled Pᵀ rows) and 64 or 128 keys (whole "
                          f"warp pairs; 4 or 8 warps over dQ_i's 4 row groups); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
-    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, load_rows, load_stage, schedule, step_tile, prefetch, \
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SP), swizzle, prologue, schedule, step_tile, prefetch, \
         swizzle_m, _store_grads, _dv_dk_step = _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS,
-                                                           O_TILES_W)
+                                                           O_TILES_W, PARTIAL_CHUNK)
     SDS = SP + BLOCK_N * BLOCK_M  # Pᵀ at SP, then dSᵀ: BLOCK_N keys x BLOCK_M queries each
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products_m(HEAD_DIM, KT, Q_TILES_W, mma)
@@ -882,11 +899,7 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
         t_chunk = mat >> 1
         q_off = half_c * Q_HALF * HEAD_DIM  # this warp's query rows of the Q / dO tiles
 
-        load_rows(smem, SK, k, b, h_kv, k0, n_k, d, KV_COPIES)
-        load_rows(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
-        if steps > 0:
-            load_stage(smem, STAGE0, q, dout, l2, dd, b, h_kv * group, qt0 * BLOCK_M, n_q, d, nq_pad)
-        cp_commit()
+        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
 
         acc_k = cuda.local.array((KT, O_TILES_W, 4), float32)
         acc_v = cuda.local.array((KT, O_TILES_W, 4), float32)
@@ -903,7 +916,7 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
         for step in range(steps):
             cp_wait(0)
             cuda.syncthreads()  # tiles landed; every warp left the previous step (its Pᵀ, dSᵀ, dQ phase)
-            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, b, h_kv, group, n_q, d, nq_pad)
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, plan, b, h_kv, group, n_q, nq_pad)
             cp_commit()
             hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
@@ -989,7 +1002,7 @@ def dkdv_fa2_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, 
     return mma_backward_dkdv
 
 
-def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed."""
     WARPS = BLOCK_M // 16
     THREADS = 32 * WARPS
@@ -1004,7 +1017,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
     STAGE = 2 * BLOCK_N * HEAD_DIM
     SK, SV = 0, BLOCK_N * HEAD_DIM
     CAUSAL = bool(CAUSAL)
-    swizzle, load_rows = tile_copies(HEAD_DIM, THREADS)
+    swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, K_TILES, mma)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
@@ -1045,11 +1058,17 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (K as k x n)
         t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
 
-        load_rows(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
-        load_rows(smem, SDO, dout, b, h, q0, n_q, d, Q_COPIES)
+        # This thread's copy plans (offsets, source bytes per copy, shared offset); K's and V's offsets
+        # step by a tile per K/V tile.
+        q_off, q_rs, col_bytes, dst0 = copy_plan(q, b, h, d)
+        do_off, do_rs, _, _ = copy_plan(dout, b, h, d)
+        k_next, k_rs, _, _ = copy_plan(k, b, h_kv, d)
+        v_next, v_rs, _, _ = copy_plan(v, b, h_kv, d)
+        load_tile_fast(smem, SQ, q, q_off + q0 * q_rs, q_rs, col_bytes, dst0, q0, n_q, Q_COPIES)
+        load_tile_fast(smem, SDO, dout, do_off + q0 * do_rs, do_rs, col_bytes, dst0, q0, n_q, Q_COPIES)
         if n_tiles > 0:
-            load_rows(smem, STAGE0 + SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
-            load_rows(smem, STAGE0 + SV, v, b, h_kv, 0, n_k, d, KV_COPIES)
+            load_tile_fast(smem, STAGE0 + SK, k, k_next, k_rs, col_bytes, dst0, int32(0), n_k, KV_COPIES)
+            load_tile_fast(smem, STAGE0 + SV, v, v_next, v_rs, col_bytes, dst0, int32(0), n_k, KV_COPIES)
         cp_commit()
 
         # L2 and D of this lane's rows g and g + 8 (padded scratch: always inside).
@@ -1072,8 +1091,10 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE):
             cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1
             if j + 1 < n_tiles:  # K_{j+1}, V_{j+1} into the buffer tile j - 1 used
                 nxt = STAGE0 + ((j + 1) & 1) * STAGE
-                load_rows(smem, nxt + SK, k, b, h_kv, k0 + BLOCK_N, n_k, d, KV_COPIES)
-                load_rows(smem, nxt + SV, v, b, h_kv, k0 + BLOCK_N, n_k, d, KV_COPIES)
+                k_next += BLOCK_N * k_rs
+                v_next += BLOCK_N * v_rs
+                load_tile_fast(smem, nxt + SK, k, k_next, k_rs, col_bytes, dst0, k0 + BLOCK_N, n_k, KV_COPIES)
+                load_tile_fast(smem, nxt + SV, v, v_next, v_rs, col_bytes, dst0, k0 + BLOCK_N, n_k, KV_COPIES)
             cp_commit()
             st = STAGE0 + (j & 1) * STAGE
 
@@ -1129,23 +1150,24 @@ ATOMIC_VARIANTS = {"dq_cols": 32, "dq_deferred": False, "red_v4": False}  # dkdv
 
 
 def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False,
-                  vector_red=True, fa2=False, **variants):
+                  vector_red=True, fa2=False, partial_chunk=False, **variants):
     """The Python kernel of one specialisation (before cuda.jit; the compile tests use it). variants:
-    the atomic dQ phase's candidates, ATOMIC_VARIANTS' keys (dkdv_source's DQ_COLS, DQ_DEFERRED, RED_V4)."""
+    the atomic dQ phase's candidates, ATOMIC_VARIANTS' keys (dkdv_source's DQ_COLS, DQ_DEFERRED, RED_V4).
+    partial_chunk: the sources' PARTIAL_CHUNK (d % 8 != 0)."""
     unknown = set(variants) - set(ATOMIC_VARIANTS)
     if unknown:
         raise ValueError(f"unknown atomic dQ variants {sorted(unknown)}; known {sorted(ATOMIC_VARIANTS)}")
     if kernel == "dkdv" and fa2:
         if variants:
             raise ValueError(f"the fa2 dkdv has no atomic dQ variants (got {sorted(variants)})")
-        return dkdv_fa2_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red)
+        return dkdv_fa2_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red, partial_chunk)
     if kernel == "dkdv" and split_d:
-        return dkdv_split_source(block_own, block_streamed, head_dim, causal, dtype)
+        return dkdv_split_source(block_own, block_streamed, head_dim, causal, dtype, partial_chunk)
     if kernel == "dkdv":
         v = dict(ATOMIC_VARIANTS, **variants)
         return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red,
-                           int(v["dq_cols"]), bool(v["dq_deferred"]), bool(v["red_v4"]))
-    return dq_source(block_own, block_streamed, head_dim, causal, dtype)
+                           int(v["dq_cols"]), bool(v["dq_deferred"]), bool(v["red_v4"]), partial_chunk)
+    return dq_source(block_own, block_streamed, head_dim, causal, dtype, partial_chunk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1168,13 +1190,14 @@ def make_convert_kernel(dtype: str):
 @lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
                 max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False,
-                vector_red: bool = True, fa2: bool = False, **variants):
+                vector_red: bool = True, fa2: bool = False, partial_chunk: bool = False, **variants):
     """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme),
     as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
     split_d (dkdv only): two warps per 16 keys (``dkdv_split_source``).
     fa2 (dkdv only): FA2's d = 128 warp tiles, two warps per 32 keys (``dkdv_fa2_source``), with or
     without atomic dQ.
+    partial_chunk: d % 8 != 0 (launch passes it only then, so the other kernels keep their cache key).
     variants (atomic dkdv only): candidate dQ phases, ATOMIC_VARIANTS' keys; not shipped."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d, fa2)
     if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
@@ -1190,7 +1213,7 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
     source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq),
-                           bool(split_d), bool(vector_red), bool(fa2), **variants)
+                           bool(split_d), bool(vector_red), bool(fa2), bool(partial_chunk), **variants)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq)), **cap)(source)
 
@@ -1225,6 +1248,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     head_dim = config["head_dim"]
+    partial = {"partial_chunk": True} if d % 8 else {}  # a part-data chunk per row (the sources' PARTIAL_CHUNK)
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     atomic = dq_acc is not None
     if "prep" in kernels:
@@ -1241,7 +1265,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         variants = dict(config.get("dkdv_atomic_variants", {})) if atomic else {}
         layout = {"fa2": True} if fa2 else {}  # passed only when on, as above
         launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
-                                  **scalar_red, **layout, **variants),
+                                  **scalar_red, **layout, **partial, **variants),
                       ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn, split), stream,
                       smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred")), fa2),
                       *words, l2, dd, _words(dk), _words(dv),
@@ -1255,6 +1279,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         return
     bm, bn = config["dq"]
     if "dq" in kernels:
-        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), dtype), ((n_q + bm - 1) // bm, B * H),
+        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), dtype, **partial),
+                      ((n_q + bm - 1) // bm, B * H),
                       threads_per_block("dq", bm), stream, smem_bytes("dq", bm, bn, head_dim),
                       *words, l2, dd, _words(dq), *scalars)

@@ -114,22 +114,26 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1, KV_STAGES=1):
     return out
 
 
-def tile_copies(HEAD_DIM, THREADS):
-    """(swizzle, load_tile): the swizzled 16-bit tile layout and a general cp.async copy of rows into
-    it, for any kernel of THREADS threads (the tensor-core backward uses them too).
+def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False):
+    """(swizzle, load_tile, copy_plan, load_tile_fast): the swizzled 16-bit tile layout and the cp.async
+    copies of rows into it, for any kernel of THREADS threads (the tensor-core backward uses them too).
 
     swizzle(row, chunk): element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR
     row % 8). load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES): rows row0.. of src[b, h]
     into the tile at word tile0, COPIES 16-byte copies per thread; rows past n_rows and columns past
     d are zero-filled. A tile whose rows all exist takes one offset per thread and a constant step per
-    copy; only a sequence's last tile pays for the row clamps. (The forward's FAST_LOADS plans keep their
-    per-thread offsets across tiles instead.)"""
+    copy; only a sequence's last tile pays for the row clamps. copy_plan and load_tile_fast split that
+    work: the plan's per-thread offsets are computed once and kept across tiles (the forward's FAST_LOADS,
+    the backward's streamed tiles). PARTIAL_CHUNK (d % 8 != 0): see kernel_source; load_tile always
+    names its source bytes."""
     CHUNKS = HEAD_DIM // 8
     ROW_STEP = THREADS // CHUNKS  # rows between a thread's successive copies
     # Then a thread's copies share row % 8 (one swizzled chunk) and its column: a whole tile is one
     # offset plus multiples of ROW_STEP rows. (THREADS a multiple of 8·CHUNKS: every shipped kernel.)
     SAME_CHUNK = THREADS % CHUNKS == 0 and ROW_STEP % 8 == 0
+    SWIZZLE_FIXED = ROW_STEP % 8 == 0  # then a thread's copies share row % 8: one swizzle for all
     cp_async = ptx.cp_async_16_zfill
+    cp_zero_if = ptx.cp_async_16_zero_if
 
     @inline_device
     def swizzle(row, chunk):
@@ -168,7 +172,54 @@ def tile_copies(HEAD_DIM, THREADS):
             src_col = col if nbytes > 0 else 0
             cp_async(smem, tile0 + swizzle(r, chunk), src, base + src_row * row_stride + src_col, nbytes)
 
-    return swizzle, load_tile
+    @cuda.jit(device=True, inline=True)
+    def thread_x():
+        """cuda.threadIdx.x for the inline_device helpers below (cuda.jit for the same reason as load_tile)."""
+        return cuda.threadIdx.x
+
+    @inline_device
+    def copy_plan(src, b, h, d):
+        """This thread's part of every tile of src[b, h]: (flat element offset of its first copy in
+        row 0 of the tile, row stride in elements, source bytes per copy, shared offset of copy 0)."""
+        tid = thread_x()
+        r0 = tid // CHUNKS
+        chunk = tid - r0 * CHUNKS
+        col = chunk * 8
+        col_bytes = min(max(d - col, 0), 8) * 2
+        src_col = col if col_bytes > 0 else 0
+        row_stride = src.strides[2] // 2
+        base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2) + r0 * row_stride + src_col
+        return base, row_stride, col_bytes, swizzle(r0, chunk)
+
+    @inline_device
+    def copy16(smem, dst, src, src_off, nbytes):
+        """One 16-byte cp.async of nbytes source bytes (0 or 16 unless PARTIAL_CHUNK), zeros after them."""
+        if PARTIAL_CHUNK:  # d % 8 != 0: the chunk holding column d - 1 is part data, part zeros
+            cp_async(smem, dst, src, src_off, nbytes)
+        else:  # the ignore-src form: ptxas adjusted the address of every src-size copy (2 instructions)
+            cp_zero_if(smem, dst, src, src_off, nbytes == 0)
+
+    @inline_device
+    def load_tile_fast(smem, tile0, src, off, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
+        """cp.async rows row0.. of the tile at word tile0 of smem by the plan of copy_plan, off being this
+        thread's first source offset for row0 (callers step it by a constant per tile); zeros past
+        n_rows / d."""
+        r0 = thread_x() // CHUNKS
+        if int32(row0 + COPIES * ROW_STEP) <= n_rows:  # the whole tile is inside: no row checks
+            for i in range(COPIES):
+                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                    r0 + i * ROW_STEP, thread_x() - r0 * CHUNKS))
+                copy16(smem, dst, src, off + i * (ROW_STEP * row_stride), col_bytes)
+        else:
+            for i in range(COPIES):
+                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                    r0 + i * ROW_STEP, thread_x() - r0 * CHUNKS))
+                row = row0 + r0 + i * ROW_STEP
+                # A copy of zeros still names an address: the last row, inside the array.
+                src_off = off + (min(row, n_rows - 1) - row0 - r0) * row_stride
+                copy16(smem, dst, src, src_off, col_bytes if row < n_rows else 0)
+
+    return swizzle, load_tile, copy_plan, load_tile_fast
 
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAST_LOADS=True, UNROLL_QK=True,
@@ -242,8 +293,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     S_TILES = BLOCK_K // 8  # n-tiles of S
     PV_STEPS = BLOCK_K // 16  # k-steps of O += P V
     O_TILES = HEAD_DIM // 8  # n-tiles of O
-    ROW_STEP = THREADS // CHUNKS  # rows between one thread's successive copies of a tile
-    SWIZZLE_FIXED = ROW_STEP % 8 == 0  # then a thread's copies share row % 8: one swizzle for all
     if UNROLL_QK and QK_STEPS > 16:
         UNROLL_QK = False
     CAUSAL = bool(CAUSAL)
@@ -265,8 +314,6 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
     shfl_xor = ptx.shfl_xor_sync
-    cp_async = ptx.cp_async_16_zfill
-    cp_zero_if = ptx.cp_async_16_zero_if
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     st_shared_b32, ld_shared_v4, st_global_v4, syncwarp = ptx.st_shared_b32, ptx.ld_shared_v4, ptx.st_global_v4, ptx.syncwarp
@@ -278,49 +325,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     ONE = float32(1.0)
     RESCALE = float32(RESCALE_LOG2)  # a Python float would make the comparison fp64 (cvt + add.f64 per row)
 
-    swizzle, load_tile = tile_copies(HEAD_DIM, THREADS)
-
-    @inline_device
-    def copy_plan(src, b, h, d):
-        """This thread's part of every tile of src[b, h]: (flat element offset of its first copy in
-        row 0 of the tile, row stride in elements, source bytes per copy, shared offset of copy 0)."""
-        tid = cuda.threadIdx.x
-        r0 = tid // CHUNKS
-        chunk = tid - r0 * CHUNKS
-        col = chunk * 8
-        col_bytes = min(max(d - col, 0), 8) * 2
-        src_col = col if col_bytes > 0 else 0
-        row_stride = src.strides[2] // 2
-        base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2) + r0 * row_stride + src_col
-        return base, row_stride, col_bytes, swizzle(r0, chunk)
-
-    @inline_device
-    def copy16(smem, dst, src, src_off, nbytes):
-        """One 16-byte cp.async of nbytes source bytes (0 or 16 unless PARTIAL_CHUNK), zeros after them."""
-        if PARTIAL_CHUNK:  # d % 8 != 0: the chunk holding column d - 1 is part data, part zeros
-            cp_async(smem, dst, src, src_off, nbytes)
-        else:  # the ignore-src form: ptxas adjusted the address of every src-size copy (2 instructions)
-            cp_zero_if(smem, dst, src, src_off, nbytes == 0)
-
-    @inline_device
-    def load_tile_fast(smem, tile0, src, off, row_stride, col_bytes, dst0, row0, n_rows, COPIES):
-        """cp.async rows row0.. of the tile at word tile0 of smem by the plan of copy_plan, off being this
-        thread's first source offset for row0 (callers step it by a constant per tile); zeros past
-        n_rows / d."""
-        r0 = cuda.threadIdx.x // CHUNKS
-        if int32(row0 + COPIES * ROW_STEP) <= n_rows:  # the whole tile is inside: no row checks
-            for i in range(COPIES):
-                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
-                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS))
-                copy16(smem, dst, src, off + i * (ROW_STEP * row_stride), col_bytes)
-        else:
-            for i in range(COPIES):
-                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
-                    r0 + i * ROW_STEP, cuda.threadIdx.x - r0 * CHUNKS))
-                row = row0 + r0 + i * ROW_STEP
-                # A copy of zeros still names an address: the last row, inside the array.
-                src_off = off + (min(row, n_rows - 1) - row0 - r0) * row_stride
-                copy16(smem, dst, src, src_off, col_bytes if row < n_rows else 0)
+    swizzle, load_tile, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
 
     @inline_device
     def lane_rows(addr, smem_b, row, chunk):
