@@ -231,12 +231,14 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
         from numba_flash.kernels import mma_forward as m
 
         bq, bk, hd, mt = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], cfg.get("M_TILES", 1)
-        # the same positional key as mma_forward.launch, so a GPU run reuses its compiled kernel
-        return KernelFacts(bq, bk, m.threads_per_block(bq, mt), m.smem_bytes(bq, bk, hd),
+        names = ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "KV_STAGES", "WARP_SKIP", "LAZY_RESCALE")
+        extra = m.variant_kwargs(**{n: cfg[n] for n in names if n in cfg})  # the shipped variants, as launch builds
+        # the same key as mma_forward.launch, so a GPU run reuses its compiled kernel
+        return KernelFacts(bq, bk, m.threads_per_block(bq, mt), m.smem_bytes(bq, bk, hd, extra.get("KV_STAGES", 1)),
                            "bf16" if dtype == "bfloat16" else "fp16",
                            jit=lambda: m.make_forward_kernel(bq, bk, hd, bool(causal), dtype, None, True, True, None,
-                                                             int(mt), True),
-                           source=lambda: (m.kernel_source(bq, bk, hd, causal, dtype, M_TILES=mt),
+                                                             int(mt), True, **extra),
+                           source=lambda: (m.kernel_source(bq, bk, hd, causal, dtype, M_TILES=mt, **extra),
                                            m.kernel_signature(), None))
     if family in ("tf32x3", "tf32"):
         from numba_flash.kernels import tf32_forward as m

@@ -110,6 +110,12 @@ def test_explain_names_kernel_config_and_costs(tmp_path, dtype):
     assert f"kernel: {family}" in out and all(r in out for r in reasons)
     assert f"config: {cli._config_line(cfg)}" in out
     assert f"shared memory: {facts.smem_bytes} B per block" in out
+    if family == "mma":  # the shipped kernel's, K/V stages included (not a variant-free build's)
+        from numba_flash.configs import MMA_TABLE
+        from numba_flash.kernels import mma_forward
+
+        bq, bk, _, variants = MMA_TABLE[128, False]
+        assert facts.smem_bytes == mma_forward.smem_bytes(bq, bk, 128, variants.get("KV_STAGES", 1))
     assert f"grid: {-(-4096 // facts.block_q)} Q tiles × 16" in out
     # one warp per 16·M_TILES query rows (the SIMT block is its thread grid)
     threads = (32 * cfg["BLOCK_Q"] // (16 * cfg["M_TILES"]) if family == "mma" else

@@ -628,6 +628,62 @@ print(json.dumps(dict(versions=versions, hashes=out)))
     assert got["hashes"] == SHIPPED_PTX_SHA256, json.dumps(got["hashes"], indent=1)
 
 
+# sha256 of the normalised sm_90 PTX of every configs.MMA_TABLE kernel (f16 and bf16, with and without
+# PARTIAL_CHUNK) at 95cc43d, whose PARTIAL_CHUNK=False builds the H200 validated in the eleventh session (the
+# half-precision forward grid, 101 passed; the A/Bs of benchmarks/results/ab-mma-2026-12-01-eleventh*). The
+# PARTIAL_CHUNK builds (d % 8 != 0) have run only in the simulator: no GPU test has such a head dim yet. A change
+# to a shipped kernel's instructions must re-record these, which says it needs the GPU again.
+SHIPPED_TABLE_PTX_SHA256 = {
+    "64-False-float16-False": "bf26e34a6f926f90be14b19f4e81f28181b0c1a61cbd7d47ad9b03d9732d0341",
+    "64-False-float16-True": "d6b40ce680bcce9b363f2a2ea95b0f70a49be672bf69aea37565c41668023573",
+    "64-False-bfloat16-False": "54473aa2bf963e7c8d63ad9f8037ab00b95109d46682a663fa00f47e6668c7da",
+    "64-False-bfloat16-True": "c13759d6f444422733534497751ed924a615f220a52504ca1766236609c59339",
+    "64-True-float16-False": "8a4f41934e18bbb97320366c9d482f80ffc3625bef92ddab13a079fb9f641887",
+    "64-True-float16-True": "e51a21569bba5f03d38b3216863a40c8a7285d610a23227b5e6ec5f868581d63",
+    "64-True-bfloat16-False": "f6e5a09e6a86120c82a5f834f5921fb2962618ad7ecfa32d4c55f5660a1eae84",
+    "64-True-bfloat16-True": "c2f7e750d2f7fc0209422301a5c847feb34d8bba9fe7c15c807500d9fe94dc5a",
+    "128-False-float16-False": "c9e7c66b8015ac85ee29c5c25afb05598f6f0ab4a7d6cdeacc76915dd35e8a44",
+    "128-False-float16-True": "4510c88923c543de34b6050da65efe0242dda7e9c289fdc53c8a1c00eea80b01",
+    "128-False-bfloat16-False": "166357fa08a149ba305eeddecd55501733ccb7a0ff397aceb3d16cb7246814ec",
+    "128-False-bfloat16-True": "33fad5ced026f4cfd57a76fceee6619efd713f7440483740acbcb4aa0187b2b7",
+    "128-True-float16-False": "ce3e6af4b9492387968118b1b394ba7f82c665a4f1fade6406f734cba149135f",
+    "128-True-float16-True": "f1b044d0ca8f1d67c540cf0b3f38ee7cceb272160dc35d985629ac365f6048c9",
+    "128-True-bfloat16-False": "f0711aba7730da4040cedbd755230d32c95af52872831e006651b99b1df24787",
+    "128-True-bfloat16-True": "ad784b74f7743ce6b84ea8b46882d29e0b60156381201d52bd4c3e48f8bed983",
+}
+
+
+def test_shipped_table_ptx_is_what_the_gpu_validated(tmp_path):
+    from test_ptx import NO_GPU_PATCH, run_compile_child
+
+    source = NO_GPU_PATCH + """
+import json, sys
+import numba, numba_cuda
+from numba import cuda
+from numba.cuda.cudadrv import nvvm
+from numba_flash.configs import MMA_TABLE
+from numba_flash.kernels import mma_forward
+sys.path.insert(0, "tests")
+from test_mma_forward import normalised_ptx_sha256
+versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
+out = {}
+if versions == [numba.__version__, "0.30.4", [2, 0]]:
+    for (d, causal), (bq, bk, mt, variants) in sorted(MMA_TABLE.items()):
+        for dtype in ("float16", "bfloat16"):
+            for partial in (False, True):
+                kw = dict(variants, PARTIAL_CHUNK=True) if partial else dict(variants)
+                fn = mma_forward.kernel_source(bq, bk, d, causal, dtype, M_TILES=mt, **kw)
+                ptx, _ = cuda.compile_ptx(fn, mma_forward.kernel_signature(), cc=(9, 0))
+                out[f"{d}-{causal}-{dtype}-{partial}"] = normalised_ptx_sha256(ptx)
+print(json.dumps(dict(versions=versions, hashes=out)))
+"""
+    got = run_compile_child(source, [], tmp_path)
+    want = [SHIPPED_PTX_VERSIONS[0], SHIPPED_PTX_VERSIONS[1], list(SHIPPED_PTX_VERSIONS[2])]
+    if got["versions"] != want:
+        pytest.skip(f"hashes recorded with {want}, this is {got['versions']}")
+    assert got["hashes"] == SHIPPED_TABLE_PTX_SHA256, json.dumps(got["hashes"], indent=1)
+
+
 def test_explain_names_the_shipped_variants(rng):
     """explain lists each variant configs.MMA_TABLE ships for the shape (and none it does not)."""
     import numba_flash

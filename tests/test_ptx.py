@@ -217,7 +217,8 @@ def check_mma_from_registers(dtype, seed=0):
 def check_ldmatrix(trans, warps=1, by_address=False):
     """Each lane's 4 registers after ldmatrix.x4 of a 16x16 tile whose element (r, c) has bits 256r+c;
     by_address: the *_at form, given shared_base(tile) + 2·offset + 2·16·16 (the tile's second copy, an
-    immediate ptxas may fold) instead of the element offset."""
+    immediate ptxas may fold) instead of the element offset. Two shared arrays: at most one of them sits
+    at .shared address 0, so a shared_base that ignored its array would read the other one's decoys."""
     tile = (np.arange(16)[:, None] * 256 + np.arange(16)[None, :]).astype(np.uint16)
     load = ptx.ldmatrix_x4_trans if trans else ptx.ldmatrix_x4
     load_at = ptx.ldmatrix_x4_trans_at if trans else ptx.ldmatrix_x4_at
@@ -226,7 +227,10 @@ def check_ldmatrix(trans, warps=1, by_address=False):
     def kernel(src, out):
         tid = cuda.threadIdx.x
         lane = tid & 31
+        decoy = cuda.shared.array((32, 16), np.uint16, alignment=SMEM_ALIGN)
         sm = cuda.shared.array((32, 16), np.uint16, alignment=SMEM_ALIGN)
+        for i in range(tid, 512, cuda.blockDim.x):
+            decoy[i // 16, i % 16] = 0xBEEF
         for i in range(tid, 256, cuda.blockDim.x):
             sm[i // 16, i % 16] = 0xDEAD  # the first copy is a decoy for the address form
             sm[16 + i // 16, i % 16] = src[i // 16, i % 16]
@@ -242,7 +246,7 @@ def check_ldmatrix(trans, warps=1, by_address=False):
         out[tid, 0] = r0
         out[tid, 1] = r1
         out[tid, 2] = r2
-        out[tid, 3] = r3
+        out[tid, 3] = r3 if decoy[lane, 0] == 0xBEEF else 0  # (keeps the decoy array alive)
 
     out = np.zeros((32 * warps, 4), np.uint32)
     kernel[1, 32 * warps](tile, out)
