@@ -71,6 +71,7 @@ def main(argv=None):
                 same = []
                 for fn in (calls[name], calls[f"old:{name}"]):
                     out.zero_()
+                    lse.zero_()
                     fn()
                     torch.cuda.synchronize()
                     same.append((out.clone(), lse.clone()))
