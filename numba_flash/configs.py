@@ -155,7 +155,7 @@ _SIMT_TABLE = {
 # 215.3 vs 216.2: not shipped at d64. d64 kv2 + SMEM_EPILOGUE (never timed together before), 6 rounds,
 # results/ab-mma-2026-12-01-d64-epi.txt: 291.6 vs 287.2 (kv2 + epi + lazy 285.1, kv2 + lazy 280.0): shipped.
 # Eleventh session, the leaner K/V loop (every kernel bitwise as before), 5 interleaved rounds against the tenth
-# session's kernels (results/ab-mma-2026-12-01-eleventh.txt): d128 kv2 + epi + lazy 346.1 (it spilled 136-164 B
+# session's kernels (results/ab-mma-2026-12-01-eleventh.txt): d128 kv2 + epi + lazy 346.1 (it spilled 64-168 B
 # before and timed 290.6; now none) vs epi + lazy 338.0 (was 320.3), bf16 N16384 390.2 vs 382.7 (was 359.4);
 # d64 kv2 + epi + lazy 302.4 (was 290.6) vs kv2 + epi 287.3 (287.2): both non-causal rows now take kv2 + lazy.
 # Causal, one run of 5 rounds (results/ab-mma-2026-12-01-eleventh-b.txt): d128 grid + kv2 + epi + lazy 332.8 vs

@@ -1,0 +1,150 @@
+"""Static SASS of a tensor-core kernel's main loop, without a GPU: what an instruction diet is measured by.
+
+    python scripts/sass_loop.py forward 128 64 64 False float16 M_TILES=2 KV_STAGES=2 SMEM_EPILOGUE=True
+    python scripts/sass_loop.py dkdv 128 64 128 False float16 atomic_dq=True
+    python scripts/sass_loop.py --package .ab/old forward ...     (another version of numba_flash)
+
+Compiles the kernel's sm_90 PTX (cuda.compile_ptx), assembles it with ptxas -v (registers, spills),
+disassembles it with nvdisasm (``pip download --no-deps nvidia-cuda-nvdisasm`` and unzip, or a CUDA toolkit;
+$NVDISASM names the binary) and walks the main loop's common path: from the loop's label (the target of
+the longest backward branch) straight through, taking unconditional branches, falling through conditional
+ones except a forward branch over masking code (FSEL ... -INF in the instructions it skips), until the
+back branch. So the count is one K/V tile (one step) of whole, unmasked tiles: the slow paths (a sequence's
+last, clamped tile; causal masks) are left out, but a block behind a conditional branch that usually is not
+run counts as run (LAZY_RESCALE's rescale of acc). Prints the opcode counts on the
+path, the integer/address instructions among them, and the whole loop's static count.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# tensor-core, floating-point, shared-memory, copy and barrier work: everything else is integer/address/control
+WORK = {"HMMA", "FMNMX", "FFMA", "MUFU", "FADD", "FMUL", "F2FP", "FSEL", "FSETP", "SHFL", "LDSM", "LDGSTS",
+        "BAR", "DEPBAR", "LDGDEPBAR", "STS", "LDS", "REDG", "RED", "STG"}
+
+
+def parse_sass(text):
+    """[(opcode, text)] of the instructions and {label: index} of nvdisasm -c output."""
+    ins, labels = [], {}
+    for line in text.splitlines():
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if m:
+            txt = m.group(2).strip()
+            words = txt.split()
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+            ins.append((op.split(".")[0], txt))
+    return ins, labels
+
+
+def main_loop_path(ins, labels):
+    """(first, last, path): the longest loop's bounds and its common path as instruction indices."""
+    best = None
+    for i, (op, txt) in enumerate(ins):
+        m = re.search(r"\((\.L_x_\d+)\)", txt)
+        if op == "BRA" and m and labels.get(m.group(1), i + 1) <= i:
+            if best is None or i - labels[m.group(1)] > best[1] - best[0]:
+                best = (labels[m.group(1)], i)
+    if best is None:
+        raise ValueError("no backward branch: no loop in this SASS")
+    first, last = best
+    i, path = first, []
+    while first <= i <= last and len(path) < 100000:
+        op, txt = ins[i]
+        path.append(i)
+        m = re.search(r"\((\.L_x_\d+)\)", txt)
+        if op == "BRA" and m:
+            if i == last:
+                break
+            target = labels[m.group(1)]  # a forward branch over masking code (FSEL ... -INF) is taken
+            skips_mask = target > i and any(o == "FSEL" and "-INF" in t for o, t in ins[i + 1:target])
+            if not txt.startswith("@") or skips_mask:
+                i = labels[m.group(1)]
+                continue
+        i += 1
+    return first, last, path
+
+
+def summarise(text):
+    """Opcode counts on the main loop's common path, its integer/address share and the loop's static size."""
+    ins, labels = parse_sass(text)
+    first, last, path = main_loop_path(ins, labels)
+    counts = collections.Counter(ins[i][0] for i in path)
+    return dict(path=len(path), other=sum(n for op, n in counts.items() if op not in WORK),
+                loop=last - first + 1, counts=dict(counts.most_common()))
+
+
+def find_nvdisasm():
+    found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if not found:
+        hits = sorted(glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "cu*", "bin",
+                                             "nvdisasm")) + glob.glob("/usr/local/cuda*/bin/nvdisasm"))
+        found = hits[-1] if hits else None
+    if not found:
+        raise SystemExit("nvdisasm not found: set NVDISASM (pip download --no-deps nvidia-cuda-nvdisasm; unzip)")
+    return found
+
+
+def kernel_ptx(kind, args, extra):
+    """The sm_90 PTX of a forward (mma_forward.kernel_source) or backward (mma_backward.kernel_source) kernel."""
+    from numba import cuda
+
+    if kind == "forward":
+        from numba_flash.kernels import mma_forward as m
+
+        bq, bk, d, causal, dtype = int(args[0]), int(args[1]), int(args[2]), args[3] == "True", args[4]
+        fn = m.kernel_source(bq, bk, d, causal, dtype, **extra)
+        return cuda.compile_ptx(fn, m.kernel_signature(extra.get("SPLIT_TAIL", False)), cc=(9, 0))[0]
+    from numba_flash.kernels import mma_backward as m
+
+    own, streamed, d, causal, dtype = int(args[0]), int(args[1]), int(args[2]), args[3] == "True", args[4]
+    fn = m.kernel_source(kind, own, streamed, d, causal, dtype, **extra)
+    return cuda.compile_ptx(fn, m.kernel_signature(kind, extra.get("atomic_dq", False)), cc=(9, 0))[0]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--package", help="directory holding the numba_flash to compile (default: this checkout)")
+    ap.add_argument("kind", choices=["forward", "dkdv", "dq"])
+    ap.add_argument("args", nargs=5, help="forward: BLOCK_Q BLOCK_K HEAD_DIM CAUSAL DTYPE; "
+                                          "dkdv/dq: own streamed HEAD_DIM CAUSAL DTYPE")
+    ap.add_argument("extra", nargs="*", help="KEY=VALUE keyword arguments of kernel_source")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.abspath(args.package or os.path.join(HERE, "..")))
+    sys.path.insert(0, HERE)
+    from ptxas_util import sm90_ptxas
+
+    ptxas = sm90_ptxas()
+    extra = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in args.extra)}
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx_path, "w") as f:
+            f.write(kernel_ptx(args.kind, args.args, extra))
+        r = subprocess.run([ptxas, "-arch=sm_90", "-v", ptx_path, "-o", cubin], capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(r.stderr)
+        report = " ".join(ln.strip() for ln in r.stderr.splitlines() if "spill" in ln or "Used" in ln)
+        sass = subprocess.run([find_nvdisasm(), "-c", cubin], capture_output=True, text=True, check=True).stdout
+    s = summarise(sass)
+    print(f"{args.kind} {' '.join(args.args)} {' '.join(args.extra)}")
+    print(f"  ptxas: {report}")
+    print(f"  common path: {s['path']} instructions per trip, {s['other']} integer/address/control; "
+          f"whole loop {s['loop']} static")
+    print("  " + ", ".join(f"{op} {n}" for op, n in s["counts"].items()))
+
+
+if __name__ == "__main__":
+    main()
