@@ -376,7 +376,9 @@ def _tf32_round_twin(x):
 # --------------------------------------------------------------------------------------------
 # ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16
 # --------------------------------------------------------------------------------------------
-def _make_ldmatrix_intrinsic(trans):
+def _make_ldmatrix_intrinsic(trans, by_address=False):
+    """ldmatrix(smem, offset) by element offset, or (by_address) ldmatrix_at(smem, addr) by a .shared byte
+    address from shared_base: the same instruction, only the address operand is formed differently."""
     text = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];"
 
     @intrinsic
@@ -386,7 +388,10 @@ def _make_ldmatrix_intrinsic(trans):
         sig = types.UniTuple(types.uint32, 4)(smem, offset)
 
         def codegen(context, builder, sig, args):
-            addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            if by_address:
+                addr = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I32)
+            else:
+                addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             ret = ir.LiteralStructType([_I32] * 4)
             # side effect + memory clobber: it reads memory other threads wrote, so it must not be
             # hoisted or merged across cuda.syncthreads().
@@ -396,26 +401,6 @@ def _make_ldmatrix_intrinsic(trans):
         return sig, codegen
 
     return ldmatrix
-
-
-def _make_ldmatrix_at_intrinsic(trans):
-    text = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];"
-
-    @intrinsic
-    def ldmatrix_at(typingctx, smem, addr):
-        if not (_is_16bit_array(smem) and _is_int(addr)):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(smem, addr)
-
-        def codegen(context, builder, sig, args):
-            a = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I32)
-            ret = ir.LiteralStructType([_I32] * 4)
-            r = _asm(builder, ret, [a], text, "=r,=r,=r,=r,r,~{memory}", side_effect=True)
-            return context.make_tuple(builder, sig.return_type, _unpack(builder, r, 4))
-
-        return sig, codegen
-
-    return ldmatrix_at
 
 
 @intrinsic
@@ -435,19 +420,12 @@ def _shared_base_twin(smem):
     return 0  # the twins of the *_at loads take byte offsets from the array's start
 
 
-def _make_ldmatrix_at_twin(trans):
-    load = _make_ldmatrix_twin(trans)
-
-    def ldmatrix_at(smem, addr):
-        if int(addr) % 2:
-            raise ValueError(f"ldmatrix: odd byte address {addr} of a 16-bit array")
-        return load(smem, int(addr) // 2)
-
-    return ldmatrix_at
-
-
-def _make_ldmatrix_twin(trans):
+def _make_ldmatrix_twin(trans, by_address=False):
     def ldmatrix(smem, offset):
+        if by_address:  # a byte offset from the array's start (shared_base's twin is 0)
+            if int(offset) % 2:
+                raise ValueError(f"ldmatrix: odd byte address {offset} of a 16-bit array")
+            offset = int(offset) // 2
         row = _flat_bytes(smem, offset, 16, "ldmatrix").view(np.uint16).astype(np.int64)
 
         def combine(rows):
@@ -1031,8 +1009,8 @@ if SIMULATOR:
     tf32_round = _tf32_round_twin
     ldmatrix_x4 = _make_ldmatrix_twin(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_twin(trans=True)
-    ldmatrix_x4_at = _make_ldmatrix_at_twin(trans=False)
-    ldmatrix_x4_trans_at = _make_ldmatrix_at_twin(trans=True)
+    ldmatrix_x4_at = _make_ldmatrix_twin(trans=False, by_address=True)
+    ldmatrix_x4_trans_at = _make_ldmatrix_twin(trans=True, by_address=True)
     shared_base = _shared_base_twin
     cp_async_16 = _cp_async_16_twin
     cp_async_16_zfill = _cp_async_16_zfill_twin
@@ -1060,8 +1038,8 @@ else:
     tf32_round = _tf32_round_intrinsic
     ldmatrix_x4 = _make_ldmatrix_intrinsic(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_intrinsic(trans=True)
-    ldmatrix_x4_at = _make_ldmatrix_at_intrinsic(trans=False)
-    ldmatrix_x4_trans_at = _make_ldmatrix_at_intrinsic(trans=True)
+    ldmatrix_x4_at = _make_ldmatrix_intrinsic(trans=False, by_address=True)
+    ldmatrix_x4_trans_at = _make_ldmatrix_intrinsic(trans=True, by_address=True)
     shared_base = _shared_base_intrinsic
     cp_async_16 = _cp_async_16_intrinsic
     cp_async_16_zfill = _cp_async_16_zfill_intrinsic

@@ -681,12 +681,13 @@ def every_intrinsic(out, a, b, acc):
     sa = cuda.shared.array((16, 16), np.float16, alignment=SMEM_ALIGN)
     sb = cuda.shared.array((16, 8), np.float16, alignment=SMEM_ALIGN)
     ptx.cp_async_16(sa, (lane & 15) * 16 + (lane >> 4) * 8, a, (lane & 15) * 16 + (lane >> 4) * 8)
-    if lane < 16:
+    if lane < 8:
         ptx.cp_async_16_zfill(sb, lane * 8, b, lane * 8, 16)
+    elif lane < 16:  # rows 12..15 zeros
+        ptx.cp_async_16_zero_if(sb, lane * 8, b, lane * 8, lane >= 12)
     ptx.cp_async_commit()
     ptx.cp_async_wait(0)
     cuda.syncthreads()
-    ptx.cp_async_16_zero_if(sb, lane * 8, b, lane * 8, lane >= 16)
     a0, a1, a2, a3 = ptx.ldmatrix_x4(sa, (lane & 15) * 16 + (lane >> 4) * 8)
     b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(sb, ((lane >> 3) & 1) * 64 + (lane & 7) * 8)
     c0, c1, c2, c3 = ptx.ldmatrix_x4_at(sa, ptx.shared_base(sa) + 2 * ((lane & 15) * 16 + (lane >> 4) * 8))
