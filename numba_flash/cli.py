@@ -231,8 +231,7 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
         from numba_flash.kernels import mma_forward as m
 
         bq, bk, hd, mt = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], cfg.get("M_TILES", 1)
-        names = ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "KV_STAGES", "WARP_SKIP", "LAZY_RESCALE")
-        extra = m.variant_kwargs(**{n: cfg[n] for n in names if n in cfg})  # the shipped variants, as launch builds
+        extra = m.config_variant_kwargs(cfg)  # the shipped variants, as launch builds
         # the same key as mma_forward.launch, so a GPU run reuses its compiled kernel
         return KernelFacts(bq, bk, m.threads_per_block(bq, mt), m.smem_bytes(bq, bk, hd, extra.get("KV_STAGES", 1)),
                            "bf16" if dtype == "bfloat16" else "fp16",

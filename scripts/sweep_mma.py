@@ -131,8 +131,7 @@ OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
 
 def kernel_for(cfg, head_dim, causal, dtype):
     """The compiled kernel launch() uses for cfg (the same key as launch's call, so the lru_cache hits)."""
-    names = ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "KV_STAGES", "WARP_SKIP", "LAZY_RESCALE")
-    extra = mma_forward.variant_kwargs(**{n: cfg[n] for n in names if n in cfg})
+    extra = mma_forward.config_variant_kwargs(cfg)
     if cfg.get("SPLIT_TAIL") and not causal:
         extra["SPLIT_TAIL"] = True
     return mma_forward.make_forward_kernel(

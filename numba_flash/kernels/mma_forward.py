@@ -120,17 +120,14 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False):
 
     swizzle(row, chunk): element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR
     row % 8). load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES): rows row0.. of src[b, h]
-    into the tile at word tile0, COPIES 16-byte copies per thread; rows past n_rows and columns past
-    d are zero-filled. A tile whose rows all exist takes one offset per thread and a constant step per
-    copy; only a sequence's last tile pays for the row clamps. copy_plan and load_tile_fast split that
-    work: the plan's per-thread offsets are computed once and kept across tiles (the forward's FAST_LOADS,
-    the backward's streamed tiles). PARTIAL_CHUNK (d % 8 != 0): see kernel_source; load_tile always
-    names its source bytes."""
+    into the tile at word tile0, COPIES 16-byte copies per thread, each clamping its row; rows past
+    n_rows and columns past d are zero-filled (the forward's FAST_LOADS=False, v3's loads). copy_plan
+    and load_tile_fast are the fast path: a thread's offsets are computed once and kept across tiles
+    (the forward's FAST_LOADS, the backward's every copy), a whole tile then costs one add per copy and
+    only a sequence's last tile pays for row clamps. PARTIAL_CHUNK (d % 8 != 0): see kernel_source;
+    load_tile always names its source bytes."""
     CHUNKS = HEAD_DIM // 8
-    ROW_STEP = THREADS // CHUNKS  # rows between a thread's successive copies
-    # Then a thread's copies share row % 8 (one swizzled chunk) and its column: a whole tile is one
-    # offset plus multiples of ROW_STEP rows. (THREADS a multiple of 8·CHUNKS: every shipped kernel.)
-    SAME_CHUNK = THREADS % CHUNKS == 0 and ROW_STEP % 8 == 0
+    ROW_STEP = THREADS // CHUNKS  # rows between a thread's successive copies (load_tile_fast)
     SWIZZLE_FIXED = ROW_STEP % 8 == 0  # then a thread's copies share row % 8: one swizzle for all
     cp_async = ptx.cp_async_16_zfill
     cp_zero_if = ptx.cp_async_16_zero_if
@@ -139,27 +136,11 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False):
     def swizzle(row, chunk):
         return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
 
-    # cuda.jit, not inline_device: the simulator then runs it with this module's fake ``cuda`` when
-    # a kernel of another module (mma_backward) calls it.
     @cuda.jit(device=True, inline=True)
     def load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES):
         tid = cuda.threadIdx.x
         row_stride = src.strides[2] // 2
         base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2)
-        if SAME_CHUNK and row0 + COPIES * ROW_STEP <= n_rows:
-            # Every row exists (all but a sequence's last tile): one source offset and one swizzled
-            # destination per thread, then a constant step per copy. The general path below spent
-            # ~30 instructions a copy on its row clamps (the backward's streamed tiles: ~25 % of its
-            # samples in ncu, results/ncu-*-2026-12-01-tenth*).
-            r0 = tid // CHUNKS
-            chunk = tid - r0 * CHUNKS
-            col = chunk * 8
-            nbytes = min(max(d - col, 0), 8) * 2
-            src0 = base + (row0 + r0) * row_stride + (col if nbytes > 0 else 0)
-            dst0 = tile0 + swizzle(r0, chunk)
-            for i in range(COPIES):
-                cp_async(smem, dst0 + i * (ROW_STEP * HEAD_DIM), src, src0 + i * (ROW_STEP * row_stride), nbytes)
-            return
         for i in range(COPIES):
             c = tid + i * THREADS
             r = c // CHUNKS
@@ -172,9 +153,11 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False):
             src_col = col if nbytes > 0 else 0
             cp_async(smem, tile0 + swizzle(r, chunk), src, base + src_row * row_stride + src_col, nbytes)
 
+    # cuda.jit, not inline_device: the simulator then runs it with this module's fake ``cuda`` when a kernel
+    # of another module (mma_backward) calls the helpers below.
     @cuda.jit(device=True, inline=True)
     def thread_x():
-        """cuda.threadIdx.x for the inline_device helpers below (cuda.jit for the same reason as load_tile)."""
+        """cuda.threadIdx.x for the inline_device helpers below."""
         return cuda.threadIdx.x
 
     @inline_device
@@ -230,9 +213,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
     FAST_LOADS: each thread's cp.async source offsets are computed once (a 64-bit base, the row
     stride, the column's byte count); a tile then costs one add per copy, and only a tile that
     crosses the end of the sequence pays for row checks (v3 recomputed row, clamp, zero fill and a
-    per-row array view for every copy of every tile; FAST_LOADS=False now takes tile_copies' load_tile,
-    which since the tenth session has a whole-tile path of its own, so it no longer rebuilds v3's
-    loads exactly). UNROLL_QK: the k-steps of S = Q·Kᵀ are written
+    per-row array view for every copy of every tile: FAST_LOADS=False, tile_copies' load_tile). UNROLL_QK: the k-steps of S = Q·Kᵀ are written
     out one call each (NVVM left that loop rolled, so every ldmatrix address was 64-bit arithmetic
     on a loop counter and ptxas could not schedule loads of step kk+1 under the mma of step kk).
     M_TILES: 16-row m-tiles per warp (warps = BLOCK_Q / (16 M_TILES)); with 2, every K and V
@@ -336,6 +317,13 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
         x = chunk ^ (row & 7)
         for i in range(4):
             addr[i] = smem_b + 2 * (row * HEAD_DIM + (((2 * i) ^ x) << 3))
+
+    @inline_device
+    def copy_next(smem, tile0, src, off, row_stride, step, col_bytes, dst0, row0, n_rows):
+        """K or V rows row0.. into the tile at word tile0 (load_tile_fast, FAST_LOADS); returns the offset
+        stepped to the next tile, so each copied tile moves it exactly once."""
+        load_tile_fast(smem, tile0, src, off, row_stride, col_bytes, dst0, row0, n_rows, KV_COPIES)
+        return off + step
 
     @inline_device
     def qk_step(s, q_frag, smem, kk, q_at, k_at, kv_bytes):
@@ -521,16 +509,13 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             load_tile(smem, SQ, q, b, h, q0, n_q, d, Q_COPIES)
         if EARLY_KV:  # one group Q + K_0 (+ V_0 for two stages); V_0 its own group
             if n_tiles > 0:
-                load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
-                k_next += k_step
+                k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, 0, n_k)
                 if TWO_STAGES:
-                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
-                    v_next += v_step
+                    v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, 0, n_k)
             cp_commit()
             if PROLOGUE_V:
                 if n_tiles > 0:
-                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
-                    v_next += v_step
+                    v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, 0, n_k)
                 cp_commit()
             if Q_IN_REGS:  # Q's fragments are loaded before the loop
                 cp_wait(WAIT_Q)
@@ -539,8 +524,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
             cp_commit()
             if n_tiles > 0:
                 if FAST_LOADS:
-                    load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, 0, n_k, KV_COPIES)
-                    k_next += k_step
+                    k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, 0, n_k)
                 else:
                     load_tile(smem, SK, k, b, h_kv, 0, n_k, d, KV_COPIES)
             cp_commit()
@@ -583,12 +567,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 cp_wait(0)
                 cuda.syncthreads()
                 if j < last_tile:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
-                    load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst,
-                                   k1, n_k, KV_COPIES)
-                    k_next += k_step
-                    load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst,
-                                   k1, n_k, KV_COPIES)
-                    v_next += v_step
+                    k_next = copy_next(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, k_step,
+                                       col_bytes, kv_dst, k1, n_k)
+                    v_next = copy_next(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, v_step,
+                                       col_bytes, kv_dst, k1, n_k)
                 cp_commit()
             elif PROLOGUE_V:  # tile 0: Q + K_0 landed (V_0 may be in flight); later tiles as TWO_SYNCS
                 if j == 0:
@@ -597,8 +579,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     cp_wait(0)
                 cuda.syncthreads()
                 if j > 0:
-                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
-                    v_next += v_step
+                    v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, k0, n_k)
                 cp_commit()
             else:
                 if TWO_SYNCS:  # FA2's order: one barrier says K_j landed and every warp left P·V_{j-1}
@@ -606,8 +587,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     cuda.syncthreads()
                 # V_j streams in while S = Q K_jᵀ and the softmax run.
                 if FAST_LOADS:
-                    load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
-                    v_next += v_step
+                    v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, k0, n_k)
                 else:
                     load_tile(smem, SV, v, b, h_kv, k0, n_k, d, KV_COPIES)
                 cp_commit()
@@ -685,8 +665,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                 cuda.syncthreads()  # ... for every warp; and every warp is done reading K_j
                 if j < last_tile:  # K_{j+1} under P·V_j
                     if FAST_LOADS:
-                        load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
-                        k_next += k_step
+                        k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, k1, n_k)
                     else:
                         load_tile(smem, SK, k, b, h_kv, k1, n_k, d, KV_COPIES)
                 cp_commit()
@@ -722,12 +701,10 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                     cp_wait(0)
                     cuda.syncthreads()
                     if j < last_tile:
-                        load_tile_fast(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst,
-                                       k1, n_k, KV_COPIES)
-                        k_next += k_step
-                        load_tile_fast(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst,
-                                       k1, n_k, KV_COPIES)
-                        v_next += v_step
+                        k_next = copy_next(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, k_step,
+                                           col_bytes, kv_dst, k1, n_k)
+                        v_next = copy_next(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, v_step,
+                                           col_bytes, kv_dst, k1, n_k)
                     cp_commit()
                 else:
                     if PROLOGUE_V and j == 0:
@@ -736,14 +713,12 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, DTYPE, Q_IN_REGS=None, FAS
                         cp_wait(0)
                     cuda.syncthreads()
                     if not PROLOGUE_V or j > 0:
-                        load_tile_fast(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, k0, n_k, KV_COPIES)
-                        v_next += v_step
+                        v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, k0, n_k)
                     cp_commit()
                     cp_wait(0)
                     cuda.syncthreads()
                     if j < last_tile:
-                        load_tile_fast(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
-                        k_next += k_step
+                        k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, k1, n_k)
                     cp_commit()
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
@@ -1004,6 +979,14 @@ def variant_kwargs(GRID_BH_X=False, SMEM_EPILOGUE=False, PROLOGUE_V=False, KV_ST
     if LAZY_RESCALE:
         extra["LAZY_RESCALE"] = True
     return extra
+
+
+VARIANT_NAMES = ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "KV_STAGES", "WARP_SKIP", "LAZY_RESCALE")
+
+
+def config_variant_kwargs(cfg):
+    """variant_kwargs of a config dict (configs.MMA_TABLE's, the sweep's): its other keys are ignored."""
+    return variant_kwargs(**{n: cfg[n] for n in VARIANT_NAMES if n in cfg})
 
 
 def _words(x):
