@@ -598,34 +598,44 @@ BASE_TILES_613AB89 = {(64, False): (128, 64, 2), (64, True): (64, 64, 1), (128, 
                       (128, True): (128, 64, 2)}
 
 
-def test_variants_off_ptx_unchanged(tmp_path):
-    """With every variant off (kernel_source's defaults), the tiles shipped at 613ab89 compile to the
-    recorded PTX (613ab89's until the eleventh session's loop change): the variants are confined to their flags."""
-    from test_ptx import NO_GPU_PATCH, run_compile_child
-
-    source = NO_GPU_PATCH + """
+# A child compiles the forward kernels a JSON list names, [key, kernel_source's positional args, its keywords],
+# and prints their normalised PTX hashes (empty with other Numba / NVVM versions than the recorded ones).
+PINNED_PTX_CHILD = """
 import json, sys
 import numba, numba_cuda
 from numba import cuda
 from numba.cuda.cudadrv import nvvm
 from numba_flash.kernels import mma_forward
 sys.path.insert(0, "tests")
-from test_mma_forward import BASE_TILES_613AB89, normalised_ptx_sha256
+from test_mma_forward import normalised_ptx_sha256
 versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
 out = {}
 if versions == [numba.__version__, "0.30.4", [2, 0]]:
-    for (d, causal), (bq, bk, mt) in sorted(BASE_TILES_613AB89.items()):
-        for dtype in ("float16", "bfloat16"):
-            fn = mma_forward.kernel_source(bq, bk, d, causal, dtype, M_TILES=mt)
-            ptx, _ = cuda.compile_ptx(fn, mma_forward.kernel_signature(), cc=(9, 0))
-            out[f"{d}-{causal}-{dtype}"] = normalised_ptx_sha256(ptx)
+    for key, args, kw in json.loads(sys.argv[1]):
+        ptx, _ = cuda.compile_ptx(mma_forward.kernel_source(*args, **kw), mma_forward.kernel_signature(), cc=(9, 0))
+        out[key] = normalised_ptx_sha256(ptx)
 print(json.dumps(dict(versions=versions, hashes=out)))
 """
-    got = run_compile_child(source, [], tmp_path)
+
+
+def assert_pinned_ptx(tmp_path, kernels, expected):
+    """The kernels' PTX hashes (PINNED_PTX_CHILD) equal ``expected``; skipped with other compiler versions."""
+    from test_ptx import NO_GPU_PATCH, run_compile_child
+
+    got = run_compile_child(NO_GPU_PATCH + PINNED_PTX_CHILD, [json.dumps(kernels)], tmp_path)
     want = [SHIPPED_PTX_VERSIONS[0], SHIPPED_PTX_VERSIONS[1], list(SHIPPED_PTX_VERSIONS[2])]
     if got["versions"] != want:
         pytest.skip(f"hashes recorded with {want}, this is {got['versions']}")
-    assert got["hashes"] == SHIPPED_PTX_SHA256, json.dumps(got["hashes"], indent=1)
+    assert got["hashes"] == expected, json.dumps(got["hashes"], indent=1)
+
+
+def test_variants_off_ptx_unchanged(tmp_path):
+    """With every variant off (kernel_source's defaults), the tiles shipped at 613ab89 compile to the
+    recorded PTX (613ab89's until the eleventh session's loop change): the variants are confined to their flags."""
+    kernels = [[f"{d}-{causal}-{dtype}", [bq, bk, d, causal, dtype], dict(M_TILES=mt)]
+               for (d, causal), (bq, bk, mt) in sorted(BASE_TILES_613AB89.items())
+               for dtype in ("float16", "bfloat16")]
+    assert_pinned_ptx(tmp_path, kernels, SHIPPED_PTX_SHA256)
 
 
 # sha256 of the normalised sm_90 PTX of every configs.MMA_TABLE kernel (f16 and bf16, with and without
@@ -654,34 +664,13 @@ SHIPPED_TABLE_PTX_SHA256 = {
 
 
 def test_shipped_table_ptx_is_what_the_gpu_validated(tmp_path):
-    from test_ptx import NO_GPU_PATCH, run_compile_child
+    from numba_flash.configs import MMA_TABLE
 
-    source = NO_GPU_PATCH + """
-import json, sys
-import numba, numba_cuda
-from numba import cuda
-from numba.cuda.cudadrv import nvvm
-from numba_flash.configs import MMA_TABLE
-from numba_flash.kernels import mma_forward
-sys.path.insert(0, "tests")
-from test_mma_forward import normalised_ptx_sha256
-versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
-out = {}
-if versions == [numba.__version__, "0.30.4", [2, 0]]:
-    for (d, causal), (bq, bk, mt, variants) in sorted(MMA_TABLE.items()):
-        for dtype in ("float16", "bfloat16"):
-            for partial in (False, True):
-                kw = dict(variants, PARTIAL_CHUNK=True) if partial else dict(variants)
-                fn = mma_forward.kernel_source(bq, bk, d, causal, dtype, M_TILES=mt, **kw)
-                ptx, _ = cuda.compile_ptx(fn, mma_forward.kernel_signature(), cc=(9, 0))
-                out[f"{d}-{causal}-{dtype}-{partial}"] = normalised_ptx_sha256(ptx)
-print(json.dumps(dict(versions=versions, hashes=out)))
-"""
-    got = run_compile_child(source, [], tmp_path)
-    want = [SHIPPED_PTX_VERSIONS[0], SHIPPED_PTX_VERSIONS[1], list(SHIPPED_PTX_VERSIONS[2])]
-    if got["versions"] != want:
-        pytest.skip(f"hashes recorded with {want}, this is {got['versions']}")
-    assert got["hashes"] == SHIPPED_TABLE_PTX_SHA256, json.dumps(got["hashes"], indent=1)
+    kernels = [[f"{d}-{causal}-{dtype}-{partial}", [bq, bk, d, causal, dtype],
+                dict(variants, M_TILES=mt, **({"PARTIAL_CHUNK": True} if partial else {}))]
+               for (d, causal), (bq, bk, mt, variants) in sorted(MMA_TABLE.items())
+               for dtype in ("float16", "bfloat16") for partial in (False, True)]
+    assert_pinned_ptx(tmp_path, kernels, SHIPPED_TABLE_PTX_SHA256)
 
 
 def test_explain_names_the_shipped_variants(rng):
