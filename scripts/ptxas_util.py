@@ -27,13 +27,14 @@ def sm90_ptxas() -> str:
     return found
 
 
-def ptxas_v(ptx: str, ptxas: str = "ptxas", flags=()) -> dict:
-    """registers, stack, spill_stores, spill_loads of one kernel's PTX built for sm_90."""
+def ptxas_v(ptx: str, ptxas: str = "ptxas", flags=(), cubin: str = "/dev/null") -> dict:
+    """registers, stack, spill_stores, spill_loads of one kernel's PTX built for sm_90 (the cubin written to
+    ``cubin`` for a caller that disassembles it)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        r = subprocess.run([ptxas, "-arch=sm_90", "-v", *flags, f.name, "-o", "/dev/null"],
-                           capture_output=True, text=True)
+        r = subprocess.run([ptxas, "-arch=sm_90", "-v", *flags, f.name, "-o", cubin],
+                           capture_output=True, text=True, check=True)
     finally:
         os.unlink(f.name)
     rep = r.stderr + r.stdout

@@ -125,22 +125,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.package or os.path.join(HERE, "..")))
     sys.path.insert(0, HERE)
-    from ptxas_util import sm90_ptxas
+    from ptxas_util import ptxas_v, sm90_ptxas
 
     ptxas = sm90_ptxas()
     extra = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in args.extra)}
     with tempfile.TemporaryDirectory() as tmp:
-        ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx_path, "w") as f:
-            f.write(kernel_ptx(args.kind, args.args, extra))
-        r = subprocess.run([ptxas, "-arch=sm_90", "-v", ptx_path, "-o", cubin], capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(r.stderr)
-        report = " ".join(ln.strip() for ln in r.stderr.splitlines() if "spill" in ln or "Used" in ln)
+        cubin = os.path.join(tmp, "k.cubin")
+        report = ptxas_v(kernel_ptx(args.kind, args.args, extra), ptxas, cubin=cubin)
         sass = subprocess.run([find_nvdisasm(), "-c", cubin], capture_output=True, text=True, check=True).stdout
     s = summarise(sass)
     print(f"{args.kind} {' '.join(args.args)} {' '.join(args.extra)}")
-    print(f"  ptxas: {report}")
+    print(f"  ptxas: {report['registers']} registers, {report['stack']} B stack, {report['spill_stores']} / "
+          f"{report['spill_loads']} B spill stores / loads")
     print(f"  common path: {s['path']} instructions per trip, {s['other']} integer/address/control; "
           f"whole loop {s['loop']} static")
     print("  " + ", ".join(f"{op} {n}" for op, n in s["counts"].items()))
