@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 from numba import config as nb_config
 
-from . import arrays, plans
+from . import arrays, plans, ptx
 from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
 from .configs import MMA_BWD_TABLE
+from .decode import H200_SMS
 from .kernels import mma_backward, simt_backward, tf32_backward
 from .launch import address
 
@@ -82,18 +83,18 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
         head_dim = 64 if p.d <= 64 else 128
         cfg = dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim)
         (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
+        an, am = cfg["dkdv_atomic"]
         reasons = [
             f"mma backward: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate); D and L·log2(e), "
-            "then dK/dV over K/V tiles, then dQ over Q tiles (no atomics)",
-            f"dkdv: {bn}-key tiles x {bm}-query tiles, {mma_backward.threads_per_block('dkdv', bn)} threads, "
-            f"{mma_backward.smem_bytes('dkdv', bn, bm, head_dim)} B shared memory",
+            "then dK/dV over K/V tiles, and dQ either in the same kernel (dS·K added into fp32 planes) or by a "
+            "dq kernel over Q tiles",
+            f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_backward.threads_per_block('dkdv', an)} threads, "
+            f"{mma_backward.smem_bytes('dkdv', an, am, head_dim, True)} B shared memory",
+            f"dkdv without dQ: {bn}-key tiles x {bm}-query tiles, {mma_backward.threads_per_block('dkdv', bn)} "
+            f"threads, {mma_backward.smem_bytes('dkdv', bn, bm, head_dim)} B shared memory; "
             f"dq: {bq}-query tiles x {bk}-key tiles, {mma_backward.threads_per_block('dq', bq)} threads, "
             f"{mma_backward.smem_bytes('dq', bq, bk, head_dim)} B shared memory",
         ]
-        an, am = cfg["dkdv_atomic"]
-        reasons.append(f"with deterministic=False: no dq kernel; dkdv ({an}-key x {am}-query tiles, "
-                       f"{mma_backward.threads_per_block('dkdv', an)} threads) adds dQ into fp32 scratch with "
-                       "atomic adds (not bitwise repeatable)")
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
     else:
@@ -124,6 +125,44 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
     family = "mma" if kernel in ("auto", "mma") and not blockers else "simt"
     return family, cfg, reasons
+
+
+def _dq_slots(cfg, p) -> int:
+    """Blocks of the dQ-in-dkdv kernel the GPU holds at once (the simulator: one per H200 SM)."""
+    bn, bm = cfg["dkdv_atomic"]
+    if nb_config.ENABLE_CUDASIM:
+        return H200_SMS
+    from .kernels.mma_forward import block_slots
+    kernel = mma_backward.make_kernel("dkdv", bn, bm, cfg["head_dim"], p.causal, p.dtype, atomic_dq=True,
+                                      **({} if ptx.current_sm90() else {"vector_red": False}))
+    return block_slots(kernel, mma_backward.threads_per_block("dkdv", bn),
+                       mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True))
+
+
+def dq_scheme(p: Problem, cfg: dict, deterministic: bool) -> tuple:
+    """How the tensor-core backward gets dQ: ("atomic", None) for deterministic=False; for the default
+    ("splits", S) where the table allows it and S deterministic splits are predicted within
+    SPLITS_SLOWER_OK of the atomic grid's time, else ("kernel", None), the separate dq kernel; and a
+    line saying why."""
+    bn, bm = cfg["dkdv_atomic"]
+    if not deterministic:
+        return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
+                                "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
+    if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
+        return "kernel", None, ("dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no "
+                                f"atomics); the table's choice at head dim {cfg['head_dim']}")
+    slots = _dq_slots(cfg, p)
+    splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots)
+    if ratio > mma_backward.SPLITS_SLOWER_OK:
+        return "kernel", None, (f"dQ: a separate dq kernel over Q tiles (no atomics): {splits} deterministic "
+                                f"splits of the {bn}-key dkdv would take {ratio:.2f}x the atomic grid's time "
+                                f"(> {mma_backward.SPLITS_SLOWER_OK}) with {p.B * p.Hkv} kv heads on {slots} "
+                                "block slots")
+    return "splits", splits, (
+        f"dQ: deterministic splits (FA2's deterministic scheme): {splits} dkdv block(s) ({bn} keys x {bm} queries) "
+        f"per kv head, block s walking key blocks s, s + {splits}, ... and adding dS·K into its own fp32 plane "
+        f"of dQ; a last kernel sums the planes in order: bitwise repeatable, 5 tile products "
+        f"(predicted {ratio:.2f}x the atomic grid's time on {slots} block slots)")
 
 
 def _dout_blockers(do, elements):
@@ -169,13 +208,18 @@ def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
 
 
 def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
-    """Which kernels ``backward`` runs for inputs like these, their tile configs, and why."""
+    """Which kernels ``backward`` runs for inputs like these, their tile configs, and why (for the
+    tensor-core path: how dQ is formed with the default deterministic=True and with False)."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
     views = None
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (q's stands in for dout's)
         with _on_device(p.device):
             views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v, q))
-    return "\n".join(choose_backward(p, kernel, views)[2])
+    family, cfg, reasons = choose_backward(p, kernel, views)
+    if family == "mma":  # after its three kernel lines
+        with _on_device(p.device):
+            reasons[3:3] = [dq_scheme(p, cfg, det)[2] for det in (True, False)]
+    return "\n".join(reasons)
 
 
 def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
@@ -283,10 +327,12 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
             rows = (p.B * p.H, mma_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
             _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            dq_acc = None if deterministic else _zeros_scratch(p.kind, q, rows + (cfg["head_dim"],), stream)
+            scheme, splits, _ = dq_scheme(p, cfg, deterministic)
+            planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
+            dq_acc = _zeros_scratch(p.kind, q, (planes * rows[0], rows[1], cfg["head_dim"]), stream) if planes else None
             mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
                                 softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream,
-                                dq_acc=dq_acc)
+                                dq_acc=dq_acc, dq_splits=splits)
         else:
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(

@@ -224,9 +224,12 @@ TF32_BWD_TABLE = {
 # dkdv 128x32 16.6 ms vs 128x16 19.4 (56 B) (without the mask the same tile does not spill).
 TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 80, ("dkdv", 128, 64, 64, True): 32,
                      ("dkdv", 128, 32, 128, True): 216}
+# "deterministic_dq": how backward(deterministic=True) forms dQ: "splits" (the dkdv_atomic kernel adding into
+# per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back to the dq kernel where too few
+# blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5).
 MMA_BWD_TABLE = {
-    64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64)},
-    128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64)},
+    64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64), "deterministic_dq": "kernel"},
+    128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
 }
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
 # shipped config the sweep measured fastest anyway; the build test allows exactly these. Tenth session:

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import numba_flash  # noqa: E402
+import numba_flash.configs  # noqa: E402
 from numba_flash.bench import time_call  # noqa: E402
 
 SHAPES = {  # label: (dtype, B, H, N, d, causal)
@@ -34,6 +35,7 @@ SHAPES = {  # label: (dtype, B, H, N, d, causal)
     "f16 N4096 d128 causal": (torch.float16, 4, 16, 4096, 128, True),
     "f16 N4096 d64": (torch.float16, 4, 16, 4096, 64, False),
     "bf16 N4096 d128": (torch.bfloat16, 4, 16, 4096, 128, False),
+    "f16 N4096 d64 causal": (torch.float16, 4, 16, 4096, 64, True),
 }
 
 
@@ -60,7 +62,13 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--modes", nargs="+", default=["deterministic", "atomic"], choices=["deterministic", "atomic"],
                     help="deterministic: backward(deterministic=True); atomic: deterministic=False")
+    ap.add_argument("--after-dq", choices=["splits", "kernel"],
+                    help="set configs.MMA_BWD_TABLE's deterministic_dq of every head dim in the 'after' package: "
+                         "how its deterministic mode forms dQ (deterministic splits, or the dq kernel)")
     args = ap.parse_args(argv)
+    if args.after_dq:
+        for cfg in numba_flash.configs.MMA_BWD_TABLE.values():  # the dict backward reads, mutated in place
+            cfg["deterministic_dq"] = args.after_dq
     old = load_old(args.old)
     versions = {"before": old.backward, "after": numba_flash.backward}
     torch.manual_seed(0)

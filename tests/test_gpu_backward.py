@@ -79,11 +79,15 @@ def test_backward_error_rule(dtype, Hkv, n_q, n_k, d, causal):
         assert err <= 2 * naive_err + ulp * mag, f"{name}: ours {err:.3e} vs naive {dtype} {naive_err:.3e}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_backward_deterministic(dtype):
-    """No atomics: 20 runs, bitwise the same gradients."""
-    Hkv, d, causal = (4, 128, True) if dtype == "float32" else (2, 64, True)  # compiled above
+@pytest.mark.parametrize("dtype,d", [("float32", 128), ("float16", 64), ("float16", 128)])
+def test_backward_deterministic(dtype, d):
+    """20 runs, bitwise the same gradients: no atomics (fp32, fp16 d64: the dq kernel), or at fp16 d128 the
+    deterministic splits (every fp32 plane of dQ owned by one block, planes summed in order)."""
+    Hkv, causal = (4 if dtype == "float32" else 2), True  # compiled above
     q, k, v, dout = _inputs(2, 4, Hkv, 1000, 1000, d, getattr(torch, dtype), 3)
+    if dtype == "float16":
+        how = numba_flash.explain_backward(q, k, v, causal=causal).splitlines()[3]
+        assert how.startswith("dQ: deterministic splits" if d == 128 else "dQ: a separate dq kernel"), how
     out, lse = numba_flash.forward(q, k, v, causal=causal)
     first = backward(q, k, v, out, lse, dout, causal=causal)
     for _ in range(20):

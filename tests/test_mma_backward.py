@@ -69,9 +69,10 @@ def padded_view(x, pad_to):
     return cuda.to_device(padded)[:, :, :, : x.shape[-1]]  # Numba device arrays reject `...`
 
 
-def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False, pad_to=None):
+def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False, pad_to=None, splits=None, planes=None):
     """mma_backward.launch on device arrays (simulator or GPU); returns (dq, dk, dv) as float64.
-    atomic: dQ added up by the dkdv kernel with atomic adds (deterministic=False). pad_to: q, k, v, out
+    atomic: dQ added up by the dkdv kernel with atomic adds (deterministic=False). splits: the deterministic
+    splits instead (dq_acc with that many planes; ``planes``, a list, receives them). pad_to: q, k, v, out
     and dout are padded_view's of rows of pad_to elements."""
     q, k, v, o, lse, do = (padded_view(x, pad_to) if pad_to and x.ndim == 4 else cuda.to_device(x) for x in stored)
     B, H, n_q, _ = stored[0].shape
@@ -80,9 +81,13 @@ def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False, pad
     grads = [cuda.to_device(np.full(x.shape, 0x7E00 if dtype == "float16" else 0x7FC0, np.uint16)
                             .view(x.dtype)) for x in (stored[0], stored[1], stored[2])]  # NaN: unwritten shows
     scale = 1 / math.sqrt(d) if scale is None else scale
-    dq_acc = cuda.to_device(np.zeros(rows + (config["head_dim"],), np.float32)) if atomic else None
+    n_planes = splits or (1 if atomic else 0)
+    dq_acc = cuda.to_device(np.zeros((n_planes * rows[0], rows[1], config["head_dim"]), np.float32)) \
+        if n_planes else None
     mma_backward.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, dtype=dtype, d=d,
-                        config=config, dq_acc=dq_acc)
+                        config=config, dq_acc=dq_acc, dq_splits=splits)
+    if planes is not None:
+        planes.append(dq_acc.copy_to_host().reshape(n_planes, B, H, rows[1], config["head_dim"]))
     out = [g.copy_to_host() for g in grads]
     if dtype == "float16":
         return [g.astype(np.float64) for g in out]
@@ -176,6 +181,55 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
     if n_q > n_k and causal:
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
 
+
+
+@in_simulator
+def test_dq_splits_sim():
+    """backward(deterministic=True)'s splits: 3 blocks per kv head over 4 key blocks of 64 (block 0 walks key
+    blocks 0 and 3, so it runs two prologues and epilogues), GQA 2, causal with Nq < Nk. Each fp32 plane
+    must hold exactly its own key blocks' dS·K (unscaled), from a float64 reference: a block adding into
+    another's plane, or a key block walked twice or never, fails here even where the sum would not."""
+    B, H, Hkv, n_q, n_k, d, causal, dtype = 1, 2, 1, 30, 200, 40, True, "float16"
+    vals, stored = problem(21, B, H, Hkv, n_q, n_k, d, causal, dtype)
+    planes = []
+    grads = run_backward(stored, d, causal, dtype, shipped(64), splits=3, planes=planes)
+    check_error_rule(grads, vals, causal, dtype)
+    q, k, v, o, lse, do = vals
+    kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
+    scale = 1 / math.sqrt(d)
+    s_ = np.einsum("bhid,bhjd->bhij", q, kr) * scale
+    keep = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q
+    p = np.where(keep, np.exp(s_ - lse[..., None]), 0.0)
+    dp = np.einsum("bhid,bhjd->bhij", do, vr)
+    ds = p * (dp - (do * o).sum(-1)[..., None])
+    for plane in range(3):
+        cols = np.zeros(n_k, bool)
+        for kb in range(plane, 4, 3):
+            cols[64 * kb: 64 * kb + 64] = True
+        want = np.einsum("bhij,bhjd->bhid", ds * cols, kr)
+        got = planes[0][plane][:, :, :n_q, :d]
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max() + 1e-3, err_msg=f"plane {plane}")
+        assert np.all(planes[0][plane][:, :, :, d:] == 0)  # padded head-dim columns: never added to
+
+
+@pytest.mark.parametrize("n_kv_heads,slots,group,want_splits,fallback", [
+    (64, 132, 1, 2, False),   # B4 H16: 128 blocks of 16 key blocks, one wave, like the atomic grid's 16 waves
+    (16, 132, 1, 8, False),   # B1 H16: the cap (8 planes), 128 blocks
+    (4, 132, 8, 8, True),     # GQA 8 on 4 kv heads: 32 blocks cannot fill 132 slots, the dq kernel runs
+])
+def test_dq_splits_choice(n_kv_heads, slots, group, want_splits, fallback):
+    splits, ratio = mma_backward.dq_splits(4096, 4096, 128, 64, False, group, n_kv_heads, slots)
+    assert splits == want_splits
+    assert (ratio > mma_backward.SPLITS_SLOWER_OK) == fallback, ratio
+    # causal: the splits interleave key blocks, so a block's share of the triangle stays balanced
+    splits, ratio = mma_backward.dq_splits(4096, 4096, 128, 64, True, 1, 64, 132)
+    assert ratio <= 1.0 + 1e-9
+
+
+def test_makespan_is_a_greedy_schedule():
+    assert mma_backward._makespan([5, 1, 1, 1], 2) == 5  # three short blocks beside the long one
+    assert mma_backward._makespan([1, 1, 1, 5], 2) == 6  # the long one starts last
+    assert mma_backward._makespan([3, 3], 4) == 3
 
 
 @in_simulator
@@ -532,4 +586,20 @@ def test_gpu_deterministic():
     first = run_backward(stored, 128, True, "bfloat16", shipped(128))
     for _ in range(20):
         for a, b in zip(first, run_backward(stored, 128, True, "bfloat16", shipped(128))):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d,causal,dtype,splits", [(128, True, "bfloat16", 3), (128, False, "float16", 8),
+                                                   (64, True, "float16", 5)])
+def test_gpu_dq_splits(d, causal, dtype, splits):
+    """Deterministic splits at real sizes (GQA 2, ragged lengths; 8 splits over 8 key blocks of 128 is one
+    each): the error rule, and 20 runs bitwise equal although every add is a red.global.add."""
+    vals, stored = problem(d + 5, 2, 4, 2, 700, 1000, d, causal, dtype)
+    config = shipped(64 if d <= 64 else 128)
+    first = run_backward(stored, d, causal, dtype, config, splits=splits)
+    check_error_rule(first, vals, causal, dtype)
+    for _ in range(20):
+        for a, b in zip(first, run_backward(stored, d, causal, dtype, config, splits=splits)):
             np.testing.assert_array_equal(a, b)

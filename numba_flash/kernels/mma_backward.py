@@ -63,6 +63,7 @@ the diagonal (or, in ``dq``, the end of the keys) pay for the mask.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from functools import lru_cache
 
@@ -190,12 +191,14 @@ def convert_signature(dtype: str):
 
 
 def convert_source(dtype: str):
-    """dQ = scale · dq_acc, rounded to 16 bits (the last step of the atomic path)."""
+    """dQ = scale · Σ_p dq_acc[plane p], planes summed in order 0, 1, ... (one plane unless the
+    deterministic splits wrote several), rounded to 16 bits: the last step of the dQ-in-dkdv paths."""
     pack = ptx.pack_f16x2 if dtype == "float16" else ptx.pack_bf16x2
 
     def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale):
         bh = cuda.blockIdx.y
         n_heads = dq.shape[1]
+        n_bh = dq.shape[0] * n_heads
         b = bh // n_heads
         h = bh - b * n_heads
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # one pair of columns per thread
@@ -203,7 +206,12 @@ def convert_source(dtype: str):
         row = i // pairs
         col = 2 * (i - row * pairs)
         if row < n_q:
-            bits = pack(dq_acc[bh, row, col] * scale, dq_acc[bh, row, col + 1] * scale)
+            x = dq_acc[bh, row, col]
+            y = dq_acc[bh, row, col + 1]
+            for p in range(n_bh + bh, dq_acc.shape[0], n_bh):  # planes 1, 2, ... in a fixed order
+                x += dq_acc[p, row, col]
+                y += dq_acc[p, row, col + 1]
+            bits = pack(x * scale, y * scale)
             dq[b, h, row, col] = uint16(bits & 0xFFFF)
             if col + 1 < d:
                 dq[b, h, row, col + 1] = uint16(bits >> 16)
@@ -438,14 +446,16 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     ZERO = float32(0.0)
 
     @inline_device
-    def last_dq(smem, dq_acc, step, qt0, per_head, bh, group, warp, lane, g, t):
+    def last_dq(smem, dq_acc, step, qt0, per_head, dq_h0, group, warp, lane, g, t):
         """DQ_DEFERRED: dQ of step - 1 from its dSᵀ buffer (parity step - 1)."""
         prev = step - 1
         hp, i0 = step_tile(prev, qt0, per_head, group)
-        add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, bh * group + hp, i0, warp, lane, g, t)
+        add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, dq_h0 + hp, i0, warp, lane, g, t)
 
     @inline_device
-    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, dq_plane):
+        """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc's rows of plane
+        dq_plane (a multiple of B·H: the split this block owns, or 0)."""
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -457,10 +467,11 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         n_kv_heads = k.shape[1]
         b = bh // n_kv_heads
         h_kv = bh - b * n_kv_heads
-        k0 = cuda.blockIdx.x * BLOCK_N
+        k0 = kb * BLOCK_N
         kw = k0 + warp * 16  # this warp's first key
         shift = n_k - n_q  # query i sees key j iff j <= i + shift
         nq_pad = l2.shape[1]
+        dq_h0 = dq_plane + bh * group  # dq_acc row block of the group's first query head
 
         qt0, per_head, steps = schedule(k0, n_q, shift, group)
 
@@ -493,7 +504,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
             if DQ_DEFERRED and step > 0:  # the barrier above published step - 1's dSᵀ
-                last_dq(smem, dq_acc, step, qt0, per_head, bh, group, warp, lane, g, t)
+                last_dq(smem, dq_acc, step, qt0, per_head, dq_h0, group, warp, lane, g, t)
 
             # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ
             unrolled(s, dp, smem, SK, SV, st + SQ, st + SDO, a_row, a_x, b_row, b_x)
@@ -538,12 +549,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
 
             if ATOMIC_DQ and not DQ_DEFERRED:
                 cuda.syncthreads()  # every warp's dSᵀ is in shared memory
-                add_dq(smem, SDS, dq_acc, bh * group + hh, i0, warp, lane, g, t)
+                add_dq(smem, SDS, dq_acc, dq_h0 + hh, i0, warp, lane, g, t)
 
         if DQ_DEFERRED:  # the last step's dQ
             cuda.syncthreads()
             if steps > 0:
-                last_dq(smem, dq_acc, steps, qt0, per_head, bh, group, warp, lane, g, t)
+                last_dq(smem, dq_acc, steps, qt0, per_head, dq_h0, group, warp, lane, g, t)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
 
@@ -551,10 +562,20 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
 
     if ATOMIC_DQ:
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale)
+            # dq_acc holds P planes of B·H query heads. P = 1: every block adds into plane 0 (atomics from many
+            # blocks: the order, hence the last bits, vary). P = gridDim.x (deterministic splits): block x owns
+            # plane x alone and walks key blocks x, x + P, ..., so each dQ element of a plane gets its adds from
+            # one lane, in program order: the same sums every run (FA2's deterministic mode).
+            n_bh = q.shape[0] * q.shape[1]
+            dq_plane = (cuda.blockIdx.x % (dq_acc.shape[0] // n_bh)) * n_bh
+            n_kb = (n_k + BLOCK_N - 1) // BLOCK_N
+            for kb in range(cuda.blockIdx.x, n_kb, cuda.gridDim.x):
+                dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, int32(kb),
+                          dq_plane)
+                cuda.syncthreads()  # every warp has left the dQ phase (it reads K) before the next prologue
     else:  # dq_acc is never touched: l2 stands in (the `if ATOMIC_DQ` branches are pruned at compile time)
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale)
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x, 0)
 
     return mma_backward_dkdv
 
@@ -1219,6 +1240,48 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
 
 
 # --------------------------------------------------------------------------------------------
+# Deterministic splits of the dQ-in-dkdv kernel
+# --------------------------------------------------------------------------------------------
+MAX_DQ_SPLITS = 8  # fp32 dQ scratch planes at most (8 x dq's size in fp32)
+SPLITS_SLOWER_OK = 1.10  # splits run where their predicted time is within this of the atomic grid's
+
+
+def _makespan(works, slots):
+    """Greedy list schedule of blocks (works, in launch order) onto ``slots`` resident-block slots:
+    when the last slot finishes (what the hardware's block scheduler does, to first order)."""
+    if len(works) <= slots:
+        return max(works)
+    free = [0] * slots
+    for w in works:
+        heapq.heapreplace(free, free[0] + w)
+    return max(free)
+
+
+@lru_cache(maxsize=256)
+def dq_splits(n_q, n_k, block_n, block_m, causal, group, n_kv_heads, slots, max_splits=MAX_DQ_SPLITS):
+    """(S, predicted time of S splits / the atomic grid's): the deterministic splits for one problem.
+
+    A block of key block j costs its steps, group · (Q tiles that see j), plus one for its prologue and
+    epilogue. S splits put key blocks s, s + S, ... in block s of each kv head (n_kv_heads = B·Hkv rows
+    of blocks); the atomic grid has one block per key block. Both are scheduled greedily onto the
+    GPU's ``slots`` (SMs x blocks per SM); S is the smallest within 1 % of the best, so no more fp32
+    scratch than the time needs."""
+    n_qt = -(-n_q // block_m)
+    n_kb = -(-n_k // block_n)
+    shift = n_k - n_q
+    work = [group * (n_qt - (min(max(j * block_n - shift, 0) // block_m, n_qt) if causal else 0)) + 1
+            for j in range(n_kb)]
+    atomic = _makespan(work * n_kv_heads, slots)
+    times = {}
+    for splits in range(1, min(n_kb, max_splits) + 1):
+        per_split = [sum(work[j] for j in range(x, n_kb, splits)) for x in range(splits)]
+        times[splits] = _makespan(per_split * n_kv_heads, slots)
+    best = min(times.values())
+    splits = min(x for x, t in times.items() if t <= 1.01 * best)
+    return splits, times[splits] / atomic
+
+
+# --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
 def _words(x):
@@ -1227,7 +1290,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, dtype, d, config,
-           stream=0, kernels=("prep", "dkdv", "dq"), dq_acc=None):
+           stream=0, kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None):
     """Run prep, dkdv and dq on device arrays; the caller has validated the problem and the layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d), all 16-bit (float16, or uint16
@@ -1244,6 +1307,10 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     dq_acc: None (deterministic: the dq kernel), or zeroed C-contiguous fp32 scratch of shape
     (B·H, padded_rows(Nq), HEAD_DIM): dkdv then adds dQ into it atomically (not bitwise repeatable)
     and a last kernel writes dq = scale · dq_acc; the dq kernel does not run.
+    dq_splits: None (with dq_acc: one dkdv block per key block, all adding into one plane), or the
+    deterministic splits S (``dq_splits``' choice): dq_acc then has S planes, shape (S·B·H, NQ_PAD,
+    HEAD_DIM), S dkdv blocks per kv head each own one plane and walk every S-th key block, and the
+    last kernel sums the planes in order: bitwise repeatable (FA2's deterministic scheme).
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -1258,6 +1325,13 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     bn, bm = config.get("dkdv_atomic", config["dkdv"]) if atomic else config["dkdv"]
     split = bool(config.get("dkdv_split_d", False)) and not atomic
     fa2 = bool(config.get("dkdv_fa2", False))
+    n_kb = (n_k + bn - 1) // bn
+    if atomic and dq_acc.shape[0] != (dq_splits or 1) * B * H:
+        raise ValueError(f"dq_acc has {dq_acc.shape[0]} rows of heads; dq_splits={dq_splits} needs "
+                         f"{(dq_splits or 1) * B * H} (that many planes of B·H = {B * H})")
+    if dq_splits is not None and not (atomic and 1 <= dq_splits <= n_kb and not fa2):
+        raise ValueError(f"dq_splits={dq_splits}: needs dq_acc, the dkdv_source layout (not dkdv_fa2) and "
+                         f"1 <= dq_splits <= {n_kb} key blocks")
     if "dkdv" in kernels:
         extra = (dq_acc,) if atomic else ()
         # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
@@ -1266,7 +1340,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         layout = {"fa2": True} if fa2 else {}  # passed only when on, as above
         launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
                                   **scalar_red, **layout, **partial, **variants),
-                      ((n_k + bn - 1) // bn, B * Hkv), threads_per_block("dkdv", bn, split), stream,
+                      (dq_splits or n_kb, B * Hkv), threads_per_block("dkdv", bn, split), stream,
                       smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred")), fa2),
                       *words, l2, dd, _words(dk), _words(dv),
                       *extra, *scalars)
