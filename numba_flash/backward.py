@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 from numba import config as nb_config
 
-from . import arrays, plans, ptx
+from . import arrays, plans
 from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
-from .configs import MMA_BWD_TABLE
-from .decode import H200_SMS
+from .configs import MMA_BWD_TABLE, REGS_PER_SM
+from .decode import _sm_count
+from .kernels.decode import SMEM_PER_SM
 from .kernels import mma_backward, simt_backward, tf32_backward
 from .launch import address
 
@@ -127,16 +128,14 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     return family, cfg, reasons
 
 
-def _dq_slots(cfg, p) -> int:
-    """Blocks of the dQ-in-dkdv kernel the GPU holds at once (the simulator: one per H200 SM)."""
+def _dq_slots(cfg) -> int:
+    """Blocks of the dQ-in-dkdv kernel the GPU holds at once: SMs x blocks per SM, from its threads at 255
+    registers (what ptxas gives every shipped tile; pinned by the compile tests) and its shared memory."""
     bn, bm = cfg["dkdv_atomic"]
-    if nb_config.ENABLE_CUDASIM:
-        return H200_SMS
-    from .kernels.mma_forward import block_slots
-    kernel = mma_backward.make_kernel("dkdv", bn, bm, cfg["head_dim"], p.causal, p.dtype, atomic_dq=True,
-                                      **({} if ptx.current_sm90() else {"vector_red": False}))
-    return block_slots(kernel, mma_backward.threads_per_block("dkdv", bn),
-                       mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True))
+    threads = mma_backward.threads_per_block("dkdv", bn)
+    smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True)
+    per_sm = min(REGS_PER_SM // (256 * threads), SMEM_PER_SM // (smem + 1024))  # 1 KiB reserved per block
+    return max(per_sm, 1) * _sm_count()
 
 
 def dq_scheme(p: Problem, cfg: dict, deterministic: bool) -> tuple:
@@ -151,7 +150,7 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool) -> tuple:
     if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
         return "kernel", None, ("dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no "
                                 f"atomics); the table's choice at head dim {cfg['head_dim']}")
-    slots = _dq_slots(cfg, p)
+    slots = _dq_slots(cfg)
     splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots)
     if ratio > mma_backward.SPLITS_SLOWER_OK:
         return "kernel", None, (f"dQ: a separate dq kernel over Q tiles (no atomics): {splits} deterministic "

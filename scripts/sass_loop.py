@@ -51,16 +51,24 @@ def parse_sass(text):
 
 
 def main_loop_path(ins, labels):
-    """(first, last, path): the longest loop's bounds and its common path as instruction indices."""
-    best = None
+    """(first, last, path): the main loop's bounds and its common path as instruction indices. The main loop
+    is the longest loop that does not hold another loop with at least half its HMMAs: a loop around the
+    main loop (the backward's deterministic splits walk key blocks) is not it."""
+    loops = []
     for i, (op, txt) in enumerate(ins):
         m = re.search(r"\((\.L_x_\d+)\)", txt)
         if op == "BRA" and m and labels.get(m.group(1), i + 1) <= i:
-            if best is None or i - labels[m.group(1)] > best[1] - best[0]:
-                best = (labels[m.group(1)], i)
-    if best is None:
+            loops.append((labels[m.group(1)], i))
+    if not loops:
         raise ValueError("no backward branch: no loop in this SASS")
-    first, last = best
+
+    def hmma(lo, hi):
+        return sum(1 for op, _ in ins[lo:hi + 1] if op == "HMMA")
+
+    inner = [(a, b) for a, b in loops
+             if not any((c, e) != (a, b) and a <= c and e <= b and 2 * hmma(c, e) >= max(hmma(a, b), 1)
+                        for c, e in loops)]
+    first, last = max(inner, key=lambda ab: ab[1] - ab[0])
     i, path = first, []
     while first <= i <= last and len(path) < 100000:
         op, txt = ins[i]
@@ -112,7 +120,8 @@ def kernel_ptx(kind, args, extra):
 
     own, streamed, d, causal, dtype = int(args[0]), int(args[1]), int(args[2]), args[3] == "True", args[4]
     fn = m.kernel_source(kind, own, streamed, d, causal, dtype, **extra)
-    return cuda.compile_ptx(fn, m.kernel_signature(kind, extra.get("atomic_dq", False)), cc=(9, 0))[0]
+    return cuda.compile_ptx(fn, m.kernel_signature(kind, extra.get("atomic_dq", False), extra.get("dq_splits", False)),
+                            cc=(9, 0))[0]
 
 
 def main(argv=None):

@@ -185,10 +185,10 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 
 @in_simulator
 def test_dq_splits_sim():
-    """backward(deterministic=True)'s splits: 3 blocks per kv head over 4 key blocks of 64 (block 0 walks key
-    blocks 0 and 3, so it runs two prologues and epilogues), GQA 2, causal with Nq < Nk. Each fp32 plane
+    """backward(deterministic=True)'s splits: 3 per launch over 4 key blocks of 64 (two launches: key blocks
+    0, 1, 2 into planes 0, 1, 2, then key block 3 into plane 0), GQA 2, causal with Nq < Nk. Each fp32 plane
     must hold exactly its own key blocks' dS·K (unscaled), from a float64 reference: a block adding into
-    another's plane, or a key block walked twice or never, fails here even where the sum would not."""
+    another's plane, or a key block run twice or never, fails here even where the sum would not."""
     B, H, Hkv, n_q, n_k, d, causal, dtype = 1, 2, 1, 30, 200, 40, True, "float16"
     vals, stored = problem(21, B, H, Hkv, n_q, n_k, d, causal, dtype)
     planes = []
@@ -213,17 +213,17 @@ def test_dq_splits_sim():
 
 
 @pytest.mark.parametrize("n_kv_heads,slots,group,want_splits,fallback", [
-    (64, 132, 1, 2, False),   # B4 H16: 128 blocks of 16 key blocks, one wave, like the atomic grid's 16 waves
-    (16, 132, 1, 8, False),   # B1 H16: the cap (8 planes), 128 blocks
+    (64, 132, 1, 2, False),   # B4 H16: 16 launches of 128 blocks (one wave each), like the atomic grid's 16 waves
+    (16, 132, 1, 8, False),   # B1 H16: the cap (8 planes), 4 launches of 128 blocks
     (4, 132, 8, 8, True),     # GQA 8 on 4 kv heads: 32 blocks cannot fill 132 slots, the dq kernel runs
 ])
 def test_dq_splits_choice(n_kv_heads, slots, group, want_splits, fallback):
     splits, ratio = mma_backward.dq_splits(4096, 4096, 128, 64, False, group, n_kv_heads, slots)
     assert splits == want_splits
     assert (ratio > mma_backward.SPLITS_SLOWER_OK) == fallback, ratio
-    # causal: the splits interleave key blocks, so a block's share of the triangle stays balanced
+    # causal: a launch holds neighbouring key blocks, alike in work
     splits, ratio = mma_backward.dq_splits(4096, 4096, 128, 64, True, 1, 64, 132)
-    assert ratio <= 1.0 + 1e-9
+    assert ratio <= 1.01
 
 
 def test_makespan_is_a_greedy_schedule():
@@ -457,10 +457,12 @@ DKDV_PTX_SHA256 = {
     "dkdv-atomic-128x64-d128-False-float16": "fb4bf2d0fb554a65c81f06066da10ab352d5672e963e202ea76dca912b00982c",
     "dkdv-atomic-128x64-d128-True-bfloat16": "3f424ae4a3b2addf3e64b4f04482dc25394a2df29959821ded31a4612a48d8fb",
     "dkdv-atomic-128x64-d128-True-float16": "05e2a2971d0d0c6c34839a8a17ef28a39dc23c83588808f3aa1b0e442a884564",
-    "dkdv-atomic-64x64-d64-False-float16": "f0ea5f3d1e971cd7e2937f5a1eb22ef6b3a8f2cdac9b72c70925fc0012f5a965",
-    "dkdv-atomic-64x64-d64-True-float16": "2d71315e29c91fa72f9e601a8c303eb6c57da57c097ecc4cb176912804bb052b",
+    # twelfth session: dkdv_body takes its key block and dQ plane as arguments (the deterministic splits'
+    # build passes others); at d64 NVVM then orders one 64-bit multiply differently
+    "dkdv-atomic-64x64-d64-False-float16": "0fb57f9f9302350a89d94b047cd26fa1bbcfd4bab2ca51b57cb3aedff8ede9fd",
+    "dkdv-atomic-64x64-d64-True-float16": "9491648aecf329c7718b5d25a8e3e81c0c01b655796c2250ec585a389436138c",
     # the two variant tiles (NUMBA_FLASH_VARIANT_TESTS=1 adds them to DKDV_PTX_CASES)
-    "dkdv-atomic-128x64-d64-False-float16": "883ac771d6017e4c235fd813db7f5a471f0f236ad8fe9b3f83713d29709ab7dd",
+    "dkdv-atomic-128x64-d64-False-float16": "e5e85c93983737f30ff695b326f9c807fbf657f725011b4a46d291e97e5a42b3",
     "dkdv-atomic-64x64-d128-False-float16": "852556a62892038165507b098b4592cd90ec2102bb3274b29ba158de3dedb246",
 }
 

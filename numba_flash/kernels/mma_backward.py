@@ -175,15 +175,16 @@ def prep_source(dtype: str):
     return mma_backward_prep
 
 
-def kernel_signature(kernel: str, atomic_dq: bool = False):
-    """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...) / dq(q, k, v, do, l2, dd, dq, ...): 16-bit
-    words; dq_acc (B·H, NQ_PAD, HEAD_DIM) fp32 when dkdv also adds up dQ (atomic_dq)."""
+def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = False):
+    """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...):
+    16-bit words; dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) fp32 when dkdv also adds up dQ (atomic_dq)."""
     io = types.Array(types.uint16, 4, "A")
     rows = types.Array(types.float32, 2, "A")
     grads = (io, io) if kernel == "dkdv" else (io,)
     if atomic_dq:
         grads += (types.Array(types.float32, 3, "A"),)
-    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32)
+    tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
+    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
 def convert_signature(dtype: str):
@@ -395,7 +396,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, 
 
 
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, DQ_COLS=32,
-                DQ_DEFERRED=False, RED_V4=False, PARTIAL_CHUNK=False):
+                DQ_DEFERRED=False, RED_V4=False, PARTIAL_CHUNK=False, DQ_SPLITS=False):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
     PARTIAL_CHUNK (every kernel here; launch() sets it when d % 8 != 0): the copies' source bytes per
     16-byte chunk (mma_forward.kernel_source's flag of that name).
@@ -414,7 +415,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     step parity and step i's dQ computed after step i + 1's first barrier (the last one after the
     loop), so one barrier per step publishes both the streamed tiles and dSᵀ. RED_V4: lanes t, t ^ 1
     swap half a fragment (two shuffles) so each adds 4 adjacent columns of one row with one
-    red.global.add.v4.f32: half the atomic instructions."""
+    red.global.add.v4.f32: half the atomic instructions.
+
+    DQ_SPLITS (with ATOMIC_DQ; backward(deterministic=True)'s splits, FA2's deterministic scheme): the kernel
+    takes kb0 and plane_rows after scale and runs key block kb0 + blockIdx.x into plane blockIdx.x of dq_acc
+    (rows blockIdx.x · plane_rows ..); launch() runs a launch per gridDim.x key blocks. A build of its own so
+    that deterministic=False's kernel stays as it was (its PTX is pinned in the tests)."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
@@ -560,19 +566,19 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
 
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
-    if ATOMIC_DQ:
+    if ATOMIC_DQ and DQ_SPLITS:
+        def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb0,
+                              plane_rows):
+            # Key block kb0 + blockIdx.x, dQ into plane blockIdx.x (plane_rows = B·H rows of dq_acc each): a
+            # launch's blocks own one plane each, and the launches of a backward follow each other on one
+            # stream, so each dQ element of a plane gets its adds from one lane, launch after launch: the same
+            # sums every run. The plane is a view (its own base address): as a row offset it cost 40 B of spills.
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
+                      scale_log2, scale, kb0 + cuda.blockIdx.x, 0)
+    elif ATOMIC_DQ:  # every block adds into one plane: the order of the adds, hence the last bits, vary
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
-            # dq_acc holds P planes of B·H query heads. P = 1: every block adds into plane 0 (atomics from many
-            # blocks: the order, hence the last bits, vary). P = gridDim.x (deterministic splits): block x owns
-            # plane x alone and walks key blocks x, x + P, ..., so each dQ element of a plane gets its adds from
-            # one lane, in program order: the same sums every run (FA2's deterministic mode).
-            n_bh = q.shape[0] * q.shape[1]
-            dq_plane = (cuda.blockIdx.x % (dq_acc.shape[0] // n_bh)) * n_bh
-            n_kb = (n_k + BLOCK_N - 1) // BLOCK_N
-            for kb in range(cuda.blockIdx.x, n_kb, cuda.gridDim.x):
-                dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, int32(kb),
-                          dq_plane)
-                cuda.syncthreads()  # every warp has left the dQ phase (it reads K) before the next prologue
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
+                      0)
     else:  # dq_acc is never touched: l2 stands in (the `if ATOMIC_DQ` branches are pruned at compile time)
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
             dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x, 0)
@@ -1171,7 +1177,7 @@ ATOMIC_VARIANTS = {"dq_cols": 32, "dq_deferred": False, "red_v4": False}  # dkdv
 
 
 def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False,
-                  vector_red=True, fa2=False, partial_chunk=False, **variants):
+                  vector_red=True, fa2=False, partial_chunk=False, dq_splits=False, **variants):
     """The Python kernel of one specialisation (before cuda.jit; the compile tests use it). variants:
     the atomic dQ phase's candidates, ATOMIC_VARIANTS' keys (dkdv_source's DQ_COLS, DQ_DEFERRED, RED_V4).
     partial_chunk: the sources' PARTIAL_CHUNK (d % 8 != 0)."""
@@ -1187,7 +1193,7 @@ def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, at
     if kernel == "dkdv":
         v = dict(ATOMIC_VARIANTS, **variants)
         return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red,
-                           int(v["dq_cols"]), bool(v["dq_deferred"]), bool(v["red_v4"]), partial_chunk)
+                           int(v["dq_cols"]), bool(v["dq_deferred"]), bool(v["red_v4"]), partial_chunk, dq_splits)
     return dq_source(block_own, block_streamed, head_dim, causal, dtype, partial_chunk)
 
 
@@ -1211,7 +1217,8 @@ def make_convert_kernel(dtype: str):
 @lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
                 max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False,
-                vector_red: bool = True, fa2: bool = False, partial_chunk: bool = False, **variants):
+                vector_red: bool = True, fa2: bool = False, partial_chunk: bool = False, dq_splits: bool = False,
+                **variants):
     """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme),
     as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
@@ -1219,6 +1226,7 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     fa2 (dkdv only): FA2's d = 128 warp tiles, two warps per 32 keys (``dkdv_fa2_source``), with or
     without atomic dQ.
     partial_chunk: d % 8 != 0 (launch passes it only then, so the other kernels keep their cache key).
+    dq_splits (atomic dkdv only): the deterministic splits' build (dkdv_source's DQ_SPLITS; passed only when on).
     variants (atomic dkdv only): candidate dQ phases, ATOMIC_VARIANTS' keys; not shipped."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d, fa2)
     if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
@@ -1230,19 +1238,22 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     if fa2 and (kernel != "dkdv" or block_streamed != 64 or block_own not in (64, 128) or split_d):
         bad.append(f"fa2 is a dkdv layout for 64-query tiles and 64 or 128 keys (whole warp pairs, 4 or 8 "
                    f"warps over dQ_i), not {kernel} {block_own}x{block_streamed} split_d={split_d}")
+    if dq_splits and (not atomic_dq or fa2):
+        bad.append("dq_splits is a build of the atomic dkdv kernel (atomic_dq=True, not fa2)")
     if bad:
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
     source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq),
-                           bool(split_d), bool(vector_red), bool(fa2), bool(partial_chunk), **variants)
+                           bool(split_d), bool(vector_red), bool(fa2), bool(partial_chunk), bool(dq_splits), **variants)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    return cuda.jit(kernel_signature(kernel, bool(atomic_dq)), **cap)(source)
+    return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(source)
 
 
 # --------------------------------------------------------------------------------------------
 # Deterministic splits of the dQ-in-dkdv kernel
 # --------------------------------------------------------------------------------------------
 MAX_DQ_SPLITS = 8  # fp32 dQ scratch planes at most (8 x dq's size in fp32)
+LAUNCH_GAP_STEPS = 0.5  # the idle time between two launches on a stream (~3 us), in d128 steps (~6 us)
 SPLITS_SLOWER_OK = 1.10  # splits run where their predicted time is within this of the atomic grid's
 
 
@@ -1262,10 +1273,10 @@ def dq_splits(n_q, n_k, block_n, block_m, causal, group, n_kv_heads, slots, max_
     """(S, predicted time of S splits / the atomic grid's): the deterministic splits for one problem.
 
     A block of key block j costs its steps, group · (Q tiles that see j), plus one for its prologue and
-    epilogue. S splits put key blocks s, s + S, ... in block s of each kv head (n_kv_heads = B·Hkv rows
-    of blocks); the atomic grid has one block per key block. Both are scheduled greedily onto the
-    GPU's ``slots`` (SMs x blocks per SM); S is the smallest within 1 % of the best, so no more fp32
-    scratch than the time needs."""
+    epilogue. S splits run ceil(n_kb / S) launches one after another, launch r holding key blocks rS ..
+    rS + S - 1 of each kv head (n_kv_heads = B·Hkv rows of blocks); the atomic grid is one launch of every key
+    block. Blocks are scheduled greedily onto the GPU's ``slots`` (SMs x blocks per SM); S is the smallest
+    within 1 % of the best, so no more fp32 scratch than the time needs."""
     n_qt = -(-n_q // block_m)
     n_kb = -(-n_k // block_n)
     shift = n_k - n_q
@@ -1274,8 +1285,8 @@ def dq_splits(n_q, n_k, block_n, block_m, causal, group, n_kv_heads, slots, max_
     atomic = _makespan(work * n_kv_heads, slots)
     times = {}
     for splits in range(1, min(n_kb, max_splits) + 1):
-        per_split = [sum(work[j] for j in range(x, n_kb, splits)) for x in range(splits)]
-        times[splits] = _makespan(per_split * n_kv_heads, slots)
+        times[splits] = sum(_makespan(work[kb0:kb0 + splits] * n_kv_heads, slots) + LAUNCH_GAP_STEPS
+                            for kb0 in range(0, n_kb, splits))
     best = min(times.values())
     splits = min(x for x, t in times.items() if t <= 1.01 * best)
     return splits, times[splits] / atomic
@@ -1309,8 +1320,9 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     and a last kernel writes dq = scale · dq_acc; the dq kernel does not run.
     dq_splits: None (with dq_acc: one dkdv block per key block, all adding into one plane), or the
     deterministic splits S (``dq_splits``' choice): dq_acc then has S planes, shape (S·B·H, NQ_PAD,
-    HEAD_DIM), S dkdv blocks per kv head each own one plane and walk every S-th key block, and the
-    last kernel sums the planes in order: bitwise repeatable (FA2's deterministic scheme).
+    HEAD_DIM); dkdv runs as ceil(n_kb / S) launches of S key blocks per kv head, block x of every launch
+    adding into plane x, and the last kernel sums the planes in order: bitwise repeatable (FA2's
+    deterministic scheme, its key-block loop on the host).
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -1338,12 +1350,19 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         scalar_red = {"vector_red": False} if atomic and not ptx.current_sm90() else {}
         variants = dict(config.get("dkdv_atomic_variants", {})) if atomic else {}
         layout = {"fa2": True} if fa2 else {}  # passed only when on, as above
-        launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
-                                  **scalar_red, **layout, **partial, **variants),
-                      (dq_splits or n_kb, B * Hkv), threads_per_block("dkdv", bn, split), stream,
-                      smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred")), fa2),
-                      *words, l2, dd, _words(dk), _words(dv),
-                      *extra, *scalars)
+        if dq_splits is not None:
+            layout["dq_splits"] = True
+        kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
+                             **scalar_red, **layout, **partial, **variants)
+        threads = threads_per_block("dkdv", bn, split)
+        smem = smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred")), fa2)
+        if dq_splits is None:  # one launch: a block per key block (atomic: all into plane 0)
+            launch_kernel(kernel, (n_kb, B * Hkv), threads, stream, smem, *words, l2, dd, _words(dk), _words(dv),
+                          *extra, *scalars)
+        else:  # a launch per dq_splits key blocks, block x of each into plane x: stream order orders the adds
+            for kb0 in range(0, n_kb, dq_splits):
+                launch_kernel(kernel, (min(dq_splits, n_kb - kb0), B * Hkv), threads, stream, smem, *words, l2,
+                              dd, _words(dk), _words(dv), dq_acc, *scalars, kb0, B * H)
     if atomic:
         if "dq" in kernels:
             threads = 256
