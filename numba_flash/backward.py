@@ -328,7 +328,11 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             scheme, splits, _ = dq_scheme(p, cfg, deterministic)
             planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
-            dq_acc = _zeros_scratch(p.kind, q, (planes * rows[0], rows[1], cfg["head_dim"]), stream) if planes else None
+            shape = (planes * rows[0], rows[1], cfg["head_dim"])
+            if scheme == "splits":  # each plane's first launch stores; the convert reads only rows it wrote
+                dq_acc = arrays.empty_like_kind(p.kind, q, shape, "float32", stream)[1]
+            else:
+                dq_acc = _zeros_scratch(p.kind, q, shape, stream) if planes else None
             mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
                                 softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream,
                                 dq_acc=dq_acc, dq_splits=splits)

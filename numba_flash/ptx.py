@@ -829,12 +829,13 @@ def _ex2_approx_twin(x):
 # --------------------------------------------------------------------------------------------
 # red.global.add.f32: an atomic add whose result is not needed (the atomic dQ of the backward)
 # --------------------------------------------------------------------------------------------
-def _red_add(n):
+def _red_add(n, op="red.global.add"):
     """(typing, codegen) of red.global.add.f32 on n consecutive elements: n = 1 scalar, n = 2 or 4
     the sm_90 vector forms (8- or 16-byte aligned), whose warp-wide adds of a fragment's column pairs
-    fill whole 32-byte sectors in half (a quarter of) the instructions."""
+    fill whole 32-byte sectors in half (a quarter of) the instructions. op="st.global": plain stores of
+    the same operands (n = 1 or 2; the deterministic splits' first adds into uninitialised planes)."""
     regs = "$1" if n == 1 else "{" + ", ".join(f"${i + 1}" for i in range(n)) + "}"
-    text = f"red.global.add{'' if n == 1 else f'.v{n}'}.f32 [$0], {regs};"
+    text = f"{op}{'' if n == 1 else f'.v{n}'}.f32 [$0], {regs};"
     constraints = "l," + ",".join("f" * n) + ",~{memory}"
 
     def typing(array, offset, values):
@@ -852,6 +853,29 @@ def _red_add(n):
 
 
 _RED_1, _RED_2, _RED_4 = _red_add(1), _red_add(2), _red_add(4)
+_ST_1, _ST_2 = _red_add(1, "st.global"), _red_add(2, "st.global")
+
+
+@intrinsic
+def _st_global_f32_intrinsic(typingctx, array, offset, value):
+    sig = _ST_1[0](array, offset, (value,))
+    return sig and (sig, _ST_1[1])
+
+
+@intrinsic
+def _st_global_v2_f32_intrinsic(typingctx, array, offset, x, y):
+    sig = _ST_2[0](array, offset, (x, y))
+    return sig and (sig, _ST_2[1])
+
+
+def _st_global_f32_twin(array, offset, *values):
+    """Stores values into consecutive elements from offset (a pair 8-byte aligned), flat as on the GPU."""
+    off = int(offset)
+    if len(values) > 1 and off % len(values):
+        raise ValueError(f"st_global_v{len(values)}_f32: element offset {off} is not {4 * len(values)}-byte aligned")
+    flat = _numpy_of(array).reshape(-1)
+    for i, x in enumerate(values):
+        flat[off + i] = np.float32(x)
 
 
 @intrinsic
@@ -933,6 +957,28 @@ def _st_global_v4_intrinsic(typingctx, array, offset, w0, w1, w2, w3):
              "l,r,r,r,r,~{memory}", True)
 
     return sig, codegen
+
+
+@intrinsic
+def _ld_global_nc_v4_intrinsic(typingctx, array, offset):
+    """Four 32-bit words at element ``offset`` (flat, from the data pointer) of a global array, 16-byte
+    aligned: one read-only LDG.128 (the array is not written while the kernel runs)."""
+    if not (isinstance(array, types.Array) and _is_int(offset)):
+        return None
+    sig = types.UniTuple(types.uint32, 4)(array, offset)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        ret = ir.LiteralStructType([_I32] * 4)
+        r = _asm(builder, ret, [ptr], "ld.global.nc.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l", False)
+        return context.make_tuple(builder, sig.return_type, _unpack(builder, r, 4))
+
+    return sig, codegen
+
+
+def _ld_global_nc_v4_twin(array, offset):
+    w = np.array(_span_bytes(array, offset, 16, "ld.global.nc.v4")).view(np.uint32)
+    return int(w[0]), int(w[1]), int(w[2]), int(w[3])
 
 
 def _st_shared_b32_twin(smem, offset, word):
@@ -1023,9 +1069,11 @@ if SIMULATOR:
     shfl_xor_sync = _shfl_xor_sync_twin
     syncwarp = _syncwarp_twin
     red_add_f32 = red_add_v2_f32 = red_add_v4_f32 = _red_add_twin
+    st_global_f32 = st_global_v2_f32 = _st_global_f32_twin
     st_shared_b32 = _st_shared_b32_twin
     ld_shared_v4 = _ld_shared_v4_twin
     st_global_v4 = _st_global_v4_twin
+    ld_global_nc_v4 = _ld_global_nc_v4_twin
     mbarrier_init = _mbarrier_init_twin
     fence_mbarrier_init = _fence_mbarrier_init_twin
     mbarrier_arrive_expect_tx = _mbarrier_arrive_expect_tx_twin
@@ -1053,9 +1101,12 @@ else:
     red_add_f32 = _red_add_f32_intrinsic
     red_add_v2_f32 = _red_add_v2_f32_intrinsic
     red_add_v4_f32 = _red_add_v4_f32_intrinsic
+    st_global_f32 = _st_global_f32_intrinsic
+    st_global_v2_f32 = _st_global_v2_f32_intrinsic
     st_shared_b32 = _st_shared_b32_intrinsic
     ld_shared_v4 = _ld_shared_v4_intrinsic
     st_global_v4 = _st_global_v4_intrinsic
+    ld_global_nc_v4 = _ld_global_nc_v4_intrinsic
     mbarrier_init = _mbarrier_init_intrinsic
     fence_mbarrier_init = _fence_mbarrier_init_intrinsic
     mbarrier_arrive_expect_tx = _mbarrier_arrive_expect_tx_intrinsic
@@ -1073,8 +1124,8 @@ __all__ = [
     "cp_async_16", "cp_async_16_zfill", "cp_async_16_zero_if", "cp_async_commit", "cp_async_wait",
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
-    "red_add_v4_f32",
-    "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "current_sm90",
+    "red_add_v4_f32", "st_global_f32", "st_global_v2_f32",
+    "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "ld_global_nc_v4", "current_sm90",
     "compute_capability",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords", "tf32_a_coords", "tf32_b_coords", "tf32_value",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",

@@ -82,8 +82,9 @@ def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False, pad
                             .view(x.dtype)) for x in (stored[0], stored[1], stored[2])]  # NaN: unwritten shows
     scale = 1 / math.sqrt(d) if scale is None else scale
     n_planes = splits or (1 if atomic else 0)
-    dq_acc = cuda.to_device(np.zeros((n_planes * rows[0], rows[1], config["head_dim"]), np.float32)) \
-        if n_planes else None
+    # the splits' planes are not zeroed (their first launch stores): NaN shows a row read before it was written
+    dq_acc = cuda.to_device(np.full((n_planes * rows[0], rows[1], config["head_dim"]), np.nan if splits else 0.0,
+                                    np.float32)) if n_planes else None
     mma_backward.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, dtype=dtype, d=d,
                         config=config, dq_acc=dq_acc, dq_splits=splits)
     if planes is not None:
@@ -184,15 +185,19 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 
 
 @in_simulator
-def test_dq_splits_sim():
-    """backward(deterministic=True)'s splits: 3 per launch over 4 key blocks of 64 (two launches: key blocks
-    0, 1, 2 into planes 0, 1, 2, then key block 3 into plane 0), GQA 2, causal with Nq < Nk. Each fp32 plane
-    must hold exactly its own key blocks' dS·K (unscaled), from a float64 reference: a block adding into
-    another's plane, or a key block run twice or never, fails here even where the sum would not."""
-    B, H, Hkv, n_q, n_k, d, causal, dtype = 1, 2, 1, 30, 200, 40, True, "float16"
+@pytest.mark.parametrize("n_q,n_k,splits", [(30, 200, 3), (200, 150, 2)])
+def test_dq_splits_sim(n_q, n_k, splits):
+    """backward(deterministic=True)'s splits, GQA 2, causal, key blocks of 64: Nq < Nk with 3 splits over 4
+    key blocks (two launches: key blocks 0, 1, 2 into planes 0, 1, 2, then key block 3 into plane 0), and
+    Nq > Nk with 2 over 3, where plane 1 starts at row 64 and rows 0-49 see no key (the planes are NaN
+    until written: the convert must not read before a plane's first row). Each fp32 plane must hold exactly
+    its own key blocks' dS·K (unscaled), from a float64 reference: a block adding into another's plane, or a
+    key block run twice or never, fails here even where the sum would not."""
+    B, H, Hkv, d, causal, dtype = 1, 2, 1, 40, True, "float16"
     vals, stored = problem(21, B, H, Hkv, n_q, n_k, d, causal, dtype)
     planes = []
-    grads = run_backward(stored, d, causal, dtype, shipped(64), splits=3, planes=planes)
+    grads = run_backward(stored, d, causal, dtype, shipped(64), splits=splits, planes=planes)
+    n_kb = -(-n_k // 64)
     check_error_rule(grads, vals, causal, dtype)
     q, k, v, o, lse, do = vals
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
@@ -202,14 +207,19 @@ def test_dq_splits_sim():
     p = np.where(keep, np.exp(s_ - lse[..., None]), 0.0)
     dp = np.einsum("bhid,bhjd->bhij", do, vr)
     ds = p * (dp - (do * o).sum(-1)[..., None])
-    for plane in range(3):
+    if n_q > n_k:  # rows that see no key: dQ exactly zero
+        assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+    for plane in range(splits):
         cols = np.zeros(n_k, bool)
-        for kb in range(plane, 4, 3):
+        for kb in range(plane, n_kb, splits):
             cols[64 * kb: 64 * kb + 64] = True
         want = np.einsum("bhij,bhjd->bhid", ds * cols, kr)
-        got = planes[0][plane][:, :, :n_q, :d]
-        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max() + 1e-3, err_msg=f"plane {plane}")
-        assert np.all(planes[0][plane][:, :, :, d:] == 0)  # padded head-dim columns: never added to
+        first = mma_backward.plane_first_row(plane, n_q, n_k, 64, 64, 1)  # rows before it: never written (NaN)
+        got = planes[0][plane][:, :, first:n_q, :d]
+        np.testing.assert_allclose(got, want[:, :, first:], atol=2e-2 * np.abs(want).max() + 1e-3,
+                                   err_msg=f"plane {plane}")
+        assert np.all(want[:, :, :first] == 0)  # ... and nothing was to be added there
+        assert np.all(planes[0][plane][:, :, first:n_q, d:] == 0)  # padded head-dim columns: zeros stored
 
 
 @pytest.mark.parametrize("n_kv_heads,slots,group,want_splits,fallback", [
@@ -593,12 +603,15 @@ def test_gpu_deterministic():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("d,causal,dtype,splits", [(128, True, "bfloat16", 3), (128, False, "float16", 8),
-                                                   (64, True, "float16", 5)])
-def test_gpu_dq_splits(d, causal, dtype, splits):
+@pytest.mark.parametrize("d,causal,dtype,splits,n_q,n_k", [(128, True, "bfloat16", 3, 700, 1000),
+                                                           (128, False, "float16", 8, 700, 1000),
+                                                           (128, True, "float16", 2, 1000, 700),
+                                                           (64, True, "float16", 5, 700, 1000)])
+def test_gpu_dq_splits(d, causal, dtype, splits, n_q, n_k):
     """Deterministic splits at real sizes (GQA 2, ragged lengths; 8 splits over 8 key blocks of 128 is one
-    each): the error rule, and 20 runs bitwise equal although every add is a red.global.add."""
-    vals, stored = problem(d + 5, 2, 4, 2, 700, 1000, d, causal, dtype)
+    each; Nq > Nk: planes that start below row 0 and rows that see no key): the error rule, and 20 runs
+    bitwise equal although every add is a red.global.add."""
+    vals, stored = problem(d + 5, 2, 4, 2, n_q, n_k, d, causal, dtype)
     config = shipped(64 if d <= 64 else 128)
     first = run_backward(stored, d, causal, dtype, config, splits=splits)
     check_error_rule(first, vals, causal, dtype)

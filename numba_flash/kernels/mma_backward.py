@@ -72,6 +72,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
+from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from .mma_forward import tile_copies
@@ -188,7 +189,20 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
 
 
 def convert_signature(dtype: str):
-    return types.void(types.Array(types.float32, 3, "A"), types.Array(types.uint16, 4, "A"), int32, int32, float32)
+    return types.void(types.Array(types.float32, 3, "A"), types.Array(types.uint16, 4, "A"), int32, int32, float32,
+                      int32, int32, int32, int32)
+
+
+@inline_device
+def plane_first_row(p, n_q, n_k, block_n, block_m, causal):
+    """The first row plane p of the deterministic splits holds (rows before it were never written: the
+    launch that starts the plane, key block p, stores from its first Q tile on). Causal: the first Q tile
+    that sees key p·block_n (rows that see no key at all are never written in any plane); else 0. With one
+    zeroed plane (deterministic=False) the rows before it are zeros anyway."""
+    if causal == 0:
+        return 0
+    n_qt = (n_q + block_m - 1) // block_m
+    return min(max(p * block_n - (n_k - n_q), 0) // block_m, n_qt) * block_m
 
 
 def convert_source(dtype: str):
@@ -196,7 +210,7 @@ def convert_source(dtype: str):
     deterministic splits wrote several), rounded to 16 bits: the last step of the dQ-in-dkdv paths."""
     pack = ptx.pack_f16x2 if dtype == "float16" else ptx.pack_bf16x2
 
-    def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale):
+    def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale, n_k, block_n, block_m, causal):
         bh = cuda.blockIdx.y
         n_heads = dq.shape[1]
         n_bh = dq.shape[0] * n_heads
@@ -207,15 +221,114 @@ def convert_source(dtype: str):
         row = i // pairs
         col = 2 * (i - row * pairs)
         if row < n_q:
-            x = dq_acc[bh, row, col]
-            y = dq_acc[bh, row, col + 1]
-            for p in range(n_bh + bh, dq_acc.shape[0], n_bh):  # planes 1, 2, ... in a fixed order
-                x += dq_acc[p, row, col]
-                y += dq_acc[p, row, col + 1]
+            x = float32(0.0)
+            y = float32(0.0)
+            for p in range(dq_acc.shape[0] // n_bh):  # planes 0, 1, ... in a fixed order
+                if row >= plane_first_row(p, n_q, n_k, block_n, block_m, causal):
+                    x += dq_acc[p * n_bh + bh, row, col]
+                    y += dq_acc[p * n_bh + bh, row, col + 1]
             bits = pack(x * scale, y * scale)
             dq[b, h, row, col] = uint16(bits & 0xFFFF)
             if col + 1 < d:
                 dq[b, h, row, col + 1] = uint16(bits >> 16)
+
+    return mma_backward_dq_convert
+
+
+# The vector forms of prep and convert (d % 8 == 0 and 16-byte aligned rows: every shipped layout): 16-byte
+# loads and stores instead of one element per thread. The scalar forms (one element per load, 2-byte stores)
+# took 162 and 148 us at fp16 B4 H16 N4096 d128 (profile-backward-autograd-2026-12-01-after.txt), 3-4 times
+# what their bytes need.
+VEC_THREADS = 256
+
+
+def prep_vec_source(dtype: str, head_dim: int):
+    """``prep`` reading 16-byte chunks: HEAD_DIM / 8 lanes per row, each one chunk of O and of dO (columns
+    past d are read as the zeros the caller guarantees are not there: d % 8 == 0, so a chunk is all data or
+    past d and skipped), the row's sum by shuffles. VEC_THREADS / (HEAD_DIM / 8) rows per block."""
+    LANES = head_dim // 8
+    ROWS = VEC_THREADS // LANES
+    BF16 = dtype == "bfloat16"
+    ld = ptx.ld_global_nc_v4
+    shfl = ptx.shfl_xor_sync
+    FULL = ptx.FULL_MASK
+    INF, NEG_INF, ZERO = float32(math.inf), float32(-math.inf), float32(0.0)
+    HI = uint32(0xFFFF0000)
+    from .decode import f16x2_to_f32, f32_from_bits
+
+    @inline_device
+    def pair(word):
+        if BF16:
+            return f32_from_bits(word << 16), f32_from_bits(word & HI)
+        return f16x2_to_f32(word)
+
+    def mma_backward_prep(out, dout, lse, l2, dd, n_q, d):
+        tid = cuda.threadIdx.x
+        r = tid // LANES
+        c = tid - r * LANES
+        bh = cuda.blockIdx.y
+        b = bh // out.shape[1]
+        h = bh - b * out.shape[1]
+        row = cuda.blockIdx.x * ROWS + r
+        acc = ZERO
+        if row < n_q and c * 8 < d:
+            o = ld(out, b * (out.strides[0] // 2) + h * (out.strides[1] // 2) + row * (out.strides[2] // 2) + c * 8)
+            g = ld(dout, b * (dout.strides[0] // 2) + h * (dout.strides[1] // 2) + row * (dout.strides[2] // 2)
+                   + c * 8)
+            for i in range(4):
+                o0, o1 = pair(o[i])
+                g0, g1 = pair(g[i])
+                acc = cuda.fma(o1, g1, cuda.fma(o0, g0, acc))
+        m = 1
+        while m < LANES:  # the row's lanes are neighbours in one warp
+            acc += shfl(FULL, acc, m)
+            m *= 2
+        if c == 0:
+            if row < n_q:
+                x = lse[b, h, row]
+                dd[bh, row] = acc
+                l2[bh, row] = INF if x == NEG_INF else x * float32(LOG2E)
+            else:  # padding: P = exp2(… − inf) = 0, and dS = 0 · (dP − 0) stays finite
+                dd[bh, row] = ZERO
+                l2[bh, row] = INF
+
+    return mma_backward_prep, ROWS
+
+
+def convert_vec_source(dtype: str):
+    """``convert`` by 8 columns a thread: two 16-byte loads per plane, one 16-byte store (d % 8 == 0, dq rows
+    16-byte aligned); planes summed in order 0, 1, ... as in the scalar form."""
+    pack = ptx.pack_f16x2 if dtype == "float16" else ptx.pack_bf16x2
+    ld = ptx.ld_global_nc_v4
+    st = ptx.st_global_v4
+    from .decode import f32_from_bits
+
+    def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale, n_k, block_n, block_m, causal):
+        bh = cuda.blockIdx.y
+        n_heads = dq.shape[1]
+        n_bh = dq.shape[0] * n_heads
+        b = bh // n_heads
+        h = bh - b * n_heads
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        chunks = d // 8
+        row = i // chunks
+        c = i - row * chunks
+        if row < n_q:
+            plane = n_bh * dq_acc.shape[1] * dq_acc.shape[2]  # elements per plane
+            src = (bh * dq_acc.shape[1] + row) * dq_acc.shape[2] + c * 8
+            acc = cuda.local.array(8, float32)
+            for j in range(8):
+                acc[j] = float32(0.0)
+            for p in range(dq_acc.shape[0] // n_bh):  # planes 0, 1, ... in a fixed order
+                if row >= plane_first_row(p, n_q, n_k, block_n, block_m, causal):
+                    w = ld(dq_acc, src + p * plane)
+                    u = ld(dq_acc, src + p * plane + 4)
+                    for j in range(4):
+                        acc[j] += f32_from_bits(w[j])
+                        acc[4 + j] += f32_from_bits(u[j])
+            st(dq, b * (dq.strides[0] // 2) + h * (dq.strides[1] // 2) + row * (dq.strides[2] // 2) + c * 8,
+               pack(acc[0] * scale, acc[1] * scale), pack(acc[2] * scale, acc[3] * scale),
+               pack(acc[4] * scale, acc[5] * scale), pack(acc[6] * scale, acc[7] * scale))
 
     return mma_backward_dq_convert
 
@@ -396,7 +509,7 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, 
 
 
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, DQ_COLS=32,
-                DQ_DEFERRED=False, RED_V4=False, PARTIAL_CHUNK=False, DQ_SPLITS=False):
+                DQ_DEFERRED=False, RED_V4=False, PARTIAL_CHUNK=False, DQ_SPLITS=0):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
     PARTIAL_CHUNK (every kernel here; launch() sets it when d % 8 != 0): the copies' source bytes per
     16-byte chunk (mma_forward.kernel_source's flag of that name).
@@ -419,8 +532,10 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
 
     DQ_SPLITS (with ATOMIC_DQ; backward(deterministic=True)'s splits, FA2's deterministic scheme): the kernel
     takes kb0 and plane_rows after scale and runs key block kb0 + blockIdx.x into plane blockIdx.x of dq_acc
-    (rows blockIdx.x · plane_rows ..); launch() runs a launch per gridDim.x key blocks. A build of its own so
-    that deterministic=False's kernel stays as it was (its PTX is pinned in the tests)."""
+    (rows blockIdx.x · plane_rows ..); launch() runs a launch per gridDim.x key blocks. 1: adds; 2: the first
+    launch's build, which stores (so nobody zeroes the planes; as a runtime branch the choice cost 24
+    instructions per step). Builds of their own so that deterministic=False's kernel stays as it was (its PTX
+    is pinned in the tests)."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
@@ -452,16 +567,17 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
     ZERO = float32(0.0)
 
     @inline_device
-    def last_dq(smem, dq_acc, step, qt0, per_head, dq_h0, group, warp, lane, g, t):
+    def last_dq(smem, dq_acc, step, qt0, per_head, dq_h0, group, warp, lane, g, t, first):
         """DQ_DEFERRED: dQ of step - 1 from its dSᵀ buffer (parity step - 1)."""
         prev = step - 1
         hp, i0 = step_tile(prev, qt0, per_head, group)
-        add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, dq_h0 + hp, i0, warp, lane, g, t)
+        add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, dq_h0 + hp, i0, warp, lane, g, t, first)
 
     @inline_device
-    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, dq_plane):
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, dq_plane,
+                  first):
         """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc's rows of plane
-        dq_plane (a multiple of B·H: the split this block owns, or 0)."""
+        dq_plane (a multiple of B·H: the split this block owns, or 0), stored instead of added where first."""
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -510,7 +626,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
             if DQ_DEFERRED and step > 0:  # the barrier above published step - 1's dSᵀ
-                last_dq(smem, dq_acc, step, qt0, per_head, dq_h0, group, warp, lane, g, t)
+                last_dq(smem, dq_acc, step, qt0, per_head, dq_h0, group, warp, lane, g, t, first)
 
             # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ
             unrolled(s, dp, smem, SK, SV, st + SQ, st + SDO, a_row, a_x, b_row, b_x)
@@ -555,17 +671,18 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
 
             if ATOMIC_DQ and not DQ_DEFERRED:
                 cuda.syncthreads()  # every warp's dSᵀ is in shared memory
-                add_dq(smem, SDS, dq_acc, dq_h0 + hh, i0, warp, lane, g, t)
+                add_dq(smem, SDS, dq_acc, dq_h0 + hh, i0, warp, lane, g, t, first)
 
         if DQ_DEFERRED:  # the last step's dQ
             cuda.syncthreads()
             if steps > 0:
-                last_dq(smem, dq_acc, steps, qt0, per_head, dq_h0, group, warp, lane, g, t)
+                last_dq(smem, dq_acc, steps, qt0, per_head, dq_h0, group, warp, lane, g, t, first)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
 
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
+    FIRST_STORES = DQ_SPLITS == 2  # a compile-time constant: the other build's stores are pruned
     if ATOMIC_DQ and DQ_SPLITS:
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb0,
                               plane_rows):
@@ -574,14 +691,15 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             # stream, so each dQ element of a plane gets its adds from one lane, launch after launch: the same
             # sums every run. The plane is a view (its own base address): as a row offset it cost 40 B of spills.
             dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
-                      scale_log2, scale, kb0 + cuda.blockIdx.x, 0)
+                      scale_log2, scale, kb0 + cuda.blockIdx.x, 0, FIRST_STORES)
     elif ATOMIC_DQ:  # every block adds into one plane: the order of the adds, hence the last bits, vary
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
             dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
-                      0)
+                      0, False)
     else:  # dq_acc is never touched: l2 stands in (the `if ATOMIC_DQ` branches are pruned at compile time)
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x, 0)
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x, 0,
+                      False)
 
     return mma_backward_dkdv
 
@@ -781,6 +899,8 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     red_add2 = ptx.red_add_v2_f32
     red_add = ptx.red_add_f32
     red_add4 = ptx.red_add_v4_f32
+    st2 = ptx.st_global_v2_f32
+    st1 = ptx.st_global_f32
     shfl = ptx.shfl_xor_sync
     FULL = ptx.FULL_MASK
     ZERO = float32(0.0)
@@ -800,8 +920,9 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     PASSES = WARP_COLS // DQ_COLS
 
     @inline_device
-    def dq_pass(smem, ds_lane, dq_acc, acc_q, row0, pc, t_row, t_chunk, t):
-        """One DQ_COLS-column chunk pc of this warp's dQ_i rows: acc_q = dS_i K_j[:, chunk], then the adds."""
+    def dq_pass(smem, ds_lane, dq_acc, acc_q, row0, pc, t_row, t_chunk, t, first):
+        """One DQ_COLS-column chunk pc of this warp's dQ_i rows: acc_q = dS_i K_j[:, chunk], then the adds
+        (stores where ``first``: the deterministic splits' first launch, into planes nobody zeroed)."""
         for nt in range(DQ_TILES):
             for r in range(4):
                 acc_q[nt, r] = ZERO
@@ -822,14 +943,19 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
                 col = pc * DQ_COLS + nt * 8 + 2 * t
                 for half in range(2):  # scratch rows and columns are padded: no bounds checks
                     off = row0 + 8 * half * HEAD_DIM + col
-                    if VECTOR_RED:
+                    if first and VECTOR_RED:
+                        st2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                    elif first:
+                        st1(dq_acc, off, acc_q[nt, 2 * half])
+                        st1(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+                    elif VECTOR_RED:
                         red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
                     else:
                         red_add(dq_acc, off, acc_q[nt, 2 * half])
                         red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
 
     @inline_device
-    def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t):
+    def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t, first=False):
         """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
         WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
         ldmatrix.trans, then atomic adds. The passes go in pairs, written out with an accumulator array
@@ -848,9 +974,9 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
         acc_b = cuda.local.array((DQ_TILES, 4), float32)
         for wc in range(0, PASSES, 2):  # one trip for the shipped tiles (2 passes, or 1)
             pc = cw * PASSES + wc  # this pass's DQ_COLS-column chunk of dQ_i
-            dq_pass(smem, ds_lane, dq_acc, acc_a, row0, pc, t_row, t_chunk, t)
+            dq_pass(smem, ds_lane, dq_acc, acc_a, row0, pc, t_row, t_chunk, t, first)
             if PASSES > 1:
-                dq_pass(smem, ds_lane, dq_acc, acc_b, row0, pc + 1, t_row, t_chunk, t)
+                dq_pass(smem, ds_lane, dq_acc, acc_b, row0, pc + 1, t_row, t_chunk, t, first)
 
     return add_dq
 
@@ -1177,7 +1303,7 @@ ATOMIC_VARIANTS = {"dq_cols": 32, "dq_deferred": False, "red_v4": False}  # dkdv
 
 
 def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, atomic_dq=False, split_d=False,
-                  vector_red=True, fa2=False, partial_chunk=False, dq_splits=False, **variants):
+                  vector_red=True, fa2=False, partial_chunk=False, dq_splits=0, **variants):
     """The Python kernel of one specialisation (before cuda.jit; the compile tests use it). variants:
     the atomic dQ phase's candidates, ATOMIC_VARIANTS' keys (dkdv_source's DQ_COLS, DQ_DEFERRED, RED_V4).
     partial_chunk: the sources' PARTIAL_CHUNK (d % 8 != 0)."""
@@ -1193,7 +1319,7 @@ def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, at
     if kernel == "dkdv":
         v = dict(ATOMIC_VARIANTS, **variants)
         return dkdv_source(block_own, block_streamed, head_dim, causal, dtype, atomic_dq, vector_red,
-                           int(v["dq_cols"]), bool(v["dq_deferred"]), bool(v["red_v4"]), partial_chunk, dq_splits)
+                           int(v["dq_cols"]), bool(v["dq_deferred"]), bool(v["red_v4"]), partial_chunk, int(dq_splits))
     return dq_source(block_own, block_streamed, head_dim, causal, dtype, partial_chunk)
 
 
@@ -1208,16 +1334,30 @@ def make_prep_kernel(dtype: str):
 
 
 @lru_cache(maxsize=None)
-def make_convert_kernel(dtype: str):
+def make_convert_kernel(dtype: str, vec: bool = False):
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
-    return cuda.jit(convert_signature(dtype))(convert_source(dtype))
+    return cuda.jit(convert_signature(dtype))(convert_vec_source(dtype) if vec else convert_source(dtype))
+
+
+@lru_cache(maxsize=None)
+def make_prep_vec_kernel(dtype: str, head_dim: int):
+    """(kernel, rows per block) of the vector prep."""
+    if dtype not in DTYPES or head_dim not in (64, 128):
+        raise ValueError(f"vector prep: dtype {dtype!r} not in {DTYPES} or head dim {head_dim} not 64 / 128")
+    source, rows = prep_vec_source(dtype, head_dim)
+    return cuda.jit(prep_signature(dtype))(source), rows
+
+
+def _rows16(x) -> bool:
+    """Unit-stride 16-bit rows, other strides multiples of 16 B, 16-byte aligned data: 16-byte vector access."""
+    return x.strides[-1] == 2 and all(st % 16 == 0 for st in x.strides[:-1]) and address(x) % 16 == 0
 
 
 @lru_cache(maxsize=None)
 def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int, causal: bool, dtype: str,
                 max_registers: int | None = None, atomic_dq: bool = False, split_d: bool = False,
-                vector_red: bool = True, fa2: bool = False, partial_chunk: bool = False, dq_splits: bool = False,
+                vector_red: bool = True, fa2: bool = False, partial_chunk: bool = False, dq_splits: int = 0,
                 **variants):
     """The compiled ``dkdv`` or ``dq`` kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch with atomics (FA2's scheme),
@@ -1226,7 +1366,8 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     fa2 (dkdv only): FA2's d = 128 warp tiles, two warps per 32 keys (``dkdv_fa2_source``), with or
     without atomic dQ.
     partial_chunk: d % 8 != 0 (launch passes it only then, so the other kernels keep their cache key).
-    dq_splits (atomic dkdv only): the deterministic splits' build (dkdv_source's DQ_SPLITS; passed only when on).
+    dq_splits (atomic dkdv only): the deterministic splits' builds, 1 (adds) or 2 (the first launch: stores);
+    dkdv_source's DQ_SPLITS, passed only when on.
     variants (atomic dkdv only): candidate dQ phases, ATOMIC_VARIANTS' keys; not shipped."""
     bad = problems(kernel, block_own, block_streamed, head_dim, dtype, split_d, fa2)
     if atomic_dq and not (kernel == "dkdv" and block_own in (64, 128) and block_streamed == 64):
@@ -1238,13 +1379,14 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     if fa2 and (kernel != "dkdv" or block_streamed != 64 or block_own not in (64, 128) or split_d):
         bad.append(f"fa2 is a dkdv layout for 64-query tiles and 64 or 128 keys (whole warp pairs, 4 or 8 "
                    f"warps over dQ_i), not {kernel} {block_own}x{block_streamed} split_d={split_d}")
-    if dq_splits and (not atomic_dq or fa2):
-        bad.append("dq_splits is a build of the atomic dkdv kernel (atomic_dq=True, not fa2)")
+    if dq_splits not in (0, 1, 2) or (dq_splits and (not atomic_dq or fa2)):
+        bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True, "
+                   "not fa2)")
     if bad:
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
     source = kernel_source(kernel, block_own, block_streamed, head_dim, bool(causal), dtype, bool(atomic_dq),
-                           bool(split_d), bool(vector_red), bool(fa2), bool(partial_chunk), bool(dq_splits), **variants)
+                           bool(split_d), bool(vector_red), bool(fa2), bool(partial_chunk), int(dq_splits), **variants)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(source)
 
@@ -1330,7 +1472,11 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     partial = {"partial_chunk": True} if d % 8 else {}  # a part-data chunk per row (the sources' PARTIAL_CHUNK)
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     atomic = dq_acc is not None
-    if "prep" in kernels:
+    vec = d % 8 == 0 and all(_rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
+    if "prep" in kernels and vec:
+        kernel, rows = make_prep_vec_kernel(dtype, head_dim)
+        launch_kernel(kernel, (l2.shape[1] // rows, B * H), VEC_THREADS, stream, 0, out, dout, lse, l2, dd, n_q, d)
+    elif "prep" in kernels:
         launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, B * H), PREP_ROWS * PREP_LANES, stream, 0,
                       out, dout, lse, l2, dd, n_q, d)
     words = tuple(_words(x) for x in (q, k, v, dout))
@@ -1350,25 +1496,26 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         scalar_red = {"vector_red": False} if atomic and not ptx.current_sm90() else {}
         variants = dict(config.get("dkdv_atomic_variants", {})) if atomic else {}
         layout = {"fa2": True} if fa2 else {}  # passed only when on, as above
-        if dq_splits is not None:
-            layout["dq_splits"] = True
-        kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, atomic_dq=atomic, split_d=split,
-                             **scalar_red, **layout, **partial, **variants)
+        build = dict(atomic_dq=atomic, split_d=split, **scalar_red, **layout, **partial, **variants)
+        kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, **build)
         threads = threads_per_block("dkdv", bn, split)
         smem = smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred")), fa2)
         if dq_splits is None:  # one launch: a block per key block (atomic: all into plane 0)
             launch_kernel(kernel, (n_kb, B * Hkv), threads, stream, smem, *words, l2, dd, _words(dk), _words(dv),
                           *extra, *scalars)
         else:  # a launch per dq_splits key blocks, block x of each into plane x: stream order orders the adds
-            for kb0 in range(0, n_kb, dq_splits):
+            for kb0 in range(0, n_kb, dq_splits):  # the first launch stores: nobody zeroed the planes
+                kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, dq_splits=2 if kb0 == 0 else 1,
+                                     **build)
                 launch_kernel(kernel, (min(dq_splits, n_kb - kb0), B * Hkv), threads, stream, smem, *words, l2,
                               dd, _words(dk), _words(dv), dq_acc, *scalars, kb0, B * H)
     if atomic:
         if "dq" in kernels:
             threads = 256
-            grid = ((n_q * ((d + 1) // 2) + threads - 1) // threads, B * H)
-            launch_kernel(make_convert_kernel(dtype), grid, threads, stream, 0, dq_acc, _words(dq), n_q, d,
-                          float32(softmax_scale))
+            per_row = d // 8 if vec else (d + 1) // 2  # threads per row: 8 columns, or a pair, each
+            grid = ((n_q * per_row + threads - 1) // threads, B * H)
+            launch_kernel(make_convert_kernel(dtype, **({"vec": True} if vec else {})), grid, threads, stream, 0,
+                          dq_acc, _words(dq), n_q, d, float32(softmax_scale), n_k, bn, bm, int(bool(causal)))
         return
     bm, bn = config["dq"]
     if "dq" in kernels:
