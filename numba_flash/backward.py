@@ -256,13 +256,18 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             ``PerformanceWarning`` for half precision). In the CUDA simulator auto keeps float32
             on SIMT (the tensor-core twins are slow). A named kernel that cannot run raises
             ValueError saying what blocks it; ``explain_backward`` prints the choice and why.
-        deterministic: True (default): no atomic adds anywhere, the same inputs give the same
-            bits every run. False lets the tensor-core path use FA2's scheme: the dK/dV kernel
-            also adds dQ into an fp32 buffer with atomic adds (5 tile products instead of 7, one
-            kernel fewer; summation order, hence the last bits of dq, vary run to run). Measured
-            on an H200 it is *slower* than the default today (fp16 B4 H16 N4096 d128: 125 vs 171
-            TFLOP/s; benchmarks/NOTES.md says why), so use it only to compare schemes. The SIMT
-            path is deterministic either way.
+        deterministic: True (default): the same inputs give the same bits every run on the same
+            GPU. The tensor-core path then takes, where configs.MMA_BWD_TABLE says so (d > 64) and
+            enough blocks fill the GPU, FA2's deterministic scheme: the dK/dV kernel also forms dQ
+            = dS·K (5 tile products instead of 7) and adds it into S fp32 planes of dQ, block x of
+            each of ceil(key blocks / S) launches owning plane x, so every element's adds come
+            from one lane in stream order; a last kernel sums the planes in order. S follows the
+            GPU's SM count (explain_backward prints it), so other GPUs may round differently.
+            Otherwise a separate dQ kernel recomputes S and dP over Q tiles (no atomics).
+            False: FA2's atomic scheme on the tensor-core path: every dK/dV block adds dQ into one
+            fp32 buffer with atomic adds (summation order, hence the last bits of dq, vary run to
+            run); fp16 B4 H16 N4096 d128 on an H200: 236 vs 230 TFLOP/s through autograd
+            (benchmarks/NOTES.md). The SIMT and tf32x3 paths are deterministic either way.
 
     Returns:
         (dq, dk, dv) with the shape, dtype and kind of q, k and v respectively. For GQA/MQA,
@@ -271,17 +276,18 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
         Nk = 0 give zero (or empty) gradients.
 
     Method: FA2 (section 3.6.7). D = rowsum(dO ∘ O); a kernel over K/V tiles keeps dK, dV in
-    registers while recomputing P = exp(S·scale - L) and dS = P ∘ (dO Vᵀ - D) over the Q tiles;
-    a second kernel over Q tiles recomputes P and dS and accumulates dQ = scale·dS K. No atomic
-    adds anywhere, so the same inputs give bitwise the same gradients every run. Accumulation
-    is fp32. float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
+    registers while recomputing P = exp(S·scale - L) and dS = P ∘ (dO Vᵀ - D) over the Q tiles,
+    and either forms dQ = scale·dS K there too (into fp32 planes, see ``deterministic``) or
+    leaves it to a second kernel over Q tiles that recomputes P and dS. Accumulation is fp32. float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
     dtype for their products, as in FA2), float32 on tensor cores as 3xTF32 (or on the SIMT
     cores). Head dims are zero-padded to the next compiled size as in forward.
 
     Stream: as ``forward`` (the inputs' framework stream; device inputs return without
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row
-    (SIMT), two per query row padded to a multiple of 128 rows (tensor cores), plus with
-    deterministic=False a zeroed fp32 copy of dq's size (rows padded likewise, d to 64 or 128).
+    (SIMT), two per query row padded to a multiple of 128 rows (tensor cores), plus where the
+    dK/dV kernel forms dQ an fp32 copy of dq's size (rows padded likewise, d to 64 or 128) per
+    plane: one, zeroed, for deterministic=False; S (at most mma_backward.MAX_DQ_SPLITS = 8) for
+    the deterministic splits.
 
     Raises:
         TypeError / ValueError naming what was given and what is accepted: the forward's checks

@@ -226,7 +226,10 @@ TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 80, ("dkdv", 128, 64, 64, Tru
                      ("dkdv", 128, 32, 128, True): 216}
 # "deterministic_dq": how backward(deterministic=True) forms dQ: "splits" (the dkdv_atomic kernel adding into
 # per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back to the dq kernel where too few
-# blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5).
+# blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5). Twelfth session, direct
+# calls, fp16 B4 H16 N4096 (results/ab-backward-2026-12-01-twelfth*.txt): d128 splits 5.80 ms vs the dq kernel
+# 6.31 before (non-causal), causal 3.41 vs 3.47 (both with this session's prep); d64 splits (the 64-key atomic
+# dkdv, 4 splits) 4.84 vs 3.50 (results/ab-backward-2026-12-01-twelfth-loop.txt, an earlier build): "kernel".
 MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64), "deterministic_dq": "kernel"},
     128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
@@ -241,7 +244,10 @@ MMA_BWD_SPILL_OK = {("dkdv", 64, 64, 128): 100, ("dq", 64, 64, 128): 56,
                     # the atomic-dQ dkdv of backward(deterministic=False) with red.v2 adds, 64 or 128 keys
                     # (worst of causal / not; timed in benchmarks/NOTES.md)
                     ("dkdv-atomic", 64, 64, 64): 44, ("dkdv-atomic", 64, 64, 128): 100,
-                    ("dkdv-atomic", 128, 64, 64): 40, ("dkdv-atomic", 128, 64, 128): 44}
+                    ("dkdv-atomic", 128, 64, 64): 40, ("dkdv-atomic", 128, 64, 128): 44,
+                    # the deterministic splits' builds (twelfth session; worst of causal / not, adds / stores:
+                    # the first launch's store build, non-causal; results/sass-loop-2026-12-01-twelfth.txt)
+                    ("dkdv-splits", 128, 64, 128): 36}
 
 
 def _simt_for(head_dim: int) -> SimtConfig:

@@ -416,6 +416,27 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
+@pytest.mark.parametrize("head_dim", [hd for hd, cfg in sorted(MMA_BWD_TABLE.items())
+                                      if cfg.get("deterministic_dq") == "splits"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("build", [1, 2])
+def test_dq_splits_builds_compile(head_dim, causal, build, tmp_path):
+    """The deterministic splits' dkdv builds (1: adds, 2: the first launch's stores): the dQ leaves by
+    red.global.add.v2 or by st.global.v2 (never both: each build's other branch is pruned at compile time),
+    and spills stay within MMA_BWD_SPILL_OK's entry."""
+    keys, queries = MMA_BWD_TABLE[head_dim]["dkdv_atomic"]
+    source = COMPILE_SOURCE.format(K="dkdv", O=keys, S=queries, D=head_dim, C=causal, DT="float16", A=True).replace(
+        "atomic_dq=True)", f"atomic_dq=True, dq_splits={build})").replace(
+        "kernel_signature('dkdv', True)", "kernel_signature('dkdv', True, True)")
+    assert f"dq_splits={build}" in source and "True, True)" in source
+    text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
+    red, st = text.count("red.global.add.v2.f32"), text.count("st.global.v2.f32")
+    assert (red == 0 and st > 0) if build == 2 else (red > 0 and st == 0), (red, st)
+    report = ptxas_report(text, tmp_path)
+    allowed = MMA_BWD_SPILL_OK[("dkdv-splits", keys, queries, head_dim)]
+    assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
+
+
 @pytest.mark.parametrize("head_dim,keys,vector_red", [(64, 64, False), (64, 128, True), (128, 64, True),
                                                       (128, 128, True)])
 def test_atomic_dq_compiles_to_red(head_dim, keys, vector_red, tmp_path):

@@ -10,7 +10,7 @@ saved logsumexp L, never stored as an N×N array:
     dP = dO Vᵀ,   dS = P ∘ (dP − D)
     dV = Pᵀ dO,   dK = scale · dSᵀ Q,   dQ = scale · dS K
 
-Three kernels on one stream, no atomics anywhere (bitwise repeatable, like the SIMT path):
+Three kernels on one stream (backward's dq-kernel scheme: no atomics anywhere, bitwise repeatable):
 
 1. ``prep``: D and L2 per query row into fp32 scratch of shape (B·H, NQ_PAD), rows padded to a
    multiple of 128 with D = 0, L2 = +inf, so every query tile's L2 and D arrive by cp.async and a
@@ -39,13 +39,16 @@ Three kernels on one stream, no atomics anywhere (bitwise repeatable, like the S
    This repeats the two products of ``dkdv`` (7 tile GEMMs instead of FA2's 5) in exchange for no
    atomic adds and a deterministic dQ.
 
-backward(deterministic=False) swaps kernel 3 for FA2's scheme: ``dkdv`` built with ATOMIC_DQ also
-writes dSᵀ to shared memory, computes dQ_i += dS K_j for 16 query rows per warp (dS by
-ldmatrix.trans of the stored dSᵀ) and adds it to fp32 scratch with ``red.global.add.f32``; a
-``convert`` kernel then writes dq = scale · scratch. On an H200 it is faster than the deterministic
-path (220.9 vs 202.8 TFLOP/s at d128 through autograd, benchmarks/NOTES.md) but slower per product:
-its dQ phase runs after a second barrier, with every warp of the block's only resident block in it
-at once.
+FA2's schemes swap kernel 3 for a dQ phase in ``dkdv``: built with ATOMIC_DQ it also writes dSᵀ to
+shared memory, computes dQ_i += dS K_j for 16 query rows per warp (dS by ldmatrix.trans of the stored
+dSᵀ) and adds it to fp32 scratch with ``red.global.add``; a ``convert`` kernel then writes dq = scale ·
+scratch. backward(deterministic=False): one launch, every block adding into one zeroed plane (the
+order of the adds varies). The default at d128, FA2's deterministic splits (DQ_SPLITS builds): S
+planes, ceil(key blocks / S) launches on the stream, block x of each owning plane x (the first launch
+stores, the others add), and ``convert`` sums the planes in order: bitwise repeatable with 5 tile
+products instead of 7 (``dq_splits`` picks S, backward.dq_scheme falls back to kernel 3 where the
+splits would leave the GPU idle). The dQ phase runs after a second barrier, with every warp of the
+block's only resident block in it at once: per product it is slower than kernel 3 (benchmarks/NOTES.md).
 
 Shared memory: 16-bit tiles with rows of HEAD_DIM, 16-byte chunks XOR-swizzled by row % 8 (the
 forward's layout: every ldmatrix phase hits 8 distinct bank groups). The streamed tiles (Q, dO,
