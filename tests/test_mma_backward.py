@@ -614,7 +614,7 @@ def test_gpu_atomic_dq(d, causal, dtype, keys):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_deterministic():
-    """No atomics: 20 runs, bitwise the same gradients."""
+    """The dq-kernel scheme (no atomics; run_backward without splits): 20 runs, bitwise the same gradients."""
     vals, stored = problem(1, 2, 4, 2, 700, 900, 128, True, "bfloat16")
     first = run_backward(stored, 128, True, "bfloat16", shipped(128))
     for _ in range(20):

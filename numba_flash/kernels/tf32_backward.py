@@ -8,7 +8,7 @@ Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt fro
 
 Every product is formed as in tf32_forward: each fp32 operand split x = hi + lo (tf32 parts), three
 tf32 products lo·hi + hi·lo + hi·hi per fp32 product, small terms first. Three kernels on one
-stream, no atomics (bitwise repeatable), FA2's deterministic scheme as in mma_backward:
+stream, no atomics (bitwise repeatable), the separate-dQ-kernel scheme of mma_backward:
 
 1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (mma_backward's prep, row for row, on fp32).
 2. dkdv: one block per (BLOCK_N keys, batch · kv head), warp w owning keys 16w..16w+15; the block
