@@ -7,6 +7,6 @@
 source "$(dirname "$0")/common.sh"
 run t_split 300 $P tests/test_mma_backward.py -rA -k "gpu_dq_splits"
 run t_grid 280 $P tests/test_mma_backward.py tests/test_gpu_backward.py -rA \
-    -k "(gpu_shipped or error_rule) and not tf32 and not float32 and not fa2"
+    -k "(gpu_grid or backward_error_rule) and not float32"
 run prof 120 python3 scripts/profile_backward_autograd.py
 for f in t_split t_grid prof; do tail -4 $work/$f.log; done
