@@ -344,6 +344,10 @@ def test_public_api_deterministic_flag():
     with pytest.raises(ValueError, match="atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query "
                                          "tiles only, not dkdv 64x32"):
         mma_backward.make_kernel("dkdv", 64, 32, 128, False, "float16", atomic_dq=True)
+    for bad in ({"atomic_dq": False, "dq_splits": 1}, {"atomic_dq": True, "dq_splits": 3},
+                {"atomic_dq": True, "dq_splits": 2, "red_v4": True}):
+        with pytest.raises(ValueError, match="dq_splits="):
+            mma_backward.make_kernel("dkdv", 64, 64, 64, False, "float16", **bad)
 
 
 @in_simulator

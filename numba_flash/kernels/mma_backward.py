@@ -1382,9 +1382,9 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
     if fa2 and (kernel != "dkdv" or block_streamed != 64 or block_own not in (64, 128) or split_d):
         bad.append(f"fa2 is a dkdv layout for 64-query tiles and 64 or 128 keys (whole warp pairs, 4 or 8 "
                    f"warps over dQ_i), not {kernel} {block_own}x{block_streamed} split_d={split_d}")
-    if dq_splits not in (0, 1, 2) or (dq_splits and (not atomic_dq or fa2)):
+    if dq_splits not in (0, 1, 2) or (dq_splits and (not atomic_dq or fa2 or variants.get("red_v4"))):
         bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True, "
-                   "not fa2)")
+                   "not fa2, not red_v4: its paired adds have no store form for the first launch)")
     if bad:
         raise ValueError(f"mma backward {kernel} ({block_own}, {block_streamed}, {head_dim}, {dtype}) cannot be "
                          f"built: {'; '.join(bad)}")
