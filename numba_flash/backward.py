@@ -11,18 +11,20 @@ forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch au
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 from numba import config as nb_config
+from numba import cuda
 
 from . import arrays, plans
 from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
-from .configs import MMA_BWD_TABLE, REGS_PER_SM
+from .configs import MMA_BWD_TABLE, REGS_PER_SM, SMEM_PER_BLOCK_MAX
 from .decode import _sm_count
 from .kernels.decode import SMEM_PER_SM
 from .kernels import mma_backward, simt_backward, tf32_backward
-from .launch import address
+from .launch import address, current_device_id
 
 KERNELS = ("auto", "simt", "mma", "tf32x3")
 
@@ -128,40 +130,68 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     return family, cfg, reasons
 
 
-def _dq_slots(cfg) -> int:
+def _device_smem() -> tuple:
+    """(opt-in shared memory per block, shared memory per SM) of the current device; the simulator and
+    device stand-ins without the attributes: an H200's."""
+    if nb_config.ENABLE_CUDASIM:
+        return SMEM_PER_BLOCK_MAX, SMEM_PER_SM
+    return _device_smem_of(current_device_id())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_of(device_id) -> tuple:  # one driver query per device
+    dev = cuda.get_current_device()
+    return (int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", SMEM_PER_BLOCK_MAX)),
+            int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", SMEM_PER_SM)))
+
+
+def _dq_slots(cfg, smem_per_sm: int) -> int:
     """Blocks of the dQ-in-dkdv kernel the GPU holds at once: SMs x blocks per SM, from its threads at 255
     registers (what ptxas gives every shipped tile; pinned by the compile tests) and its shared memory."""
     bn, bm = cfg["dkdv_atomic"]
     threads = mma_backward.threads_per_block("dkdv", bn)
     smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True)
-    per_sm = min(REGS_PER_SM // (256 * threads), SMEM_PER_SM // (smem + 1024))  # 1 KiB reserved per block
+    per_sm = min(REGS_PER_SM // (256 * threads), smem_per_sm // (smem + 1024))  # 1 KiB reserved per block
     return max(per_sm, 1) * _sm_count()
 
 
 def dq_scheme(p: Problem, cfg: dict, deterministic: bool) -> tuple:
     """How the tensor-core backward gets dQ: ("atomic", None) for deterministic=False; for the default
-    ("splits", S) where the table allows it and S deterministic splits are predicted within
-    SPLITS_SLOWER_OK of the atomic grid's time, else ("kernel", None), the separate dq kernel; and a
-    line saying why."""
+    ("splits", S) where the table allows it, the device has the shared memory, S planes fit in
+    mma_backward.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within SPLITS_SLOWER_OK of
+    the atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why."""
     bn, bm = cfg["dkdv_atomic"]
     if not deterministic:
         return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
                                 "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
+    kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
     if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
-        return "kernel", None, ("dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no "
-                                f"atomics); the table's choice at head dim {cfg['head_dim']}")
-    slots = _dq_slots(cfg)
-    splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots)
+        return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
+    if p.B * p.H * p.n_q * p.n_k == 0:
+        return "kernel", None, kernel + "an empty problem (no kernel runs)"
+    smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True)
+    optin, per_sm = _device_smem()
+    if smem > optin:
+        return "kernel", None, kernel + (f"the splits' {bn}-key dkdv needs {smem} B of shared memory, this GPU "
+                                         f"gives a block {optin}")
+    plane = p.B * p.H * mma_backward.padded_rows(p.n_q) * cfg["head_dim"] * 4
+    max_splits = min(mma_backward.MAX_DQ_SPLITS, mma_backward.DQ_SCRATCH_MAX_BYTES // plane)
+    if max_splits < 1:
+        return "kernel", None, kernel + (f"one fp32 plane of dQ ({plane} B) exceeds the splits' scratch budget "
+                                         f"({mma_backward.DQ_SCRATCH_MAX_BYTES} B)")
+    slots = _dq_slots(cfg, per_sm)
+    splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots,
+                                           max_splits)
     if ratio > mma_backward.SPLITS_SLOWER_OK:
-        return "kernel", None, (f"dQ: a separate dq kernel over Q tiles (no atomics): {splits} deterministic "
-                                f"splits of the {bn}-key dkdv would take {ratio:.2f}x the atomic grid's time "
-                                f"(> {mma_backward.SPLITS_SLOWER_OK}) with {p.B * p.Hkv} kv heads on {slots} "
-                                "block slots")
+        return "kernel", None, kernel + (f"{splits} deterministic splits of the {bn}-key dkdv (at most {max_splits} "
+                                         f"planes of {plane} B) would take {ratio:.2f}x the atomic grid's time "
+                                         f"(> {mma_backward.SPLITS_SLOWER_OK}) with {p.B * p.Hkv} kv heads on "
+                                         f"{slots} block slots")
     return "splits", splits, (
-        f"dQ: deterministic splits (FA2's deterministic scheme): {splits} dkdv block(s) ({bn} keys x {bm} queries) "
-        f"per kv head, block s walking key blocks s, s + {splits}, ... and adding dS·K into its own fp32 plane "
-        f"of dQ; a last kernel sums the planes in order: bitwise repeatable, 5 tile products "
-        f"(predicted {ratio:.2f}x the atomic grid's time on {slots} block slots)")
+        f"dQ: deterministic splits (FA2's deterministic scheme): {splits} fp32 planes of dQ ({splits * plane} B); "
+        f"the dkdv kernel ({bn} keys x {bm} queries) runs as launches of {splits} key blocks per kv head, block x "
+        "of each adding dS·K into plane x (the first launch stores), and a last kernel sums the planes in order: "
+        f"bitwise repeatable, 5 tile products (predicted {ratio:.2f}x the atomic grid's time on {slots} block slots)")
 
 
 def _dout_blockers(do, elements):
@@ -256,8 +286,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             ``PerformanceWarning`` for half precision). In the CUDA simulator auto keeps float32
             on SIMT (the tensor-core twins are slow). A named kernel that cannot run raises
             ValueError saying what blocks it; ``explain_backward`` prints the choice and why.
-        deterministic: True (default): the same inputs give the same bits every run on the same
-            GPU. The tensor-core path then takes, where configs.MMA_BWD_TABLE says so (d > 64) and
+        deterministic: True (default): the same inputs (in the same memory layout: the D pass
+            reads 16 bytes at a time only from aligned rows, and adds in another order otherwise)
+            give the same bits every run on the same GPU. The tensor-core path then takes, where configs.MMA_BWD_TABLE says so (d > 64) and
             enough blocks fill the GPU, FA2's deterministic scheme: the dK/dV kernel also forms dQ
             = dS·K (5 tile products instead of 7) and adds it into S fp32 planes of dQ, block x of
             each of ceil(key blocks / S) launches owning plane x, so every element's adds come

@@ -228,8 +228,10 @@ TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 80, ("dkdv", 128, 64, 64, Tru
 # per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back to the dq kernel where too few
 # blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5). Twelfth session, direct
 # calls, fp16 B4 H16 N4096 (results/ab-backward-2026-12-01-twelfth*.txt): d128 splits 5.80 ms vs the dq kernel
-# 6.31 before (non-causal), causal 3.41 vs 3.47 (both with this session's prep); d64 splits (the 64-key atomic
-# dkdv, 4 splits) 4.84 vs 3.50 (results/ab-backward-2026-12-01-twelfth-loop.txt, an earlier build): "kernel".
+# 6.31 (with the old prep: the dq kernel with this session's prep was not timed non-causal; the prep gained the
+# dq-kernel path 0.10-0.14 ms at d64 and d128 causal), causal 3.41 vs 3.47 (both with the new prep; a 1.7 %
+# margin, within the spread between runs); d64 splits (the 64-key atomic dkdv, 4 splits) 4.84 vs 3.50
+# (results/ab-backward-2026-12-01-twelfth-loop.txt, an earlier build): "kernel".
 MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64), "deterministic_dq": "kernel"},
     128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},

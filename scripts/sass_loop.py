@@ -53,7 +53,8 @@ def parse_sass(text):
 def main_loop_path(ins, labels):
     """(first, last, path): the main loop's bounds and its common path as instruction indices. The main loop
     is the longest loop that does not hold another loop with at least half its HMMAs: a loop around the
-    main loop (the backward's deterministic splits walk key blocks) is not it."""
+    main loop (a kernel walking several key blocks, as an early build of the backward's deterministic
+    splits did) is not it."""
     loops = []
     for i, (op, txt) in enumerate(ins):
         m = re.search(r"\((\.L_x_\d+)\)", txt)

@@ -643,3 +643,40 @@ def test_gpu_dq_splits(d, causal, dtype, splits, n_q, n_k):
     for _ in range(20):
         for a, b in zip(first, run_backward(stored, d, causal, dtype, config, splits=splits)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_dq_scheme_falls_back_to_the_dq_kernel(monkeypatch):
+    """backward.dq_scheme keeps the dq kernel where the splits cannot or should not run: a GPU whose blocks
+    get less shared memory than the 128-key dkdv needs (sm_86/89: 99 KiB), one fp32 plane of dQ above the
+    scratch budget (a long context), an empty problem (explain_backward must not fail on it); and takes the
+    splits at the benchmark shape."""
+    import importlib
+
+    from numba_flash.api import validate
+
+    bwd = importlib.import_module("numba_flash.backward")  # the module (the package exports the function)
+
+    def scheme(shape_q, shape_kv, causal=False):
+        q = np.broadcast_to(np.float16(1), shape_q)  # no memory: only shapes and dtype are read
+        kv = np.broadcast_to(np.float16(1), shape_kv)
+        p = validate(q, kv, kv, causal=causal)
+        return bwd.dq_scheme(p, dict(MMA_BWD_TABLE[128], head_dim=128), True)
+
+    how, splits, why = scheme((4, 16, 4096, 128), (4, 16, 4096, 128))
+    assert (how, splits) == ("splits", 2), why
+    monkeypatch.setattr(bwd, "_device_smem", lambda: (99 * 1024, 100 * 1024))
+    how, _, why = scheme((4, 16, 4096, 128), (4, 16, 4096, 128))
+    assert how == "kernel" and "shared memory" in why, why
+    monkeypatch.undo()
+    how, _, why = scheme((1, 32, 131072, 128), (1, 8, 131072, 128), causal=True)  # 2 GiB per plane
+    assert how == "kernel" and "scratch budget" in why, why
+    how, _, why = scheme((2, 4, 0, 128), (2, 4, 10, 128))
+    assert how == "kernel" and "empty" in why, why
+    q = np.zeros((1, 2, 5, 128), np.float16)
+    assert "empty problem" in numba_flash_explain(q, q[:, :, :0]), "explain_backward on Nk = 0"
+
+
+def numba_flash_explain(q, kv):
+    from numba_flash import explain_backward
+
+    return explain_backward(q, kv, kv)

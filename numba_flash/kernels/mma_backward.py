@@ -1397,7 +1397,8 @@ def make_kernel(kernel: str, block_own: int, block_streamed: int, head_dim: int,
 # --------------------------------------------------------------------------------------------
 # Deterministic splits of the dQ-in-dkdv kernel
 # --------------------------------------------------------------------------------------------
-MAX_DQ_SPLITS = 8  # fp32 dQ scratch planes at most (8 x dq's size in fp32)
+MAX_DQ_SPLITS = 8  # fp32 dQ scratch planes at most (8 x dq's size in fp32) ...
+DQ_SCRATCH_MAX_BYTES = 1 << 30  # ... and at most 1 GiB of them: longer problems take the dq kernel (no scratch)
 LAUNCH_GAP_STEPS = 0.5  # the idle time between two launches on a stream (~3 us), in d128 steps (~6 us)
 SPLITS_SLOWER_OK = 1.10  # splits run where their predicted time is within this of the atomic grid's
 
@@ -1487,9 +1488,11 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     split = bool(config.get("dkdv_split_d", False)) and not atomic
     fa2 = bool(config.get("dkdv_fa2", False))
     n_kb = (n_k + bn - 1) // bn
-    if atomic and dq_acc.shape[0] != (dq_splits or 1) * B * H:
-        raise ValueError(f"dq_acc has {dq_acc.shape[0]} rows of heads; dq_splits={dq_splits} needs "
-                         f"{(dq_splits or 1) * B * H} (that many planes of B·H = {B * H})")
+    if atomic and (tuple(dq_acc.shape) != ((dq_splits or 1) * B * H, l2.shape[1], head_dim)
+                   or tuple(dq_acc.strides) != (l2.shape[1] * head_dim * 4, head_dim * 4, 4)):
+        raise ValueError(f"dq_acc has shape {tuple(dq_acc.shape)}, strides {tuple(dq_acc.strides)}; dq_splits="
+                         f"{dq_splits} needs a C-contiguous fp32 array of shape ({(dq_splits or 1) * B * H}, "
+                         f"{l2.shape[1]}, {head_dim}) (planes of B·H = {B * H} heads, padded rows, HEAD_DIM)")
     if dq_splits is not None and not (atomic and 1 <= dq_splits <= n_kb and not fa2):
         raise ValueError(f"dq_splits={dq_splits}: needs dq_acc, the dkdv_source layout (not dkdv_fa2) and "
                          f"1 <= dq_splits <= {n_kb} key blocks")
