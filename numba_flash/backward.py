@@ -145,12 +145,9 @@ def _device_smem_of(device_id) -> tuple:  # one driver query per device
             int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", SMEM_PER_SM)))
 
 
-def _dq_slots(cfg, smem_per_sm: int) -> int:
+def _dq_slots(threads: int, smem: int, smem_per_sm: int) -> int:
     """Blocks of the dQ-in-dkdv kernel the GPU holds at once: SMs x blocks per SM, from its threads at 255
     registers (what ptxas gives every shipped tile; pinned by the compile tests) and its shared memory."""
-    bn, bm = cfg["dkdv_atomic"]
-    threads = mma_backward.threads_per_block("dkdv", bn)
-    smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True)
     per_sm = min(REGS_PER_SM // (256 * threads), smem_per_sm // (smem + 1024))  # 1 KiB reserved per block
     return max(per_sm, 1) * _sm_count()
 
@@ -179,7 +176,7 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool) -> tuple:
     if max_splits < 1:
         return "kernel", None, kernel + (f"one fp32 plane of dQ ({plane} B) exceeds the splits' scratch budget "
                                          f"({mma_backward.DQ_SCRATCH_MAX_BYTES} B)")
-    slots = _dq_slots(cfg, per_sm)
+    slots = _dq_slots(mma_backward.threads_per_block("dkdv", bn), smem, per_sm)
     splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots,
                                            max_splits)
     if ratio > mma_backward.SPLITS_SLOWER_OK:
@@ -288,8 +285,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             ValueError saying what blocks it; ``explain_backward`` prints the choice and why.
         deterministic: True (default): the same inputs (in the same memory layout: the D pass
             reads 16 bytes at a time only from aligned rows, and adds in another order otherwise)
-            give the same bits every run on the same GPU. The tensor-core path then takes, where configs.MMA_BWD_TABLE says so (d > 64) and
-            enough blocks fill the GPU, FA2's deterministic scheme: the dK/dV kernel also forms dQ
+            give the same bits every run on the same GPU. The tensor-core path then takes, where
+            configs.MMA_BWD_TABLE says so (d > 64), the GPU has the shared memory, the planes fit
+            1 GiB and enough blocks fill the GPU, FA2's deterministic scheme: the dK/dV kernel also forms dQ
             = dS·K (5 tile products instead of 7) and adds it into S fp32 planes of dQ, block x of
             each of ceil(key blocks / S) launches owning plane x, so every element's adds come
             from one lane in stream order; a last kernel sums the planes in order. S follows the
@@ -309,7 +307,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     Method: FA2 (section 3.6.7). D = rowsum(dO ∘ O); a kernel over K/V tiles keeps dK, dV in
     registers while recomputing P = exp(S·scale - L) and dS = P ∘ (dO Vᵀ - D) over the Q tiles,
     and either forms dQ = scale·dS K there too (into fp32 planes, see ``deterministic``) or
-    leaves it to a second kernel over Q tiles that recomputes P and dS. Accumulation is fp32. float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
+    leaves it to a second kernel over Q tiles that recomputes P and dS. Accumulation is fp32.
+    float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
     dtype for their products, as in FA2), float32 on tensor cores as 3xTF32 (or on the SIMT
     cores). Head dims are zero-padded to the next compiled size as in forward.
 
@@ -317,8 +316,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row
     (SIMT), two per query row padded to a multiple of 128 rows (tensor cores), plus where the
     dK/dV kernel forms dQ an fp32 copy of dq's size (rows padded likewise, d to 64 or 128) per
-    plane: one, zeroed, for deterministic=False; S (at most mma_backward.MAX_DQ_SPLITS = 8) for
-    the deterministic splits.
+    plane: one, zeroed, for deterministic=False; S (at most mma_backward.MAX_DQ_SPLITS = 8, and
+    1 GiB in all) for the deterministic splits.
 
     Raises:
         TypeError / ValueError naming what was given and what is accepted: the forward's checks

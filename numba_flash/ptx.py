@@ -868,16 +868,6 @@ def _st_global_v2_f32_intrinsic(typingctx, array, offset, x, y):
     return sig and (sig, _ST_2[1])
 
 
-def _st_global_f32_twin(array, offset, *values):
-    """Stores values into consecutive elements from offset (a pair 8-byte aligned), flat as on the GPU."""
-    off = int(offset)
-    if len(values) > 1 and off % len(values):
-        raise ValueError(f"st_global_v{len(values)}_f32: element offset {off} is not {4 * len(values)}-byte aligned")
-    flat = _numpy_of(array).reshape(-1)
-    for i, x in enumerate(values):
-        flat[off + i] = np.float32(x)
-
-
 @intrinsic
 def _red_add_f32_intrinsic(typingctx, array, offset, value):
     sig = _RED_1[0](array, offset, (value,))
@@ -899,15 +889,22 @@ def _red_add_v4_f32_intrinsic(typingctx, array, offset, x, y, z, w):
 _RED_LOCK = threading.Lock()
 
 
-def _red_add_twin(array, offset, *values):
-    """Adds values into consecutive elements from offset; a vector (2 values) must be 8-byte aligned."""
-    off = int(offset)
-    if len(values) > 1 and off % len(values):  # the GPU faults on a misaligned vector address: so does the twin
-        raise ValueError(f"red_add_v{len(values)}_f32: element offset {off} is not {4 * len(values)}-byte aligned")
-    flat = _numpy_of(array).reshape(-1)  # contiguous arrays only, like the flat offset on the GPU
-    with _RED_LOCK:
-        for i, x in enumerate(values):
-            flat[off + i] += np.float32(x)
+def _make_flat_f32_twin(name, add):
+    """Twin of red.global.add (add) or st.global (not add) on consecutive fp32 elements from a flat offset;
+    a vector (2 or 4 values) must be aligned to its size."""
+    def twin(array, offset, *values):
+        off = int(offset)
+        if len(values) > 1 and off % len(values):  # the GPU faults on a misaligned vector address: so does the twin
+            raise ValueError(f"{name}_v{len(values)}_f32: element offset {off} is not {4 * len(values)}-byte aligned")
+        flat = _numpy_of(array).reshape(-1)  # contiguous arrays only, like the flat offset on the GPU
+        with _RED_LOCK:
+            for i, x in enumerate(values):
+                flat[off + i] = flat[off + i] + np.float32(x) if add else np.float32(x)
+    return twin
+
+
+_red_add_twin = _make_flat_f32_twin("red_add", add=True)
+_st_global_f32_twin = _make_flat_f32_twin("st_global", add=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -208,10 +208,16 @@ def plane_first_row(p, n_q, n_k, block_n, block_m, causal):
     return min(max(p * block_n - (n_k - n_q), 0) // block_m, n_qt) * block_m
 
 
-def convert_source(dtype: str):
+def convert_source(dtype: str, vec: bool = False):
     """dQ = scale · Σ_p dq_acc[plane p], planes summed in order 0, 1, ... (one plane unless the
-    deterministic splits wrote several), rounded to 16 bits: the last step of the dQ-in-dkdv paths."""
+    deterministic splits wrote several), rounded to 16 bits: the last step of the dQ-in-dkdv paths.
+    A thread converts a pair of columns, or with ``vec`` 8 (two 16-byte loads per plane, one 16-byte
+    store: d % 8 == 0, dq rows 16-byte aligned); the sums are the same either way."""
     pack = ptx.pack_f16x2 if dtype == "float16" else ptx.pack_bf16x2
+    ld = ptx.ld_global_nc_v4
+    st = ptx.st_global_v4
+    VEC = bool(vec)
+    from .decode import f32_from_bits
 
     def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale, n_k, block_n, block_m, causal):
         bh = cuda.blockIdx.y
@@ -219,11 +225,27 @@ def convert_source(dtype: str):
         n_bh = dq.shape[0] * n_heads
         b = bh // n_heads
         h = bh - b * n_heads
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # one pair of columns per thread
-        pairs = (d + 1) // 2
-        row = i // pairs
-        col = 2 * (i - row * pairs)
-        if row < n_q:
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        per_row = d // 8 if VEC else (d + 1) // 2  # threads per row
+        row = i // per_row
+        col = (8 if VEC else 2) * (i - row * per_row)
+        if row < n_q and VEC:
+            plane = n_bh * dq_acc.shape[1] * dq_acc.shape[2]  # elements per plane
+            src = (bh * dq_acc.shape[1] + row) * dq_acc.shape[2] + col
+            acc = cuda.local.array(8, float32)
+            for j in range(8):
+                acc[j] = float32(0.0)
+            for p in range(dq_acc.shape[0] // n_bh):  # planes 0, 1, ... in a fixed order
+                if row >= plane_first_row(p, n_q, n_k, block_n, block_m, causal):
+                    w = ld(dq_acc, src + p * plane)
+                    u = ld(dq_acc, src + p * plane + 4)
+                    for j in range(4):
+                        acc[j] += f32_from_bits(w[j])
+                        acc[4 + j] += f32_from_bits(u[j])
+            st(dq, b * (dq.strides[0] // 2) + h * (dq.strides[1] // 2) + row * (dq.strides[2] // 2) + col,
+               pack(acc[0] * scale, acc[1] * scale), pack(acc[2] * scale, acc[3] * scale),
+               pack(acc[4] * scale, acc[5] * scale), pack(acc[6] * scale, acc[7] * scale))
+        elif row < n_q:
             x = float32(0.0)
             y = float32(0.0)
             for p in range(dq_acc.shape[0] // n_bh):  # planes 0, 1, ... in a fixed order
@@ -296,44 +318,6 @@ def prep_vec_source(dtype: str, head_dim: int):
                 l2[bh, row] = INF
 
     return mma_backward_prep, ROWS
-
-
-def convert_vec_source(dtype: str):
-    """``convert`` by 8 columns a thread: two 16-byte loads per plane, one 16-byte store (d % 8 == 0, dq rows
-    16-byte aligned); planes summed in order 0, 1, ... as in the scalar form."""
-    pack = ptx.pack_f16x2 if dtype == "float16" else ptx.pack_bf16x2
-    ld = ptx.ld_global_nc_v4
-    st = ptx.st_global_v4
-    from .decode import f32_from_bits
-
-    def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale, n_k, block_n, block_m, causal):
-        bh = cuda.blockIdx.y
-        n_heads = dq.shape[1]
-        n_bh = dq.shape[0] * n_heads
-        b = bh // n_heads
-        h = bh - b * n_heads
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        chunks = d // 8
-        row = i // chunks
-        c = i - row * chunks
-        if row < n_q:
-            plane = n_bh * dq_acc.shape[1] * dq_acc.shape[2]  # elements per plane
-            src = (bh * dq_acc.shape[1] + row) * dq_acc.shape[2] + c * 8
-            acc = cuda.local.array(8, float32)
-            for j in range(8):
-                acc[j] = float32(0.0)
-            for p in range(dq_acc.shape[0] // n_bh):  # planes 0, 1, ... in a fixed order
-                if row >= plane_first_row(p, n_q, n_k, block_n, block_m, causal):
-                    w = ld(dq_acc, src + p * plane)
-                    u = ld(dq_acc, src + p * plane + 4)
-                    for j in range(4):
-                        acc[j] += f32_from_bits(w[j])
-                        acc[4 + j] += f32_from_bits(u[j])
-            st(dq, b * (dq.strides[0] // 2) + h * (dq.strides[1] // 2) + row * (dq.strides[2] // 2) + c * 8,
-               pack(acc[0] * scale, acc[1] * scale), pack(acc[2] * scale, acc[3] * scale),
-               pack(acc[4] * scale, acc[5] * scale), pack(acc[6] * scale, acc[7] * scale))
-
-    return mma_backward_dq_convert
 
 
 def two_products(HEAD_DIM, N_TILES, mma):
@@ -1340,7 +1324,7 @@ def make_prep_kernel(dtype: str):
 def make_convert_kernel(dtype: str, vec: bool = False):
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
-    return cuda.jit(convert_signature(dtype))(convert_vec_source(dtype) if vec else convert_source(dtype))
+    return cuda.jit(convert_signature(dtype))(convert_source(dtype, vec))
 
 
 @lru_cache(maxsize=None)
