@@ -152,21 +152,28 @@ def _dq_slots(threads: int, smem: int, smem_per_sm: int) -> int:
     return max(per_sm, 1) * _sm_count()
 
 
-def dq_scheme(p: Problem, cfg: dict, deterministic: bool) -> tuple:
-    """How the tensor-core backward gets dQ: ("atomic", None) for deterministic=False; for the default
-    ("splits", S) where the table allows it, the device has the shared memory, S planes fit in
-    mma_backward.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within SPLITS_SLOWER_OK of
-    the atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why."""
+def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -> tuple:
+    """How the tensor-core backward (family "mma" or "tf32x3") gets dQ: ("atomic", None) for
+    deterministic=False; for the default ("splits", S) where the table allows it, the device has the shared
+    memory, S planes fit in mma_backward.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within
+    SPLITS_SLOWER_OK of the atomic grid's time, else ("kernel", None), the separate dq kernel; and a line
+    saying why. A table entry without a "dkdv_atomic" tile always takes the dq kernel."""
+    kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
+    if "dkdv_atomic" not in cfg:
+        return "kernel", None, kernel + f"the table has no dQ-in-dkdv tile at head dim {cfg['head_dim']}"
     bn, bm = cfg["dkdv_atomic"]
     if not deterministic:
         return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
                                 "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
-    kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
     if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
         return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
     if p.B * p.H * p.n_q * p.n_k == 0:
         return "kernel", None, kernel + "an empty problem (no kernel runs)"
-    smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True)
+    if family == "tf32x3":
+        smem, threads = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"]), tf32_backward.threads_per_block(bn)
+    else:
+        smem, threads = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True), \
+            mma_backward.threads_per_block("dkdv", bn)
     optin, per_sm = _device_smem()
     if smem > optin:
         return "kernel", None, kernel + (f"the splits' {bn}-key dkdv needs {smem} B of shared memory, this GPU "
@@ -176,7 +183,7 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool) -> tuple:
     if max_splits < 1:
         return "kernel", None, kernel + (f"one fp32 plane of dQ ({plane} B) exceeds the splits' scratch budget "
                                          f"({mma_backward.DQ_SCRATCH_MAX_BYTES} B)")
-    slots = _dq_slots(mma_backward.threads_per_block("dkdv", bn), smem, per_sm)
+    slots = _dq_slots(threads, smem, per_sm)
     splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots,
                                            max_splits)
     if ratio > mma_backward.SPLITS_SLOWER_OK:
@@ -218,13 +225,16 @@ def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
     reasons = [
         "tf32x3 backward: fp32 on tensor cores (mma.sync m16n8k8 tf32, each fp32 product as 3 tf32 products: "
         "fp32-level accuracy, as SDPA's memory-efficient fp32 backward); D and L·log2(e), then dK/dV over K/V "
-        "tiles, then dQ over Q tiles (no atomics)",
+        "tiles, and dQ as the dQ lines say",
         f"dkdv: {bn}-key tiles x {bm}-query tiles, {tf32_backward.threads_per_block(bn)} threads, "
         f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory"
         + (f", as {len(passes)} passes ({' then '.join(passes)}: dK and dV together spill at d{hd})"
            if len(passes) > 1 else ""),
         f"dq: {bq}-query tiles x {bk}-key tiles, {tf32_backward.threads_per_block(bq)} threads, "
-        f"{tf32_backward.smem_bytes('dq', bq, bk, hd)} B shared memory",
+        f"{tf32_backward.smem_bytes('dq', bq, bk, hd)} B shared memory"
+        + (f"; dQ in dkdv: {cfg['dkdv_atomic'][0]}-key tiles x {cfg['dkdv_atomic'][1]}-query tiles, "
+           f"{tf32_backward.smem_bytes('dkdv', *cfg['dkdv_atomic'], hd)} B shared memory"
+           if "dkdv_atomic" in cfg else ""),
     ]
     if hd != p.d:
         reasons.append(f"head dim {p.d} is zero-padded to {hd} inside the kernels")
@@ -242,9 +252,9 @@ def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"
         with _on_device(p.device):
             views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v, q))
     family, cfg, reasons = choose_backward(p, kernel, views)
-    if family == "mma":  # after its three kernel lines
+    if family in ("mma", "tf32x3"):  # after its three kernel lines
         with _on_device(p.device):
-            reasons[3:3] = [dq_scheme(p, cfg, det)[2] for det in (True, False)]
+            reasons[3:3] = [dq_scheme(p, cfg, det, family)[2] for det in (True, False)]
     return "\n".join(reasons)
 
 
@@ -352,26 +362,25 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
         dv_obj, dv_dev = arrays.empty_like_kind(kinds[2], v, kv_shape, p.dtype, stream)
         lse_d = arrays.to_device_view(lse, stream, ndim=3)
         grads = (arrays.as_4d(dq_dev), arrays.as_4d(dk_dev), arrays.as_4d(dv_dev))
-        if family == "tf32x3":
-            rows = (p.B * p.H, tf32_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
-            _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            tf32_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
-                                 softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream)
-        elif family == "mma":
+        if family in ("tf32x3", "mma"):
             rows = (p.B * p.H, mma_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
             _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            scheme, splits, _ = dq_scheme(p, cfg, deterministic)
+            scheme, splits, _ = dq_scheme(p, cfg, deterministic, family)
             planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
             shape = (planes * rows[0], rows[1], cfg["head_dim"])
             if scheme == "splits":  # each plane's first launch stores; the convert reads only rows it wrote
                 dq_acc = arrays.empty_like_kind(p.kind, q, shape, "float32", stream)[1]
             else:
                 dq_acc = _zeros_scratch(p.kind, q, shape, stream) if planes else None
-            mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
-                                softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream,
-                                dq_acc=dq_acc, dq_splits=splits)
+            if family == "tf32x3":
+                tf32_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                     softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream,
+                                     dq_acc=dq_acc, dq_splits=splits)
+            else:
+                mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                    softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream,
+                                    dq_acc=dq_acc, dq_splits=splits)
         else:
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(

@@ -216,8 +216,8 @@ TF32_BWD_TABLE = {
     (32, True): {"dkdv": (64, 32), "dq": (128, 32)},
     (64, False): {"dkdv": (128, 64), "dq": (64, 32)},
     (64, True): {"dkdv": (128, 64), "dq": (128, 64)},
-    (128, False): {"dkdv": (128, 32), "dq": (128, 32)},
-    (128, True): {"dkdv": (128, 32), "dq": (128, 32)},
+    (128, False): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
+    (128, True): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
 }
 # (kernel, own, streamed, HEAD_DIM, causal): spill bytes (ptxas 13.0, sm_90) of a shipped tf32x3 config
 # the sweeps measured fastest anyway: d64 dkdv 128x64 14.3 ms vs 128x32 15.9 (unspilled); d128 causal

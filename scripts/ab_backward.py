@@ -8,8 +8,8 @@ slow drift (clocks, temperature) falls on both alike.
 ``numba_flash_old`` (the package's imports are relative, so it loads its own kernels). Per shape and
 mode (deterministic, deterministic=False), each round times one direct ``backward`` call of each
 version (CUDA events, median of --iters calls; the versions alternate which goes first from round to
-round, since 2026-12-01's runs, which timed "before" first every round) and SDPA's flash backward (torch.autograd.grad of a
-retained graph, as a yardstick); the figure is the median over rounds with the min-max spread. Both
+round, since 2026-12-01's runs, which timed "before" first every round) and SDPA's flash backward (memory-efficient
+for fp32; torch.autograd.grad of a retained graph, as a yardstick); the figure is the median over rounds with the min-max spread. Both
 versions' gradients are compared: equal bits are expected where only instruction scheduling changed
 (deterministic mode), and every version is checked against SDPA once. Writes $OUT/ab_backward.json.
 """
@@ -36,6 +36,8 @@ SHAPES = {  # label: (dtype, B, H, N, d, causal)
     "f16 N4096 d64": (torch.float16, 4, 16, 4096, 64, False),
     "bf16 N4096 d128": (torch.bfloat16, 4, 16, 4096, 128, False),
     "f16 N4096 d64 causal": (torch.float16, 4, 16, 4096, 64, True),
+    "f32 N4096 d128": (torch.float32, 4, 16, 4096, 128, False),
+    "f32 N4096 d128 causal": (torch.float32, 4, 16, 4096, 128, True),
 }
 
 
@@ -66,8 +68,9 @@ def main(argv=None):
                     help="set configs.MMA_BWD_TABLE's deterministic_dq of every head dim in the 'after' package: "
                          "how its deterministic mode forms dQ (deterministic splits, or the dq kernel)")
     args = ap.parse_args(argv)
-    if args.after_dq:
-        for cfg in numba_flash.configs.MMA_BWD_TABLE.values():  # the dict backward reads, mutated in place
+    if args.after_dq:  # the dicts backward reads, mutated in place (fp32: entries with a dQ-in-dkdv tile)
+        for cfg in [*numba_flash.configs.MMA_BWD_TABLE.values(),
+                    *(c for c in numba_flash.configs.TF32_BWD_TABLE.values() if "dkdv_atomic" in c)]:
             cfg["deterministic_dq"] = args.after_dq
     old = load_old(args.old)
     versions = {"before": old.backward, "after": numba_flash.backward}
@@ -78,9 +81,11 @@ def main(argv=None):
         q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(4))
         out, lse = numba_flash.forward(q, k, v, causal=causal)
         flops = 2.5 * 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
-        # SDPA flash backward: the yardstick, and the reference gradients
+        # SDPA flash backward (fp32: memory-efficient, which flash does not take): the yardstick and the reference
         qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        backend = torch.nn.attention.SDPBackend
+        with torch.nn.attention.sdpa_kernel(backend.EFFICIENT_ATTENTION if dtype == torch.float32
+                                            else backend.FLASH_ATTENTION):
             o_ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
         ref = torch.autograd.grad(o_ref, (qr, kr, vr), dout, retain_graph=True)
 
@@ -108,7 +113,8 @@ def main(argv=None):
             times["sdpa"].append(time_ms(sdpa, args.iters))
         row = dict(shape=label, check=check, rounds=args.rounds, iters=args.iters, ms={})
         for key, ts in times.items():
-            name = "sdpa flash" if key == "sdpa" else f"{key[0]} {'deterministic' if key[1] else 'deterministic=False'}"
+            yardstick = "sdpa efficient" if dtype == torch.float32 else "sdpa flash"
+            name = yardstick if key == "sdpa" else f"{key[0]} {'deterministic' if key[1] else 'deterministic=False'}"
             ts = sorted(ts)
             med = ts[len(ts) // 2]
             row["ms"][name] = dict(median=med, min=ts[0], max=ts[-1], tflops=flops / med / 1e9)

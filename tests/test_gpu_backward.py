@@ -18,6 +18,7 @@ from gpu_helpers import HAVE_TORCH_CUDA, attention_f64_torch, attention_naive_sa
 
 import numba_flash
 from numba_flash.backward import backward
+from numba_flash.kernels import tf32_backward
 
 pytestmark = [pytest.mark.gpu, needs_gpu,
               pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")]
@@ -81,13 +82,12 @@ def test_backward_error_rule(dtype, Hkv, n_q, n_k, d, causal):
 
 @pytest.mark.parametrize("dtype,d", [("float32", 128), ("float16", 64), ("float16", 128)])
 def test_backward_deterministic(dtype, d):
-    """20 runs, bitwise the same gradients: no atomics (fp32, fp16 d64: the dq kernel), or at fp16 d128 the
-    deterministic splits (every fp32 plane of dQ owned by one block, planes summed in order)."""
+    """20 runs, bitwise the same gradients: no atomics (fp16 d64: the dq kernel), or at d128 (fp16, and fp32's
+    3xTF32) the deterministic splits (every fp32 plane of dQ owned by one block, planes summed in order)."""
     Hkv, causal = (4 if dtype == "float32" else 2), True  # compiled above
     q, k, v, dout = _inputs(2, 4, Hkv, 1000, 1000, d, getattr(torch, dtype), 3)
-    if dtype == "float16":
-        how = numba_flash.explain_backward(q, k, v, causal=causal).splitlines()[3]
-        assert how.startswith("dQ: deterministic splits" if d == 128 else "dQ: a separate dq kernel"), how
+    how = numba_flash.explain_backward(q, k, v, causal=causal).splitlines()[3]
+    assert how.startswith("dQ: deterministic splits" if d == 128 else "dQ: a separate dq kernel"), how
     out, lse = numba_flash.forward(q, k, v, causal=causal)
     first = backward(q, k, v, out, lse, dout, causal=causal)
     for _ in range(20):
@@ -170,6 +170,12 @@ def test_tf32x3_backward_as_accurate_as_simt(Hkv, n_q, n_k, d, causal):
         assert (tf[0][:, :, : n_q - n_k] == 0).all()
     again = backward(q, k, v, out, lse, dout, causal=causal, kernel="tf32x3")
     assert all(torch.equal(a, b) for a, b in zip(tf, again))
+    if "dkdv_atomic" in tf32_backward.config_for(d, causal):  # dQ in dkdv: the atomic grid too
+        atomic = backward(q, k, v, out, lse, dout, causal=causal, kernel="tf32x3", deterministic=False)
+        for name, a, b, r in zip(("dq", "dk", "dv"), atomic, simt, ref[1:]):
+            err, err_simt, mag = _max_err(a, r), _max_err(b, r), r.abs().max().item()
+            print(f"tf32x3 atomic d{d} causal={causal} {name}: {err:.3e}, simt {err_simt:.3e}")
+            assert err <= 2 * err_simt + 1e-6 * mag, f"{name}: tf32x3 atomic {err:.3e} vs simt {err_simt:.3e}"
 
 
 @pytest.mark.parametrize("atomic", [False, True])

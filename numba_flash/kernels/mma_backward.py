@@ -192,8 +192,9 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
 
 
 def convert_signature(dtype: str):
-    return types.void(types.Array(types.float32, 3, "A"), types.Array(types.uint16, 4, "A"), int32, int32, float32,
-                      int32, int32, int32, int32)
+    """dq_acc fp32 planes, dq as 16-bit words (or float32: tf32_backward's dQ-in-dkdv), then the scalars."""
+    out = types.Array(types.float32 if dtype == "float32" else types.uint16, 4, "A")
+    return types.void(types.Array(types.float32, 3, "A"), out, int32, int32, float32, int32, int32, int32, int32)
 
 
 @inline_device
@@ -212,12 +213,15 @@ def convert_source(dtype: str, vec: bool = False):
     """dQ = scale · Σ_p dq_acc[plane p], planes summed in order 0, 1, ... (one plane unless the
     deterministic splits wrote several), rounded to 16 bits: the last step of the dQ-in-dkdv paths.
     A thread converts a pair of columns, or with ``vec`` 8 (two 16-byte loads per plane, one 16-byte
-    store: d % 8 == 0, dq rows 16-byte aligned); the sums are the same either way."""
+    store: d % 8 == 0, dq rows 16-byte aligned); the sums are the same either way. dtype "float32"
+    (tf32_backward): dq stays fp32, two 16-byte stores per 8 columns."""
+    F32 = dtype == "float32"
     pack = ptx.pack_f16x2 if dtype == "float16" else ptx.pack_bf16x2
     ld = ptx.ld_global_nc_v4
     st = ptx.st_global_v4
     VEC = bool(vec)
     from .decode import f32_from_bits
+    from ..vec import bits_from_f32
 
     def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale, n_k, block_n, block_m, causal):
         bh = cuda.blockIdx.y
@@ -242,9 +246,16 @@ def convert_source(dtype: str, vec: bool = False):
                     for j in range(4):
                         acc[j] += f32_from_bits(w[j])
                         acc[4 + j] += f32_from_bits(u[j])
-            st(dq, b * (dq.strides[0] // 2) + h * (dq.strides[1] // 2) + row * (dq.strides[2] // 2) + col,
-               pack(acc[0] * scale, acc[1] * scale), pack(acc[2] * scale, acc[3] * scale),
-               pack(acc[4] * scale, acc[5] * scale), pack(acc[6] * scale, acc[7] * scale))
+            if F32:
+                dst = b * (dq.strides[0] // 4) + h * (dq.strides[1] // 4) + row * (dq.strides[2] // 4) + col
+                st(dq, dst, bits_from_f32(acc[0] * scale), bits_from_f32(acc[1] * scale),
+                   bits_from_f32(acc[2] * scale), bits_from_f32(acc[3] * scale))
+                st(dq, dst + 4, bits_from_f32(acc[4] * scale), bits_from_f32(acc[5] * scale),
+                   bits_from_f32(acc[6] * scale), bits_from_f32(acc[7] * scale))
+            else:
+                st(dq, b * (dq.strides[0] // 2) + h * (dq.strides[1] // 2) + row * (dq.strides[2] // 2) + col,
+                   pack(acc[0] * scale, acc[1] * scale), pack(acc[2] * scale, acc[3] * scale),
+                   pack(acc[4] * scale, acc[5] * scale), pack(acc[6] * scale, acc[7] * scale))
         elif row < n_q:
             x = float32(0.0)
             y = float32(0.0)
@@ -252,10 +263,15 @@ def convert_source(dtype: str, vec: bool = False):
                 if row >= plane_first_row(p, n_q, n_k, block_n, block_m, causal):
                     x += dq_acc[p * n_bh + bh, row, col]
                     y += dq_acc[p * n_bh + bh, row, col + 1]
-            bits = pack(x * scale, y * scale)
-            dq[b, h, row, col] = uint16(bits & 0xFFFF)
-            if col + 1 < d:
-                dq[b, h, row, col + 1] = uint16(bits >> 16)
+            if F32:
+                dq[b, h, row, col] = x * scale
+                if col + 1 < d:
+                    dq[b, h, row, col + 1] = y * scale
+            else:
+                bits = pack(x * scale, y * scale)
+                dq[b, h, row, col] = uint16(bits & 0xFFFF)
+                if col + 1 < d:
+                    dq[b, h, row, col + 1] = uint16(bits >> 16)
 
     return mma_backward_dq_convert
 

@@ -59,8 +59,10 @@ from numba import cuda, float32, int32, types
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX, TF32_BWD_TABLE
+from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
+from ..vec import bits_from_f32
 from ..vec import ld_shared_f32x4 as ld4  # 16-byte shared load
 from . import mma_backward
 from .tf32_forward import LOG2E, head_dim_for, products
@@ -137,12 +139,16 @@ def prep_signature():
     return types.void(io, io, types.Array(types.float32, 3, "A"), rows, rows, int32, int32)
 
 
-def kernel_signature(kernel):
-    """dkdv(q, k, v, do, l2, dd, dk, dv, ...) / dq(q, k, v, do, l2, dd, dq, ...), fp32 arrays."""
+def kernel_signature(kernel, atomic_dq=False, dq_splits=False):
+    """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...),
+    fp32 arrays; dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) when dkdv also adds up dQ (mma_backward's layout)."""
     io = types.Array(types.float32, 4, "A")
     rows = types.Array(types.float32, 2, "A")
     grads = (io, io) if kernel == "dkdv" else (io,)
-    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32)
+    if atomic_dq:
+        grads += (types.Array(types.float32, 3, "A"),)
+    tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
+    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
 def _helpers(THREADS, HEAD_DIM, SWIZZLE):
@@ -293,14 +299,156 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE):
 
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False):
+def dq_warps(block_n, block_m, head_dim):
+    """(query groups, column slices, n-tiles a warp) of the atomic dQ phase: warp w computes dQ_i's 16 rows
+    16 (w mod QG).. and HEAD_DIM / SLICES columns (w div QG)·COLS.., COLS / 8 n-tiles."""
+    warps = block_n // 16
+    qg = max(block_m // 16, 1)
+    slices = max(warps // qg, 1)
+    return qg, slices, head_dim // (8 * slices)
+
+
+def atomic_problems(block_n, block_m, head_dim):
+    """Why the dkdv kernel of these tiles cannot also form dQ (empty when it can)."""
+    qg, slices, dq_tiles = dq_warps(block_n, block_m, head_dim)
+    out = []
+    if (block_n // 16) % qg or dq_tiles < 1 or dq_tiles * 8 * slices != head_dim:
+        out.append(f"{block_n // 16} warps do not tile dQ_i ({block_m} rows = {qg} groups of 16, {head_dim} "
+                   f"columns in whole n-tiles)")
+    if block_n > strides(head_dim)[1]:
+        out.append(f"dS of {block_n} keys does not fit a Q / dO buffer row of {strides(head_dim)[1]} words "
+                   "(the atomic dQ phase stores dS there)")
+    return out
+
+
+def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True):
+    """The atomic dQ phase of the dK/dV kernel (dkdv_source with ATOMIC_DQ; mma_backward's FA2 scheme in
+    3xTF32): dQ_i += dS_i K_j over the block's BLOCK_N keys, added to fp32 scratch.
+
+    (store_ds, add_dq). store_ds: each warp writes its dSᵀ (hi and lo parts, split once for dK) to shared
+    memory in the consumer's fragment order: per (16-query group qg, k-step ks of 8 keys) 32 lanes x 4
+    words, lane L's a0..a3 (dS[g][t], dS[g+8][t], dS[g][t+4], dS[g+8][t+4]) at slot L ^ ((L >> 1) & 4),
+    so add_dq reads a fragment with one 16-byte load (the XOR halves the stores' bank conflicts: 2-way).
+    add_dq: warp w owns query group w mod QG and COLS = HEAD_DIM / SLICES columns. Its n-tile nt's
+    n-index j is column col0 + DQ_TILES·j + nt, so lane g reads B = K[key][col0 + DQ_TILES·g ..] for every
+    n-tile with one 16-byte load, and its accumulators cover 2·DQ_TILES adjacent columns of rows g, g + 8:
+    red.global.add.v4.f32 (sm_90; VECTOR_RED) or scalar adds, st.global where ``first`` (the deterministic
+    splits' first launch). Each pair of k-steps starts from zero and is added by an FADD (the tensor core
+    truncates its accumulation, tf32_forward)."""
+    QG, SLICES, DQ_TILES = dq_warps(BLOCK_N, BLOCK_M, HEAD_DIM)
+    bad = atomic_problems(BLOCK_N, BLOCK_M, HEAD_DIM)
+    if bad:
+        raise ValueError("; ".join(bad))
+    KS = BLOCK_N // 8  # k-steps over the block's keys
+    COLS = DQ_TILES * 8
+    M_TILES = BLOCK_M // 8
+    VEC_B = DQ_TILES % 4 == 0  # B by 16-byte loads (else one word per n-tile)
+    WIDE = 2 * DQ_TILES  # adjacent columns a lane holds per row
+    split, mma3 = products(3)
+    red1, red4, st4 = ptx.red_add_f32, ptx.red_add_v4_f32, ptx.st_global_v4
+    red2, st2 = ptx.red_add_v2_f32, ptx.st_global_v2_f32
+    bits = bits_from_f32
+    ZERO = float32(0.0)
+
+    @inline_device
+    def store_ds(smem, s_hi, s_lo, dp, lo, warp, g, t):
+        """dSᵀ of this warp (keys 16w + g (+8), queries 8nt + 2t (+1): dp hi, lo lo) in fragment order."""
+        for nt in range(M_TILES):
+            for r in range(4):
+                lane_c = 4 * (2 * t + (r & 1)) + (g & 3)  # the consumer lane of query 8nt+2t+(r&1), key g
+                slot = lane_c ^ ((lane_c >> 1) & 4)
+                word = (((nt >> 1) * KS + 2 * warp + (r >> 1)) * 32 + slot) * 4 + (nt & 1) + 2 * (g >> 2)
+                smem[s_hi + word] = dp[nt, r]
+                smem[s_lo + word] = lo[nt, r]
+
+    @inline_device
+    def add_dq(smem, s_hi, s_lo, dq_acc, row0, warp, lane, g, t, first):
+        """dQ_i[rows 16qg + g (+8), COLS columns] += dS_i K_j; row0: flat offset of dQ_i's row 0 in dq_acc."""
+        qg = warp % QG
+        col0 = (warp // QG) * COLS
+        a_off = qg * KS * 128 + 4 * (lane ^ ((lane >> 1) & 4))
+        b_lane = SK + t * S1 + col0 + DQ_TILES * g
+        acc = cuda.local.array((DQ_TILES, 4), float32)
+        c = cuda.local.array((DQ_TILES, 4), float32)
+        z = cuda.local.array((2, DQ_TILES), float32)
+        for nt in range(DQ_TILES):
+            for r in range(4):
+                acc[nt, r] = ZERO
+        for kp in range(KS // 2):  # pairs of k-steps: 16 keys
+            for nt in range(DQ_TILES):
+                for r in range(4):
+                    c[nt, r] = ZERO
+            for half in range(2):
+                ks = 2 * kp + half
+                a0, a1, a2, a3 = ld4(smem, s_hi + a_off + ks * 128)
+                l0, l1, l2, l3 = ld4(smem, s_lo + a_off + ks * 128)
+                for kr in range(2):  # keys 8ks + t and 8ks + t + 4
+                    row = b_lane + (8 * ks + 4 * kr) * S1
+                    if VEC_B:
+                        for q4 in range(DQ_TILES // 4):
+                            z[kr, 4 * q4], z[kr, 4 * q4 + 1], z[kr, 4 * q4 + 2], z[kr, 4 * q4 + 3] = ld4(
+                                smem, row + 4 * q4)
+                    else:
+                        for nt in range(DQ_TILES):
+                            z[kr, nt] = smem[row + nt]
+                for nt in range(DQ_TILES):
+                    bh0, bl0 = split(z[0, nt])
+                    bh1, bl1 = split(z[1, nt])
+                    mma3(c, nt, a0, a1, a2, a3, l0, l1, l2, l3, bh0, bh1, bl0, bl1)
+            for nt in range(DQ_TILES):
+                for r in range(4):
+                    acc[nt, r] += c[nt, r]
+        # lane (g, t) holds columns col0 + 2t·DQ_TILES + e of rows g, g + 8, e = j·DQ_TILES + nt: acc[nt, 2·half + j]
+        for half in range(2):
+            off = row0 + (16 * qg + g + 8 * half) * HEAD_DIM + col0 + 2 * t * DQ_TILES  # padded: no bounds checks
+            for e4 in range(0, WIDE, 4 if WIDE >= 4 else 2):
+                if WIDE >= 4:
+                    x0 = acc[e4 % DQ_TILES, 2 * half + e4 // DQ_TILES]
+                    x1 = acc[(e4 + 1) % DQ_TILES, 2 * half + (e4 + 1) // DQ_TILES]
+                    x2 = acc[(e4 + 2) % DQ_TILES, 2 * half + (e4 + 2) // DQ_TILES]
+                    x3 = acc[(e4 + 3) % DQ_TILES, 2 * half + (e4 + 3) // DQ_TILES]
+                    if first:
+                        st4(dq_acc, off + e4, bits(x0), bits(x1), bits(x2), bits(x3))
+                    elif VECTOR_RED:
+                        red4(dq_acc, off + e4, x0, x1, x2, x3)
+                    else:
+                        red1(dq_acc, off + e4, x0)
+                        red1(dq_acc, off + e4 + 1, x1)
+                        red1(dq_acc, off + e4 + 2, x2)
+                        red1(dq_acc, off + e4 + 3, x3)
+                else:  # one n-tile: columns 2t, 2t + 1
+                    x0 = acc[0, 2 * half]
+                    x1 = acc[0, 2 * half + 1]
+                    if first:
+                        st2(dq_acc, off, x0, x1)
+                    elif VECTOR_RED:
+                        red2(dq_acc, off, x0, x1)
+                    else:
+                        red1(dq_acc, off, x0)
+                        red1(dq_acc, off + 1, x1)
+
+    return store_ds, add_dq
+
+
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False, ATOMIC_DQ=False, DQ_SPLITS=0,
+                VECTOR_RED=True):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
 
     GRADS: "dkdv" (both), or "dv" / "dk" alone: a dV pass (Sᵀ and dV only) and a dK pass (the four
     other products), recomputing Sᵀ once more, for tiles where dK and dV together (2 x HEAD_DIM/2
     accumulator registers per lane) would spill. Timed slower than one pass wherever swept
-    (configs.TF32_BWD_TABLE): no shipped tile uses it."""
+    (configs.TF32_BWD_TABLE): no shipped tile uses it.
+
+    ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_backward's dQ-in-dkdv): after dV and dK, a
+    barrier (every warp has read this step's Q and dO buffers), dSᵀ into those buffers (hi parts over dO,
+    lo over Q; atomic_dq_phase), a second barrier, then dQ_i += dS_i K_j added to fp32 scratch dq_acc
+    (one zeroed plane, atomics in any order: deterministic=False). DQ_SPLITS: mma_backward's deterministic
+    splits: 1 = block x adds into plane x (a view of dq_acc from row x·plane_rows), key block kb0 + x;
+    2 = the same, storing (the first launch, into planes nobody zeroed)."""
     DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
+    if ATOMIC_DQ and (GRADS != "dkdv" or SWIZZLE):
+        raise ValueError("the atomic dQ phase is built into the one-pass, padded dkdv kernel only")
+    FIRST_STORES = DQ_SPLITS == 2  # a compile-time constant: the other builds' stores are pruned
     THREADS = threads_per_block(BLOCK_N)
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
@@ -315,6 +463,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False)
     CAUSAL = bool(CAUSAL)
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies of a tile's L2 (or D)
     load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE)
+    if ATOMIC_DQ:
+        store_ds, add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED)
     ex2 = ptx.ex2_approx
     cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -337,7 +487,9 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False)
         elif tid < 2 * ROW_CHUNKS:
             cp_async(smem, SD + st + 4 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS), 16)
 
-    def tf32_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+    @inline_device
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb):
+        """The kernel for key block kb; dq_acc: the plane dQ goes to (ATOMIC_DQ; else unused)."""
         smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -348,7 +500,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False)
         n_kv_heads = k.shape[1]
         b = bh // n_kv_heads
         h_kv = bh - b * n_kv_heads
-        k0 = cuda.blockIdx.x * BLOCK_N
+        k0 = kb * BLOCK_N
         kw = k0 + warp * 16  # this warp's first key
         shift = n_k - n_q  # query i sees key j iff j <= i + shift
 
@@ -425,6 +577,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False)
             if DK:
                 split_all(dp, lo, M_TILES)
                 pattern2(acc_k, dp, lo, smem, q_t + st, col_x, M_TILES)  # dK_w += dSᵀ Q_i
+            if ATOMIC_DQ:
+                cuda.syncthreads()  # every warp has read this step's Q and dO: dS goes over them
+                store_ds(smem, SDO + st, SQ + st, dp, lo, warp, g, t)
+                cuda.syncthreads()
+                row0 = ((b * (group * n_kv_heads) + h_kv * group + hh) * dq_acc.shape[1] + i0) * HEAD_DIM
+                add_dq(smem, SDO + st, SQ + st, dq_acc, row0, warp, lane, g, t, FIRST_STORES)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
         if DV:
@@ -432,6 +590,21 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False)
         if DK:
             store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
 
+    if ATOMIC_DQ and DQ_SPLITS:
+        def tf32_backward_dkdv_splits(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale,
+                                      kb0, plane_rows):
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
+                      scale_log2, scale, kb0 + cuda.blockIdx.x)
+        return tf32_backward_dkdv_splits
+    if ATOMIC_DQ:
+        def tf32_backward_dkdv_atomic(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2,
+                                      scale):
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale,
+                      cuda.blockIdx.x)
+        return tf32_backward_dkdv_atomic
+
+    def tf32_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+        dkdv_body(q, k, v, dout, l2, dd, dk, dv, dk, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x)
     return tf32_backward_dkdv
 
 
@@ -545,11 +718,14 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
     return tf32_backward_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False):
+def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False, atomic_dq=False,
+                  dq_splits=0, vector_red=True):
     """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
-    grads: dkdv_source's GRADS (dkdv only); swizzle=True: the swizzled variant (sweep only)."""
+    grads: dkdv_source's GRADS (dkdv only); swizzle=True: the swizzled variant (sweep only);
+    atomic_dq, dq_splits, vector_red: dkdv_source's ATOMIC_DQ, DQ_SPLITS, VECTOR_RED."""
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads, swizzle)
+        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads, swizzle, atomic_dq, dq_splits,
+                           vector_red)
     return dq_source(block_own, block_streamed, HEAD_DIM, causal, swizzle)
 
 
@@ -562,18 +738,34 @@ def make_prep_kernel():
 
 
 @lru_cache(maxsize=None)
+def make_convert_kernel(vec=False):
+    return cuda.jit(mma_backward.convert_signature("float32"))(mma_backward.convert_source("float32", vec))
+
+
+@lru_cache(maxsize=None)
 def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
-                swizzle=False):
-    """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once."""
+                swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True):
+    """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once.
+    atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch (red.global.add.v4.f32 with
+    vector_red, sm_90+, else scalar adds); dq_splits: 1 / 2, the deterministic splits' builds (adds /
+    the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS)."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
     if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
         bad.append(f"grads={grads!r}: one of {GRADS}, and only the dkdv kernel splits")
+    if atomic_dq and (kernel != "dkdv" or grads != "dkdv" or swizzle):
+        bad.append(f"atomic dQ is built into the one-pass padded dkdv kernel only, not {kernel} grads={grads!r} "
+                   f"swizzle={swizzle}")
+    elif atomic_dq and not bad:
+        bad += atomic_problems(block_own, block_streamed, HEAD_DIM)
+    if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
+        bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True)")
     if bad:
         raise ValueError(f"tf32 backward {kernel} ({block_own}, {block_streamed}, {HEAD_DIM}) cannot be built: "
                          f"{'; '.join(bad)}")
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    return cuda.jit(kernel_signature(kernel), **cap)(kernel_source(kernel, block_own, block_streamed, HEAD_DIM,
-                                                                   bool(causal), grads, bool(swizzle)))
+    source = kernel_source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), grads, bool(swizzle),
+                           bool(atomic_dq), int(dq_splits), bool(vector_red))
+    return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(source)
 
 
 # --------------------------------------------------------------------------------------------
@@ -588,13 +780,15 @@ def config_for(d, causal):
 
 
 def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,
-           kernels=("prep", "dkdv", "dq")):
+           kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None):
     """Run prep, dkdv and dq on float32 device arrays; the caller has validated the problem and layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d); q, k, v, dout with unit last
     stride, other strides multiples of 16 B and 16-byte aligned data (cp.async); lse (B, H, Nq) fp32;
     l2, dd: C-contiguous fp32 scratch (B·H, padded_rows(Nq)). config: as config_for(d, causal) returns it
-    (default). Nq, Nk > 0. kernels: which of the three run (dkdv and dq read prep's scratch)."""
+    (default). Nq, Nk > 0. kernels: which of the three run (dkdv and dq read prep's scratch).
+    dq_acc, dq_splits: as mma_backward.launch (the dkdv tile config["dkdv_atomic"] then forms dQ: one
+    zeroed plane with atomics, or dq_splits planes, and a convert kernel replaces the dq kernel)."""
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     config = config_for(d, causal) if config is None else config
@@ -603,18 +797,53 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     swz = bool(config.get("swizzle", False))
+    atomic = dq_acc is not None
     if "prep" in kernels:
         rows = mma_backward.PREP_ROWS
         launch_kernel(make_prep_kernel(), (l2.shape[1] // rows, B * H), rows * mma_backward.PREP_LANES, stream, 0,
                       out, dout, lse, l2, dd, n_q, d)
-    if "dkdv" in kernels:
+    if atomic:
+        if "dkdv_atomic" not in config:
+            raise ValueError(f"dq_acc given but the config has no dkdv_atomic tile: {config}")
+        bn, bm = config["dkdv_atomic"]
+        n_kb = (n_k + bn - 1) // bn
+        if (tuple(dq_acc.shape) != ((dq_splits or 1) * B * H, l2.shape[1], head_dim)
+                or tuple(dq_acc.strides) != (l2.shape[1] * head_dim * 4, head_dim * 4, 4)):
+            raise ValueError(f"dq_acc has shape {tuple(dq_acc.shape)}, strides {tuple(dq_acc.strides)}; dq_splits="
+                             f"{dq_splits} needs a C-contiguous fp32 array of shape ({(dq_splits or 1) * B * H}, "
+                             f"{l2.shape[1]}, {head_dim}) (planes of B·H = {B * H} heads, padded rows, HEAD_DIM)")
+        if dq_splits is not None and not 1 <= dq_splits <= n_kb:
+            raise ValueError(f"dq_splits={dq_splits}: 1 <= dq_splits <= {n_kb} key blocks")
+    elif dq_splits is not None:
+        raise ValueError(f"dq_splits={dq_splits} needs dq_acc")
+    if "dkdv" in kernels and atomic:
+        scalar_red = {} if ptx.current_sm90() else {"vector_red": False}  # passed only when off (cache key)
+        threads, smem = threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim)
+        if dq_splits is None:  # one launch: a block per key block, all adding into plane 0
+            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **scalar_red),
+                          (n_kb, B * Hkv), threads, stream, smem, q, k, v, dout, l2, dd, dk, dv, dq_acc, *scalars)
+        else:  # a launch per dq_splits key blocks, block x of each into plane x: stream order orders the adds
+            for kb0 in range(0, n_kb, dq_splits):  # the first launch stores: nobody zeroed the planes
+                kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True,
+                                     dq_splits=2 if kb0 == 0 else 1, **scalar_red)
+                launch_kernel(kernel, (min(dq_splits, n_kb - kb0), B * Hkv), threads, stream, smem,
+                              q, k, v, dout, l2, dd, dk, dv, dq_acc, *scalars, kb0, B * H)
+    elif "dkdv" in kernels:
         bn, bm = config["dkdv"]
         for grads in config.get("dkdv_passes", ("dkdv",)):
             launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swz),
                           ((n_k + bn - 1) // bn, B * Hkv), threads_per_block(bn), stream,
                           smem_bytes("dkdv", bn, bm, head_dim, swz),
                           q, k, v, dout, l2, dd, dk, dv, *scalars)
-    if "dq" in kernels:
+    if "dq" in kernels and atomic:
+        vec = d % 8 == 0 and dq.strides[-1] == 4 and all(x % 16 == 0 for x in dq.strides[:-1]) \
+            and address(dq) % 16 == 0
+        threads = 256
+        per_row = d // 8 if vec else (d + 1) // 2  # threads per row: 8 columns, or a pair, each
+        launch_kernel(make_convert_kernel(**({"vec": True} if vec else {})),
+                      ((n_q * per_row + threads - 1) // threads, B * H), threads, stream, 0,
+                      dq_acc, dq, n_q, d, float32(softmax_scale), n_k, bn, bm, int(bool(causal)))
+    elif "dq" in kernels:
         bm, bn = config["dq"]
         launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz), ((n_q + bm - 1) // bm, B * H),
                       threads_per_block(bm), stream, smem_bytes("dq", bm, bn, head_dim, swz),
