@@ -170,7 +170,8 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     if p.B * p.H * p.n_q * p.n_k == 0:
         return "kernel", None, kernel + "an empty problem (no kernel runs)"
     if family == "tf32x3":
-        smem, threads = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"]), tf32_backward.threads_per_block(bn)
+        smem = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], atomic_dq=True)
+        threads = tf32_backward.threads_per_block(bn)
     else:
         smem, threads = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True), \
             mma_backward.threads_per_block("dkdv", bn)
@@ -233,7 +234,7 @@ def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
         f"dq: {bq}-query tiles x {bk}-key tiles, {tf32_backward.threads_per_block(bq)} threads, "
         f"{tf32_backward.smem_bytes('dq', bq, bk, hd)} B shared memory"
         + (f"; dQ in dkdv: {cfg['dkdv_atomic'][0]}-key tiles x {cfg['dkdv_atomic'][1]}-query tiles, "
-           f"{tf32_backward.smem_bytes('dkdv', *cfg['dkdv_atomic'], hd)} B shared memory"
+           f"{tf32_backward.smem_bytes('dkdv', *cfg['dkdv_atomic'], hd, atomic_dq=True)} B shared memory"
            if "dkdv_atomic" in cfg else ""),
     ]
     if hd != p.d:

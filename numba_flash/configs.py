@@ -212,10 +212,10 @@ TF32_TABLE = {
 # "dkdv_passes": run dkdv as separate launches per gradient (("dv", "dk")): slower wherever timed; kept
 # for the sweep.
 TF32_BWD_TABLE = {
-    (32, False): {"dkdv": (128, 64), "dq": (128, 32)},
-    (32, True): {"dkdv": (64, 32), "dq": (128, 32)},
-    (64, False): {"dkdv": (128, 64), "dq": (64, 32)},
-    (64, True): {"dkdv": (128, 64), "dq": (128, 64)},
+    (32, False): {"dkdv": (128, 64), "dq": (128, 32), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    (32, True): {"dkdv": (64, 32), "dq": (128, 32), "dkdv_atomic": (64, 32), "deterministic_dq": "splits"},
+    (64, False): {"dkdv": (128, 64), "dq": (64, 32), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    (64, True): {"dkdv": (128, 64), "dq": (128, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
     (128, False): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
     (128, True): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
 }

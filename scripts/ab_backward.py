@@ -38,6 +38,10 @@ SHAPES = {  # label: (dtype, B, H, N, d, causal)
     "f16 N4096 d64 causal": (torch.float16, 4, 16, 4096, 64, True),
     "f32 N4096 d128": (torch.float32, 4, 16, 4096, 128, False),
     "f32 N4096 d128 causal": (torch.float32, 4, 16, 4096, 128, True),
+    "f32 N4096 d64": (torch.float32, 4, 16, 4096, 64, False),
+    "f32 N4096 d64 causal": (torch.float32, 4, 16, 4096, 64, True),
+    "f32 N4096 d32": (torch.float32, 4, 16, 4096, 32, False),
+    "f32 N4096 d32 causal": (torch.float32, 4, 16, 4096, 32, True),
 }
 
 

@@ -61,14 +61,16 @@ def main() -> int:
         out, lse = reference.standard_attention(q, k, v, causal=causal)
         out = out.astype(dtype)
         lse = lse.astype(np.float32)
-        grads = numba_flash.backward(q, k, v, out, lse, do, causal=causal)
         refs = reference.attention_backward(q, k, v, out, lse, do, causal=causal)
-        err = max(float(np.abs(g.astype(np.float64) - r).max() / max(1.0, np.abs(r).max())) for g, r in zip(grads, refs))
-        ok = err < (1e-4 if dtype == "float32" else 2e-2)
-        bad += not ok
-        family = numba_flash.explain_backward(q, k, v, causal=causal).split(" ")[0]
-        print(f"backward {family:6s} {dtype} B{B} H{H}/{Hkv} Nq{n_q} Nk{n_k} d{d} causal={causal}: "
-              f"max rel err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+        for det in (True, False):  # the dQ paths: dq kernel or deterministic splits, and the atomic grid
+            grads = numba_flash.backward(q, k, v, out, lse, do, causal=causal, deterministic=det)
+            err = max(float(np.abs(g.astype(np.float64) - r).max() / max(1.0, np.abs(r).max()))
+                      for g, r in zip(grads, refs))
+            ok = err < (1e-4 if dtype == "float32" else 2e-2)
+            bad += not ok
+            family = numba_flash.explain_backward(q, k, v, causal=causal).split(" ")[0]
+            print(f"backward {family:6s} {dtype} B{B} H{H}/{Hkv} Nq{n_q} Nk{n_k} d{d} causal={causal} "
+                  f"deterministic={det}: max rel err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
     for dtype in (("float32", "float16") if only in (None, "decode") else ()):  # decode: ragged, GQA 4, 2 queries
         q = rng.standard_normal((2, 8, 2, 128)).astype(dtype)
         kc = rng.standard_normal((2, 2, 300, 128)).astype(dtype)

@@ -153,7 +153,8 @@ def problems(kernel: str, block_own: int, block_streamed: int, head_dim: int, dt
 # Kernel sources
 # --------------------------------------------------------------------------------------------
 def prep_signature(dtype: str):
-    io = types.Array(types.float16 if dtype == "float16" else types.uint16, 4, "A")
+    """out, dout as float16 / uint16 (bf16 bits) / float32 (tf32_backward), lse, then the scratch rows."""
+    io = types.Array({"float16": types.float16, "float32": types.float32}.get(dtype, types.uint16), 4, "A")
     rows = types.Array(types.float32, 2, "A")
     return types.void(io, io, types.Array(types.float32, 3, "A"), rows, rows, int32, int32)
 
@@ -284,10 +285,13 @@ VEC_THREADS = 256
 
 
 def prep_vec_source(dtype: str, head_dim: int):
-    """``prep`` reading 16-byte chunks: HEAD_DIM / 8 lanes per row, each one chunk of O and of dO (columns
-    past d are read as the zeros the caller guarantees are not there: d % 8 == 0, so a chunk is all data or
-    past d and skipped), the row's sum by shuffles. VEC_THREADS / (HEAD_DIM / 8) rows per block."""
-    LANES = head_dim // 8
+    """``prep`` reading 16-byte chunks: HEAD_DIM / PER lanes per row (PER = 8 16-bit or 4 fp32 elements a
+    chunk), each one chunk of O and of dO (d % PER == 0, so a chunk is all data or past d and skipped), the
+    row's sum by shuffles. VEC_THREADS / LANES rows per block."""
+    F32 = dtype == "float32"
+    PER = 4 if F32 else 8  # elements per 16-byte chunk ...
+    ITEM = 4 if F32 else 2  # ... of this many bytes
+    LANES = head_dim // PER
     ROWS = VEC_THREADS // LANES
     BF16 = dtype == "bfloat16"
     ld = ptx.ld_global_nc_v4
@@ -312,14 +316,18 @@ def prep_vec_source(dtype: str, head_dim: int):
         h = bh - b * out.shape[1]
         row = cuda.blockIdx.x * ROWS + r
         acc = ZERO
-        if row < n_q and c * 8 < d:
-            o = ld(out, b * (out.strides[0] // 2) + h * (out.strides[1] // 2) + row * (out.strides[2] // 2) + c * 8)
-            g = ld(dout, b * (dout.strides[0] // 2) + h * (dout.strides[1] // 2) + row * (dout.strides[2] // 2)
-                   + c * 8)
+        if row < n_q and c * PER < d:
+            o = ld(out, b * (out.strides[0] // ITEM) + h * (out.strides[1] // ITEM) + row * (out.strides[2] // ITEM)
+                   + c * PER)
+            g = ld(dout, b * (dout.strides[0] // ITEM) + h * (dout.strides[1] // ITEM)
+                   + row * (dout.strides[2] // ITEM) + c * PER)
             for i in range(4):
-                o0, o1 = pair(o[i])
-                g0, g1 = pair(g[i])
-                acc = cuda.fma(o1, g1, cuda.fma(o0, g0, acc))
+                if F32:
+                    acc = cuda.fma(f32_from_bits(o[i]), f32_from_bits(g[i]), acc)
+                else:
+                    o0, o1 = pair(o[i])
+                    g0, g1 = pair(g[i])
+                    acc = cuda.fma(o1, g1, cuda.fma(o0, g0, acc))
         m = 1
         while m < LANES:  # the row's lanes are neighbours in one warp
             acc += shfl(FULL, acc, m)
@@ -1345,16 +1353,17 @@ def make_convert_kernel(dtype: str, vec: bool = False):
 
 @lru_cache(maxsize=None)
 def make_prep_vec_kernel(dtype: str, head_dim: int):
-    """(kernel, rows per block) of the vector prep."""
-    if dtype not in DTYPES or head_dim not in (64, 128):
-        raise ValueError(f"vector prep: dtype {dtype!r} not in {DTYPES} or head dim {head_dim} not 64 / 128")
+    """(kernel, rows per block) of the vector prep (float32 too: tf32_backward's)."""
+    if dtype not in (*DTYPES, "float32") or head_dim not in ((32, 64, 128) if dtype == "float32" else (64, 128)):
+        raise ValueError(f"vector prep: dtype {dtype!r} not in {DTYPES + ('float32',)} or head dim {head_dim} not "
+                         "64 / 128 (32 too for float32)")
     source, rows = prep_vec_source(dtype, head_dim)
     return cuda.jit(prep_signature(dtype))(source), rows
 
 
-def _rows16(x) -> bool:
-    """Unit-stride 16-bit rows, other strides multiples of 16 B, 16-byte aligned data: 16-byte vector access."""
-    return x.strides[-1] == 2 and all(st % 16 == 0 for st in x.strides[:-1]) and address(x) % 16 == 0
+def rows16(x) -> bool:
+    """Unit-stride rows, other strides multiples of 16 B, 16-byte aligned data: 16-byte vector access."""
+    return x.strides[-1] == x.dtype.itemsize and all(st % 16 == 0 for st in x.strides[:-1]) and address(x) % 16 == 0
 
 
 @lru_cache(maxsize=None)
@@ -1476,7 +1485,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     partial = {"partial_chunk": True} if d % 8 else {}  # a part-data chunk per row (the sources' PARTIAL_CHUNK)
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     atomic = dq_acc is not None
-    vec = d % 8 == 0 and all(_rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
+    vec = d % 8 == 0 and all(rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
     if "prep" in kernels and vec:
         kernel, rows = make_prep_vec_kernel(dtype, head_dim)
         launch_kernel(kernel, (l2.shape[1] // rows, B * H), VEC_THREADS, stream, 0, out, dout, lse, l2, dd, n_q, d)

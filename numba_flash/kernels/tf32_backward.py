@@ -59,7 +59,6 @@ from numba import cuda, float32, int32, types
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX, TF32_BWD_TABLE
-from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..vec import bits_from_f32
@@ -104,9 +103,18 @@ def stage_words(kernel, block_streamed, HEAD_DIM, swizzle=False):
     return block_streamed * (s1 + s2)
 
 
-def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, swizzle=False):
-    """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer)."""
-    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM, swizzle))
+def ds_in_stage(block_n, HEAD_DIM):
+    """Whether the atomic dQ phase's dS (hi and lo, BLOCK_M x BLOCK_N words each) goes over the step's Q and
+    dO buffers (rows of S2 >= BLOCK_N words: no extra shared memory, one more barrier) or a region of its own."""
+    return block_n <= strides(HEAD_DIM)[1]
+
+
+def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, swizzle=False, atomic_dq=False):
+    """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer);
+    with atomic_dq (dkdv), dS's own region where it does not fit the stage (ds_in_stage)."""
+    ds = 2 * block_streamed * block_own if atomic_dq and not ds_in_stage(block_own, HEAD_DIM) else 0
+    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM, swizzle)
+                + ds)
 
 
 def problems(kernel, block_own, block_streamed, HEAD_DIM):
@@ -134,9 +142,7 @@ def problems(kernel, block_own, block_streamed, HEAD_DIM):
 # Kernel sources
 # --------------------------------------------------------------------------------------------
 def prep_signature():
-    io = types.Array(types.float32, 4, "A")
-    rows = types.Array(types.float32, 2, "A")
-    return types.void(io, io, types.Array(types.float32, 3, "A"), rows, rows, int32, int32)
+    return mma_backward.prep_signature("float32")
 
 
 def kernel_signature(kernel, atomic_dq=False, dq_splits=False):
@@ -315,9 +321,9 @@ def atomic_problems(block_n, block_m, head_dim):
     if (block_n // 16) % qg or dq_tiles < 1 or dq_tiles * 8 * slices != head_dim:
         out.append(f"{block_n // 16} warps do not tile dQ_i ({block_m} rows = {qg} groups of 16, {head_dim} "
                    f"columns in whole n-tiles)")
-    if block_n > strides(head_dim)[1]:
-        out.append(f"dS of {block_n} keys does not fit a Q / dO buffer row of {strides(head_dim)[1]} words "
-                   "(the atomic dQ phase stores dS there)")
+    if smem_bytes("dkdv", block_n, block_m, head_dim, atomic_dq=True) > SMEM_PER_BLOCK_MAX:
+        out.append(f"{smem_bytes('dkdv', block_n, block_m, head_dim, atomic_dq=True)} B of shared memory with dS's "
+                   f"region > {SMEM_PER_BLOCK_MAX}")
     return out
 
 
@@ -439,9 +445,11 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
     accumulator registers per lane) would spill. Timed slower than one pass wherever swept
     (configs.TF32_BWD_TABLE): no shipped tile uses it.
 
-    ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_backward's dQ-in-dkdv): after dV and dK, a
-    barrier (every warp has read this step's Q and dO buffers), dSᵀ into those buffers (hi parts over dO,
-    lo over Q; atomic_dq_phase), a second barrier, then dQ_i += dS_i K_j added to fp32 scratch dq_acc
+    ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_backward's dQ-in-dkdv): after dV and dK, dSᵀ into
+    shared memory (atomic_dq_phase), a barrier, then dQ_i += dS_i K_j added to fp32 scratch dq_acc. dS goes
+    over this step's dO (hi parts) and Q (lo) buffers where it fits (ds_in_stage: d128, no room for more),
+    after a barrier that says every warp has read them; else into a region of its own after the stages
+    (the barrier at the top of the next step keeps it until every warp has read it)
     (one zeroed plane, atomics in any order: deterministic=False). DQ_SPLITS: mma_backward's deterministic
     splits: 1 = block x adds into plane x (a view of dq_acc from row x·plane_rows), key block kb0 + x;
     2 = the same, storing (the first launch, into planes nobody zeroed)."""
@@ -465,6 +473,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
     load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE)
     if ATOMIC_DQ:
         store_ds, add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED)
+    DS_IN_STAGE = ds_in_stage(BLOCK_N, HEAD_DIM)
+    SDS = STAGE0 + 2 * STAGE  # dS's own region (hi, then lo) where it does not fit the stage
     ex2 = ptx.ex2_approx
     cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -578,11 +588,15 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
                 split_all(dp, lo, M_TILES)
                 pattern2(acc_k, dp, lo, smem, q_t + st, col_x, M_TILES)  # dK_w += dSᵀ Q_i
             if ATOMIC_DQ:
-                cuda.syncthreads()  # every warp has read this step's Q and dO: dS goes over them
-                store_ds(smem, SDO + st, SQ + st, dp, lo, warp, g, t)
+                if DS_IN_STAGE:
+                    s_hi, s_lo = SDO + st, SQ + st
+                    cuda.syncthreads()  # every warp has read this step's Q and dO: dS goes over them
+                else:
+                    s_hi, s_lo = SDS, SDS + BLOCK_M * BLOCK_N
+                store_ds(smem, s_hi, s_lo, dp, lo, warp, g, t)
                 cuda.syncthreads()
                 row0 = ((b * (group * n_kv_heads) + h_kv * group + hh) * dq_acc.shape[1] + i0) * HEAD_DIM
-                add_dq(smem, SDO + st, SQ + st, dq_acc, row0, warp, lane, g, t, FIRST_STORES)
+                add_dq(smem, s_hi, s_lo, dq_acc, row0, warp, lane, g, t, FIRST_STORES)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
         if DV:
@@ -798,7 +812,11 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     swz = bool(config.get("swizzle", False))
     atomic = dq_acc is not None
-    if "prep" in kernels:
+    if "prep" in kernels and d % 4 == 0 and mma_backward.rows16(out) and mma_backward.rows16(dout):
+        kernel, rows = mma_backward.make_prep_vec_kernel("float32", head_dim)  # 16-byte loads
+        launch_kernel(kernel, (l2.shape[1] // rows, B * H), mma_backward.VEC_THREADS, stream, 0,
+                      out, dout, lse, l2, dd, n_q, d)
+    elif "prep" in kernels:
         rows = mma_backward.PREP_ROWS
         launch_kernel(make_prep_kernel(), (l2.shape[1] // rows, B * H), rows * mma_backward.PREP_LANES, stream, 0,
                       out, dout, lse, l2, dd, n_q, d)
@@ -818,7 +836,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         raise ValueError(f"dq_splits={dq_splits} needs dq_acc")
     if "dkdv" in kernels and atomic:
         scalar_red = {} if ptx.current_sm90() else {"vector_red": False}  # passed only when off (cache key)
-        threads, smem = threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim)
+        threads, smem = threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True)
         if dq_splits is None:  # one launch: a block per key block, all adding into plane 0
             launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **scalar_red),
                           (n_kb, B * Hkv), threads, stream, smem, q, k, v, dout, l2, dd, dk, dv, dq_acc, *scalars)
@@ -836,8 +854,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
                           smem_bytes("dkdv", bn, bm, head_dim, swz),
                           q, k, v, dout, l2, dd, dk, dv, *scalars)
     if "dq" in kernels and atomic:
-        vec = d % 8 == 0 and dq.strides[-1] == 4 and all(x % 16 == 0 for x in dq.strides[:-1]) \
-            and address(dq) % 16 == 0
+        vec = d % 8 == 0 and mma_backward.rows16(dq)  # 8 columns a thread, two 16-byte stores
         threads = 256
         per_row = d // 8 if vec else (d + 1) // 2  # threads per row: 8 columns, or a pair, each
         launch_kernel(make_convert_kernel(**({"vec": True} if vec else {})),
