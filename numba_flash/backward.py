@@ -154,21 +154,14 @@ def _dq_slots(threads: int, smem: int, smem_per_sm: int) -> int:
 
 def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -> tuple:
     """How the tensor-core backward (family "mma" or "tf32x3") gets dQ: ("atomic", None) for
-    deterministic=False; for the default ("splits", S) where the table allows it, the device has the shared
-    memory, S planes fit in mma_backward.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within
-    SPLITS_SLOWER_OK of the atomic grid's time, else ("kernel", None), the separate dq kernel; and a line
-    saying why. A table entry without a "dkdv_atomic" tile always takes the dq kernel."""
+    deterministic=False; for the default ("splits", S) where the table allows it, S planes fit in
+    mma_backward.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within SPLITS_SLOWER_OK of the
+    atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why. Both modes take
+    the dq kernel where the table has no "dkdv_atomic" tile or the device's blocks lack its shared memory."""
     kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
     if "dkdv_atomic" not in cfg:
         return "kernel", None, kernel + f"the table has no dQ-in-dkdv tile at head dim {cfg['head_dim']}"
     bn, bm = cfg["dkdv_atomic"]
-    if not deterministic:
-        return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
-                                "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
-    if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
-        return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
-    if p.B * p.H * p.n_q * p.n_k == 0:
-        return "kernel", None, kernel + "an empty problem (no kernel runs)"
     if family == "tf32x3":
         smem = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], atomic_dq=True)
         threads = tf32_backward.threads_per_block(bn)
@@ -176,9 +169,16 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
         smem, threads = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True), \
             mma_backward.threads_per_block("dkdv", bn)
     optin, per_sm = _device_smem()
-    if smem > optin:
-        return "kernel", None, kernel + (f"the splits' {bn}-key dkdv needs {smem} B of shared memory, this GPU "
-                                         f"gives a block {optin}")
+    if smem > optin:  # smaller GPUs (sm_86/89: 99 KiB a block, A100: 163): the dq kernel's smaller tiles
+        return "kernel", None, kernel + (f"the dQ-in-dkdv kernel ({bn} keys x {bm} queries) needs {smem} B of "
+                                         f"shared memory, this GPU gives a block {optin}")
+    if not deterministic:
+        return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
+                                "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
+    if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
+        return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
+    if p.B * p.H * p.n_q * p.n_k == 0:
+        return "kernel", None, kernel + "an empty problem (no kernel runs)"
     plane = p.B * p.H * mma_backward.padded_rows(p.n_q) * cfg["head_dim"] * 4
     max_splits = min(mma_backward.MAX_DQ_SPLITS, mma_backward.DQ_SCRATCH_MAX_BYTES // plane)
     if max_splits < 1:
@@ -296,18 +296,20 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             ValueError saying what blocks it; ``explain_backward`` prints the choice and why.
         deterministic: True (default): the same inputs (in the same memory layout: the D pass
             reads 16 bytes at a time only from aligned rows, and adds in another order otherwise)
-            give the same bits every run on the same GPU. The tensor-core path then takes, where
-            configs.MMA_BWD_TABLE says so (d > 64), the GPU has the shared memory, the planes fit
+            give the same bits every run on the same GPU. The tensor-core paths then take, where
+            configs.MMA_BWD_TABLE says so (fp16/bf16 d > 64; configs.TF32_BWD_TABLE: every fp32
+            head dim), the GPU has the shared memory, the planes fit
             1 GiB and enough blocks fill the GPU, FA2's deterministic scheme: the dK/dV kernel also forms dQ
             = dS·K (5 tile products instead of 7) and adds it into S fp32 planes of dQ, block x of
             each of ceil(key blocks / S) launches owning plane x, so every element's adds come
             from one lane in stream order; a last kernel sums the planes in order. S follows the
             GPU's SM count (explain_backward prints it), so other GPUs may round differently.
             Otherwise a separate dQ kernel recomputes S and dP over Q tiles (no atomics).
-            False: FA2's atomic scheme on the tensor-core path: every dK/dV block adds dQ into one
+            False: FA2's atomic scheme on the tensor-core paths: every dK/dV block adds dQ into one
             fp32 buffer with atomic adds (summation order, hence the last bits of dq, vary run to
             run); fp16 B4 H16 N4096 d128 on an H200: 236 vs 230 TFLOP/s through autograd
-            (benchmarks/NOTES.md). The SIMT and tf32x3 paths are deterministic either way.
+            (benchmarks/NOTES.md). Where the device lacks the shared memory, both take the dQ
+            kernel. The SIMT path is deterministic either way.
 
     Returns:
         (dq, dk, dv) with the shape, dtype and kind of q, k and v respectively. For GQA/MQA,

@@ -211,6 +211,11 @@ TF32_TABLE = {
 #   d32:  dkdv 128x64 7.8 vs 64x64 8.4, causal 64x32 4.5 vs 5.0; dq 128x32 5.4 (causal 3.3) vs 64x64 5.4 (3.8)
 # "dkdv_passes": run dkdv as separate launches per gradient (("dv", "dk")): slower wherever timed; kept
 # for the sweep.
+# "dkdv_atomic" / "deterministic_dq" (thirteenth session): dQ formed in the dkdv kernel (the dkdv tile, plus the
+# dQ phase), as MMA_BWD_TABLE's; the dq kernel then does not run. Direct calls vs the dkdv + dq kernels
+# (results/ab-backward-2026-12-01-thirteenth-fp32*.txt; deterministic splits / atomic grid, ms): d128 39.4 /
+# 39.3 vs 55.0 (causal 22.0 / 21.9 vs 30.5), d64 19.9 / 19.5 vs 26.4 (causal 11.3 / 11.0 vs 14.2), d32 12.9 /
+# 12.8 vs 13.4 (causal 6.0 / 5.7 vs 8.0).
 TF32_BWD_TABLE = {
     (32, False): {"dkdv": (128, 64), "dq": (128, 32), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
     (32, True): {"dkdv": (64, 32), "dq": (128, 32), "dkdv_atomic": (64, 32), "deterministic_dq": "splits"},
@@ -223,7 +228,18 @@ TF32_BWD_TABLE = {
 # the sweeps measured fastest anyway: d64 dkdv 128x64 14.3 ms vs 128x32 15.9 (unspilled); d128 causal
 # dkdv 128x32 16.6 ms vs 128x16 19.4 (56 B) (without the mask the same tile does not spill).
 TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 80, ("dkdv", 128, 64, 64, True): 32,
-                     ("dkdv", 128, 32, 128, True): 216}
+                     ("dkdv", 128, 32, 128, True): 216,
+                     # the dQ-in-dkdv builds (thirteenth session): atomic grid, later splits, first split (stores);
+                     # timed faster than the dkdv + dq kernels they replace (results/ab-backward-2026-12-01-
+                     # thirteenth-fp32*.txt), spills and all
+                     ("dkdv-atomic", 128, 64, 64, False): 24, ("dkdv-splits", 128, 64, 64, False): 24,
+                     ("dkdv-splits-first", 128, 64, 64, False): 24,
+                     ("dkdv-atomic", 128, 64, 64, True): 68, ("dkdv-splits", 128, 64, 64, True): 124,
+                     ("dkdv-splits-first", 128, 64, 64, True): 124,
+                     ("dkdv-atomic", 128, 32, 128, False): 32, ("dkdv-splits", 128, 32, 128, False): 24,
+                     ("dkdv-splits-first", 128, 32, 128, False): 24,
+                     ("dkdv-atomic", 128, 32, 128, True): 104, ("dkdv-splits", 128, 32, 128, True): 116,
+                     ("dkdv-splits-first", 128, 32, 128, True): 116}
 # "deterministic_dq": how backward(deterministic=True) forms dQ: "splits" (the dkdv_atomic kernel adding into
 # per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back to the dq kernel where too few
 # blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5). Twelfth session, direct

@@ -19,8 +19,9 @@ SDPA with its flash, memory-efficient and cuDNN backends (each in try/except: an
 dtype or an OOM is recorded as a result), and naive attention (S and P materialised, autograd).
 
 FLOPs: forward F = 4·B·H·N²·d (half for causal); backward = 2.5·F (five N×N×d products against the
-forward's two); fwd+bwd = 3.5·F. numba_flash's deterministic dQ kernel recomputes S and dP (seven
-products in all) but is credited with 2.5·F like everyone else. Time: median of CUDA-event timings
+forward's two); fwd+bwd = 3.5·F. Where numba_flash's deterministic backward takes the separate dQ kernel
+(fp16/bf16 d64), it recomputes S and dP (seven products in all) but is credited with 2.5·F like everyone
+else. Time: median of CUDA-event timings
 of single calls after warm-up (numba_flash.bench.time_call).
 """
 from __future__ import annotations
@@ -84,7 +85,7 @@ def implementations(causal, scale):
     from numba_flash.torch import attention
 
     impls = {"numba_flash": lambda q, k, v: attention(q, k, v, causal=causal)}
-    # deterministic=False: FA2's atomic dQ on the tensor-core path (fp32 runs the deterministic SIMT kernels)
+    # deterministic=False: FA2's atomic dQ on the tensor-core paths (fp16/bf16 mma, fp32 tf32x3)
     impls["numba_flash-atomic"] = lambda q, k, v: attention(q, k, v, causal=causal, deterministic=False)
     for name, backend in bench.sdpa_backends().items():
         if name == "sdpa-math":

@@ -667,6 +667,8 @@ def test_dq_scheme_falls_back_to_the_dq_kernel(monkeypatch):
     monkeypatch.setattr(bwd, "_device_smem", lambda: (99 * 1024, 100 * 1024))
     how, _, why = scheme((4, 16, 4096, 128), (4, 16, 4096, 128))
     assert how == "kernel" and "shared memory" in why, why
+    p = validate(*(np.broadcast_to(np.float16(1), (1, 2, 64, 128)),) * 3)  # deterministic=False as well
+    assert bwd.dq_scheme(p, dict(MMA_BWD_TABLE[128], head_dim=128), False)[0] == "kernel"
     monkeypatch.undo()
     how, _, why = scheme((1, 32, 131072, 128), (1, 8, 131072, 128), causal=True)  # 2 GiB per plane
     assert how == "kernel" and "scratch budget" in why, why

@@ -16,7 +16,7 @@ from numba import config, cuda
 
 import numba_flash
 import reference
-from numba_flash.configs import TF32_BWD_SPILL_OK, TF32_BWD_TABLE
+from numba_flash.configs import SMEM_PER_BLOCK_MAX, TF32_BWD_SPILL_OK, TF32_BWD_TABLE
 from numba_flash.kernels import tf32_backward as tb
 from test_mma_forward import attention_f64
 from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
@@ -76,6 +76,114 @@ def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     check(grads, refs)
     if causal and n_q > n_k:
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# dQ formed in the dK/dV kernel: the atomic grid and the deterministic splits, plane by plane
+# --------------------------------------------------------------------------------------------
+def run_dq_in_dkdv(vals, d, causal, scale, config, splits):
+    """tb.launch with dq_acc: splits None = one zeroed plane (deterministic=False), else that many planes
+    filled with NaN (the first launch must store; the convert must read a plane only from its first row).
+    Returns (grads, planes as (S, B, H, NQ_PAD, HEAD_DIM))."""
+    q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
+    B, H, n_q, _ = vals[0].shape
+    rows = (B * H, tb.padded_rows(n_q))
+    l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
+    grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]
+    planes = splits or 1
+    acc = cuda.to_device(np.full((planes * B * H, rows[1], config["head_dim"]), np.nan if splits else 0.0,
+                                 np.float32))
+    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config,
+              dq_acc=acc, dq_splits=splits)
+    return [g.copy_to_host() for g in grads], acc.copy_to_host().reshape(planes, B, H, rows[1], -1)
+
+
+@in_simulator
+@pytest.mark.parametrize("B,H,Hkv,n_q,n_k,d,causal,tile,splits", [
+    # dS over the step's Q / dO buffers (32 keys <= 40 words a row), 2 n-tiles a warp (red.v4 of 4 columns),
+    # GQA 2, Nq > Nk: 2 splits over 3 key blocks, plane 1 starts at a later row, 11 rows see no key
+    (1, 2, 1, 40, 70, 32, True, (32, 16), 2),
+    # dS in a region of its own (64 keys > 40), 2 query groups x 2 column slices, Nq < Nk, 3 splits of 3
+    pytest.param(1, 1, 1, 30, 150, 20, True, (64, 32), 3, marks=pytest.mark.slow),
+    # deterministic=False: one zeroed plane, 4 warps each one n-tile wide (scalar-pair adds), d 28 -> 32
+    (1, 1, 1, 23, 70, 28, False, (64, 16), None),
+])
+def test_tf32x3_dq_in_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, tile, splits):
+    """Every gradient at fp32 level, and each fp32 plane exactly its own key blocks' dS·K (unscaled) from a
+    float64 reference: a block adding into another's plane, or a key block run twice or never, fails here
+    even where the sum would not."""
+    vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal, seed=n_k)
+    config = {**SMALL, "dkdv_atomic": tile}
+    grads, planes = run_dq_in_dkdv(vals, d, causal, scale, config, splits)
+    check(grads, refs)
+    bn, bm = tile
+    q, k, v, o, lse, do = (x.astype(np.float64) for x in vals)
+    kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
+    keep = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q if causal else np.ones((n_q, n_k), bool)
+    p = np.where(keep, np.exp(np.einsum("bhid,bhjd->bhij", q, kr) * scale - lse[..., None]), 0.0)
+    ds = p * (np.einsum("bhid,bhjd->bhij", do, vr) - (do * o).sum(-1)[..., None])
+    if causal and n_q > n_k:  # rows that see no key: dQ exactly zero
+        assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+    n_kb = -(-n_k // bn)
+    for plane in range(splits or 1):
+        cols = np.zeros(n_k, bool)
+        for kb in range(plane, n_kb, splits or 1):
+            cols[bn * kb: bn * kb + bn] = True
+        want = np.einsum("bhij,bhjd->bhid", ds * cols, kr)
+        first = tb.mma_backward.plane_first_row(plane, n_q, n_k, bn, bm, int(causal)) if splits else 0
+        got = planes[plane][:, :, first:n_q]
+        np.testing.assert_allclose(got[..., :d], want[:, :, first:], atol=2e-6 * max(1.0, np.abs(want).max()),
+                                   err_msg=f"plane {plane}")
+        assert np.all(want[:, :, :first] == 0)  # ... and nothing was to be added before its first row
+        assert np.all(got[..., d:] == 0)  # padded head-dim columns: zeros added (or stored)
+
+
+def test_tf32_dq_scheme(monkeypatch):
+    """backward.dq_scheme for the tf32x3 family: the splits (default) and the atomic grid at the benchmark
+    shape; the dq kernel in both modes on a GPU whose blocks get less shared memory than the dQ-in-dkdv
+    tile needs (A100: 163 KiB) and for a table entry without one."""
+    import importlib
+
+    from numba_flash.api import validate
+
+    bwd = importlib.import_module("numba_flash.backward")  # the module (the package exports the function)
+    x = np.broadcast_to(np.float32(1), (4, 16, 4096, 128))  # no memory: only shapes and dtype are read
+    p = validate(x, x, x)
+    cfg = tb.config_for(128, False)
+    how, splits, why = bwd.dq_scheme(p, cfg, True, "tf32x3")
+    assert how == "splits" and 1 <= splits <= 8 and "5 tile products" in why, why
+    assert bwd.dq_scheme(p, cfg, False, "tf32x3")[0] == "atomic"
+    no_tile = {key: val for key, val in cfg.items() if key != "dkdv_atomic"}
+    assert bwd.dq_scheme(p, no_tile, True, "tf32x3")[0] == bwd.dq_scheme(p, no_tile, False, "tf32x3")[0] == "kernel"
+    monkeypatch.setattr(bwd, "_device_smem", lambda: (163 * 1024, 164 * 1024))
+    for d in (64, 128):
+        y = np.broadcast_to(np.float32(1), (1, 4, 1024, d))
+        for det in (True, False):
+            how, _, why = bwd.dq_scheme(validate(y, y, y), tb.config_for(d, True), det, "tf32x3")
+            assert how == "kernel" and "shared memory" in why, (d, det, why)
+
+
+def test_dq_in_dkdv_layouts():
+    """atomic_dq_phase's warp split and where dS goes, for every shipped tile; and what cannot be built."""
+    for (hd, causal), cfg in TF32_BWD_TABLE.items():
+        if "dkdv_atomic" not in cfg:
+            continue
+        bn, bm = cfg["dkdv_atomic"]
+        qg, slices, dq_tiles = tb.dq_warps(bn, bm, hd)
+        assert qg * slices == bn // 16 and dq_tiles * 8 * slices == hd, (hd, causal)
+        assert not tb.atomic_problems(bn, bm, hd), (hd, causal)
+        # d128's 128 x 32 tile has no room for a dS region: it goes over the step's Q / dO buffers, the
+        # smaller head dims' tiles (64 or 128 keys, more than a 40- or 72-word row) get a region of their own
+        assert tb.ds_in_stage(bn, hd) == (hd == 128), (hd, causal)
+        region = 2 * 4 * bn * bm
+        assert tb.smem_bytes("dkdv", bn, bm, hd) + region > SMEM_PER_BLOCK_MAX or not tb.ds_in_stage(bn, hd)
+        extra = 0 if tb.ds_in_stage(bn, hd) else region
+        assert tb.smem_bytes("dkdv", bn, bm, hd, atomic_dq=True) == tb.smem_bytes("dkdv", bn, bm, hd) + extra
+    assert tb.atomic_problems(128, 64, 128)  # 64-query tiles at d128: 288 KB of shared memory even without dS
+    with pytest.raises(ValueError, match="atomic dQ is built into the one-pass padded dkdv kernel only"):
+        tb.make_kernel("dkdv", 128, 32, 128, False, grads="dv", atomic_dq=True)
+    with pytest.raises(ValueError, match="dq_splits=1"):
+        tb.make_kernel("dq", 128, 32, 128, False, dq_splits=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,12 +251,20 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
 
     ptxas = sys.argv[-1]
     out = []
+    builds = {"dkdv-atomic": 0, "dkdv-splits": 1, "dkdv-splits-first": 2}  # the dQ-in-dkdv builds: dq_splits
     for (hd, causal), cfg in sorted(TF32_BWD_TABLE.items()):
         runs = [("dkdv", grads) for grads in cfg.get("dkdv_passes", ("dkdv",))] + [("dq", "dkdv")]
+        runs += [(name, "dkdv") for name in builds if "dkdv_atomic" in cfg]
         for kernel, grads in runs:
-            own, streamed = cfg[kernel]
-            src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
-            ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
+            if kernel in builds:
+                own, streamed = cfg["dkdv_atomic"]
+                src = tb.kernel_source("dkdv", own, streamed, hd, causal, atomic_dq=True, dq_splits=builds[kernel])
+                sig = tb.kernel_signature("dkdv", True, builds[kernel] > 0)
+            else:
+                own, streamed = cfg[kernel]
+                src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
+                sig = tb.kernel_signature(kernel)
+            ptx, _ = cuda.compile_ptx(src, sig, cc=(9, 0))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(ptx)
             r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True,
@@ -160,6 +276,7 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
                             stack=int(m.group(1)), spills=int(m.group(2)) + int(m.group(3)),
                             registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
                             mma=ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+                            red=ptx.count("red.global.add"), st=ptx.count("st.global.v4.b32"),
                             local=ptx.count("ld.local") + ptx.count("st.local")))
     print(json.dumps(out))
     """
@@ -171,14 +288,21 @@ def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
     configs.TF32_BWD_SPILL_OK, a block's registers within the 64K file, shared memory within 227 KiB."""
     reports = run_compile_child(CHILD, [], tmp_path)
     print(json.dumps(reports, indent=0))
-    assert len(reports) == sum(1 + len(c.get("dkdv_passes", ("dkdv",))) for c in TF32_BWD_TABLE.values())
+    assert len(reports) == sum(1 + len(c.get("dkdv_passes", ("dkdv",))) + 3 * ("dkdv_atomic" in c)
+                               for c in TF32_BWD_TABLE.values())
     for rep in reports:
         where = json.dumps(rep)
         allowed = TF32_BWD_SPILL_OK.get((rep["kernel"], rep["own"], rep["streamed"], rep["hd"], rep["causal"]), 0)
         assert rep["rc"] == 0 and rep["spills"] <= allowed and rep["local"] == 0, where
         assert rep["stack"] == 0 or allowed, where
         assert rep["registers"] * 32 * (rep["own"] // 16) <= 65536, where
-        assert tb.smem_bytes(rep["kernel"], rep["own"], rep["streamed"], rep["hd"]) <= 227 * 1024, where
+        atomic = rep["kernel"].startswith("dkdv-")
+        smem = tb.smem_bytes("dkdv" if atomic else rep["kernel"], rep["own"], rep["streamed"], rep["hd"],
+                             atomic_dq=atomic)
+        assert smem <= 227 * 1024, where
+        # dQ: added by red.global (atomic grid, later splits), stored by the splits' first launch, else neither
+        assert (rep["red"] > 0, rep["st"] > 0) == (rep["kernel"] in ("dkdv-atomic", "dkdv-splits"),
+                                                   rep["kernel"] == "dkdv-splits-first"), where
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,10 +7,13 @@ Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt fro
     dP = dO Vᵀ,   dS = P ∘ (dP − D),   dV = Pᵀ dO,   dK = scale·dSᵀ Q,   dQ = scale·dS K
 
 Every product is formed as in tf32_forward: each fp32 operand split x = hi + lo (tf32 parts), three
-tf32 products lo·hi + hi·lo + hi·hi per fp32 product, small terms first. Three kernels on one
-stream, no atomics (bitwise repeatable), the separate-dQ-kernel scheme of mma_backward:
+tf32 products lo·hi + hi·lo + hi·hi per fp32 product, small terms first. Kernels on one stream, in
+mma_backward's schemes: prep, dkdv and the separate dq kernel below (7 tile products, no atomics), or
+prep and dkdv built with ATOMIC_DQ (dkdv_source, atomic_dq_phase: the dkdv kernel also forms dQ_i +=
+dS_i K_j, 5 tile products, into fp32 planes: one with atomic adds for deterministic=False, or the
+deterministic splits) and mma_backward's convert (dq = scale · the planes summed in order):
 
-1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (mma_backward's prep, row for row, on fp32).
+1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (mma_backward's prep on fp32, by 16-byte loads where the rows allow).
 2. dkdv: one block per (BLOCK_N keys, batch · kv head), warp w owning keys 16w..16w+15; the block
    streams (query head of the group, Q tile) steps, so the GQA sum needs no atomics:
 
