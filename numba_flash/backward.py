@@ -3,8 +3,9 @@
     out, lse = numba_flash.forward(q, k, v, causal=True)
     dq, dk, dv = numba_flash.backward(q, k, v, out, lse, dout, causal=True)
 
-The forward's checks (``api.validate``) plus the backward's own arguments, then three kernels (D,
-dK/dV, dQ): ``kernels.mma_backward`` (tensor cores) for float16/bfloat16 where the forward would
+The forward's checks (``api.validate``) plus the backward's own arguments, then the kernels (D, dK/dV,
+and dQ in the dK/dV kernel or a kernel of its own: ``dq_scheme``): ``kernels.mma_backward`` (tensor
+cores) for float16/bfloat16 where the forward would
 use tensor cores too, ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
 forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch autograd see
 ``numba_flash.torch``.
@@ -166,8 +167,8 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
         smem = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], atomic_dq=True)
         threads = tf32_backward.threads_per_block(bn)
     else:
-        smem, threads = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True), \
-            mma_backward.threads_per_block("dkdv", bn)
+        smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True, fa2=bool(cfg.get("dkdv_fa2")))
+        threads = mma_backward.threads_per_block("dkdv", bn)
     optin, per_sm = _device_smem()
     if smem > optin:  # smaller GPUs (sm_86/89: 99 KiB a block, A100: 163): the dq kernel's smaller tiles
         return "kernel", None, kernel + (f"the dQ-in-dkdv kernel ({bn} keys x {bm} queries) needs {smem} B of "

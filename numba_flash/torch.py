@@ -57,11 +57,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True):
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
     causal alignment and the default scale are those of ``numba_flash.forward``; returns out
     (q's shape and dtype). Gradients flow to q, k and v through ``numba_flash.backward``
-    (fp32 accumulation; fp16/bf16 on tensor cores where ``forward`` would use them, see
-    ``numba_flash.explain_backward``). deterministic=True (default): bitwise repeatable gradients
-    (FA2's deterministic dQ splits, or a separate dQ kernel); False: dq by FA2's atomic adds on the
-    tensor-core path (last bits vary run to run; fp16 d128 3 % faster than the default on an H200),
-    as ``numba_flash.backward``.
+    (fp32 accumulation; fp16/bf16, and fp32 as 3xTF32, on tensor cores where ``forward`` would use
+    them, see ``numba_flash.explain_backward``). deterministic=True (default): bitwise repeatable
+    gradients (FA2's deterministic dQ splits, or a separate dQ kernel); False: dq by FA2's atomic adds
+    on the tensor-core paths (last bits vary run to run; fp16 d128 3 % faster than the default on an
+    H200), as ``numba_flash.backward``.
     Double backward is not supported.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic)

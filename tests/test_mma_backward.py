@@ -645,6 +645,20 @@ def test_gpu_dq_splits(d, causal, dtype, splits, n_q, n_k):
             np.testing.assert_array_equal(a, b)
 
 
+def test_check_dq_acc_names_the_layout_it_needs():
+    """launch()'s check of the dQ-in-dkdv scratch (both families): planes x heads, padded rows, HEAD_DIM,
+    C-contiguous fp32, and 1 <= dq_splits <= key blocks."""
+    ok = np.zeros((3 * 8, 128, 64), np.float32)
+    mma_backward.check_dq_acc(ok, 3, 8, 128, 64, n_kb=5)
+    mma_backward.check_dq_acc(ok[:8], None, 8, 128, 64, n_kb=5)
+    with pytest.raises(ValueError, match=r"needs a C-contiguous fp32 array of shape \(16, 128, 64\)"):
+        mma_backward.check_dq_acc(ok, 2, 8, 128, 64, n_kb=5)
+    with pytest.raises(ValueError, match="strides"):
+        mma_backward.check_dq_acc(np.zeros((24, 128, 128), np.float32)[:, :, ::2], 3, 8, 128, 64, n_kb=5)
+    with pytest.raises(ValueError, match=r"1 <= dq_splits <= 2 key blocks"):
+        mma_backward.check_dq_acc(ok, 3, 8, 128, 64, n_kb=2)
+
+
 def test_dq_scheme_falls_back_to_the_dq_kernel(monkeypatch):
     """backward.dq_scheme keeps the dq kernel where the splits cannot or should not run: a GPU whose blocks
     get less shared memory than the 128-key dkdv needs (sm_86/89: 99 KiB), one fp32 plane of dQ above the

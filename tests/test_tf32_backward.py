@@ -19,6 +19,7 @@ import reference
 from numba_flash.configs import SMEM_PER_BLOCK_MAX, TF32_BWD_SPILL_OK, TF32_BWD_TABLE
 from numba_flash.kernels import tf32_backward as tb
 from test_mma_forward import attention_f64
+from gpu_helpers import needs_gpu
 from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
 
 
@@ -107,15 +108,27 @@ def run_dq_in_dkdv(vals, d, causal, scale, config, splits):
     pytest.param(1, 1, 1, 30, 150, 20, True, (64, 32), 3, marks=pytest.mark.slow),
     # deterministic=False: one zeroed plane, 4 warps each one n-tile wide (scalar-pair adds), d 28 -> 32
     (1, 1, 1, 23, 70, 28, False, (64, 16), None),
+    # the shipped tiles' dQ phase: 4 n-tiles a warp (K by 16-byte loads, two red.v4 a row), 2 query groups x
+    # 2 column slices, dS over the stage (64 keys <= 72 words), head dim 64
+    pytest.param(1, 1, 1, 33, 100, 60, False, (64, 32), 2, marks=pytest.mark.slow),
 ])
 def test_tf32x3_dq_in_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, tile, splits):
     """Every gradient at fp32 level, and each fp32 plane exactly its own key blocks' dS·K (unscaled) from a
     float64 reference: a block adding into another's plane, or a key block run twice or never, fails here
     even where the sum would not."""
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal, seed=n_k)
-    config = {**SMALL, "dkdv_atomic": tile}
+    config = {**SMALL, "dkdv_atomic": tile, "head_dim": tb.head_dim_for(d)}
+    dq_plane_check(vals, refs, scale, d, causal, config, splits)
+
+
+def dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=2e-6):
+    """run_dq_in_dkdv, then the gradients and each plane against float64 (relative to max(1, max |ref|);
+    an indexing bug is O(1)); returns the gradients."""
+    B, H, n_q, _ = vals[0].shape
+    Hkv, n_k = vals[1].shape[1], vals[1].shape[2]
     grads, planes = run_dq_in_dkdv(vals, d, causal, scale, config, splits)
-    check(grads, refs)
+    check(grads, refs, tol)
+    tile = config["dkdv_atomic"]
     bn, bm = tile
     q, k, v, o, lse, do = (x.astype(np.float64) for x in vals)
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
@@ -132,10 +145,29 @@ def test_tf32x3_dq_in_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, tile, splits):
         want = np.einsum("bhij,bhjd->bhid", ds * cols, kr)
         first = tb.mma_backward.plane_first_row(plane, n_q, n_k, bn, bm, int(causal)) if splits else 0
         got = planes[plane][:, :, first:n_q]
-        np.testing.assert_allclose(got[..., :d], want[:, :, first:], atol=2e-6 * max(1.0, np.abs(want).max()),
+        np.testing.assert_allclose(got[..., :d], want[:, :, first:], atol=tol * max(1.0, np.abs(want).max()),
                                    err_msg=f"plane {plane}")
         assert np.all(want[:, :, :first] == 0)  # ... and nothing was to be added before its first row
         assert np.all(got[..., d:] == 0)  # padded head-dim columns: zeros added (or stored)
+    return grads
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d,causal,splits,n_q,n_k", [(128, False, 3, 300, 700), (128, True, 2, 700, 300),
+                                                    (64, True, 4, 300, 700), (64, False, 2, 500, 500),
+                                                    (32, True, 3, 700, 300), (32, False, 2, 300, 700)])
+def test_gpu_tf32x3_dq_splits(d, causal, splits, n_q, n_k):
+    """The shipped dQ-in-dkdv tiles on the GPU with the splits forced (the default picks them by the SM
+    count: at test sizes some head dims take the dq kernel): fp32-level gradients, every plane against
+    float64 (planes NaN until written), and 3 runs bitwise equal."""
+    vals, refs, scale = problem(1, 4, 2, n_q, n_k, d, causal, seed=d + n_q)
+    config = tb.config_for(d, causal)
+    first = dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=1e-5)  # the tensor core truncates
+    for _ in range(3):
+        again, _ = run_dq_in_dkdv(vals, d, causal, scale, config, splits)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_tf32_dq_scheme(monkeypatch):
@@ -172,14 +204,15 @@ def test_dq_in_dkdv_layouts():
         qg, slices, dq_tiles = tb.dq_warps(bn, bm, hd)
         assert qg * slices == bn // 16 and dq_tiles * 8 * slices == hd, (hd, causal)
         assert not tb.atomic_problems(bn, bm, hd), (hd, causal)
-        # d128's 128 x 32 tile has no room for a dS region: it goes over the step's Q / dO buffers, the
-        # smaller head dims' tiles (64 or 128 keys, more than a 40- or 72-word row) get a region of their own
+        # d128's 128 x 32 tile has no room for a dS region (2 x 16 KiB): it goes over the step's Q / dO
+        # buffers; the smaller head dims' tiles (64 or 128 keys, more than a 40- or 72-word row) get their own
         assert tb.ds_in_stage(bn, hd) == (hd == 128), (hd, causal)
-        region = 2 * 4 * bn * bm
-        assert tb.smem_bytes("dkdv", bn, bm, hd) + region > SMEM_PER_BLOCK_MAX or not tb.ds_in_stage(bn, hd)
-        extra = 0 if tb.ds_in_stage(bn, hd) else region
-        assert tb.smem_bytes("dkdv", bn, bm, hd, atomic_dq=True) == tb.smem_bytes("dkdv", bn, bm, hd) + extra
+        if hd == 128:
+            assert tb.smem_bytes("dkdv", bn, bm, hd) + 2 * 4 * bn * bm > SMEM_PER_BLOCK_MAX
+    assert tb.smem_bytes("dkdv", 128, 32, 128, atomic_dq=True) == tb.smem_bytes("dkdv", 128, 32, 128) == 217600
+    assert tb.smem_bytes("dkdv", 128, 64, 64, atomic_dq=True) == 156672 + 65536 <= SMEM_PER_BLOCK_MAX
     assert tb.atomic_problems(128, 64, 128)  # 64-query tiles at d128: 288 KB of shared memory even without dS
+    assert "groups of 16 queries" in tb.atomic_problems(32, 8, 32)[0]  # add_dq reads 16-row fragments of dS
     with pytest.raises(ValueError, match="atomic dQ is built into the one-pass padded dkdv kernel only"):
         tb.make_kernel("dkdv", 128, 32, 128, False, grads="dv", atomic_dq=True)
     with pytest.raises(ValueError, match="dq_splits=1"):

@@ -1346,8 +1346,9 @@ def make_prep_kernel(dtype: str):
 
 @lru_cache(maxsize=None)
 def make_convert_kernel(dtype: str, vec: bool = False):
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
+    """The convert kernel (float32 too: tf32_backward's dq stays fp32)."""
+    if dtype not in (*DTYPES, "float32"):
+        raise ValueError(f"dtype {dtype!r} not in {DTYPES + ('float32',)}")
     return cuda.jit(convert_signature(dtype))(convert_source(dtype, vec))
 
 
@@ -1448,8 +1449,43 @@ def dq_splits(n_q, n_k, block_n, block_m, causal, group, n_kv_heads, slots, max_
 
 
 # --------------------------------------------------------------------------------------------
-# Launcher
+# Launcher (the dQ-in-dkdv helpers serve tf32_backward.launch too)
 # --------------------------------------------------------------------------------------------
+def check_dq_acc(dq_acc, dq_splits, n_bh, nq_pad, head_dim, n_kb):
+    """ValueError unless dq_acc is the C-contiguous fp32 scratch of (dq_splits or 1) planes of n_bh heads,
+    nq_pad rows and head_dim columns, and 1 <= dq_splits <= n_kb key blocks (or None)."""
+    planes = dq_splits or 1
+    if (tuple(dq_acc.shape) != (planes * n_bh, nq_pad, head_dim)
+            or tuple(dq_acc.strides) != (nq_pad * head_dim * 4, head_dim * 4, 4)):
+        raise ValueError(f"dq_acc has shape {tuple(dq_acc.shape)}, strides {tuple(dq_acc.strides)}; dq_splits="
+                         f"{dq_splits} needs a C-contiguous fp32 array of shape ({planes * n_bh}, {nq_pad}, "
+                         f"{head_dim}) (planes of B·H = {n_bh} heads, padded rows, HEAD_DIM)")
+    if dq_splits is not None and not 1 <= dq_splits <= n_kb:
+        raise ValueError(f"dq_splits={dq_splits}: 1 <= dq_splits <= {n_kb} key blocks")
+
+
+def launch_dq_in_dkdv(build, grid_y, threads, smem, stream, args, scalars, n_kb, dq_splits, plane_rows):
+    """The launches of a dkdv kernel that also forms dQ; build(splits) -> its kernel (0: the atomic grid's
+    build; 1 / 2: the deterministic splits' adding / storing builds). dq_splits None: one launch of every key
+    block, all adding into one plane. Else a launch per dq_splits key blocks, block x of each into plane x:
+    stream order orders the adds; the first launch stores, since nobody zeroed the planes."""
+    if dq_splits is None:
+        launch_kernel(build(0), (n_kb, grid_y), threads, stream, smem, *args, *scalars)
+        return
+    for kb0 in range(0, n_kb, dq_splits):
+        launch_kernel(build(2 if kb0 == 0 else 1), (min(dq_splits, n_kb - kb0), grid_y), threads, stream, smem,
+                      *args, *scalars, kb0, plane_rows)
+
+
+def launch_convert(dtype, vec, dq_acc, dq, n_q, d, softmax_scale, n_k, bn, bm, causal, n_bh, stream):
+    """dq = scale · the planes of dq_acc summed in order (convert_source; vec: 8 columns a thread)."""
+    threads = 256
+    per_row = d // 8 if vec else (d + 1) // 2  # threads per row: 8 columns, or a pair, each
+    launch_kernel(make_convert_kernel(dtype, **({"vec": True} if vec else {})),
+                  ((n_q * per_row + threads - 1) // threads, n_bh), threads, stream, 0,
+                  dq_acc, dq, n_q, d, float32(softmax_scale), n_k, bn, bm, int(bool(causal)))
+
+
 def _words(x):
     """The array as 16-bit words (bf16 already arrives as uint16; f16 is reinterpreted)."""
     return x if x.dtype == WORD else x.view(WORD)
@@ -1497,40 +1533,29 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     split = bool(config.get("dkdv_split_d", False)) and not atomic
     fa2 = bool(config.get("dkdv_fa2", False))
     n_kb = (n_k + bn - 1) // bn
-    if atomic and (tuple(dq_acc.shape) != ((dq_splits or 1) * B * H, l2.shape[1], head_dim)
-                   or tuple(dq_acc.strides) != (l2.shape[1] * head_dim * 4, head_dim * 4, 4)):
-        raise ValueError(f"dq_acc has shape {tuple(dq_acc.shape)}, strides {tuple(dq_acc.strides)}; dq_splits="
-                         f"{dq_splits} needs a C-contiguous fp32 array of shape ({(dq_splits or 1) * B * H}, "
-                         f"{l2.shape[1]}, {head_dim}) (planes of B·H = {B * H} heads, padded rows, HEAD_DIM)")
-    if dq_splits is not None and not (atomic and 1 <= dq_splits <= n_kb and not fa2):
-        raise ValueError(f"dq_splits={dq_splits}: needs dq_acc, the dkdv_source layout (not dkdv_fa2) and "
-                         f"1 <= dq_splits <= {n_kb} key blocks")
+    if atomic:
+        check_dq_acc(dq_acc, dq_splits, B * H, l2.shape[1], head_dim, n_kb)
+    if dq_splits is not None and (not atomic or fa2):
+        raise ValueError(f"dq_splits={dq_splits}: needs dq_acc and the dkdv_source layout (not dkdv_fa2)")
     if "dkdv" in kernels:
-        extra = (dq_acc,) if atomic else ()
         # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
         scalar_red = {"vector_red": False} if atomic and not ptx.current_sm90() else {}
         variants = dict(config.get("dkdv_atomic_variants", {})) if atomic else {}
         layout = {"fa2": True} if fa2 else {}  # passed only when on, as above
         build = dict(atomic_dq=atomic, split_d=split, **scalar_red, **layout, **partial, **variants)
-        kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, **build)
         threads = threads_per_block("dkdv", bn, split)
         smem = smem_bytes("dkdv", bn, bm, head_dim, atomic, split, bool(variants.get("dq_deferred")), fa2)
-        if dq_splits is None:  # one launch: a block per key block (atomic: all into plane 0)
-            launch_kernel(kernel, (n_kb, B * Hkv), threads, stream, smem, *words, l2, dd, _words(dk), _words(dv),
-                          *extra, *scalars)
-        else:  # a launch per dq_splits key blocks, block x of each into plane x: stream order orders the adds
-            for kb0 in range(0, n_kb, dq_splits):  # the first launch stores: nobody zeroed the planes
-                kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, dq_splits=2 if kb0 == 0 else 1,
-                                     **build)
-                launch_kernel(kernel, (min(dq_splits, n_kb - kb0), B * Hkv), threads, stream, smem, *words, l2,
-                              dd, _words(dk), _words(dv), dq_acc, *scalars, kb0, B * H)
+        args = (*words, l2, dd, _words(dk), _words(dv))
+        if atomic:
+            launch_dq_in_dkdv(lambda splits: make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, **build,
+                                                         **({"dq_splits": splits} if splits else {})),
+                              B * Hkv, threads, smem, stream, (*args, dq_acc), scalars, n_kb, dq_splits, B * H)
+        else:
+            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), dtype, **build), (n_kb, B * Hkv),
+                          threads, stream, smem, *args, *scalars)
     if atomic:
         if "dq" in kernels:
-            threads = 256
-            per_row = d // 8 if vec else (d + 1) // 2  # threads per row: 8 columns, or a pair, each
-            grid = ((n_q * per_row + threads - 1) // threads, B * H)
-            launch_kernel(make_convert_kernel(dtype, **({"vec": True} if vec else {})), grid, threads, stream, 0,
-                          dq_acc, _words(dq), n_q, d, float32(softmax_scale), n_k, bn, bm, int(bool(causal)))
+            launch_convert(dtype, vec, dq_acc, _words(dq), n_q, d, softmax_scale, n_k, bn, bm, causal, B * H, stream)
         return
     bm, bn = config["dq"]
     if "dq" in kernels:

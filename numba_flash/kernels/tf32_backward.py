@@ -312,14 +312,16 @@ def dq_warps(block_n, block_m, head_dim):
     """(query groups, column slices, n-tiles a warp) of the atomic dQ phase: warp w computes dQ_i's 16 rows
     16 (w mod QG).. and HEAD_DIM / SLICES columns (w div QG)·COLS.., COLS / 8 n-tiles."""
     warps = block_n // 16
-    qg = max(block_m // 16, 1)
-    slices = max(warps // qg, 1)
+    qg = block_m // 16
+    slices = max(warps // max(qg, 1), 1)
     return qg, slices, head_dim // (8 * slices)
 
 
 def atomic_problems(block_n, block_m, head_dim):
     """Why the dkdv kernel of these tiles cannot also form dQ (empty when it can)."""
     qg, slices, dq_tiles = dq_warps(block_n, block_m, head_dim)
+    if block_m % 16 or qg < 1:  # add_dq reads whole 16-row fragments of dS
+        return [f"{block_m}-query steps: the dQ phase needs whole groups of 16 queries"]
     out = []
     if (block_n // 16) % qg or dq_tiles < 1 or dq_tiles * 8 * slices != head_dim:
         out.append(f"{block_n // 16} warps do not tile dQ_i ({block_m} rows = {qg} groups of 16, {head_dim} "
@@ -452,10 +454,10 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
     shared memory (atomic_dq_phase), a barrier, then dQ_i += dS_i K_j added to fp32 scratch dq_acc. dS goes
     over this step's dO (hi parts) and Q (lo) buffers where it fits (ds_in_stage: d128, no room for more),
     after a barrier that says every warp has read them; else into a region of its own after the stages
-    (the barrier at the top of the next step keeps it until every warp has read it)
-    (one zeroed plane, atomics in any order: deterministic=False). DQ_SPLITS: mma_backward's deterministic
-    splits: 1 = block x adds into plane x (a view of dq_acc from row x·plane_rows), key block kb0 + x;
-    2 = the same, storing (the first launch, into planes nobody zeroed)."""
+    (the barrier at the top of the next step keeps it until every warp has read it). Without DQ_SPLITS
+    every block adds into one zeroed plane, atomics in any order (deterministic=False). DQ_SPLITS:
+    mma_backward's deterministic splits: 1 = block x adds into plane x (a view of dq_acc from row
+    x·plane_rows), key block kb0 + x; 2 = the same, storing (the first launch, into planes nobody zeroed)."""
     DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
     if ATOMIC_DQ and (GRADS != "dkdv" or SWIZZLE):
         raise ValueError("the atomic dQ phase is built into the one-pass, padded dkdv kernel only")
@@ -755,11 +757,6 @@ def make_prep_kernel():
 
 
 @lru_cache(maxsize=None)
-def make_convert_kernel(vec=False):
-    return cuda.jit(mma_backward.convert_signature("float32"))(mma_backward.convert_source("float32", vec))
-
-
-@lru_cache(maxsize=None)
 def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
                 swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once.
@@ -790,8 +787,10 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
 # --------------------------------------------------------------------------------------------
 def config_for(d, causal):
     """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
-    "dk")][, "swizzle": False]} (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient
-    (default one, "dkdv"); swizzle=True: the swizzled variant of the both-patterns tiles (sweep A/B)."""
+    "dk")][, "swizzle": False][, "dkdv_atomic": (BLOCK_N, BLOCK_M), "deterministic_dq": "splits" | "kernel"]}
+    (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv");
+    swizzle=True: the swizzled variant of the both-patterns tiles (sweep A/B); dkdv_atomic: the tile of the
+    dkdv kernel that also forms dQ (launch's dq_acc), deterministic_dq: backward.dq_scheme's table choice."""
     head_dim = head_dim_for(d)
     return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
 
@@ -828,27 +827,16 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
             raise ValueError(f"dq_acc given but the config has no dkdv_atomic tile: {config}")
         bn, bm = config["dkdv_atomic"]
         n_kb = (n_k + bn - 1) // bn
-        if (tuple(dq_acc.shape) != ((dq_splits or 1) * B * H, l2.shape[1], head_dim)
-                or tuple(dq_acc.strides) != (l2.shape[1] * head_dim * 4, head_dim * 4, 4)):
-            raise ValueError(f"dq_acc has shape {tuple(dq_acc.shape)}, strides {tuple(dq_acc.strides)}; dq_splits="
-                             f"{dq_splits} needs a C-contiguous fp32 array of shape ({(dq_splits or 1) * B * H}, "
-                             f"{l2.shape[1]}, {head_dim}) (planes of B·H = {B * H} heads, padded rows, HEAD_DIM)")
-        if dq_splits is not None and not 1 <= dq_splits <= n_kb:
-            raise ValueError(f"dq_splits={dq_splits}: 1 <= dq_splits <= {n_kb} key blocks")
+        mma_backward.check_dq_acc(dq_acc, dq_splits, B * H, l2.shape[1], head_dim, n_kb)
     elif dq_splits is not None:
         raise ValueError(f"dq_splits={dq_splits} needs dq_acc")
     if "dkdv" in kernels and atomic:
-        scalar_red = {} if ptx.current_sm90() else {"vector_red": False}  # passed only when off (cache key)
-        threads, smem = threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True)
-        if dq_splits is None:  # one launch: a block per key block, all adding into plane 0
-            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **scalar_red),
-                          (n_kb, B * Hkv), threads, stream, smem, q, k, v, dout, l2, dd, dk, dv, dq_acc, *scalars)
-        else:  # a launch per dq_splits key blocks, block x of each into plane x: stream order orders the adds
-            for kb0 in range(0, n_kb, dq_splits):  # the first launch stores: nobody zeroed the planes
-                kernel = make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True,
-                                     dq_splits=2 if kb0 == 0 else 1, **scalar_red)
-                launch_kernel(kernel, (min(dq_splits, n_kb - kb0), B * Hkv), threads, stream, smem,
-                              q, k, v, dout, l2, dd, dk, dv, dq_acc, *scalars, kb0, B * H)
+        red = {} if ptx.current_sm90() else {"vector_red": False}  # passed only when off (cache key)
+        mma_backward.launch_dq_in_dkdv(
+            lambda splits: make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **red,
+                                       **({"dq_splits": splits} if splits else {})),
+            B * Hkv, threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True), stream,
+            (q, k, v, dout, l2, dd, dk, dv, dq_acc), scalars, n_kb, dq_splits, B * H)
     elif "dkdv" in kernels:
         bn, bm = config["dkdv"]
         for grads in config.get("dkdv_passes", ("dkdv",)):
@@ -857,12 +845,8 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
                           smem_bytes("dkdv", bn, bm, head_dim, swz),
                           q, k, v, dout, l2, dd, dk, dv, *scalars)
     if "dq" in kernels and atomic:
-        vec = d % 8 == 0 and mma_backward.rows16(dq)  # 8 columns a thread, two 16-byte stores
-        threads = 256
-        per_row = d // 8 if vec else (d + 1) // 2  # threads per row: 8 columns, or a pair, each
-        launch_kernel(make_convert_kernel(**({"vec": True} if vec else {})),
-                      ((n_q * per_row + threads - 1) // threads, B * H), threads, stream, 0,
-                      dq_acc, dq, n_q, d, float32(softmax_scale), n_k, bn, bm, int(bool(causal)))
+        mma_backward.launch_convert("float32", d % 8 == 0 and mma_backward.rows16(dq), dq_acc, dq, n_q, d,
+                                    softmax_scale, n_k, bn, bm, causal, B * H, stream)
     elif "dq" in kernels:
         bm, bn = config["dq"]
         launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz), ((n_q + bm - 1) // bm, B * H),
