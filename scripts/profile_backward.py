@@ -1,5 +1,6 @@
-"""Backward calls at issue #6's target shape, for ncu (GPU): the deterministic pair (dkdv, dq)
-and then deterministic=False (dkdv with atomic dQ, then the conversion), one of each.
+"""Backward calls at issue #6's target shape, for ncu (GPU): the default (deterministic: the dkdv and dq
+kernels, or the deterministic splits' dkdv launches and the conversion, as explain_backward says) and then
+deterministic=False (dkdv with atomic dQ, then the conversion), one of each. float32 runs the tf32x3 kernels.
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
         -k regex:backward_dkdv -c 2 python scripts/profile_backward.py float16 [--causal] [--d 64]
