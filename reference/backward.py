@@ -68,7 +68,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_sca
 
 
 def flash_attention_backward(
-    q, k, v, o, lse, do, *, block_q: int, block_k: int, causal: bool = False, softmax_scale=None, dtype=None
+    q, k, v, o, lse, do, *, block_q: int, block_k: int, causal: bool = False, softmax_scale=None, dtype=None,
+    dq_splits: int | None = None, planes: list | None = None,
 ):
     """The FA2 backward: P recomputed tile by tile from the saved L, never an Nq×Nk array.
 
@@ -78,14 +79,23 @@ def flash_attention_backward(
     skipped, diagonal tiles masked) recomputes s_ij and p_ij = exp(s_ij − L_i) and adds the tile's
     share to ``dq`` in memory (atomic adds in a kernel). Arguments and returns as
     :func:`attention_backward`, plus ``block_q``, ``block_k`` (ints >= 1; last blocks may be short).
+
+    ``dq_splits`` (an int >= 1): FA2's deterministic scheme, as the kernels' deterministic splits run it.
+    The shares ds_ij K_j of K/V block j go to plane j mod dq_splits of an unscaled dQ scratch (in a
+    kernel: block x of each launch of dq_splits K/V blocks owns plane x, so every plane's adds arrive
+    in one order), and dq = scale · (plane 0 + plane 1 + ...), summed in that order at the end (the
+    kernels' convert). ``planes``: a list that receives the planes (for comparing a kernel's scratch).
     """
     pr, o, lse_sub, do = _prepare_backward(
         q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype
     )
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
+    if dq_splits is not None:
+        dq_splits = check_positive_int("dq_splits", dq_splits)
     D = np.sum(do * o, axis=-1)
     dq = np.zeros(pr.lead + (pr.n_q, pr.d), dtype=pr.dtype)
+    dq_planes = np.zeros((dq_splits or 0,) + dq.shape, dtype=pr.dtype)
     dk = np.empty(pr.lead + (pr.n_k, pr.d), dtype=pr.dtype)
     dv = np.empty(pr.lead + (pr.n_k, pr.d), dtype=pr.dtype)
 
@@ -106,8 +116,17 @@ def flash_attention_backward(
             dv_j += np.swapaxes(p_ij, -1, -2) @ do_i
             dp_ij = do_i @ np.swapaxes(v_j, -1, -2)
             ds_ij = p_ij * (dp_ij - D[..., q_start:q_stop, None])
-            dq[..., q_start:q_stop, :] += (ds_ij @ k_j) * pr.scale
+            if dq_splits:  # this K/V block's plane, unscaled
+                dq_planes[(k_start // block_k) % dq_splits, ..., q_start:q_stop, :] += ds_ij @ k_j
+            else:
+                dq[..., q_start:q_stop, :] += (ds_ij @ k_j) * pr.scale
             dk_j += np.swapaxes(ds_ij, -1, -2) @ q_i
         dk[..., k_start:k_stop, :] = dk_j * pr.scale  # scale applied once, when dK is written
         dv[..., k_start:k_stop, :] = dv_j
+    for plane in dq_planes:  # planes 0, 1, ... in order
+        dq += plane
+    if dq_splits:
+        dq *= pr.scale
+    if planes is not None:
+        planes.extend(pr.reduce_dq(plane) for plane in dq_planes)
     return pr.reduce_dq(dq), pr.reduce_dkv(dk), pr.reduce_dkv(dv)

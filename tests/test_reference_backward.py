@@ -109,11 +109,22 @@ def backward_problems(draw):
 
 
 @SETTINGS
-@given(problem=backward_problems(), block_q=st.integers(1, 30), block_k=st.integers(1, 30))
-def test_tiled_backward_equals_materialised(problem, block_q, block_k):
+@given(problem=backward_problems(), block_q=st.integers(1, 30), block_k=st.integers(1, 30),
+       dq_splits=st.one_of(st.none(), st.integers(1, 5)))
+def test_tiled_backward_equals_materialised(problem, block_q, block_k, dq_splits):
+    """Any block sizes, and dQ added straight into dq (atomic adds in a kernel) or through any number of
+    planes (the deterministic splits: K/V block j into plane j mod S, planes summed in order)."""
     q, k, v, O, L, do, causal = problem
     ref = attention_backward(q, k, v, O, L, do, causal=causal)
-    tiled = flash_attention_backward(q, k, v, O, L, do, block_q=block_q, block_k=block_k, causal=causal)
+    planes = []
+    tiled = flash_attention_backward(q, k, v, O, L, do, block_q=block_q, block_k=block_k, causal=causal,
+                                     dq_splits=dq_splits, planes=planes)
+    assert len(planes) == (dq_splits or 0)
+    if dq_splits:  # dq is scale · the planes summed in order
+        total = np.zeros_like(tiled[0])
+        for plane in planes:
+            total += plane
+        np.testing.assert_allclose(total / math.sqrt(q.shape[-1]), tiled[0], rtol=1e-12, atol=1e-300)
     tols = backward_tolerance(q, k, v, O, L, do, causal, None)
     for name, r, t, tol, x in zip(("dq", "dk", "dv"), ref, tiled, tols, (q, k, v)):
         assert t.shape == r.shape == x.shape, name

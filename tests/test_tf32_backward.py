@@ -124,25 +124,17 @@ def test_tf32x3_dq_in_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, tile, splits):
 def dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=2e-6):
     """run_dq_in_dkdv, then the gradients and each plane against float64 (relative to max(1, max |ref|);
     an indexing bug is O(1)); returns the gradients."""
-    B, H, n_q, _ = vals[0].shape
-    Hkv, n_k = vals[1].shape[1], vals[1].shape[2]
+    n_q, n_k = vals[0].shape[2], vals[1].shape[2]
     grads, planes = run_dq_in_dkdv(vals, d, causal, scale, config, splits)
     check(grads, refs, tol)
-    tile = config["dkdv_atomic"]
-    bn, bm = tile
-    q, k, v, o, lse, do = (x.astype(np.float64) for x in vals)
-    kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
-    keep = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q if causal else np.ones((n_q, n_k), bool)
-    p = np.where(keep, np.exp(np.einsum("bhid,bhjd->bhij", q, kr) * scale - lse[..., None]), 0.0)
-    ds = p * (np.einsum("bhid,bhjd->bhij", do, vr) - (do * o).sum(-1)[..., None])
+    bn, bm = config["dkdv_atomic"]
     if causal and n_q > n_k:  # rows that see no key: dQ exactly zero
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
-    n_kb = -(-n_k // bn)
+    want_planes = []  # the NumPy mirror of the scheme: K/V block j into plane j mod S, unscaled
+    reference.flash_attention_backward(*(x.astype(np.float64) for x in vals), block_q=bm, block_k=bn, causal=causal,
+                                       softmax_scale=scale, dq_splits=splits or 1, planes=want_planes)
     for plane in range(splits or 1):
-        cols = np.zeros(n_k, bool)
-        for kb in range(plane, n_kb, splits or 1):
-            cols[bn * kb: bn * kb + bn] = True
-        want = np.einsum("bhij,bhjd->bhid", ds * cols, kr)
+        want = want_planes[plane]
         first = tb.mma_backward.plane_first_row(plane, n_q, n_k, bn, bm, int(causal)) if splits else 0
         got = planes[plane][:, :, first:n_q]
         np.testing.assert_allclose(got[..., :d], want[:, :, first:], atol=tol * max(1.0, np.abs(want).max()),
