@@ -585,10 +585,9 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         add_dq(smem, SDS + (prev & 1) * DS_TILE, dq_acc, dq_h0 + hp, i0, warp, lane, g, t, first)
 
     @inline_device
-    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, dq_plane,
-                  first):
-        """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc's rows of plane
-        dq_plane (a multiple of B·H: the split this block owns, or 0), stored instead of added where first."""
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first):
+        """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc (the plane this
+        block adds into: the splits pass a view from its first row), stored instead of added where first."""
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -604,7 +603,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
         kw = k0 + warp * 16  # this warp's first key
         shift = n_k - n_q  # query i sees key j iff j <= i + shift
         nq_pad = l2.shape[1]
-        dq_h0 = dq_plane + bh * group  # dq_acc row block of the group's first query head
+        dq_h0 = bh * group  # dq_acc row block of the group's first query head
 
         qt0, per_head, steps = schedule(k0, n_q, shift, group)
 
@@ -702,14 +701,14 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECT
             # stream, so each dQ element of a plane gets its adds from one lane, launch after launch: the same
             # sums every run. The plane is a view (its own base address): as a row offset it cost 40 B of spills.
             dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
-                      scale_log2, scale, kb0 + cuda.blockIdx.x, 0, FIRST_STORES)
+                      scale_log2, scale, kb0 + cuda.blockIdx.x, FIRST_STORES)
     elif ATOMIC_DQ:  # every block adds into one plane: the order of the adds, hence the last bits, vary
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
             dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
-                      0, False)
+                      False)
     else:  # dq_acc is never touched: l2 stands in (the `if ATOMIC_DQ` branches are pruned at compile time)
         def mma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x, 0,
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
                       False)
 
     return mma_backward_dkdv
@@ -1339,8 +1338,9 @@ def kernel_source(kernel, block_own, block_streamed, head_dim, causal, dtype, at
 # --------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
 def make_prep_kernel(dtype: str):
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
+    """The scalar prep (float32 too: tf32_backward's)."""
+    if dtype not in (*DTYPES, "float32"):
+        raise ValueError(f"dtype {dtype!r} not in {DTYPES + ('float32',)}")
     return cuda.jit(prep_signature(dtype))(prep_source(dtype))
 
 
@@ -1477,6 +1477,17 @@ def launch_dq_in_dkdv(build, grid_y, threads, smem, stream, args, scalars, n_kb,
                       *args, *scalars, kb0, plane_rows)
 
 
+def launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, n_bh, stream):
+    """D and L2 into the scratch rows l2, dd: by 16-byte loads where vec (d a multiple of a chunk's elements,
+    out and dout rows 16-byte aligned), else one element per load."""
+    if vec:
+        kernel, rows = make_prep_vec_kernel(dtype, head_dim)
+        launch_kernel(kernel, (l2.shape[1] // rows, n_bh), VEC_THREADS, stream, 0, out, dout, lse, l2, dd, n_q, d)
+    else:
+        launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, n_bh), PREP_ROWS * PREP_LANES, stream, 0,
+                      out, dout, lse, l2, dd, n_q, d)
+
+
 def launch_convert(dtype, vec, dq_acc, dq, n_q, d, softmax_scale, n_k, bn, bm, causal, n_bh, stream):
     """dq = scale · the planes of dq_acc summed in order (convert_source; vec: 8 columns a thread)."""
     threads = 256
@@ -1522,12 +1533,8 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     atomic = dq_acc is not None
     vec = d % 8 == 0 and all(rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
-    if "prep" in kernels and vec:
-        kernel, rows = make_prep_vec_kernel(dtype, head_dim)
-        launch_kernel(kernel, (l2.shape[1] // rows, B * H), VEC_THREADS, stream, 0, out, dout, lse, l2, dd, n_q, d)
-    elif "prep" in kernels:
-        launch_kernel(make_prep_kernel(dtype), (l2.shape[1] // PREP_ROWS, B * H), PREP_ROWS * PREP_LANES, stream, 0,
-                      out, dout, lse, l2, dd, n_q, d)
+    if "prep" in kernels:
+        launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)
     words = tuple(_words(x) for x in (q, k, v, dout))
     bn, bm = config.get("dkdv_atomic", config["dkdv"]) if atomic else config["dkdv"]
     split = bool(config.get("dkdv_split_d", False)) and not atomic

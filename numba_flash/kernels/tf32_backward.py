@@ -144,10 +144,6 @@ def problems(kernel, block_own, block_streamed, HEAD_DIM):
 # --------------------------------------------------------------------------------------------
 # Kernel sources
 # --------------------------------------------------------------------------------------------
-def prep_signature():
-    return mma_backward.prep_signature("float32")
-
-
 def kernel_signature(kernel, atomic_dq=False, dq_splits=False):
     """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...),
     fp32 arrays; dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) when dkdv also adds up dQ (mma_backward's layout)."""
@@ -752,11 +748,6 @@ def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dk
 # Kernel factories
 # --------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
-def make_prep_kernel():
-    return cuda.jit(prep_signature())(mma_backward.prep_source("float32"))
-
-
-@lru_cache(maxsize=None)
 def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
                 swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once.
@@ -814,14 +805,9 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     swz = bool(config.get("swizzle", False))
     atomic = dq_acc is not None
-    if "prep" in kernels and d % 4 == 0 and mma_backward.rows16(out) and mma_backward.rows16(dout):
-        kernel, rows = mma_backward.make_prep_vec_kernel("float32", head_dim)  # 16-byte loads
-        launch_kernel(kernel, (l2.shape[1] // rows, B * H), mma_backward.VEC_THREADS, stream, 0,
-                      out, dout, lse, l2, dd, n_q, d)
-    elif "prep" in kernels:
-        rows = mma_backward.PREP_ROWS
-        launch_kernel(make_prep_kernel(), (l2.shape[1] // rows, B * H), rows * mma_backward.PREP_LANES, stream, 0,
-                      out, dout, lse, l2, dd, n_q, d)
+    if "prep" in kernels:  # 16-byte loads where every chunk is all data (d % 4 == 0) and the rows are aligned
+        vec = d % 4 == 0 and mma_backward.rows16(out) and mma_backward.rows16(dout)
+        mma_backward.launch_prep("float32", head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)
     if atomic:
         if "dkdv_atomic" not in config:
             raise ValueError(f"dq_acc given but the config has no dkdv_atomic tile: {config}")
