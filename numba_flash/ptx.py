@@ -373,6 +373,29 @@ def _tf32_round_twin(x):
     return np.uint32(bits).view(np.float32)
 
 
+# cvt.rn.tf32.f32 (sm_90+): ties to even. ptxas 13.0 emits one F2FP.TF32.F32.PACK_B for it, where cvt.rna
+# (the only tf32 rounding sm_80 has) becomes four instructions (an add, an inf/NaN test, a select, a mask).
+@intrinsic
+def _tf32_round_rn_intrinsic(typingctx, x):
+    if not _is_num(x):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        bits = _asm(builder, _I32, [v], "cvt.rn.tf32.f32 $0, $1;", "=r,f")
+        return builder.bitcast(bits, _F32)
+
+    return sig, codegen
+
+
+def _tf32_round_rn_twin(x):
+    bits = int(np.float32(x).view(np.uint32))
+    if (bits & 0x7F800000) != 0x7F800000:  # inf and nan pass through
+        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & _TF32_MASK  # a tie carries only into an odd last bit
+    return np.uint32(bits).view(np.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16
 # --------------------------------------------------------------------------------------------
@@ -1050,6 +1073,7 @@ if SIMULATOR:
     mma_m16n8k16_bf16 = _make_mma_twin(bf16_value)
     mma_m16n8k8_tf32 = _mma_m16n8k8_tf32_twin
     tf32_round = _tf32_round_twin
+    tf32_round_rn = _tf32_round_rn_twin
     ldmatrix_x4 = _make_ldmatrix_twin(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_twin(trans=True)
     ldmatrix_x4_at = _make_ldmatrix_twin(trans=False, by_address=True)
@@ -1081,6 +1105,7 @@ else:
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
     mma_m16n8k8_tf32 = _mma_m16n8k8_tf32_intrinsic
     tf32_round = _tf32_round_intrinsic
+    tf32_round_rn = _tf32_round_rn_intrinsic
     ldmatrix_x4 = _make_ldmatrix_intrinsic(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_intrinsic(trans=True)
     ldmatrix_x4_at = _make_ldmatrix_intrinsic(trans=False, by_address=True)
@@ -1116,7 +1141,8 @@ else:
 
 __all__ = [
     "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
-    "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "tf32_round", "ldmatrix_x4", "ldmatrix_x4_trans",
+    "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "tf32_round", "tf32_round_rn",
+    "ldmatrix_x4", "ldmatrix_x4_trans",
     "ldmatrix_x4_at", "ldmatrix_x4_trans_at", "shared_base",
     "cp_async_16", "cp_async_16_zfill", "cp_async_16_zero_if", "cp_async_commit", "cp_async_wait",
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",

@@ -108,7 +108,8 @@ def find_nvdisasm():
 
 
 def kernel_ptx(kind, args, extra):
-    """The sm_90 PTX of a forward (mma_forward.kernel_source) or backward (mma_backward.kernel_source) kernel."""
+    """The sm_90 PTX of a forward (mma_forward.kernel_source) or backward kernel (mma_backward.kernel_source;
+    tf32_backward.kernel_source for DTYPE float32)."""
     from numba import cuda
 
     if kind == "forward":
@@ -118,9 +119,14 @@ def kernel_ptx(kind, args, extra):
         fn = m.kernel_source(bq, bk, d, causal, dtype, **extra)
         return cuda.compile_ptx(fn, m.kernel_signature(extra.get("SPLIT_TAIL", False)), cc=(9, 0))[0]
     from numba_flash.kernels import mma_backward as m
+    from numba_flash.kernels import tf32_backward
 
     own, streamed, d, causal, dtype = int(args[0]), int(args[1]), int(args[2]), args[3] == "True", args[4]
-    fn = m.kernel_source(kind, own, streamed, d, causal, dtype, **extra)
+    if dtype == "float32":  # the 3xTF32 backward
+        m = tf32_backward
+        fn = m.kernel_source(kind, own, streamed, d, causal, **extra)
+    else:
+        fn = m.kernel_source(kind, own, streamed, d, causal, dtype, **extra)
     return cuda.compile_ptx(fn, m.kernel_signature(kind, extra.get("atomic_dq", False), extra.get("dq_splits", False)),
                             cc=(9, 0))[0]
 

@@ -21,6 +21,8 @@ from test_ptx import (
 
 from test_tf32_forward import check_mma_tf32, check_tf32_round  # noqa: E402
 
+from numba_flash.ptx import compute_capability  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, needs_gpu]
 
 
@@ -29,8 +31,11 @@ def test_mma_tf32_gpu(seed):
     check_mma_tf32(seed)
 
 
-def test_tf32_round_gpu():
-    check_tf32_round()
+@pytest.mark.parametrize("rn", [False, True])
+def test_tf32_round_gpu(rn):
+    if rn and compute_capability() < (9, 0):
+        pytest.skip("cvt.rn.tf32.f32 needs sm_90")
+    check_tf32_round(rn=rn)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])

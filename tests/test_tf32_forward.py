@@ -34,21 +34,33 @@ def tf32_rna_numpy(x):
     return np.where(finite, rounded, bits.astype(np.uint32)).view(np.float32)
 
 
-def check_tf32_round(seed=0):
+def tf32_rn_numpy(x):
+    """Round float32 to tf32, ties to even (cvt.rn.tf32.f32); inf/nan unchanged."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).astype(np.uint32)
+    return np.where(finite, rounded, bits.astype(np.uint32)).view(np.float32)
+
+
+def check_tf32_round(seed=0, rn=False):
+    """ptx.tf32_round (cvt.rna) or, rn, ptx.tf32_round_rn (cvt.rn, sm_90+) bit for bit against NumPy, ties of
+    both parities included (1 + 2^-11 is a tie with an even last bit: rna rounds it up, rn down)."""
     rng = np.random.default_rng(seed)
     x = np.concatenate([rng.standard_normal(200).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 200),
-                        np.float32([1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, np.inf, -np.inf,
-                                    np.finfo(np.float32).max, 0.0, -0.0])]).astype(np.float32)
+                        np.float32([1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, -(1 + 3 * 2**-11), np.inf, -np.inf,
+                                    np.finfo(np.float32).max, 0.0, -0.0, 1e-40, -3e-41])]).astype(np.float32)
+    round_ = ptx.tf32_round_rn if rn else ptx.tf32_round
 
     @cuda.jit
     def kernel(a, out):
         i = cuda.grid(1)
         if i < a.size:
-            out[i] = ptx.tf32_round(a[i])
+            out[i] = round_(a[i])
 
     out = np.zeros_like(x)
     kernel[(x.size + 63) // 64, 64](x, out)
-    np.testing.assert_array_equal(out.view(np.uint32), tf32_rna_numpy(x).view(np.uint32))
+    expect = tf32_rn_numpy(x) if rn else tf32_rna_numpy(x)
+    np.testing.assert_array_equal(out.view(np.uint32), expect.view(np.uint32))
     nan = np.float32([np.nan])
     kernel[1, 32](nan, out[:1])
     assert np.isnan(out[0])  # the GPU's canonical NaN may differ in bits: only NaN-ness is checked
@@ -80,8 +92,9 @@ def check_mma_tf32(seed=0):
 
 
 @in_simulator
-def test_tf32_round_sim():
-    check_tf32_round()
+@pytest.mark.parametrize("rn", [False, True])
+def test_tf32_round_sim(rn):
+    check_tf32_round(rn=rn)
 
 
 @in_simulator
@@ -213,7 +226,8 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
                             spills=int(m.group(2)) + int(m.group(3)),
                             registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
                             mma=ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
-                            cvt=ptx.count("cvt.rna.tf32.f32"), local=ptx.count("ld.local") + ptx.count("st.local")))
+                            cvt=ptx.count("cvt.rn.tf32.f32"), cvt_rna=ptx.count("cvt.rna.tf32.f32"),
+                            local=ptx.count("ld.local") + ptx.count("st.local")))
     print(json.dumps(out))
     """
 )
@@ -230,4 +244,4 @@ def test_shipped_tf32_configs_fit_sm90(tmp_path):
         # P·V (bk/8 x hd/8 mma, 3 tf32 products each, 1 for plain TF32) is unrolled; S's loop over pairs
         # of k-steps may stay rolled (one pair's bk/8 x 2 in the PTX)
         assert rep["passes"] * (hd // 8) * (bk // 8) < rep["mma"] <= rep["passes"] * 2 * (hd // 8) * (bk // 8), where
-        assert rep["cvt"] > 0, where
+        assert rep["cvt"] > 0 and rep["cvt_rna"] == 0, where  # sm_90 builds split by cvt.rn (one F2FP each)

@@ -67,7 +67,7 @@ from ..ptx import SMEM_ALIGN, inline_device
 from ..vec import bits_from_f32
 from ..vec import ld_shared_f32x4 as ld4  # 16-byte shared load
 from . import mma_backward
-from .tf32_forward import LOG2E, head_dim_for, products
+from .tf32_forward import LOG2E, SPLIT_ROUNDS, head_dim_for, products, split_round_for_device
 
 KERNELS = ("dkdv", "dq")
 GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)
@@ -156,9 +156,9 @@ def kernel_signature(kernel, atomic_dq=False, dq_splits=False):
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
-def _helpers(THREADS, HEAD_DIM, SWIZZLE):
+def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
     """Device functions both kernels share: tile copies, the split, 3xTF32 mma, the two patterns.
-    SWIZZLE: the layout of the both-patterns tiles (strides)."""
+    SWIZZLE: the layout of the both-patterns tiles (strides); SPLIT_ROUND: tf32_forward.SPLIT_ROUNDS."""
     S2 = strides(HEAD_DIM, SWIZZLE)[1]
     CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
     PAIRS = HEAD_DIM // 16  # pairs of k-steps over d (pattern 1)
@@ -166,7 +166,7 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE):
     cp_async = ptx.cp_async_16_zfill
     ZERO = float32(0.0)
 
-    split, mma3 = products(3)
+    split, mma3 = products(3, SPLIT_ROUND)
 
     @inline_device
     def load_tile(smem, tile0, STRIDE, SWIZZLED, src, b, h, row0, n_rows, d, ROWS):
@@ -328,7 +328,7 @@ def atomic_problems(block_n, block_m, head_dim):
     return out
 
 
-def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True):
+def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True, SPLIT_ROUND="rn"):
     """The atomic dQ phase of the dK/dV kernel (dkdv_source with ATOMIC_DQ; mma_backward's FA2 scheme in
     3xTF32): dQ_i += dS_i K_j over the block's BLOCK_N keys, added to fp32 scratch.
 
@@ -351,7 +351,7 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True):
     M_TILES = BLOCK_M // 8
     VEC_B = DQ_TILES % 4 == 0  # B by 16-byte loads (else one word per n-tile)
     WIDE = 2 * DQ_TILES  # adjacent columns a lane holds per row
-    split, mma3 = products(3)
+    split, mma3 = products(3, SPLIT_ROUND)
     red1, red4, st4 = ptx.red_add_f32, ptx.red_add_v4_f32, ptx.st_global_v4
     red2, st2 = ptx.red_add_v2_f32, ptx.st_global_v2_f32
     bits = bits_from_f32
@@ -438,7 +438,7 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True):
 
 
 def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False, ATOMIC_DQ=False, DQ_SPLITS=0,
-                VECTOR_RED=True):
+                VECTOR_RED=True, SPLIT_ROUND="rn"):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
 
     GRADS: "dkdv" (both), or "dv" / "dk" alone: a dV pass (Sᵀ and dV only) and a dK pass (the four
@@ -471,9 +471,9 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
     SD = SL + BLOCK_M
     CAUSAL = bool(CAUSAL)
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies of a tile's L2 (or D)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND)
     if ATOMIC_DQ:
-        store_ds, add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED)
+        store_ds, add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED, SPLIT_ROUND)
     DS_IN_STAGE = ds_in_stage(BLOCK_N, HEAD_DIM)
     SDS = STAGE0 + 2 * STAGE  # dS's own region (hi, then lo) where it does not fit the stage
     ex2 = ptx.ex2_approx
@@ -623,7 +623,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
     return tf32_backward_dkdv
 
 
-def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn"):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-key K/V tiles streamed."""
     THREADS = threads_per_block(BLOCK_M)
     O_TILES = HEAD_DIM // 8
@@ -635,7 +635,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
     SK = 2 * BLOCK_M * S1
     SV = SK + BLOCK_N * S2
     CAUSAL = bool(CAUSAL)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND)
     ex2 = ptx.ex2_approx
     cp_commit, cp_wait = ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -734,14 +734,15 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False):
 
 
 def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False, atomic_dq=False,
-                  dq_splits=0, vector_red=True):
+                  dq_splits=0, vector_red=True, split_round="rn"):
     """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
     grads: dkdv_source's GRADS (dkdv only); swizzle=True: the swizzled variant (sweep only);
-    atomic_dq, dq_splits, vector_red: dkdv_source's ATOMIC_DQ, DQ_SPLITS, VECTOR_RED."""
+    atomic_dq, dq_splits, vector_red: dkdv_source's ATOMIC_DQ, DQ_SPLITS, VECTOR_RED; split_round: how
+    operands are split (tf32_forward.SPLIT_ROUNDS; "rn" needs sm_90)."""
     if kernel == "dkdv":
         return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads, swizzle, atomic_dq, dq_splits,
-                           vector_red)
-    return dq_source(block_own, block_streamed, HEAD_DIM, causal, swizzle)
+                           vector_red, split_round)
+    return dq_source(block_own, block_streamed, HEAD_DIM, causal, swizzle, split_round)
 
 
 # --------------------------------------------------------------------------------------------
@@ -749,11 +750,12 @@ def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dk
 # --------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
 def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
-                swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True):
+                swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True, split_round="rn"):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch (red.global.add.v4.f32 with
     vector_red, sm_90+, else scalar adds); dq_splits: 1 / 2, the deterministic splits' builds (adds /
-    the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS)."""
+    the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS); split_round: kernel_source's,
+    passed only when not "rn" (launch: "rna" below sm_90)."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
     if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
         bad.append(f"grads={grads!r}: one of {GRADS}, and only the dkdv kernel splits")
@@ -764,12 +766,14 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
         bad += atomic_problems(block_own, block_streamed, HEAD_DIM)
     if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
         bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True)")
+    if split_round not in SPLIT_ROUNDS:
+        bad.append(f"split_round={split_round!r}: one of {SPLIT_ROUNDS}")
     if bad:
         raise ValueError(f"tf32 backward {kernel} ({block_own}, {block_streamed}, {HEAD_DIM}) cannot be built: "
                          f"{'; '.join(bad)}")
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     source = kernel_source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), grads, bool(swizzle),
-                           bool(atomic_dq), int(dq_splits), bool(vector_red))
+                           bool(atomic_dq), int(dq_splits), bool(vector_red), split_round)
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(source)
 
 
@@ -787,7 +791,7 @@ def config_for(d, causal):
 
 
 def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,
-           kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None):
+           kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None, split_round=None):
     """Run prep, dkdv and dq on float32 device arrays; the caller has validated the problem and layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d); q, k, v, dout with unit last
@@ -795,7 +799,8 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     l2, dd: C-contiguous fp32 scratch (B·H, padded_rows(Nq)). config: as config_for(d, causal) returns it
     (default). Nq, Nk > 0. kernels: which of the three run (dkdv and dq read prep's scratch).
     dq_acc, dq_splits: as mma_backward.launch (the dkdv tile config["dkdv_atomic"] then forms dQ: one
-    zeroed plane with atomics, or dq_splits planes, and a convert kernel replaces the dq kernel)."""
+    zeroed plane with atomics, or dq_splits planes, and a convert kernel replaces the dq kernel).
+    split_round: tf32_forward.SPLIT_ROUNDS (default: "rn" on sm_90+, "rna" below it)."""
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     config = config_for(d, causal) if config is None else config
@@ -804,6 +809,8 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     swz = bool(config.get("swizzle", False))
+    split_round = split_round_for_device(split_round)
+    rnd = {} if split_round == "rn" else {"split_round": split_round}  # passed only when not the default (cache key)
     atomic = dq_acc is not None
     if "prep" in kernels:  # 16-byte loads where every chunk is all data (d % 4 == 0) and the rows are aligned
         vec = d % 4 == 0 and mma_backward.rows16(out) and mma_backward.rows16(dout)
@@ -819,14 +826,14 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
     if "dkdv" in kernels and atomic:
         red = {} if ptx.current_sm90() else {"vector_red": False}  # passed only when off (cache key)
         mma_backward.launch_dq_in_dkdv(
-            lambda splits: make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **red,
+            lambda splits: make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **red, **rnd,
                                        **({"dq_splits": splits} if splits else {})),
             B * Hkv, threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True), stream,
             (q, k, v, dout, l2, dd, dk, dv, dq_acc), scalars, n_kb, dq_splits, B * H)
     elif "dkdv" in kernels:
         bn, bm = config["dkdv"]
         for grads in config.get("dkdv_passes", ("dkdv",)):
-            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swz),
+            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swz, **rnd),
                           ((n_k + bn - 1) // bn, B * Hkv), threads_per_block(bn), stream,
                           smem_bytes("dkdv", bn, bm, head_dim, swz),
                           q, k, v, dout, l2, dd, dk, dv, *scalars)
@@ -835,6 +842,6 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
                                     softmax_scale, n_k, bn, bm, causal, B * H, stream)
     elif "dq" in kernels:
         bm, bn = config["dq"]
-        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz), ((n_q + bm - 1) // bm, B * H),
+        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz, **rnd), ((n_q + bm - 1) // bm, B * H),
                       threads_per_block(bm), stream, smem_bytes("dq", bm, bn, head_dim, swz),
                       q, k, v, dout, l2, dd, dq, *scalars)

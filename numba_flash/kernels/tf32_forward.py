@@ -5,7 +5,8 @@ scaled scores, softmax_scale·log2(e) folded into one FFMA + ex2 per element, L 
 What differs is how the two products are formed from fp32 operands.
 
 A tensor core multiplies tf32 values (fp32 with a 10-bit mantissa). Split every operand as
-x = hi + lo with hi = tf32(x) and lo = tf32(x - hi) (x - hi is exact in fp32); then
+x = hi + lo with hi = tf32(x) and lo = tf32(x - hi) (x - hi is exact in fp32; tf32(): round to nearest,
+ties to even by cvt.rn on sm_90, one instruction, away from zero by cvt.rna before it, four); then
 
     x·y = hi_x·hi_y + hi_x·lo_y + lo_x·hi_y + lo_x·lo_y,
 
@@ -58,6 +59,20 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 F32 = np.dtype(np.float32)
 PASSES = (1, 3)  # tf32 products per fp32 product: 1 (plain TF32) or 3 (3xTF32, fp32 accuracy)
+# How split() rounds x to tf32 (hi) and x - hi (lo): "rn" cvt.rn.tf32.f32 (sm_90+; ptxas emits one F2FP),
+# "rna" cvt.rna (sm_80+; ptxas emits four instructions: an add, an inf/NaN test, a select and a mask),
+# "rn_raw" hi by cvt.rn and lo unrounded (the tensor core drops its low 13 bits: truncation, one
+# instruction fewer per split, lo's rounding error twice as large).
+SPLIT_ROUNDS = ("rn", "rna", "rn_raw")
+
+
+def split_round_for_device(split_round=None):
+    """split_round, or the device's default: "rn" on sm_90+ (and in the simulator), "rna" below it."""
+    if split_round is None:
+        return "rn" if ptx.current_sm90() else "rna"
+    if split_round not in SPLIT_ROUNDS:
+        raise ValueError(f"SPLIT_ROUND={split_round!r}: one of {SPLIT_ROUNDS}")
+    return split_round
 
 
 def kernel_signature():
@@ -107,20 +122,26 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3, PRESPLIT=False):
     return out
 
 
-def products(PASSES_=3):
+def products(PASSES_=3, SPLIT_ROUND="rn"):
     """(split, mma3): the 3xTF32 device functions every tf32 kernel uses (the backward too).
 
-    split(x) -> (hi, lo), x = hi + lo both tf32 (PASSES_=1: lo = 0, unused); mma3(c, i, a.., l.., b.., m..)
-    adds A·B to c[i] from hi parts (a, b) and lo parts (l, m) as lo·hi + hi·lo + hi·hi, small terms first
-    (PASSES_=1: hi·hi only)."""
+    split(x) -> (hi, lo), x = hi + lo both tf32 (PASSES_=1: lo = 0, unused), rounded as SPLIT_ROUND says
+    (SPLIT_ROUNDS); mma3(c, i, a.., l.., b.., m..) adds A·B to c[i] from hi parts (a, b) and lo parts
+    (l, m) as lo·hi + hi·lo + hi·hi, small terms first (PASSES_=1: hi·hi only)."""
     SPLIT = PASSES_ == 3
-    mma, tf32 = ptx.mma_m16n8k8_tf32, ptx.tf32_round
+    if SPLIT_ROUND not in SPLIT_ROUNDS:
+        raise ValueError(f"SPLIT_ROUND={SPLIT_ROUND!r}: one of {SPLIT_ROUNDS}")
+    mma = ptx.mma_m16n8k8_tf32
+    tf32 = ptx.tf32_round if SPLIT_ROUND == "rna" else ptx.tf32_round_rn
+    LO_RAW = SPLIT_ROUND == "rn_raw"
     ZERO = float32(0.0)
 
     @inline_device
     def split(x):
         hi = tf32(x)
         if SPLIT:
+            if LO_RAW:
+                return hi, x - hi
             return hi, tf32(x - hi)
         return hi, ZERO
 
@@ -136,7 +157,7 @@ def products(PASSES_=3):
 
 
 def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=True, QK_FRESH=True, PRESPLIT=False,
-                  GRID_BH_X=False):
+                  GRID_BH_X=False, SPLIT_ROUND="rn"):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
     Accuracy options. The tensor core adds the products of an mma into its fp32 accumulator with
@@ -177,7 +198,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    split, mma3 = products(PASSES_)
+    split, mma3 = products(PASSES_, SPLIT_ROUND)
 
     @inline_device
     def split_chunks(smem, tile0, lo0, STRIDE, dst0):
@@ -497,28 +518,29 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
 
 @lru_cache(maxsize=None)
 def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, MAX_REGS=None, ACC_PER_TILE=True,
-                        QK_FRESH=True, PRESPLIT=False, GRID_BH_X=False):
+                        QK_FRESH=True, PRESPLIT=False, GRID_BH_X=False, SPLIT_ROUND="rn"):
     """The compiled kernel for one specialisation; cached so each compiles once."""
     bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_, PRESPLIT)
     if bad:
         raise ValueError(f"tf32 forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, PASSES={PASSES_}) cannot be built: "
                          f"{'; '.join(bad)}")
     source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), int(PASSES_), bool(ACC_PER_TILE), bool(QK_FRESH),
-                           bool(PRESPLIT), bool(GRID_BH_X))
+                           bool(PRESPLIT), bool(GRID_BH_X), SPLIT_ROUND)
     opts = {"max_registers": int(MAX_REGS)} if MAX_REGS else {}
     return cuda.jit(kernel_signature(), **opts)(source)
 
 
 def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
            PASSES_=3, MAX_REGS=None, ACC_PER_TILE=True, QK_FRESH=True, PRESPLIT=False, GRID_BH_X=False,
-           layout_checked=False):
+           SPLIT_ROUND=None, layout_checked=False):
     """Run the tf32 tensor-core forward on float32 device arrays; the caller has validated the problem.
 
     q, out (B, H, Nq, d); k, v (B, Hkv, Nk, d), H % Hkv == 0; lse (B, H, Nq) float32 receives the
     natural-log logsumexp of the scaled scores (-inf for a row that sees no key). d <= HEAD_DIM
     (default: head_dim_for(d)); the kernel zero-pads. Strides: unit last dim, every other stride of
     q, k, v a multiple of 4 elements and 16-byte aligned bases (cp.async). PASSES_ 3 (3xTF32, default)
-    or 1 (TF32); ACC_PER_TILE, QK_FRESH, PRESPLIT, GRID_BH_X: kernel_source's options; MAX_REGS: ptxas's cap.
+    or 1 (TF32); ACC_PER_TILE, QK_FRESH, PRESPLIT, GRID_BH_X: kernel_source's options; SPLIT_ROUND: one of
+    SPLIT_ROUNDS (default: split_round_for_device); MAX_REGS: ptxas's cap.
     Shapes of k vs v and of out / lse are the caller's to match (numba_flash.forward validates them)."""
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -538,7 +560,7 @@ def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BL
                          "grid's y limit of 65535")
     presplit = bool(PRESPLIT and PASSES_ == 3)
     kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), int(PASSES_), MAX_REGS, bool(ACC_PER_TILE),
-                                 bool(QK_FRESH), presplit, bool(GRID_BH_X))
+                                 bool(QK_FRESH), presplit, bool(GRID_BH_X), split_round_for_device(SPLIT_ROUND))
     grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)
     launch_kernel(kernel, grid, threads_per_block(BLOCK_Q), stream, smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, presplit),
                   q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
