@@ -10,6 +10,8 @@ modules' ``split_round_for_device`` replaced; plans off, so nothing recorded und
 another). Timing: interleaved rounds, the modes' order rotating, median of --iters CUDA-event timings
 per call, SDPA memory-efficient's backward and forward as yardsticks. Accuracy: max |x - float64| of O
 and of each gradient on B1 H4 problems, beside the SIMT kernels' (the fp32 error rule's yardstick).
+--dq-kernel times the backward's other plan, the dkdv kernel and the separate dq kernel (what dq_scheme
+falls back to: the tile config's dQ-in-dkdv entries removed).
 """
 from __future__ import annotations
 
@@ -73,19 +75,26 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--shapes", nargs="+", default=list(TIMED), choices=list(TIMED))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--dq-kernel", action="store_true", help="the dkdv + dq kernels plan, not dQ in dkdv")
     args = ap.parse_args(argv)
     plans.set_enabled(False)
+    if args.dq_kernel:
+        config_for = tf32_backward.config_for
+        tf32_backward.config_for = lambda d, causal: {k: v for k, v in config_for(d, causal).items()
+                                                      if k not in ("dkdv_atomic", "deterministic_dq")}
     result = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("NUMBA_FLASH_COMMIT", "?"),
-              "modes": list(MODES), "accuracy": {}, "timing": {}}
+              "modes": args.modes, "dq_kernel": args.dq_kernel, "accuracy": {}, "timing": {}}
 
-    for label, (N, d, causal) in ACCURACY.items():
+    for label, (N, d, causal) in ({} if args.no_accuracy else ACCURACY).items():
         q, k, v, dout = inputs(1, 4, N, d, seed=N + d)
         ref = f64_reference(q, k, v, dout, causal)
         row = {}
         out, lse = numba_flash.forward(q, k, v, causal=causal, kernel="simt")
         simt = [out, *numba_flash.backward(q, k, v, out, lse, dout, causal=causal, kernel="simt")]
         row["simt"] = [max_err(a, r) for a, r in zip(simt, ref)]
-        for mode in MODES:
+        for mode in args.modes:
             force(mode)
             o, lse = numba_flash.forward(q, k, v, causal=causal, kernel="tf32x3")
             grads = numba_flash.backward(q, k, v, o, lse, dout, causal=causal, kernel="tf32x3")
@@ -100,7 +109,7 @@ def main(argv=None):
         q, k, v, dout = inputs(B, H, N, d, seed=1)
         out, lse = numba_flash.forward(q, k, v, causal=causal, kernel="tf32x3")
         calls = {}
-        for mode in MODES:
+        for mode in args.modes:
             calls[f"{mode} fwd"] = (mode, lambda: numba_flash.forward(q, k, v, causal=causal, kernel="tf32x3"))
             calls[f"{mode} bwd"] = (mode, lambda: numba_flash.backward(q, k, v, out, lse, dout, causal=causal,
                                                                          kernel="tf32x3"))
@@ -122,7 +131,8 @@ def main(argv=None):
         print(f"{label}: " + ", ".join(f"{n} {t:.3f}" for n, t in result["timing"][label].items()), flush=True)
 
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "ab_split_round.json"), "w") as f:
+        name = "ab_split_round_dq_kernel.json" if args.dq_kernel else "ab_split_round.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=1)
 
 
