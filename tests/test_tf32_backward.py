@@ -1,7 +1,7 @@
 """fp32 backward on tensor cores (numba_flash.kernels.tf32_backward, 3xTF32): kernels, API, sm_90 build.
 
 The simulator runs the fragment indexing of both patterns through the twins of mma.m16n8k8.tf32
-and cvt.rna.tf32 on small tiles; the tensor core's truncating accumulation is covered on the GPU
+and cvt.rn / cvt.rna.tf32 on small tiles; the tensor core's truncating accumulation is covered on the GPU
 (tests/test_gpu_backward.py::test_tf32x3_backward_as_accurate_as_simt).
 """
 from __future__ import annotations
@@ -36,12 +36,15 @@ def problem(B, H, Hkv, n_q, n_k, d, causal, seed=0, scale=None):
 
 
 def run_launcher(vals, d, causal, scale, config):
+    """tb.launch on the problem; a "split_round" key of config goes to launch's argument of that name."""
+    config = dict(config)
+    kw = {"split_round": config.pop("split_round")} if "split_round" in config else {}
     q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
     B, H, n_q, _ = vals[0].shape
     rows = (B * H, tb.padded_rows(n_q))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
     grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]  # unwritten shows as NaN
-    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config)
+    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config, **kw)
     return [g.copy_to_host() for g in grads]
 
 
@@ -67,6 +70,8 @@ SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
     pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: 125 s under pytest -n 2
     (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
     (1, 2, 1, 12, 21, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
+    (1, 1, 1, 23, 30, 32, True, dict(split_round="rna")),  # the split below sm_90 (cvt.rna)
+    pytest.param(1, 1, 1, 18, 25, 28, False, dict(split_round="rn_raw"), marks=pytest.mark.variant),  # lo unrounded
     # the sweep's swizzled variant (not shipped), at d 64: chunk pairs and n-tiles past the first 32 words
     pytest.param(1, 1, 1, 19, 26, 60, True, dict(swizzle=True, dkdv=(16, 8), dq=(16, 8), head_dim=64),
                  marks=pytest.mark.variant),
@@ -302,6 +307,7 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
                             registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
                             mma=ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
                             red=ptx.count("red.global.add"), st=ptx.count("st.global.v4.b32"),
+                            cvt=ptx.count("cvt.rn.tf32.f32"), cvt_rna=ptx.count("cvt.rna.tf32.f32"),
                             local=ptx.count("ld.local") + ptx.count("st.local")))
     print(json.dumps(out))
     """
@@ -321,6 +327,7 @@ def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
         assert rep["rc"] == 0 and rep["spills"] <= allowed and rep["local"] == 0, where
         assert rep["stack"] == 0 or allowed, where
         assert rep["registers"] * 32 * (rep["own"] // 16) <= 65536, where
+        assert rep["cvt"] > 0 and rep["cvt_rna"] == 0, where  # sm_90 builds split by cvt.rn (one F2FP each)
         atomic = rep["kernel"].startswith("dkdv-")
         smem = tb.smem_bytes("dkdv" if atomic else rep["kernel"], rep["own"], rep["streamed"], rep["hd"],
                              atomic_dq=atomic)

@@ -1,7 +1,7 @@
 """fp32 on tensor cores (numba_flash.kernels.tf32_forward, 3xTF32): intrinsics, kernel, API, sm_90 build.
 
 The simulator runs the kernel's fragment indexing through the twins of mma.m16n8k8.tf32 and
-cvt.rna.tf32 (numba_flash.ptx), so a wrong lane mapping or k-order fails here without a GPU; small
+cvt.rn / cvt.rna.tf32 (numba_flash.ptx), so a wrong lane mapping or k-order fails here without a GPU; small
 tiles (2 warps) keep each case to seconds. What the twins cannot show, the tensor core's truncating
 accumulation, is covered on the GPU (tests/test_gpu_forward.py::test_tf32x3_as_accurate_as_simt).
 """
@@ -135,6 +135,8 @@ SMALL = dict(BLOCK_Q=32, BLOCK_K=16, HEAD_DIM=32)
     (2, 2, 2, 1, 70, 20, False, dict(PRESPLIT=True, GRID_BH_X=True)),      # one query, 5 K/V tiles
     (1, 1, 1, 33, 40, 32, True, dict(ACC_PER_TILE=False, QK_FRESH=False, GRID_BH_X=True)),  # the chained sums
     (1, 1, 1, 20, 36, 52, False, dict(BLOCK_Q=16, BLOCK_K=8, HEAD_DIM=64, PRESPLIT=True)),  # 1 warp, d 52 -> 64
+    (1, 1, 1, 25, 33, 32, True, dict(SPLIT_ROUND="rna", PRESPLIT=True)),   # the split below sm_90 (cvt.rna)
+    (1, 1, 1, 21, 27, 28, False, dict(SPLIT_ROUND="rn_raw")),             # lo left to the tensor core
 ])
 def test_tf32x3_kernel_sim(B, H, Hkv, n_q, n_k, d, causal, options):
     o, l, ref_o, ref_l = run_tf32(B, H, Hkv, n_q, n_k, d, causal, **{**SMALL, **options})
@@ -143,6 +145,23 @@ def test_tf32x3_kernel_sim(B, H, Hkv, n_q, n_k, d, causal, options):
     assert np.all(o[~fin] == 0)
     assert np.abs(o - ref_o).max() < 2e-6, np.abs(o - ref_o).max()  # 3xTF32: fp32-level
     assert np.abs(l[fin] - ref_l[fin]).max() < 2e-6
+
+
+def test_split_round_by_device(monkeypatch):
+    """cvt.rn.tf32 exists from sm_90 on: the launchers' default split is "rn" there and "rna" below it; an unknown
+    rounding is refused by name, by the launchers' helper and by the factories."""
+    monkeypatch.setattr(ptx, "current_sm90", lambda: True)
+    assert tf.split_round_for_device() == "rn"
+    monkeypatch.setattr(ptx, "current_sm90", lambda: False)
+    assert tf.split_round_for_device() == "rna" and tf.split_round_for_device("rn_raw") == "rn_raw"
+    with pytest.raises(ValueError, match="'rz'.*one of"):
+        tf.split_round_for_device("rz")
+    with pytest.raises(ValueError, match="SPLIT_ROUND='rz'"):
+        tf.products(3, "rz")
+    from numba_flash.kernels import tf32_backward as tb
+
+    with pytest.raises(ValueError, match="split_round='rz'"):
+        tb.make_kernel("dq", 32, 16, 32, False, split_round="rz")
 
 
 @in_simulator
