@@ -29,18 +29,23 @@ SHAPES = [
         dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=64, **NOFRESH), dict(BLOCK_Q=64, BLOCK_K=64, **OLD),
         dict(BLOCK_Q=64, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, **PRE),
         dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=64, BLOCK_K=32),
-        dict(BLOCK_Q=64, BLOCK_K=64, PASSES_=1)]),
+        dict(BLOCK_Q=64, BLOCK_K=64, PASSES_=1),
+        # fourteenth session: with the split by cvt.rn (one instruction), the per-warp splits PRESPLIT saves cost less
+        dict(BLOCK_Q=128, BLOCK_K=64), dict(BLOCK_Q=128, BLOCK_K=32), dict(BLOCK_Q=128, BLOCK_K=64, SPLIT_ROUND="rna", **PRE)]),
     ("fp32 B4H16 N4096 d128 causal", 128, True, 4096, [
         dict(BLOCK_Q=128, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=32, GRID_BH_X=True, **PRE),
         dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True, **PRE), dict(BLOCK_Q=64, BLOCK_K=32, GRID_BH_X=True, **PRE),
-        dict(BLOCK_Q=64, BLOCK_K=64, GRID_BH_X=True)]),
+        dict(BLOCK_Q=64, BLOCK_K=64, GRID_BH_X=True),
+        dict(BLOCK_Q=128, BLOCK_K=32, GRID_BH_X=True), dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True),
+        dict(BLOCK_Q=128, BLOCK_K=32, GRID_BH_X=True, SPLIT_ROUND="rna", **PRE)]),
     ("fp32 B4H16 N4096 d64", 64, False, 4096, [
         dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128), dict(BLOCK_Q=64, BLOCK_K=64),
         dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, **PRE),
-        dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128, **PRE), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
+        dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128, **PRE), dict(BLOCK_Q=64, BLOCK_K=32, **PRE),
+        dict(BLOCK_Q=128, BLOCK_K=64)]),
     ("fp32 B4H16 N4096 d64 causal", 64, True, 4096, [
         dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=64, BLOCK_K=64, GRID_BH_X=True, **PRE),
-        dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True, **PRE)]),
+        dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True)]),
     ("fp32 B4H16 N1024 d128", 128, False, 1024, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
     ("fp32 B1H16 N16384 d128", 128, False, 16384, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=64, **NOFRESH),
                                                    dict(BLOCK_Q=64, BLOCK_K=64, **OLD), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
@@ -58,6 +63,8 @@ def name_of(v):
         s += " chain"
     if v.get("QK_FRESH", True) is False:
         s += " s-chain"
+    if v.get("SPLIT_ROUND"):
+        s += f" {v['SPLIT_ROUND']}"
     if v.get("PRESPLIT"):
         s += " presplit"
     if v.get("GRID_BH_X"):
@@ -79,7 +86,8 @@ def ptxas_report():
             hd = tf.head_dim_for(d)
             ptx, _ = cuda.compile_ptx(tf.kernel_source(v["BLOCK_Q"], v["BLOCK_K"], hd, causal, v.get("PASSES_", 3),
                                                        v.get("ACC_PER_TILE", True), v.get("QK_FRESH", True),
-                                                       v.get("PRESPLIT", False), v.get("GRID_BH_X", False)),
+                                                       v.get("PRESPLIT", False), v.get("GRID_BH_X", False),
+                                                       v.get("SPLIT_ROUND", "rn")),
                                       tf.kernel_signature(), cc=(9, 0))
             flags = [f"-maxrregcount={v['MAX_REGS']}"] if v.get("MAX_REGS") else []
             rep = ptxas_v(ptx, ptxas, flags)
