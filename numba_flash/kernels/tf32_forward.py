@@ -175,7 +175,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
     4 warps), for twice the K/V shared memory.
 
     GRID_BH_X: the grid is (B·H, Q tiles), Q tiles reversed on y, so every head's heaviest causal
-    tile is dispatched before any lighter one (mma_forward's variant of the same name)."""
+    tile is dispatched before any lighter one (mma_forward's variant of the same name).
+
+    SPLIT_ROUND: how operands are split (SPLIT_ROUNDS; "rn" needs sm_90, launch picks by device)."""
     CAUSAL, SPLIT = bool(CAUSAL), PASSES_ == 3
     ACC_PER_TILE, QK_FRESH, PRESPLIT = bool(ACC_PER_TILE), bool(QK_FRESH), bool(PRESPLIT and SPLIT)
     WARPS = BLOCK_Q // 16
