@@ -244,11 +244,13 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
 
         bq, bk, hd, passes = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], cfg["PASSES_"]
         pre, grid = bool(cfg.get("PRESPLIT")) and passes == 3, bool(cfg.get("GRID_BH_X"))
-        # the same positional key as tf32_forward.launch, so a GPU run reuses its compiled kernel
+        # the same positional key as tf32_forward.launch (the device's split rounding included), so a GPU run
+        # reuses its compiled kernel; the source is for ptxas's sm_90, whose split is cvt.rn
         return KernelFacts(bq, bk, m.threads_per_block(bq), m.smem_bytes(bq, bk, hd, pre), family,
                            jit=lambda: m.make_forward_kernel(bq, bk, hd, bool(causal), passes, None, True, True, pre,
-                                                             grid),
-                           source=lambda: (m.kernel_source(bq, bk, hd, causal, passes, PRESPLIT=pre, GRID_BH_X=grid),
+                                                             grid, m.split_round_for_device()),
+                           source=lambda: (m.kernel_source(bq, bk, hd, causal, passes, PRESPLIT=pre, GRID_BH_X=grid,
+                                                           SPLIT_ROUND="rn"),
                                            m.kernel_signature(), None))
     return KernelFacts(128, 128, None, None, "fp16" if dtype != "float32" else "fp32")  # a family explain predates
 

@@ -225,12 +225,14 @@ TF32_BWD_TABLE = {
     (128, True): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
 }
 # (kernel, own, streamed, HEAD_DIM, causal): spill bytes (ptxas 13.0, sm_90) of a shipped tf32x3 config
-# the sweeps measured fastest anyway: d64 dkdv 128x64 14.3 ms vs 128x32 15.9 (unspilled); d128 causal
-# dkdv 128x32 16.6 ms vs 128x16 19.4 (56 B) (without the mask the same tile does not spill).
-# Fourteenth session: the sm_90 builds split operands by cvt.rn (one F2FP) instead of cvt.rna (four
-# instructions), and ptxas allocates anew: the figures below are the cvt.rn builds' (cvt.rna's were
+# the sweeps measured fastest anyway (seventh session, cvt.rna builds): d64 dkdv 128x64 14.3 ms vs 128x32 15.9
+# (unspilled); d128 causal dkdv 128x32 16.6 ms vs 128x16 19.4 (56 B) (without the mask the same tile did not
+# spill then). Fourteenth session: the sm_90 builds split operands by cvt.rn (one F2FP) instead of cvt.rna
+# (four instructions), and ptxas allocates anew: the figures below are the cvt.rn builds' (cvt.rna's were
 # dkdv d64 80 / 32, d128 0 / 216; dkdv-atomic d64 24 / 68, d128 32 / 104; splits d64 24 / 124, d128 24 / 116,
-# non-causal / causal). Timed, cvt.rn against cvt.rna, B4 H16 N4096: results/ab-split-round-2026-12-01-*.
+# non-causal / causal). Timed cvt.rn against cvt.rna, B4 H16 N4096 (the splits builds at d32-d128, the dkdv + dq
+# plan at d128, whose dkdv spills 272 B: 55.6 -> 43.3 ms), cvt.rn was faster in every case:
+# results/ab-split-round-2026-12-0{1,2}-fourteenth*. The atomic builds (deterministic=False) were not timed.
 TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 56, ("dkdv", 128, 64, 64, True): 56,
                      ("dkdv", 128, 32, 128, False): 272, ("dkdv", 128, 32, 128, True): 256,
                      # the dQ-in-dkdv builds (thirteenth session): atomic grid, later splits, first split (stores);

@@ -285,15 +285,16 @@ def _make_mma_twin(value_of):
 
 
 # --------------------------------------------------------------------------------------------
-# mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 and cvt.rna.tf32.f32 (fp32 on tensor cores)
+# mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 and cvt.{rna,rn}.tf32.f32 (fp32 on tensor cores)
 #
 # Fragments of m16n8k8 with .tf32 (one 32-bit element per register; g = lane >> 2, t = lane % 4):
 #     A (16x8): a0 = A[g, t]   a1 = A[g+8, t]   a2 = A[g, t+4]   a3 = A[g+8, t+4]
 #     B (8x8):  b0 = B[t, g]   b1 = B[t+4, g]
 #     C, D:     as m16n8k16 (c_fragment_coords)
 # A tf32 operand is an fp32 bit pattern of which the tensor core reads sign, exponent and the top
-# 10 mantissa bits; tf32_round rounds to that (ties away from zero), so x - tf32_round(x) is exact
-# in fp32 and the 3xTF32 split x = hi + lo loses only lo's last bits.
+# 10 mantissa bits; tf32_round (cvt.rna: ties away from zero, sm_80+) and tf32_round_rn (cvt.rn: ties to
+# even, sm_90+) round to that, so x - hi is exact in fp32 either way and the 3xTF32 split x = hi + lo
+# loses only lo's last bits.
 # --------------------------------------------------------------------------------------------
 def tf32_a_coords(lane):
     """(row, col) of the 4 elements lane holds in an m16n8k8 tf32 A fragment, in register order."""

@@ -2,6 +2,7 @@
 
     python scripts/sass_loop.py forward 128 64 64 False float16 M_TILES=2 KV_STAGES=2 SMEM_EPILOGUE=True
     python scripts/sass_loop.py dkdv 128 64 128 False float16 atomic_dq=True
+    python scripts/sass_loop.py dkdv 128 32 128 False float32 atomic_dq=True split_round="'rna'"   (the 3xTF32 one)
     python scripts/sass_loop.py --package .ab/old forward ...     (another version of numba_flash)
 
 Compiles the kernel's sm_90 PTX (cuda.compile_ptx), assembles it with ptxas -v (registers, spills),

@@ -35,11 +35,15 @@ def tf32_rna_numpy(x):
 
 
 def tf32_rn_numpy(x):
-    """Round float32 to tf32, ties to even (cvt.rn.tf32.f32); inf/nan unchanged."""
-    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    finite = (bits & 0x7F800000) != 0x7F800000
-    rounded = ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).astype(np.uint32)
-    return np.where(finite, rounded, bits.astype(np.uint32)).view(np.float32)
+    """Round float32 to tf32, ties to even (cvt.rn.tf32.f32); inf/nan unchanged. By arithmetic, not bits (the
+    twin, ptx._tf32_round_rn_twin, works on bits): a multiple of tf32's ulp at x's binade (denormals: the
+    smallest binade's) by np.rint, which rounds half to even; past the largest float32, inf."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and nan are replaced below
+        _, e = np.frexp(x.astype(np.float64))  # |x| = m 2^e, 0.5 <= m < 1: the leading bit is 2^(e-1)
+        ulp = np.ldexp(1.0, np.maximum(e - 1, -126) - 10)
+        rounded = (np.rint(x.astype(np.float64) / ulp) * ulp).astype(np.float32)  # overflow -> inf
+    return np.where(np.isfinite(x), rounded, x)
 
 
 def check_tf32_round(seed=0, rn=False):
@@ -145,6 +149,69 @@ def test_tf32x3_kernel_sim(B, H, Hkv, n_q, n_k, d, causal, options):
     assert np.all(o[~fin] == 0)
     assert np.abs(o - ref_o).max() < 2e-6, np.abs(o - ref_o).max()  # 3xTF32: fp32-level
     assert np.abs(l[fin] - ref_l[fin]).max() < 2e-6
+
+
+SPLIT_PTX_CHILD = NO_GPU_PATCH + textwrap.dedent(
+    """
+    import json
+    from numba import cuda
+    from numba_flash.kernels import tf32_backward as tb, tf32_forward as tf
+
+    out = {}
+    for mode in tf.SPLIT_ROUNDS:
+        fwd = cuda.compile_ptx(tf.kernel_source(32, 16, 32, False, SPLIT_ROUND=mode), tf.kernel_signature(),
+                               cc=(9, 0))[0]
+        bwd = cuda.compile_ptx(tb.kernel_source("dq", 32, 16, 32, False, split_round=mode), tb.kernel_signature("dq"),
+                               cc=(9, 0))[0]
+        out[mode] = [[p.count("cvt.rn.tf32.f32"), p.count("cvt.rna.tf32.f32")] for p in (fwd, bwd)]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_split_round_builds(tmp_path):
+    """Each SPLIT_ROUND builds what it says (small tiles, forward and the backward's dq kernel, sm_90 PTX): "rn"
+    cvt.rn only, "rna" cvt.rna only, "rn_raw" cvt.rn for hi alone (half of rn's, which rounds lo too)."""
+    got = run_compile_child(SPLIT_PTX_CHILD, [], tmp_path)
+    for rn, rna, raw in zip(got["rn"], got["rna"], got["rn_raw"]):
+        assert rn[0] > 0 and rn[1] == 0, got
+        assert rna == [0, rn[0]], got
+        assert raw == [rn[0] // 2, 0] and rn[0] % 2 == 0, got
+
+
+@in_simulator
+def test_launchers_pick_rna_below_sm90(monkeypatch):
+    """On a GPU older than sm_90 (cvt.rn.tf32 needs it) both launchers build the cvt.rna kernels: the split round
+    reaches the factories (spied: they raise before compiling)."""
+    from numba_flash.kernels import tf32_backward as tb
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        raise Built
+
+    monkeypatch.setattr(ptx, "current_sm90", lambda: False)
+    monkeypatch.setattr(tf, "make_forward_kernel", spy)
+    monkeypatch.setattr(tb, "make_kernel", spy)
+    x = cuda.to_device(np.ones((1, 1, 16, 32), np.float32))
+    lse = cuda.to_device(np.ones((1, 1, 16), np.float32))
+    with pytest.raises(Built):
+        tf.launch(x, x, x, cuda.device_array_like(x), lse, causal=False, softmax_scale=0.1)
+    assert seen[-1][0][-1] == "rna", seen[-1]  # make_forward_kernel's last positional argument
+    rows = cuda.device_array((1, tb.padded_rows(16)), np.float32)
+    for kernels in (("dkdv",), ("dq",)):
+        with pytest.raises(Built):
+            tb.launch(x, x, x, x, x, lse, rows, rows, *(cuda.device_array_like(x) for _ in range(3)), causal=False,
+                      softmax_scale=0.1, d=32, kernels=kernels)
+        assert seen[-1][1].get("split_round") == "rna", seen[-1]
+    monkeypatch.setattr(ptx, "current_sm90", lambda: True)
+    with pytest.raises(Built):
+        tf.launch(x, x, x, cuda.device_array_like(x), lse, causal=False, softmax_scale=0.1)
+    assert seen[-1][0][-1] == "rn"
 
 
 def test_split_round_by_device(monkeypatch):
