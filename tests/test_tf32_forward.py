@@ -214,6 +214,34 @@ def test_launchers_pick_rna_below_sm90(monkeypatch):
     assert seen[-1][0][-1] == "rn"
 
 
+@in_simulator
+@pytest.mark.parametrize("sm90", [True, False])
+def test_explain_builds_the_launched_forward(monkeypatch, sm90):
+    """`numba_flash explain`'s kernel facts compile the kernel the forward launches (same cache key, split
+    rounding included), on sm_90 and below it."""
+    from numba_flash import api, cli
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        raise Built
+
+    monkeypatch.setattr(ptx, "current_sm90", lambda: sm90)
+    monkeypatch.setattr(tf, "make_forward_kernel", spy)
+    cfg = api.tf32_config(128, True)
+    with pytest.raises(Built):
+        cli.kernel_facts("tf32x3", cfg, True, "float32").jit()
+    x = cuda.to_device(np.ones((1, 1, 16, 128), np.float32))
+    with pytest.raises(Built):
+        tf.launch(x, x, x, cuda.device_array_like(x), cuda.device_array((1, 1, 16), np.float32), causal=True,
+                  softmax_scale=0.1, **cfg)
+    assert seen[0] == seen[1] and seen[0][0][-1] == ("rn" if sm90 else "rna"), seen
+
+
 def test_split_round_by_device(monkeypatch):
     """cvt.rn.tf32 exists from sm_90 on: the launchers' default split is "rn" there and "rna" below it; an unknown
     rounding is refused by name, by the launchers' helper and by the factories."""
