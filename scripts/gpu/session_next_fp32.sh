@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU host, for the next session: where the fp32 dQ-in-dkdv kernel (d128, 5-7 % behind SDPA memory-efficient's
-# backward after the thirteenth session) spends its time: ncu of the first splits launch and of the atomic grid
+# GPU host, for a later session: where the fp32 dQ-in-dkdv kernel spends its time (written when it was 5-7 % behind
+# SDPA memory-efficient's backward at d128; since the fourteenth session's cvt.rn split it is 18 % ahead, so this
+# is no longer on #6's path, only a profile to read): ncu of the first splits launch and of the atomic grid
 # (stall reasons, pipes, shared-memory wavefronts and bank conflicts: dS stores are modelled 2-way, K reads in the
 # dQ phase 2-way), beside the old dkdv kernel's figures in results/ncu-backward-tf32-2026-12-01.txt.
 #   bash scripts/gpu/session_next_fp32.sh $OUT      (carry .whl)
