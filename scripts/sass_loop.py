@@ -88,13 +88,30 @@ def main_loop_path(ins, labels):
     return first, last, path
 
 
+def hmma_chained(texts):
+    """How many of these HMMAs (instruction texts, in issue order) take as accumulator the result of the HMMA
+    just before them: each such one waits for that one's whole latency (fourteenth session: 3xTF32 chains
+    its three products and its k-steps on one accumulator)."""
+    chained, prev = 0, None
+    for txt in texts:
+        m = re.search(r"HMMA\.\S+\s+(R\d+)[^,]*,\s*\S+,\s*\S+,\s*(R\d+|RZ)", txt)
+        if not m:
+            continue
+        d, c = m.groups()
+        chained += c == prev
+        prev = d
+    return chained
+
+
 def summarise(text):
-    """Opcode counts on the main loop's common path, its integer/address share and the loop's static size."""
+    """Opcode counts on the main loop's common path, its integer/address share, the loop's static size, and
+    its HMMAs chained to the one before (hmma_chained)."""
     ins, labels = parse_sass(text)
     first, last, path = main_loop_path(ins, labels)
     counts = collections.Counter(ins[i][0] for i in path)
     return dict(path=len(path), other=sum(n for op, n in counts.items() if op not in WORK),
-                loop=last - first + 1, counts=dict(counts.most_common()))
+                loop=last - first + 1, counts=dict(counts.most_common()),
+                chained=hmma_chained(ins[i][1] for i in path if ins[i][0] == "HMMA"))
 
 
 def find_nvdisasm():
@@ -155,7 +172,8 @@ def main(argv=None):
     print(f"  ptxas: {report['registers']} registers, {report['stack']} B stack, {report['spill_stores']} / "
           f"{report['spill_loads']} B spill stores / loads")
     print(f"  common path: {s['path']} instructions per trip, {s['other']} integer/address/control; "
-          f"whole loop {s['loop']} static")
+          f"whole loop {s['loop']} static; {s['chained']} of {s['counts'].get('HMMA', 0)} HMMA take the previous "
+          f"HMMA's result as accumulator")
     print("  " + ", ".join(f"{op} {n}" for op, n in s["counts"].items()))
 
 

@@ -55,3 +55,14 @@ def test_common_path_skips_slow_copy_and_mask():
 def test_no_loop_is_an_error():
     with pytest.raises(ValueError, match="no loop"):
         sass_loop.summarise(sass(["MOV R1, R2", "EXIT"]))
+
+
+def test_hmma_chained_counts_back_to_back_accumulators():
+    texts = ["HMMA.1688.F32.TF32 R72, R96.reuse, R60, R72",   # first: nothing before it
+             "HMMA.1688.F32.TF32 R72, R96, R58, R72",          # chained
+             "HMMA.1688.F32.TF32 R64, R80, R58.reuse, R64",    # another accumulator
+             "HMMA.1688.F32.TF32 R72, R84, R56, R72",          # R72, but R64 was written last
+             "HMMA.1688.F32.TF32 R56, R52, R114, RZ",          # fresh accumulator
+             "@P0 HMMA.16816.F32 R56, R12.reuse, R14, R56"]    # chained, predicated
+    assert sass_loop.hmma_chained(texts) == 2
+    assert sass_loop.summarise(sass(PROGRAM))["chained"] == 0
