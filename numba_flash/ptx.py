@@ -353,48 +353,37 @@ def _mma_m16n8k8_tf32_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     return warp_exchange(value, combine, "mma.tf32")
 
 
-@intrinsic
-def _tf32_round_intrinsic(typingctx, x):
-    if not _is_num(x):
-        return None
-    sig = types.float32(x)
+def _make_tf32_round_intrinsic(mode):
+    """cvt.{mode}.tf32.f32 as an intrinsic: "rna" (ties away from zero, sm_80+) or "rn" (ties to even, sm_90+).
+    ptxas 13.0 emits one F2FP.TF32.F32.PACK_B for cvt.rn, four instructions for cvt.rna (an add, an inf/NaN
+    test, a select, a mask)."""
+    text = f"cvt.{mode}.tf32.f32 $0, $1;"
 
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.float32)
-        bits = _asm(builder, _I32, [v], "cvt.rna.tf32.f32 $0, $1;", "=r,f")
-        return builder.bitcast(bits, _F32)
+    @intrinsic
+    def tf32_round(typingctx, x):
+        if not _is_num(x):
+            return None
+        sig = types.float32(x)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.bitcast(_asm(builder, _I32, [v], text, "=r,f"), _F32)
 
+        return sig, codegen
 
-def _tf32_round_twin(x):
-    bits = int(np.float32(x).view(np.uint32))
-    if (bits & 0x7F800000) != 0x7F800000:  # inf and nan pass through
-        bits = (bits + 0x1000) & _TF32_MASK  # half an ulp of tf32 added to the magnitude: ties away
-    return np.uint32(bits).view(np.float32)
-
-
-# cvt.rn.tf32.f32 (sm_90+): ties to even. ptxas 13.0 emits one F2FP.TF32.F32.PACK_B for it, where cvt.rna
-# (the only tf32 rounding sm_80 has) becomes four instructions (an add, an inf/NaN test, a select, a mask).
-@intrinsic
-def _tf32_round_rn_intrinsic(typingctx, x):
-    if not _is_num(x):
-        return None
-    sig = types.float32(x)
-
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.float32)
-        bits = _asm(builder, _I32, [v], "cvt.rn.tf32.f32 $0, $1;", "=r,f")
-        return builder.bitcast(bits, _F32)
-
-    return sig, codegen
+    return tf32_round
 
 
-def _tf32_round_rn_twin(x):
-    bits = int(np.float32(x).view(np.uint32))
-    if (bits & 0x7F800000) != 0x7F800000:  # inf and nan pass through
-        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & _TF32_MASK  # a tie carries only into an odd last bit
-    return np.uint32(bits).view(np.float32)
+def _make_tf32_round_twin(ties_even):
+    """The simulator's twin: half an ulp of tf32 added to the magnitude, then the low 13 bits dropped; ties_even
+    takes a bit less unless the kept last bit is odd, so a tie carries only into an odd last bit."""
+    def tf32_round(x):
+        bits = int(np.float32(x).view(np.uint32))
+        if (bits & 0x7F800000) != 0x7F800000:  # inf and nan pass through
+            bits = (bits + (0xFFF + ((bits >> 13) & 1) if ties_even else 0x1000)) & _TF32_MASK
+        return np.uint32(bits).view(np.float32)
+
+    return tf32_round
 
 
 # --------------------------------------------------------------------------------------------
@@ -1073,8 +1062,8 @@ if SIMULATOR:
     mma_m16n8k16_f16 = _make_mma_twin(f16_value)
     mma_m16n8k16_bf16 = _make_mma_twin(bf16_value)
     mma_m16n8k8_tf32 = _mma_m16n8k8_tf32_twin
-    tf32_round = _tf32_round_twin
-    tf32_round_rn = _tf32_round_rn_twin
+    tf32_round = _make_tf32_round_twin(ties_even=False)
+    tf32_round_rn = _make_tf32_round_twin(ties_even=True)
     ldmatrix_x4 = _make_ldmatrix_twin(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_twin(trans=True)
     ldmatrix_x4_at = _make_ldmatrix_twin(trans=False, by_address=True)
@@ -1105,8 +1094,8 @@ else:
     mma_m16n8k16_f16 = _make_mma_intrinsic("f16")
     mma_m16n8k16_bf16 = _make_mma_intrinsic("bf16")
     mma_m16n8k8_tf32 = _mma_m16n8k8_tf32_intrinsic
-    tf32_round = _tf32_round_intrinsic
-    tf32_round_rn = _tf32_round_rn_intrinsic
+    tf32_round = _make_tf32_round_intrinsic("rna")
+    tf32_round_rn = _make_tf32_round_intrinsic("rn")
     ldmatrix_x4 = _make_ldmatrix_intrinsic(trans=False)
     ldmatrix_x4_trans = _make_ldmatrix_intrinsic(trans=True)
     ldmatrix_x4_at = _make_ldmatrix_intrinsic(trans=False, by_address=True)

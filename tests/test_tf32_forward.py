@@ -179,24 +179,32 @@ def test_split_round_builds(tmp_path):
         assert raw == [rn[0] // 2, 0] and rn[0] % 2 == 0, got
 
 
-@in_simulator
-def test_launchers_pick_rna_below_sm90(monkeypatch):
-    """On a GPU older than sm_90 (cvt.rn.tf32 needs it) both launchers build the cvt.rna kernels: the split round
-    reaches the factories (spied: they raise before compiling)."""
-    from numba_flash.kernels import tf32_backward as tb
+class Built(Exception):
+    """Raised by spy_factories' stand-ins: the launch reached the factory, nothing compiled."""
 
-    class Built(Exception):
-        pass
 
+def spy_factories(monkeypatch, module, *names):
+    """Replace module's factories with stand-ins that record their (args, kwargs) and raise Built; the records."""
     seen = []
 
     def spy(*args, **kwargs):
         seen.append((args, kwargs))
         raise Built
 
+    for name in names:
+        monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+@in_simulator
+def test_launchers_pick_rna_below_sm90(monkeypatch):
+    """On a GPU older than sm_90 (cvt.rn.tf32 needs it) both launchers build the cvt.rna kernels: the split round
+    reaches the factories (spied: they raise before compiling)."""
+    from numba_flash.kernels import tf32_backward as tb
+
     monkeypatch.setattr(ptx, "current_sm90", lambda: False)
-    monkeypatch.setattr(tf, "make_forward_kernel", spy)
-    monkeypatch.setattr(tb, "make_kernel", spy)
+    seen = spy_factories(monkeypatch, tf, "make_forward_kernel")
+    seen_bwd = spy_factories(monkeypatch, tb, "make_kernel")
     x = cuda.to_device(np.ones((1, 1, 16, 32), np.float32))
     lse = cuda.to_device(np.ones((1, 1, 16), np.float32))
     with pytest.raises(Built):
@@ -207,7 +215,7 @@ def test_launchers_pick_rna_below_sm90(monkeypatch):
         with pytest.raises(Built):
             tb.launch(x, x, x, x, x, lse, rows, rows, *(cuda.device_array_like(x) for _ in range(3)), causal=False,
                       softmax_scale=0.1, d=32, kernels=kernels)
-        assert seen[-1][1].get("split_round") == "rna", seen[-1]
+        assert seen_bwd[-1][1].get("split_round") == "rna", seen_bwd[-1]
     monkeypatch.setattr(ptx, "current_sm90", lambda: True)
     with pytest.raises(Built):
         tf.launch(x, x, x, cuda.device_array_like(x), lse, causal=False, softmax_scale=0.1)
@@ -221,17 +229,8 @@ def test_explain_builds_the_launched_forward(monkeypatch, sm90):
     rounding included), on sm_90 and below it."""
     from numba_flash import api, cli
 
-    class Built(Exception):
-        pass
-
-    seen = []
-
-    def spy(*args, **kwargs):
-        seen.append((args, kwargs))
-        raise Built
-
     monkeypatch.setattr(ptx, "current_sm90", lambda: sm90)
-    monkeypatch.setattr(tf, "make_forward_kernel", spy)
+    seen = spy_factories(monkeypatch, tf, "make_forward_kernel")
     cfg = api.tf32_config(128, True)
     with pytest.raises(Built):
         cli.kernel_facts("tf32x3", cfg, True, "float32").jit()
