@@ -7,7 +7,8 @@ cvt.rna.tf32.f32 (what sm_80 has; four SASS instructions each on sm_90), "rn" wi
 F2FP), "rn_raw" rounds hi only and leaves lo to the tensor core's truncation. Per mode the public
 ``numba_flash.forward`` / ``backward`` (kernel="tf32x3", deterministic) run with the mode forced (the
 modules' ``split_round_for_device`` replaced; plans off, so nothing recorded under one mode replays in
-another). Timing: interleaved rounds, the modes' order rotating, median of --iters CUDA-event timings
+another). Timing: interleaved rounds, the modes' order rotating, the median over rounds (until 2026-12-02:
+the upper middle one, i.e. the slower of 2 rounds) of each round's median of --iters CUDA-event timings
 per call, SDPA memory-efficient's backward and forward as yardsticks. Accuracy: max |x - float64| of O
 and of each gradient on B1 H4 problems, beside the SIMT kernels' (the fp32 error rule's yardstick).
 --dq-kernel times the backward's other plan, the dkdv kernel and the separate dq kernel (what dq_scheme
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -126,7 +128,7 @@ def main(argv=None):
                     if mode:
                         force(mode)
                     times[name].append(time_call(fn, reps=args.iters)[0])
-        result["timing"][label] = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+        result["timing"][label] = {name: statistics.median(ts) for name, ts in times.items()}
         result["timing"][label + " spread"] = {name: [min(ts), max(ts)] for name, ts in times.items()}
         print(f"{label}: " + ", ".join(f"{n} {t:.3f}" for n, t in result["timing"][label].items()), flush=True)
 
