@@ -48,6 +48,7 @@ from numba.cuda.extending import intrinsic, register_jitable
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 SM90_ONLY = "red.global.add.v2/.v4.f32, cp.async.bulk, mbarrier expect_tx"  # what needs sm_90+ below
 SMEM_ALIGN = None if SIMULATOR else 16  # ldmatrix rows and cp.async targets are 16-byte aligned
+WGMMA_ALIGN = None if SIMULATOR else 1024  # wgmma's 128-byte swizzle works on 1024-byte aligned addresses
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -108,11 +109,13 @@ def halves(word):
 # that manager, so its state lives and dies with the block.
 # --------------------------------------------------------------------------------------------
 class _WarpRendezvous:
-    """All 32 lanes deposit a value; the last to arrive runs ``combine`` once for the warp."""
+    """All ``lanes`` lanes (a warp: 32; a warpgroup: 128) deposit a value; the last to arrive runs
+    ``combine`` once for the group."""
 
-    def __init__(self):
+    def __init__(self, lanes=32):
+        self.lanes = lanes
         self.cond = threading.Condition()
-        self.values = [None] * 32
+        self.values = [None] * lanes
         self.arrived = 0
         self.generation = 0
         self.result = None
@@ -127,11 +130,11 @@ class _WarpRendezvous:
             generation = self.generation
             self.values[lane] = value
             self.arrived += 1
-            if self.arrived == 32:
+            if self.arrived == self.lanes:
                 try:
                     self.result = combine(self.values)
                 finally:
-                    self.values, self.arrived, self.op = [None] * 32, 0, None
+                    self.values, self.arrived, self.op = [None] * self.lanes, 0, None
                     self.generation += 1
                     self.cond.notify_all()
             while self.generation == generation:
@@ -145,25 +148,27 @@ class _WarpRendezvous:
 _slots_lock = threading.Lock()
 
 
-def _lane_and_slot():
+def _lane_and_slot(lanes=32):
     thread = threading.current_thread()
     manager = thread._manager
     block = manager._block_dim
     nthreads = block[0] * block[1] * block[2]
-    if nthreads % 32:
-        raise RuntimeError(f"warp-wide PTX needs whole warps; block has {nthreads} threads")
-    warp, lane = divmod(thread.thread_id, 32)
+    if nthreads % lanes:
+        what = "warps" if lanes == 32 else f"groups of {lanes} threads"
+        raise RuntimeError(f"this PTX needs whole {what}; block has {nthreads} threads")
+    group, lane = divmod(thread.thread_id, lanes)
     with _slots_lock:
         slots = manager.__dict__.setdefault("_ptx_warp_slots", {})
-        slot = slots.get(warp)
+        slot = slots.get((lanes, group))
         if slot is None:
-            slot = slots[warp] = _WarpRendezvous()
+            slot = slots[(lanes, group)] = _WarpRendezvous(lanes)
     return lane, slot
 
 
-def warp_exchange(value, combine, op="exchange"):
-    """Twin helper: every lane passes value; returns combine(values_by_lane)[lane]."""
-    lane, slot = _lane_and_slot()
+def warp_exchange(value, combine, op="exchange", lanes=32):
+    """Twin helper: every lane of the warp (lanes=128: the warpgroup) passes value; returns
+    combine(values_by_lane)[lane]."""
+    lane, slot = _lane_and_slot(lanes)
     return slot.exchange(lane, value, combine, op)
 
 
@@ -1027,6 +1032,224 @@ def _syncwarp_twin(mask=FULL_MASK):
 
 
 # --------------------------------------------------------------------------------------------
+# wgmma.mma_async (sm_90a): a warpgroup (4 consecutive warps, 128 threads) computes
+# D(64xN) = A(64x16) @ B(16xN) + D with B, and A unless it comes from registers, read by the tensor
+# cores straight from shared memory through 64-bit matrix descriptors (no ldmatrix).
+#
+# Fragments (PTX ISA, "Register Fragments and Shared Memory Matrix Layouts" of wgmma): warp w of the
+# warpgroup owns rows 16w..16w+15 and, per 8 columns, exactly an m16n8 C fragment: accumulator
+# register i holds D[16w + g + 8·(i%4 >= 2), 8·(i//4) + 2t + i%2]. A from registers is an m16n8k16 A
+# fragment of rows 16w.. (a_fragment_coords).
+#
+# Shared-memory operands here use the 128-byte swizzle only. A tile of R rows and 64·c 16-bit columns
+# is stored as c column atoms of R rows x 128 B (atom a holds columns 64a..64a+63), row r of an atom at
+# 128·r, its 16-byte chunk j at chunk j ^ (r % 8): the hardware's swizzle XORs address bits 4-6 with
+# bits 7-9, so atoms must start at multiples of 1024 B (the shared array is 1024-aligned, every atom
+# a whole number of 8-row groups). Such a tile is both operand orders:
+#   K-major (the reduction index along the row, as Q and K in S = Q Kᵀ): rows 8i.. of the operand at
+#     start + i·SBO (SBO = 1024), k16 slice kk at + 32·(kk % 4) in atom kk // 4;
+#   MN-major (the reduction index down the rows, as dO in dV = Pᵀ dO, ".trans"): k rows 8i.. at
+#     start + i·SBO (SBO = 1024), n columns 64a.. at start + a·LBO (LBO = the atom's bytes).
+# Descriptor bits: start address >> 4 in 0-13, LBO >> 4 in 16-29, SBO >> 4 in 32-45, 1 (128-byte
+# swizzle) in 62-63 (CUTLASS's GmmaDescriptor).
+#
+# The accumulators are arrays (cuda.local.array, indexed by constants only: NVVM keeps them in
+# registers) that the intrinsics read and write in place. wgmma is asynchronous: between an mma and
+# the wgmma_wait that retires it nothing may read its accumulators; wgmma_hold(acc) after the wait
+# re-defines them through an empty volatile asm, so no use can be scheduled above the wait (CUTLASS's
+# warpgroup_fence_operand). The twins compute at once, reading shared memory through the descriptors
+# by the rules above; fence, commit and wait are no-ops there.
+# --------------------------------------------------------------------------------------------
+WGMMA_SWIZZLE_128B = 1 << 62
+WGMMA_SBO = 1024  # 8 rows of 128 B: the stride between 8-row groups of a column atom
+
+
+def wgmma_desc_bits(lbo_bytes: int, sbo_bytes: int = WGMMA_SBO) -> int:
+    """The descriptor's fixed bits (LBO, SBO, 128-byte swizzle); add (shared byte address >> 4)."""
+    if lbo_bytes % 16 or sbo_bytes % 16 or not (0 <= lbo_bytes >> 4 < 1 << 14 and 0 < sbo_bytes >> 4 < 1 << 14):
+        raise ValueError(f"wgmma descriptor offsets LBO={lbo_bytes}, SBO={sbo_bytes}: multiples of 16 below 256 KiB")
+    return ((lbo_bytes >> 4) << 16) | ((sbo_bytes >> 4) << 32) | WGMMA_SWIZZLE_128B
+
+
+def _acc_pointers(context, builder, aryty, ary, n):
+    data = context.make_array(aryty)(context, builder, value=ary).data
+    return [builder.gep(data, [ir.Constant(ir.IntType(64), i)]) for i in range(n)]
+
+
+def _is_f32_array(ty):
+    return isinstance(ty, types.Array) and ty.dtype == types.float32 and ty.layout == "C"
+
+
+def _wgmma_asm(context, builder, aryty, ary, n, text, operands, constraints):
+    """The asm of an mma (or a hold) on n accumulators in place: outputs $0..$n-1, then ``operands``,
+    then the accumulators' inputs tied to the outputs."""
+    ptrs = _acc_pointers(context, builder, aryty, ary, n)
+    accs = [builder.load(p) for p in ptrs]
+    clobbers = [c for c in constraints if c.startswith("~")]
+    inputs = [c for c in constraints if not c.startswith("~")]
+    cons = ",".join(["=f"] * n + inputs + [str(i) for i in range(n)] + clobbers)
+    ret = ir.LiteralStructType([_F32] * n)
+    d = _asm(builder, ret, list(operands) + accs, text, cons, side_effect=True)
+    for i, p in enumerate(ptrs):
+        builder.store(builder.extract_value(d, i), p)
+
+
+def _make_wgmma_intrinsic(n, ab, trans_a, trans_b, a_regs):
+    """wgmma m64n{n}k16 f32 += {ab} x {ab}: (smem, acc, desc_a, desc_b, scale_d), or with a_regs
+    (smem, acc, a0, a1, a2, a3, desc_b, scale_d); scale_d 0 ignores acc's old values. smem (unused on the
+    GPU) is the shared array the descriptors point into: the twin reads it."""
+    regs = n // 2  # accumulators per thread: 64 x n over 128 threads
+    dl = ",".join(f"${i}" for i in range(regs))
+    if a_regs:
+        ops = f"{{${regs},${regs + 1},${regs + 2},${regs + 3}}}, ${regs + 4}, p, 1, 1, {int(trans_b)}"
+        pred = regs + 5
+    else:
+        ops = f"${regs}, ${regs + 1}, p, 1, 1, {int(trans_a)}, {int(trans_b)}"
+        pred = regs + 2
+    text = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${pred}, 0;\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{dl}}}, {ops};\n}}")
+
+    def typing(smem, acc, rest):
+        if not (_is_16bit_array(smem) and _is_f32_array(acc) and _is_int(*rest)):
+            return None
+        sig = types.void(smem, acc, *rest)
+
+        def codegen(context, builder, sig, args):
+            vals, tys = args[2:], sig.args[2:]
+            if a_regs:
+                operands = [context.cast(builder, v, t, types.uint32) for v, t in zip(vals[:4], tys[:4])]
+                operands.append(context.cast(builder, vals[4], tys[4], types.uint64))
+                cons = ["r"] * 4 + ["l", "r"]
+            else:
+                operands = [context.cast(builder, v, t, types.uint64) for v, t in zip(vals[:2], tys[:2])]
+                cons = ["l", "l", "r"]
+            operands.append(context.cast(builder, vals[-1], tys[-1], types.int32))
+            cons.append("~{memory}")  # it reads shared memory: keep it below the barriers and stores before it
+            _wgmma_asm(context, builder, sig.args[1], args[1], regs, text, operands, cons)
+
+        return sig, codegen
+
+    if a_regs:
+        @intrinsic
+        def wgmma(typingctx, smem, acc, a0, a1, a2, a3, desc_b, scale_d):
+            return typing(smem, acc, (a0, a1, a2, a3, desc_b, scale_d))
+    else:
+        @intrinsic
+        def wgmma(typingctx, smem, acc, desc_a, desc_b, scale_d):
+            return typing(smem, acc, (desc_a, desc_b, scale_d))
+
+    return wgmma
+
+
+def _make_wgmma_hold_intrinsic(n):
+    """An empty volatile asm that reads and re-defines the n / 2 accumulators of an m64n{n} product (CUTLASS's warpgroup_fence_operand)."""
+    @intrinsic
+    def hold(typingctx, acc):
+        if not _is_f32_array(acc):
+            return None
+        sig = types.void(acc)
+
+        def codegen(context, builder, sig, args):
+            _wgmma_asm(context, builder, sig.args[0], args[0], n // 2, "", [], [])
+
+        return sig, codegen
+
+    return hold
+
+
+def _make_plain_asm_intrinsic(text):
+    @intrinsic
+    def plain(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+
+        return sig, codegen
+
+    return plain
+
+
+def _wgmma_operand(sbytes, desc, rows, cols, k_major):
+    """The (rows x cols) matrix a descriptor describes (K-major: rows = M or N, cols = 16; MN-major:
+    rows = 16 k, cols = M or N), read from the shared bytes by the 128-byte swizzle rules above."""
+    desc = int(desc)
+    start, lbo, sbo = (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+    if desc >> 62 != 1:
+        raise ValueError(f"wgmma twin: descriptor {desc:#x} is not a 128-byte swizzle (bits 62-63 = {desc >> 62})")
+    out = np.empty((rows, cols), np.int64)
+    for r in range(rows):
+        for c in range(0, cols, 8):  # 16-byte chunks of 8 elements along the contiguous index
+            if k_major:  # element (r = m or n, c = k)
+                addr = start + (r // 8) * sbo + (r % 8) * 128 + (c // 8) * 16
+            else:  # element (r = k, c = m or n)
+                addr = start + (c // 64) * lbo + ((c % 64) // 8) * 16 + (r // 8) * sbo + (r % 8) * 128
+            addr ^= ((addr >> 7) & 7) << 4
+            if addr < 0 or addr + 16 > sbytes.size:
+                raise IndexError(f"wgmma twin: descriptor {desc:#x} reads bytes [{addr}, {addr + 16}) outside "
+                                 f"{sbytes.size} bytes of shared memory")
+            out[r, c:c + 8] = sbytes[addr:addr + 16].view(np.uint16)
+    return out
+
+
+def _make_wgmma_twin(n, value_of, trans_a, trans_b, a_regs):
+    regs = n // 2
+    vec = np.vectorize(value_of, otypes=[np.float64])
+
+    def wgmma(smem, acc, *rest):
+        flat = _numpy_of(acc).reshape(-1)
+        if flat.size < regs:
+            raise ValueError(f"wgmma m64n{n}: the accumulator array has {flat.size} elements, needs {regs}")
+        a = tuple(int(x) for x in rest[:4]) if a_regs else int(rest[0])
+        lane_value = (a, int(rest[-2]), bool(rest[-1]), flat[:regs].copy(), smem)
+
+        def combine(lanes):
+            if len({(None if a_regs else v[0], v[1], v[2]) for v in lanes}) != 1:
+                raise ValueError(f"wgmma m64n{n} twin: the lanes of a warpgroup passed different descriptors "
+                                 "or scale_d")
+            sbytes = _numpy_of(lanes[0][4]).reshape(-1).view(np.uint8)
+            if a_regs:
+                A = np.zeros((64, 16))
+                for lane, value in enumerate(lanes):
+                    w, l32 = divmod(lane, 32)
+                    bits = [h for word in value[0] for h in halves(word)]
+                    for (r, k), b in zip(a_fragment_coords(l32), bits):
+                        A[16 * w + r, k] = value_of(b)
+            elif trans_a:
+                A = vec(_wgmma_operand(sbytes, lanes[0][0], 16, 64, False)).T
+            else:
+                A = vec(_wgmma_operand(sbytes, lanes[0][0], 64, 16, True))
+            desc_b = lanes[0][1]
+            B = vec(_wgmma_operand(sbytes, desc_b, 16, n, False)) if trans_b else \
+                vec(_wgmma_operand(sbytes, desc_b, n, 16, True)).T
+            D = A @ B  # products of 16-bit floats are exact; one rounding to fp32 below
+            out = []
+            for lane, value in enumerate(lanes):
+                w, l32 = divmod(lane, 32)
+                g, t = l32 >> 2, l32 & 3
+                i = np.arange(regs)
+                r = 16 * w + g + 8 * ((i % 4) >= 2)
+                c = 8 * (i // 4) + 2 * t + (i % 2)
+                old = value[3].astype(np.float64) if value[2] else 0.0
+                out.append((D[r, c] + old).astype(np.float32))
+            return out
+
+        flat[:regs] = warp_exchange(lane_value, combine, f"wgmma.m64n{n}", lanes=128)
+
+    return wgmma
+
+
+def _make_wgmma_hold_twin(n):
+    def hold(acc):
+        return None
+    return hold
+
+
+def _noop_twin():
+    return None
+
+
+# --------------------------------------------------------------------------------------------
 # Which GPU the intrinsics are for: vector red and the bulk copy exist from sm_90 on (ptxas rejects
 # them for sm_80-89), so kernels that use them pick a fallback below it.
 # --------------------------------------------------------------------------------------------
@@ -1129,8 +1352,42 @@ else:
     def syncwarp():  # cuda.syncwarp is a typing stub, callable only as an attribute of cuda
         cuda.syncwarp()
 
+@functools.lru_cache(maxsize=None)
+def wgmma(n: int, dtype: str, trans_a: bool = False, trans_b: bool = False, a_regs: bool = False):
+    """wgmma.mma_async m64n{n}k16, f32 accumulators, A and B of ``dtype`` ("float16" / "bfloat16"), from
+    shared memory by descriptor (trans: MN-major) or A from registers (a_regs); the twin in the simulator.
+    Call as f(smem, acc, desc_a, desc_b, scale_d) or, with a_regs, f(smem, acc, a0, a1, a2, a3, desc_b,
+    scale_d)."""
+    if n % 8 or not 8 <= n <= 256 or dtype not in ("float16", "bfloat16") or (a_regs and trans_a):
+        raise ValueError(f"wgmma m64n{n}k16 {dtype} trans_a={trans_a} a_regs={a_regs}: n a multiple of 8 in "
+                         "8..256, float16 or bfloat16, A from registers is never transposed")
+    if SIMULATOR:
+        return _make_wgmma_twin(n, f16_value if dtype == "float16" else bf16_value, trans_a, trans_b, a_regs)
+    return _make_wgmma_intrinsic(n, "f16" if dtype == "float16" else "bf16", trans_a, trans_b, a_regs)
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_hold(n: int):
+    """hold(acc): the n / 2 accumulators of an m64n{n} product re-defined after a wgmma_wait (no-op twin)."""
+    return _make_wgmma_hold_twin(n) if SIMULATOR else _make_wgmma_hold_intrinsic(n)
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_wait(pending: int):
+    """wgmma.wait_group.sync.aligned pending: until at most ``pending`` committed groups are in flight."""
+    return _noop_twin if SIMULATOR else _make_plain_asm_intrinsic(f"wgmma.wait_group.sync.aligned {int(pending)};")
+
+
+if SIMULATOR:
+    wgmma_fence = wgmma_commit = fence_proxy_async = _noop_twin
+else:
+    wgmma_fence = _make_plain_asm_intrinsic("wgmma.fence.sync.aligned;")  # registers written before it are seen
+    wgmma_commit = _make_plain_asm_intrinsic("wgmma.commit_group.sync.aligned;")
+    # generic-proxy writes (st.shared, cp.async) made visible to the async proxy that wgmma reads through
+    fence_proxy_async = _make_plain_asm_intrinsic("fence.proxy.async.shared::cta;")
+
 __all__ = [
-    "SIMULATOR", "SMEM_ALIGN", "FULL_MASK",
+    "SIMULATOR", "SMEM_ALIGN", "WGMMA_ALIGN", "FULL_MASK",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "tf32_round", "tf32_round_rn",
     "ldmatrix_x4", "ldmatrix_x4_trans",
     "ldmatrix_x4_at", "ldmatrix_x4_trans_at", "shared_base",
@@ -1138,7 +1395,8 @@ __all__ = [
     "mbarrier_init", "fence_mbarrier_init", "mbarrier_arrive_expect_tx", "mbarrier_try_wait_parity", "cp_async_bulk",
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
     "red_add_v4_f32", "st_global_f32", "st_global_v2_f32",
-    "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "ld_global_nc_v4", "current_sm90",
+    "wgmma", "wgmma_hold", "wgmma_wait", "wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc_bits",
+    "WGMMA_SBO", "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "ld_global_nc_v4", "current_sm90",
     "compute_capability",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords", "tf32_a_coords", "tf32_b_coords", "tf32_value",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",

@@ -1,0 +1,111 @@
+"""wgmma.mma_async intrinsics (numba_flash.ptx.wgmma): the twin in the simulator and the instruction on an
+sm_90 GPU (tests/test_gpu_wgmma.py runs the same check) against NumPy, for the three operand forms the
+wgmma backward uses: both operands K-major (Sᵀ = K Qᵀ), A from registers with B MN-major (dV = Pᵀ dO) and
+both MN-major (dQ = dS K from the stored dSᵀ)."""
+import numpy as np
+import pytest
+from numba import cuda, float32, uint16
+
+from numba_flash import ptx
+from numba_flash.ptx import WGMMA_ALIGN
+from numba_flash.kernels.wgmma_backward import atom_offset
+from test_ptx import compile_in_subprocess, in_simulator, rand16
+
+KR, QR, TR = 128, 64, 128  # rows of the three tiles: K-like (128 x 128), Q-like (64 x 128), dSᵀ-like (128 x 64)
+SK, SQ, ST = 0, KR * 128, KR * 128 + QR * 128  # word offsets (each a multiple of 512 words: 1024 B)
+SMEM_WORDS = ST + TR * 64
+
+
+def wgmma_forms_kernel(dtype):
+    """The Python kernel of check_wgmma_forms (before cuda.jit: the compile test builds it too)."""
+    name = "float16" if dtype == "f16" else "bfloat16"
+    pack = ptx.pack_f16x2 if dtype == "f16" else ptx.pack_bf16x2
+    mma_kk = ptx.wgmma(64, name)
+    mma_rs = ptx.wgmma(128, name, trans_b=True, a_regs=True)
+    mma_mn = ptx.wgmma(64, name, trans_a=True, trans_b=True)
+    hold64, hold128 = ptx.wgmma_hold(64), ptx.wgmma_hold(128)
+    wait0 = ptx.wgmma_wait(0)
+    k_major = ptx.wgmma_desc_bits(16)  # LBO unused by K-major 128-byte swizzled operands
+    q_mn = ptx.wgmma_desc_bits(QR * 128)  # dO-like B: n columns 64a.. one atom (QR rows x 128 B) further
+    k_mn = ptx.wgmma_desc_bits(KR * 128)
+
+    def kernel(kt, qt, tt, x, s_out, r_out, u_out):
+        smem = cuda.shared.array(SMEM_WORDS, uint16, alignment=WGMMA_ALIGN)
+        tid = cuda.threadIdx.x
+        for i in range(tid, KR * 128, 128):
+            r, c = i // 128, i % 128
+            smem[SK + atom_offset(r, c >> 3, KR) + (c & 7)] = kt[r, c]
+        for i in range(tid, QR * 128, 128):
+            r, c = i // 128, i % 128
+            smem[SQ + atom_offset(r, c >> 3, QR) + (c & 7)] = qt[r, c]
+        for i in range(tid, TR * 64, 128):
+            r, c = i // 64, i % 64
+            smem[ST + atom_offset(r, c >> 3, TR) + (c & 7)] = tt[r, c]
+        ptx.fence_proxy_async()
+        cuda.syncthreads()
+        base = ptx.shared_base(smem) >> 4
+        warp, lane = tid >> 5, tid & 31
+        g, t = lane >> 2, lane & 3
+        s = cuda.local.array(32, float32)
+        r = cuda.local.array(64, float32)
+        u = cuda.local.array(32, float32)
+        for i in range(32):
+            s[i] = float32(0.0)
+            u[i] = float32(0.0)
+        for i in range(64):
+            r[i] = float32(1.0)  # scale_d = 0 on the first k-step must ignore these
+        row = 16 * warp + g
+        ptx.wgmma_fence()
+        for kk in range(8):  # K-major: k slice kk at atom kk // 4, + 32 B per slice inside it
+            a = k_major + base + ((2 * SK + (kk >> 2) * KR * 128 + (kk & 3) * 32) >> 4)
+            b = k_major + base + ((2 * SQ + (kk >> 2) * QR * 128 + (kk & 3) * 32) >> 4)
+            mma_kk(smem, s, a, b, 1)
+        for kk in range(4):  # A from registers: rows 16w + g (+8), k 16kk + 2t (+1, +8, +9)
+            c0 = 16 * kk + 2 * t
+            a0 = pack(x[row, c0], x[row, c0 + 1])
+            a1 = pack(x[row + 8, c0], x[row + 8, c0 + 1])
+            a2 = pack(x[row, c0 + 8], x[row, c0 + 9])
+            a3 = pack(x[row + 8, c0 + 8], x[row + 8, c0 + 9])
+            b = q_mn + base + ((2 * SQ + kk * 16 * 128) >> 4)  # k rows 16kk..: 16 rows of 128 B
+            mma_rs(smem, r, a0, a1, a2, a3, b, 1 if kk > 0 else 0)
+        for kk in range(8):  # both MN-major: k rows 16kk.. of Tt and of Kt (its second atom: columns 64..)
+            a = q_mn + base + ((2 * ST + kk * 16 * 128) >> 4)
+            b = k_mn + base + ((2 * SK + KR * 128 + kk * 16 * 128) >> 4)
+            mma_mn(smem, u, a, b, 1)
+        ptx.wgmma_commit()
+        wait0()
+        hold64(s)
+        hold128(r)
+        hold64(u)
+        for i in range(64):
+            rr = 16 * warp + g + 8 * ((i % 4) // 2)
+            cc = 8 * (i // 4) + 2 * t + (i % 2)
+            r_out[rr, cc] = r[i]
+            if i < 32:
+                s_out[rr, cc] = s[i]
+                u_out[rr, cc] = u[i]
+
+    return kernel
+
+
+def check_wgmma_forms(dtype, seed=0):
+    """One warpgroup: S = Kt[:64] Qtᵀ (SS, K-major, n64, 8 k-steps), R = X Qt (RS, B MN-major, n128,
+    4 k-steps), U = Tᵀ Kt[:, 64:] (SS, both MN-major, n64, 8 k-steps); tiles stored by atom_offset."""
+    rng = np.random.default_rng(seed)
+    Kt, kt_bits = rand16((KR, 128), dtype, rng)
+    Qt, qt_bits = rand16((QR, 128), dtype, rng)
+    T, t_bits = rand16((TR, 64), dtype, rng)
+    X, _ = rand16((64, 64), dtype, rng)
+    kernel = cuda.jit(wgmma_forms_kernel(dtype))
+    S = np.zeros((64, 64), np.float32)
+    R = np.zeros((64, 128), np.float32)
+    U = np.zeros((64, 64), np.float32)
+    kernel[1, 128](kt_bits, qt_bits, t_bits, X.astype(np.float32), S, R, U)
+    for got, expect in ((S, Kt[:64] @ Qt.T), (R, X @ Qt), (U, T.T @ Kt[:, 64:])):
+        np.testing.assert_allclose(got, expect, rtol=0, atol=2e-5 * (1 + np.abs(expect).max()))
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@in_simulator
+def test_wgmma_forms_sim(dtype):
+    check_wgmma_forms(dtype, seed=3)
