@@ -18,3 +18,39 @@ def test_wgmma_forms_gpu(dtype, seed):
     if compute_capability()[0] != 9:
         pytest.skip("wgmma is sm_90a only")
     check_wgmma_forms(dtype, seed)
+
+
+@pytest.mark.parametrize(
+    "B,H,Hkv,n_q,n_k,d,causal,dtype,splits",
+    [
+        (1, 2, 1, 70, 150, 64, True, "float16", None),
+        (1, 1, 1, 80, 40, 128, True, "bfloat16", None),
+        (1, 1, 1, 66, 130, 100, False, "float16", 2),
+        (2, 4, 2, 1000, 1100, 128, True, "float16", 3),     # GQA 2, many steps, both buffers, 3 splits of 9
+        (1, 4, 4, 700, 700, 128, False, "bfloat16", None),
+        (2, 2, 1, 513, 900, 64, False, "float16", 4),
+    ],
+)
+def test_wgmma_dkdv_gpu(B, H, Hkv, n_q, n_k, d, causal, dtype, splits):
+    if compute_capability()[0] != 9:
+        pytest.skip("wgmma is sm_90a only")
+    from test_wgmma import test_wgmma_dkdv_sim
+
+    test_wgmma_dkdv_sim.__wrapped__(B, H, Hkv, n_q, n_k, d, causal, dtype, splits)
+
+
+def test_wgmma_splits_repeat_bitwise_gpu():
+    """The deterministic splits through the wgmma dkdv: the same bits over 20 runs."""
+    if compute_capability()[0] != 9:
+        pytest.skip("wgmma is sm_90a only")
+    import numpy as np
+
+    from test_mma_backward import problem, run_backward
+    from test_wgmma import wgmma_config
+
+    _, stored = problem(5, 1, 4, 2, 600, 700, 128, True, "float16")
+    first = run_backward(stored, 128, True, "float16", wgmma_config(128), splits=3)
+    for _ in range(19):
+        again = run_backward(stored, 128, True, "float16", wgmma_config(128), splits=3)
+        for a, b in zip(first, again):
+            assert np.array_equal(a, b)

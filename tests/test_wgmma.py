@@ -109,3 +109,33 @@ def check_wgmma_forms(dtype, seed=0):
 @in_simulator
 def test_wgmma_forms_sim(dtype):
     check_wgmma_forms(dtype, seed=3)
+
+
+# --------------------------------------------------------------------------------------------
+# The wgmma dK/dV/dQ kernel (kernels/wgmma_backward.py) through mma_backward.launch
+# --------------------------------------------------------------------------------------------
+def wgmma_config(head_dim):
+    return {"dkdv": (64, 64), "dq": (64, 64), "head_dim": head_dim, "dkdv_atomic": (128, 64), "dkdv_wgmma": True}
+
+
+@in_simulator
+@pytest.mark.parametrize(
+    "B,H,Hkv,n_q,n_k,d,causal,dtype,splits",
+    [
+        (1, 2, 1, 70, 150, 64, True, "float16", None),     # GQA 2, 2 key blocks (the second partial), Nq < Nk
+        (1, 1, 1, 80, 40, 128, True, "bfloat16", None),    # Nq > Nk: rows that see no key; 2 Q tiles
+        (1, 1, 1, 66, 130, 100, False, "float16", 2),      # the deterministic splits; d 100 (part-data chunk,
+                                                            # NaN row padding) padded to 128
+    ],
+)
+def test_wgmma_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, splits):
+    """The wgmma dkdv with its dQ (one plane of adds, or the splits) against the float64 reference, by
+    the flash-attention error rule; NaN-filled outputs show anything left unwritten."""
+    from test_mma_backward import check_error_rule, problem, run_backward
+
+    vals, stored = problem(3 + n_q + n_k, B, H, Hkv, n_q, n_k, d, causal, dtype)
+    grads = run_backward(stored, d, causal, dtype, wgmma_config(64 if d <= 64 else 128), atomic=splits is None,
+                         splits=splits, pad_to=-(-d // 8) * 8 + 8 if d % 8 else None)
+    check_error_rule(grads, vals, causal, dtype)
+    if n_q > n_k and causal:  # rows that see no key: dQ exactly zero
+        assert np.all(grads[0][:, :, : n_q - n_k] == 0)

@@ -78,6 +78,7 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
+from . import wgmma_backward
 from .mma_forward import tile_copies
 from .simt_backward import DELTA_LANES, DELTA_ROWS, row_dot_helper
 
@@ -394,22 +395,26 @@ def two_products(HEAD_DIM, N_TILES, mma):
     return unrolled
 
 
-def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, PARTIAL_CHUNK):
-    """What both dK/dV layouts share: the shared-memory plan, the copies (K and V, the streamed stage),
+def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, PARTIAL_CHUNK, ATOMS=False):
+    """What the dK/dV layouts share: the shared-memory plan, the copies (K and V, the streamed stage),
     the schedule of (query head, Q tile) steps and the epilogue. OUT_TILES: n-tiles of dK / dV per warp.
-    PARTIAL_CHUNK: d % 8 != 0 (tile_copies' flag).
+    PARTIAL_CHUNK: d % 8 != 0 (tile_copies' flag). ATOMS (wgmma_backward): the 16-bit tiles in wgmma's
+    column atoms (tile_copies' ATOM_ROWS) and every tile starting at a multiple of 1024 bytes.
 
     Word offsets: K and V once, then two stages of [Q | dO | L2 (fp32) | D (fp32)], then what the
     layout adds (EXTRA0 on)."""
     SK, SV = 0, BLOCK_N * HEAD_DIM
     STAGE0 = 2 * BLOCK_N * HEAD_DIM
-    STAGE = stage_words(BLOCK_M, HEAD_DIM)
+    STAGE = -(-(2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M) // 512) * 512 if ATOMS else stage_words(BLOCK_M, HEAD_DIM)
     SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
     EXTRA0 = STAGE0 + 2 * STAGE
     Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
     KV_COPIES = BLOCK_N * (HEAD_DIM // 8) // THREADS
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
-    swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
+    swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK, BLOCK_N if ATOMS else 0)
+    # the streamed tiles' copies (another instance only for ATOMS: their atoms hold BLOCK_M rows)
+    _, _, copy_plan_q, load_q_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK, BLOCK_M) if ATOMS else \
+        (swizzle, None, copy_plan, load_tile_fast)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     ldsm_t = ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
@@ -417,17 +422,23 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, 
     cp_commit = ptx.cp_async_commit
     CAUSAL = bool(CAUSAL)
 
+    # cuda.jit, not inline_device: the simulator then runs it with this module's fake ``cuda`` when a kernel
+    # of another module (wgmma_backward) calls load_stage (tile_copies' thread_x, likewise)
+    @cuda.jit(device=True, inline=True)
+    def thread_x():
+        return cuda.threadIdx.x
+
     @inline_device
     def load_stage(smem, st, q, dout, l2, dd, plan, b, h0, hh, i0, n_q, nq_pad):
         """Q_i, dO_i rows i0.. of query head h0 + hh and their L2, D into the stage at word st (one
         cp.async group's worth), by this thread's plan for head h0 (the prologue's)."""
         q_off, do_off, col_bytes, dst0 = plan
         q_rs, do_rs = q.strides[2] // 2, dout.strides[2] // 2
-        load_tile_fast(smem, st + SQ, q, q_off + hh * (q.strides[1] // 2) + i0 * q_rs, q_rs, col_bytes, dst0, i0,
-                       n_q, Q_COPIES)
-        load_tile_fast(smem, st + SDO, dout, do_off + hh * (dout.strides[1] // 2) + i0 * do_rs, do_rs, col_bytes,
-                       dst0, i0, n_q, Q_COPIES)
-        tid = cuda.threadIdx.x
+        load_q_fast(smem, st + SQ, q, q_off + hh * (q.strides[1] // 2) + i0 * q_rs, q_rs, col_bytes, dst0, i0,
+                    n_q, Q_COPIES)
+        load_q_fast(smem, st + SDO, dout, do_off + hh * (dout.strides[1] // 2) + i0 * do_rs, do_rs, col_bytes,
+                    dst0, i0, n_q, Q_COPIES)
+        tid = thread_x()
         row = (b * q.shape[1] + h0 + hh) * nq_pad + i0  # scratch rows are padded: always inside
         if tid < ROW_CHUNKS:
             cp_async(smem, st + SL + 8 * tid, l2, row + 4 * tid)
@@ -443,9 +454,9 @@ def _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, 
         v_off, v_rs, _, _ = copy_plan(v, b, h_kv, d)
         load_tile_fast(smem, SK, k, k_off + k0 * k_rs, k_rs, col_bytes, dst0, k0, n_k, KV_COPIES)
         load_tile_fast(smem, SV, v, v_off + k0 * v_rs, v_rs, col_bytes, dst0, k0, n_k, KV_COPIES)
-        q_off, _, _, _ = copy_plan(q, b, h_kv * group, d)
-        do_off, _, _, _ = copy_plan(dout, b, h_kv * group, d)
-        plan = (q_off, do_off, int32(col_bytes), dst0)  # 0..16: one register, not a 64-bit pair
+        q_off, _, _, q_dst0 = copy_plan_q(q, b, h_kv * group, d)
+        do_off, _, _, _ = copy_plan_q(dout, b, h_kv * group, d)
+        plan = (q_off, do_off, int32(col_bytes), q_dst0 if ATOMS else dst0)  # 0..16: one register, not a 64-bit pair
         if steps > 0:
             load_stage(smem, STAGE0, q, dout, l2, dd, plan, b, h_kv * group, int32(0), qt0 * BLOCK_M, n_q, nq_pad)
         cp_commit()
@@ -1544,7 +1555,17 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         check_dq_acc(dq_acc, dq_splits, B * H, l2.shape[1], head_dim, n_kb)
     if dq_splits is not None and (not atomic or fa2):
         raise ValueError(f"dq_splits={dq_splits}: needs dq_acc and the dkdv_source layout (not dkdv_fa2)")
-    if "dkdv" in kernels:
+    wgmma = atomic and bool(config.get("dkdv_wgmma", False)) and ptx.current_sm90()
+    if "dkdv" in kernels and wgmma:  # the sm_90 warpgroup-MMA build of the dQ-in-dkdv kernel (wgmma_backward)
+        if (bn, bm) != (wgmma_backward.BLOCK_N, wgmma_backward.BLOCK_M) or fa2:
+            raise ValueError(f"dkdv_wgmma: the wgmma dkdv takes ({wgmma_backward.BLOCK_N}, "
+                             f"{wgmma_backward.BLOCK_M}) tiles (dkdv_atomic), got ({bn}, {bm}) fa2={fa2}")
+        args = (*words, l2, dd, _words(dk), _words(dv), dq_acc)
+        launch_dq_in_dkdv(lambda splits: wgmma_backward.make_kernel(head_dim, bool(causal), dtype, bool(partial),
+                                                                    splits),
+                          B * Hkv, wgmma_backward.THREADS, wgmma_backward.smem_bytes(head_dim), stream, args,
+                          scalars, n_kb, dq_splits, B * H)
+    elif "dkdv" in kernels:
         # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
         scalar_red = {"vector_red": False} if atomic and not ptx.current_sm90() else {}
         variants = dict(config.get("dkdv_atomic_variants", {})) if atomic else {}

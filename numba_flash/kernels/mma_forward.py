@@ -114,7 +114,7 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1, KV_STAGES=1):
     return out
 
 
-def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False):
+def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
     """(swizzle, load_tile, copy_plan, load_tile_fast): the swizzled 16-bit tile layout and the cp.async
     copies of rows into it, for any kernel of THREADS threads (the tensor-core backward uses them too).
 
@@ -125,16 +125,23 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False):
     and load_tile_fast are the fast path: a thread's offsets are computed once and kept across tiles
     (the forward's FAST_LOADS, the backward's every copy), a whole tile then costs one add per copy and
     only a sequence's last tile pays for row clamps. PARTIAL_CHUNK (d % 8 != 0): see kernel_source;
-    load_tile always names its source bytes."""
+    load_tile always names its source bytes. ATOM_ROWS (wgmma_backward's tiles): the layout is instead
+    wgmma's column atoms of a tile of ATOM_ROWS rows (wgmma_backward.atom_offset: 64 columns an atom)."""
     CHUNKS = HEAD_DIM // 8
+    ROW_WORDS = 64 if ATOM_ROWS else HEAD_DIM  # words from a row to the next in the same columns
     ROW_STEP = THREADS // CHUNKS  # rows between a thread's successive copies (load_tile_fast)
     SWIZZLE_FIXED = ROW_STEP % 8 == 0  # then a thread's copies share row % 8: one swizzle for all
     cp_async = ptx.cp_async_16_zfill
     cp_zero_if = ptx.cp_async_16_zero_if
 
-    @inline_device
-    def swizzle(row, chunk):
-        return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
+    if ATOM_ROWS:
+        @inline_device
+        def swizzle(row, chunk):
+            return (chunk >> 3) * (ATOM_ROWS * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3)
+    else:
+        @inline_device
+        def swizzle(row, chunk):
+            return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)
 
     @cuda.jit(device=True, inline=True)
     def load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES):
@@ -190,12 +197,12 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False):
         r0 = thread_x() // CHUNKS
         if int32(row0 + COPIES * ROW_STEP) <= n_rows:  # the whole tile is inside: no row checks
             for i in range(COPIES):
-                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                dst = tile0 + (dst0 + i * ROW_STEP * ROW_WORDS if SWIZZLE_FIXED else swizzle(
                     r0 + i * ROW_STEP, thread_x() - r0 * CHUNKS))
                 copy16(smem, dst, src, off + i * (ROW_STEP * row_stride), col_bytes)
         else:
             for i in range(COPIES):
-                dst = tile0 + (dst0 + i * ROW_STEP * HEAD_DIM if SWIZZLE_FIXED else swizzle(
+                dst = tile0 + (dst0 + i * ROW_STEP * ROW_WORDS if SWIZZLE_FIXED else swizzle(
                     r0 + i * ROW_STEP, thread_x() - r0 * CHUNKS))
                 row = row0 + r0 + i * ROW_STEP
                 # A copy of zeros still names an address: the last row, inside the array.

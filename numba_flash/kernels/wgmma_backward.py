@@ -1,5 +1,46 @@
-"""placeholder"""
-from ..ptx import inline_device
+"""The dK/dV/dQ kernel of the tensor-core backward on sm_90's warpgroup MMA (wgmma.mma_async).
+
+The maths and the schedule are mma_backward's FA2 scheme with dQ formed in the dK/dV kernel
+(``dkdv_source`` with ATOMIC_DQ; read its docstring first): one block per (128 keys, batch · kv head),
+the Q / dO tiles of 64 query rows streamed through a double buffer, and per step
+
+    Sᵀ  = K_j Q_iᵀ,  dPᵀ = V_j dO_iᵀ                       (64 keys x 64 queries per warpgroup)
+    Pᵀ  = exp2(Sᵀ·scale·log2 e − L2),  dSᵀ = Pᵀ ∘ (dPᵀ − D)
+    dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i                       (64 keys x d per warpgroup, in registers)
+    dQ_i += dS_i K_j                                        (64 queries x d/2 per warpgroup, added to
+                                                              fp32 scratch: one plane, or the splits' planes)
+
+What changes is who multiplies. mma.sync needs every fragment in registers, loaded by ldmatrix, and the
+tenth session's profiles found those kernels waiting on ldmatrix → mma latency with 2 warps per scheduler.
+wgmma reads its B operand (and A, where it is not in registers) straight from shared memory through a
+descriptor and runs asynchronously: a warpgroup (4 warps) issues a whole 64 x N x 16 product at once and
+overlaps the softmax of Sᵀ with the tensor cores' work on dPᵀ. The 8 warps are 2 warpgroups, warpgroup wg
+owning keys 64 wg .. 64 wg + 63 (so warp w still owns keys 16 w .. 16 w + 15, and the accumulator layout
+per warp is mma.sync's m16n8 C fragment: the softmax and the epilogue are dkdv_source's).
+
+Operands (ptx.py's wgmma section has the layout rules):
+    Sᵀ, dPᵀ: A = K, V rows (K-major), B = Q, dO rows (K-major): m64n64k16, HEAD_DIM / 16 k-steps
+    dV, dK:  A = Pᵀ, dSᵀ from registers (the accumulators of n-tiles 2kk, 2kk+1 re-packed: k-step kk),
+             B = dO, Q (MN-major): m64n{HEAD_DIM}k16, 4 k-steps
+    dQ:      A = dS, the stored dSᵀ tile (MN-major), B = K (MN-major), columns HEAD_DIM/2 · wg ..:
+             m64n{HEAD_DIM/2}k16, 8 k-steps
+Every 16-bit tile is stored in wgmma's 128-byte-swizzled column atoms (``atom_offset``), at a multiple of
+1024 bytes; cp.async fills them (mma_forward.tile_copies with ATOM_ROWS), and after the writes land a
+``fence.proxy.async`` makes them visible to wgmma's (async-proxy) reads before the barrier.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from numba import cuda, float32, uint16
+
+from .. import ptx
+from ..ptx import WGMMA_ALIGN, inline_device
+
+BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
+THREADS = 256
+HEAD_DIMS = (64, 128)
 
 
 @inline_device
@@ -8,3 +49,228 @@ def atom_offset(row, chunk, rows):
     atoms for wgmma's 128-byte swizzle: atom chunk // 8 (64 columns) holds rows x 128 B, chunk j of row r
     at chunk j ^ (r % 8) of its row."""
     return (chunk >> 3) * rows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3)
+
+
+def smem_bytes(head_dim: int) -> int:
+    """K and V, two stages of [Q | dO | L2 | D] (each rounded up to 1024 B), the dSᵀ tile."""
+    stage = -(-(2 * BLOCK_M * head_dim + 4 * BLOCK_M) // 512) * 512
+    return 2 * (2 * BLOCK_N * head_dim + 2 * stage + BLOCK_N * BLOCK_M)
+
+
+def problems(head_dim: int, dtype: str) -> list[str]:
+    """Why the wgmma dkdv cannot be built for this head dim / dtype (empty when it can)."""
+    out = []
+    if head_dim not in HEAD_DIMS:
+        out.append(f"HEAD_DIM={head_dim}: the wgmma dkdv is built for {HEAD_DIMS}")
+    if dtype not in ("float16", "bfloat16"):
+        out.append(f"dtype={dtype!r}: float16 or bfloat16")
+    return out
+
+
+def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0):
+    """The kernel (before cuda.jit) of mma_backward.kernel_signature("dkdv", atomic_dq=True,
+    dq_splits=bool(DQ_SPLITS)). DQ_SPLITS as dkdv_source's: 0 one plane of adds (deterministic=False),
+    1 the splits' adding launches, 2 the first launch's (stores)."""
+    from .mma_backward import _dkdv_common  # the shared plan, copies, schedule and epilogue
+
+    bad = problems(HEAD_DIM, DTYPE)
+    if bad:
+        raise ValueError("; ".join(bad))
+    Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns) per warp
+    M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
+    O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
+    D_STEPS = HEAD_DIM // 16  # k-steps of Sᵀ and dPᵀ
+    N_STEPS = BLOCK_N // 16  # k-steps of dQ (over the keys)
+    DQ_N = HEAD_DIM // 2  # dQ columns per warpgroup
+    DQ_TILES = DQ_N // 8
+    CAUSAL = bool(CAUSAL)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), _, prologue, schedule, step_tile, prefetch, _, store_grads, _ = \
+        _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES, PARTIAL_CHUNK, ATOMS=True)
+    mma_s = ptx.wgmma(BLOCK_M, DTYPE)
+    mma_o = ptx.wgmma(HEAD_DIM, DTYPE, trans_b=True, a_regs=True)
+    mma_q = ptx.wgmma(DQ_N, DTYPE, trans_a=True, trans_b=True)
+    hold_s, hold_o, hold_q = ptx.wgmma_hold(BLOCK_M), ptx.wgmma_hold(HEAD_DIM), ptx.wgmma_hold(DQ_N)
+    wait0, wait1 = ptx.wgmma_wait(0), ptx.wgmma_wait(1)
+    fence, commit, fence_async = ptx.wgmma_fence, ptx.wgmma_commit, ptx.fence_proxy_async
+    # descriptor bits: K-major operands ignore LBO; MN-major B steps LBO from one atom (64 columns) to the next
+    K_MAJOR = ptx.wgmma_desc_bits(16)
+    QO_MN = ptx.wgmma_desc_bits(BLOCK_M * 128)
+    K_MN = ptx.wgmma_desc_bits(BLOCK_N * 128)
+    # 16-byte units (a descriptor's address field) of the fixed offsets
+    K16, V16, DS16 = 2 * SK >> 4, 2 * SV >> 4, 2 * SDS >> 4
+    KV_ATOM16 = BLOCK_N * 128 >> 4  # one column atom of K / V
+    QO_ATOM16 = BLOCK_M * 128 >> 4  # ... of Q / dO
+    ROWS16_16 = 16 * 128 >> 4  # 16 rows of an atom (a k16 slice of an MN-major operand)
+    # dQ's B columns DQ_N·wg ..: a whole atom further at d = 128, half an atom's row (64 B) at d = 64
+    DQ_COL16 = KV_ATOM16 if DQ_N == 64 else DQ_N * 2 >> 4
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    st_b32 = ptx.st_shared_b32
+    red_add2 = ptx.red_add_v2_f32
+    st2 = ptx.st_global_v2_f32
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def products_s(smem, s, dp, kv16, st16):
+        """Sᵀ into s, dPᵀ into dp (two commit groups: the softmax of s runs while dp is computed)."""
+        fence()
+        for kk in range(D_STEPS):
+            a = K_MAJOR + kv16 + K16 + (kk >> 2) * KV_ATOM16 + (kk & 3) * 2
+            b = K_MAJOR + st16 + (kk >> 2) * QO_ATOM16 + (kk & 3) * 2
+            mma_s(smem, s, a, b, 1 if kk > 0 else 0)
+        commit()
+        for kk in range(D_STEPS):
+            a = K_MAJOR + kv16 + V16 + (kk >> 2) * KV_ATOM16 + (kk & 3) * 2
+            b = K_MAJOR + st16 + (SDO >> 3) + (kk >> 2) * QO_ATOM16 + (kk & 3) * 2
+            mma_s(smem, dp, a, b, 1 if kk > 0 else 0)
+        commit()
+
+    @inline_device
+    def dq_phase(smem, acc_q, base16, wg):
+        """acc_q = dS_i K_j[:, DQ_N wg ..] from the stored dSᵀ; committed, not waited for."""
+        fence()
+        for kk in range(N_STEPS):
+            a = QO_MN + base16 + DS16 + kk * ROWS16_16
+            b = K_MN + base16 + K16 + wg * DQ_COL16 + kk * ROWS16_16
+            mma_q(smem, acc_q, a, b, 1 if kk > 0 else 0)
+        commit()
+
+    @inline_device
+    def add_dq(dq_acc, acc_q, row0, col0, t, first):
+        for j in range(DQ_TILES):
+            for half in range(2):  # scratch rows and columns are padded: no bounds checks
+                off = row0 + 8 * half * HEAD_DIM + col0 + 8 * j + 2 * t
+                if first:
+                    st2(dq_acc, off, acc_q[j, 2 * half], acc_q[j, 2 * half + 1])
+                else:
+                    red_add2(dq_acc, off, acc_q[j, 2 * half], acc_q[j, 2 * half + 1])
+
+    @inline_device
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first):
+        smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)
+        smem_f = cuda.shared.array(0, float32, alignment=WGMMA_ALIGN)  # the same bytes, as fp32 (L2, D)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        wg = warp >> 2
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        bh = cuda.blockIdx.y
+        n_kv_heads = k.shape[1]
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        k0 = kb * BLOCK_N
+        kw = k0 + warp * 16  # this warp's first key
+        shift = n_k - n_q
+        nq_pad = l2.shape[1]
+        dq_h0 = bh * group
+        base16 = ptx.shared_base(smem) >> 4
+        kv16 = base16 + wg * (64 * 128 >> 4)  # this warpgroup's 64 rows of K and V (K-major A)
+        key_row = warp * 16 + g  # dSᵀ rows of this lane (+ 8)
+
+        qt0, per_head, steps = schedule(k0, n_q, shift, group)
+        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
+
+        acc_k = cuda.local.array((O_TILES, 4), float32)
+        acc_v = cuda.local.array((O_TILES, 4), float32)
+        s = cuda.local.array((Q_TILES, 4), float32)  # Sᵀ, then Pᵀ
+        dp = cuda.local.array((Q_TILES, 4), float32)  # dPᵀ, then dSᵀ
+        acc_q = cuda.local.array((DQ_TILES, 4), float32)
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc_k[dt, r] = ZERO
+                acc_v[dt, r] = ZERO
+
+        for step in range(steps):
+            cp_wait(0)  # this step's tiles (the only group in flight) ...
+            fence_async()  # ... visible to wgmma's reads ...
+            cuda.syncthreads()  # ... for every thread; and every warp has retired the previous step's wgmma
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, plan, b, h_kv, group, n_q, nq_pad)
+            cp_commit()
+            hh, i0 = step_tile(step, qt0, per_head, group)
+            st = STAGE0 + (step & 1) * STAGE
+            st16 = base16 + (st >> 3)
+
+            products_s(smem, s, dp, kv16, st16)
+            wait1()
+            hold_s(s)
+
+            # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]) while the tensor cores finish dPᵀ
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
+            l2_s = (st + SL) >> 1
+            d_s = (st + SD) >> 1
+            for nt in range(Q_TILES):
+                for r in range(4):
+                    col = nt * 8 + 2 * t + (r & 1)
+                    x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
+                        x = NEG_INF
+                    s[nt, r] = ex2(x)
+            wait0()
+            hold_s(dp)
+            for nt in range(Q_TILES):
+                for r in range(4):
+                    col = nt * 8 + 2 * t + (r & 1)
+                    dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col])
+
+            # dV_w += Pᵀ dO_i, dK_w += dSᵀ Q_i (A from registers); dSᵀ to shared memory for dQ meanwhile
+            fence()
+            for kk in range(M_STEPS):
+                nt = 2 * kk
+                p0 = pack(s[nt, 0], s[nt, 1])
+                p1 = pack(s[nt, 2], s[nt, 3])
+                p2 = pack(s[nt + 1, 0], s[nt + 1, 1])
+                p3 = pack(s[nt + 1, 2], s[nt + 1, 3])
+                d0 = pack(dp[nt, 0], dp[nt, 1])
+                d1 = pack(dp[nt, 2], dp[nt, 3])
+                d2 = pack(dp[nt + 1, 0], dp[nt + 1, 1])
+                d3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
+                mma_o(smem, acc_v, p0, p1, p2, p3, QO_MN + st16 + (SDO >> 3) + kk * ROWS16_16, 1)
+                mma_o(smem, acc_k, d0, d1, d2, d3, QO_MN + st16 + (SQ >> 3) + kk * ROWS16_16, 1)
+                # dSᵀ rows key_row (+ 8), queries 16 kk + 2t (+ 8): the same packed pairs
+                st_b32(smem, SDS + atom_offset(key_row, nt, BLOCK_N) + 2 * t, d0)
+                st_b32(smem, SDS + atom_offset(key_row + 8, nt, BLOCK_N) + 2 * t, d1)
+                st_b32(smem, SDS + atom_offset(key_row, nt + 1, BLOCK_N) + 2 * t, d2)
+                st_b32(smem, SDS + atom_offset(key_row + 8, nt + 1, BLOCK_N) + 2 * t, d3)
+            commit()
+            fence_async()  # the dSᵀ stores, for wgmma
+            cuda.syncthreads()  # every warp's dSᵀ is in shared memory
+
+            dq_phase(smem, acc_q, base16, wg)
+            wait0()  # dQ, and this step's dV and dK: the stage and dSᵀ may be overwritten after the next barrier
+            hold_q(acc_q)
+            row0 = ((dq_h0 + hh) * dq_acc.shape[1] + i0 + 16 * (warp & 3) + g) * HEAD_DIM
+            add_dq(dq_acc, acc_q, row0, wg * DQ_N, t, first)
+
+        cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
+        hold_o(acc_k)
+        hold_o(acc_v)
+        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
+
+    FIRST_STORES = DQ_SPLITS == 2
+    if DQ_SPLITS:
+        def wgmma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb0,
+                                plane_rows):
+            # key block kb0 + blockIdx.x, dQ into plane blockIdx.x (mma_backward.dkdv_source's splits)
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
+                      scale_log2, scale, kb0 + cuda.blockIdx.x, FIRST_STORES)
+    else:
+        def wgmma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
+            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
+                      False)
+
+    return wgmma_backward_dkdv
+
+
+@lru_cache(maxsize=None)
+def make_kernel(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, dq_splits: int = 0):
+    """The compiled wgmma dkdv of one specialisation (sm_90 only: wgmma is an sm_90a instruction)."""
+    from .mma_backward import kernel_signature
+
+    if dq_splits not in (0, 1, 2):
+        raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores)")
+    source = dkdv_source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits))
+    return cuda.jit(kernel_signature("dkdv", True, bool(dq_splits)))(source)

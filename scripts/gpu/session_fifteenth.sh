@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# GPU host, fifteenth session: the fp16/bf16 dQ-in-dkdv kernel on wgmma (kernels/wgmma_backward.py). Its GPU
+# tests (the intrinsics, the kernel against float64 by the error rule, 20-run determinism of its splits), then
+# an A/B of the shipped mma.sync kernels against the wgmma ones (--after-wgmma) beside SDPA's FA2.
+#   bash scripts/gpu/session_fifteenth.sh $OUT      (carry .whl)
+source "$(dirname "$0")/common.sh"
+run t_wgmma 240 $P tests/test_gpu_wgmma.py -rA -x
+rm -rf /tmp/old && mkdir -p /tmp/old && git archive HEAD numba_flash | tar x -C /tmp/old
+OUT=$work/results run ab 420 python3 scripts/ab_backward.py --old /tmp/old --after-wgmma --rounds 3 \
+  --shapes "f16 N4096 d128" "f16 N4096 d128 causal" "f16 N4096 d64" "f16 N4096 d64 causal" "bf16 N4096 d128"
+for f in t_wgmma ab; do tail -40 $work/$f.log | grep -vE "Warning|warn\("; done
