@@ -4,8 +4,8 @@
 # an A/B of the shipped mma.sync kernels against the wgmma ones (--after-wgmma) beside SDPA's FA2.
 #   bash scripts/gpu/session_fifteenth.sh $OUT      (carry .whl)
 source "$(dirname "$0")/common.sh"
-run t_wgmma 240 $P tests/test_gpu_wgmma.py -rA -x
-rm -rf /tmp/old && mkdir -p /tmp/old && git archive HEAD numba_flash | tar x -C /tmp/old
-OUT=$work/results run ab 420 python3 scripts/ab_backward.py --old /tmp/old --after-wgmma --rounds 3 \
+run t_wgmma 200 $P tests/test_gpu_wgmma.py -rA -x
+# the "before" package: ab_old/ (git archive 0f74de5 numba_flash), copied with the tree (the device copy's git is stale)
+OUT=$work/results run ab 360 python3 scripts/ab_backward.py --old ab_old --after-wgmma --rounds 3 \
   --shapes "f16 N4096 d128" "f16 N4096 d128 causal" "f16 N4096 d64" "f16 N4096 d64 causal" "bf16 N4096 d128"
 for f in t_wgmma ab; do tail -40 $work/$f.log | grep -vE "Warning|warn\("; done
