@@ -21,10 +21,11 @@ from numba import cuda
 
 from . import arrays, plans
 from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
-from .configs import MMA_BWD_TABLE, REGS_PER_SM, SMEM_PER_BLOCK_MAX
+from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM, SMEM_PER_BLOCK_MAX
 from .decode import _sm_count
 from .kernels.decode import SMEM_PER_SM
-from .kernels import mma_backward, simt_backward, tf32_backward
+from .kernels import mma_backward, simt_backward, tf32_backward, wgmma_backward
+from .ptx import current_wgmma
 from .launch import address, current_device_id
 
 KERNELS = ("auto", "simt", "mma", "tf32x3")
@@ -85,15 +86,21 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
         raise ValueError("kernel='mma' cannot run this backward: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
         head_dim = 64 if p.d <= 64 else 128
-        cfg = dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim)
+        cfg = mma_config(head_dim)
         (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
         an, am = cfg["dkdv_atomic"]
+        if cfg.get("dkdv_wgmma"):
+            with_dq = (f"dkdv with dQ: warpgroup MMA (wgmma.mma_async, sm_90), {an}-key tiles x {am}-query tiles, "
+                       f"{wgmma_backward.THREADS} threads, {wgmma_backward.smem_bytes(head_dim)} B shared memory")
+        else:
+            with_dq = (f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_backward.threads_per_block('dkdv', an)} "
+                       f"threads, {mma_backward.smem_bytes('dkdv', an, am, head_dim, True)} B shared memory")
         reasons = [
-            f"mma backward: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate); D and L·log2(e), "
+            f"mma backward: tensor cores (mma.sync m16n8k16{', and wgmma for the dkdv with dQ' if cfg.get('dkdv_wgmma') else ''}, "
+            f"{p.dtype} in, fp32 accumulate); D and L·log2(e), "
             "then dK/dV over K/V tiles, and dQ either in the same kernel (dS·K added into fp32 planes) or by a "
             "dq kernel over Q tiles",
-            f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_backward.threads_per_block('dkdv', an)} threads, "
-            f"{mma_backward.smem_bytes('dkdv', an, am, head_dim, True)} B shared memory",
+            with_dq,
             f"dkdv without dQ: {bn}-key tiles x {bm}-query tiles, {mma_backward.threads_per_block('dkdv', bn)} "
             f"threads, {mma_backward.smem_bytes('dkdv', bn, bm, head_dim)} B shared memory; "
             f"dq: {bq}-query tiles x {bk}-key tiles, {mma_backward.threads_per_block('dq', bq)} threads, "
@@ -131,6 +138,15 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     return family, cfg, reasons
 
 
+def mma_config(head_dim: int) -> dict:
+    """The tensor-core backward's config at a compiled head dim: MMA_BWD_TABLE's entry, with MMA_BWD_WGMMA's
+    overrides on a GPU that has wgmma (sm_90: the dQ-in-dkdv kernel on warpgroup MMA) and in the simulator."""
+    cfg = dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim)
+    if current_wgmma():
+        cfg.update(MMA_BWD_WGMMA[head_dim])
+    return cfg
+
+
 def _device_smem() -> tuple:
     """(opt-in shared memory per block, shared memory per SM) of the current device; the simulator and
     device stand-ins without the attributes: an H200's."""
@@ -166,6 +182,8 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     if family == "tf32x3":
         smem = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], atomic_dq=True)
         threads = tf32_backward.threads_per_block(bn)
+    elif cfg.get("dkdv_wgmma"):
+        smem, threads = wgmma_backward.smem_bytes(cfg["head_dim"]), wgmma_backward.THREADS
     else:
         smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True, fa2=bool(cfg.get("dkdv_fa2")))
         threads = mma_backward.threads_per_block("dkdv", bn)
@@ -253,7 +271,8 @@ def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (q's stands in for dout's)
         with _on_device(p.device):
             views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v, q))
-    family, cfg, reasons = choose_backward(p, kernel, views)
+    with _on_device(p.device):  # the device decides the tensor-core config (wgmma on sm_90)
+        family, cfg, reasons = choose_backward(p, kernel, views)
     if family in ("mma", "tf32x3"):  # after its three kernel lines
         with _on_device(p.device):
             reasons[3:3] = [dq_scheme(p, cfg, det, family)[2] for det in (True, False)]

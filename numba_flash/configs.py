@@ -257,6 +257,15 @@ MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64), "deterministic_dq": "kernel"},
     128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
 }
+# sm_90 (H100 / H200) overrides MMA_BWD_TABLE with these: the dQ-in-dkdv kernel on warpgroup MMA
+# (kernels/wgmma_backward.py; wgmma is sm_90a only), 128 keys x 64 queries, and the deterministic splits at
+# d = 64 too. Fifteenth session, A/B against the mma.sync kernels in one run (B4 H16 N4096 fp16, direct calls,
+# deterministic / deterministic=False, ms): d128 5.78 / 5.55 -> 4.63 / 3.79, causal 3.40 / 3.28 -> 2.74 / 2.35,
+# d64 3.32 / 3.16 -> 2.57 / 2.46, causal 1.91 / 1.99 -> 1.61 / 1.56 (results/ab-backward-2026-12-02-fifteenth.txt).
+MMA_BWD_WGMMA = {
+    64: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    128: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+}
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
 # shipped config the sweep measured fastest anyway; the build test allows exactly these. Tenth session:
 # the streamed tiles' whole-tile copies freed registers (dkdv d128 104 -> 100, the atomic 128-key dkdv

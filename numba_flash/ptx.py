@@ -1263,6 +1263,12 @@ def compute_capability(device_id: int | None = None) -> tuple:
     return _compute_capability_of(cuda.get_current_device().id if device_id is None else device_id)
 
 
+def current_wgmma() -> bool:
+    """True when the current device has wgmma (sm_90a: compute capability 9.x; not sm_80-89, and not sm_100+,
+    where wgmma is gone). The simulator: True (its twins have it)."""
+    return SIMULATOR or compute_capability()[0] == 9
+
+
 def current_sm90() -> bool:
     """True when the current device is sm_90 or newer (the simulator: True, its twins have all)."""
     return SIMULATOR or compute_capability() >= (9, 0)
@@ -1396,7 +1402,7 @@ __all__ = [
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
     "red_add_v4_f32", "st_global_f32", "st_global_v2_f32",
     "wgmma", "wgmma_hold", "wgmma_wait", "wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc_bits",
-    "WGMMA_SBO", "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "ld_global_nc_v4", "current_sm90",
+    "WGMMA_SBO", "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "ld_global_nc_v4", "current_sm90", "current_wgmma",
     "compute_capability",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords", "tf32_a_coords", "tf32_b_coords", "tf32_value",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",

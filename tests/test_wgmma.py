@@ -9,7 +9,7 @@ from numba import cuda, float32, uint16
 from numba_flash import ptx
 from numba_flash.ptx import WGMMA_ALIGN
 from numba_flash.kernels.wgmma_backward import atom_offset
-from test_ptx import compile_in_subprocess, in_simulator, rand16
+from test_ptx import NO_GPU_PATCH, in_simulator, rand16, run_compile_child
 
 KR, QR, TR = 128, 64, 128  # rows of the three tiles: K-like (128 x 128), Q-like (64 x 128), dSᵀ-like (128 x 64)
 SK, SQ, ST = 0, KR * 128, KR * 128 + QR * 128  # word offsets (each a multiple of 512 words: 1024 B)
@@ -139,3 +139,38 @@ def test_wgmma_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, splits):
     check_error_rule(grads, vals, causal, dtype)
     if n_q > n_k and causal:  # rows that see no key: dQ exactly zero
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
+
+
+WGMMA_COMPILE = NO_GPU_PATCH + """
+import json, re, subprocess, sys, tempfile
+from numba import cuda
+from numba_flash.kernels import mma_backward, wgmma_backward
+out = {}
+for hd, causal, splits in [(128, False, 0), (128, True, 2), (64, True, 1)]:
+    src = wgmma_backward.dkdv_source(hd, causal, "float16", False, splits)
+    ptx, _ = cuda.compile_ptx(src, mma_backward.kernel_signature("dkdv", True, bool(splits)), cc=(9, 0, "a"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([sys.argv[-1], "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    rep = r.stderr + r.stdout
+    m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+    out[f"{hd}-{causal}-{splits}"] = dict(rc=r.returncode, stack=int(m.group(1)) if m else -1,
+                                          spills=int(m.group(2)) + int(m.group(3)) if m else -1,
+                                          registers=int(re.search(r"Used (\\d+) registers", rep).group(1)) if m else -1,
+                                          mma=len(re.findall(r"wgmma.mma_async", ptx)),
+                                          serialized="serialized" in rep, log=rep[-600:])
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_dkdv_builds_for_sm90a(tmp_path):
+    """ptxas -arch=sm_90a takes the shipped builds (the atomic grid's d128, the splits' first launch causal
+    d128, an adding split causal d64) without spills or a stack, within 255 registers, with every wgmma in the
+    PTX (d128: 16 Sᵀ/dPᵀ + 8 dV/dK + 8 dQ per step; d64: 8 + 8 + 8) and none of them serialized by ptxas."""
+    got = run_compile_child(WGMMA_COMPILE, [], tmp_path)
+    for key, r in got.items():
+        assert r["rc"] == 0, (key, r["log"])
+        assert (r["stack"], r["spills"]) == (0, 0), (key, r)
+        assert r["registers"] <= 255, (key, r)
+        assert not r["serialized"], (key, r["log"])
+        assert r["mma"] == (32 if key.startswith("128") else 24), (key, r["mma"])

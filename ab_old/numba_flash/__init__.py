@@ -1,0 +1,13 @@
+"""numba-flash: FlashAttention as readable Numba CUDA kernels.
+
+    out, lse = numba_flash.forward(q, k, v, causal=True)
+
+See ``forward`` for the full contract and ``explain`` for which kernel runs and why.
+"""
+from .api import KERNELS, PerformanceWarning, explain, forward, validate
+from .backward import backward, explain_backward
+from .decode import decode
+
+__all__ = ["forward", "backward", "decode", "explain", "explain_backward", "validate", "KERNELS",
+           "PerformanceWarning"]
+__version__ = "0.1.0"

@@ -1,0 +1,379 @@
+"""Public entry points: one validation function, then dispatch to a kernel family."""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from numba import config as nb_config
+from numba import cuda
+
+from . import arrays, plans, ptx
+from .configs import MAX_HEAD_DIM, MMA_TABLE, TF32_TABLE, simt_config
+from .kernels import mma_forward, simt_forward, tf32_forward
+from .launch import address, current_device_id
+
+KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
+MMA_MAX_HEAD_DIM = 128
+TF32_KERNELS = {"tf32x3": 3, "tf32": 1}  # kernel name: tf32 products per fp32 product
+GRID_Y_MAX = 65535
+
+
+class PerformanceWarning(UserWarning):
+    """forward ran a slower kernel than the inputs' dtype could use (explain() says why)."""
+
+
+_ACCEPTED_ARRAYS = (
+    "a CuPy array, a PyTorch CUDA tensor, a Numba device array, any object with "
+    "__cuda_array_interface__, or a NumPy array"
+)
+
+
+@dataclass
+class Problem:
+    """A validated forward call, normalised to (B, H, Nq, d) / (B, Hkv, Nk, d)."""
+
+    kind: str
+    dtype: str
+    q_shape: tuple
+    B: int
+    H: int
+    Hkv: int
+    n_q: int
+    n_k: int
+    d: int
+    causal: bool
+    softmax_scale: float
+    device: int | None
+
+    @property
+    def lse_shape(self) -> tuple:
+        return self.q_shape[:-1]
+
+
+def _as_4d(shape: tuple) -> tuple:
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
+    """Check everything about a forward call in one place; raise with what was given and accepted."""
+    kinds = {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        kind = arrays.kind_of(x)
+        if kind is None:
+            raise TypeError(f"{name} must be {_ACCEPTED_ARRAYS}; got {type(x).__module__}.{type(x).__name__}")
+        if kind == arrays.TORCH and not x.is_cuda:
+            raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor (or a NumPy array)")
+        kinds[name] = kind
+    host = {n for n, kd in kinds.items() if kd == arrays.NUMPY}
+    if host and len(host) != 3:
+        raise TypeError(
+            f"q, k, v must all be on the GPU or all be NumPy arrays; got q={kinds['q']}, "
+            f"k={kinds['k']}, v={kinds['v']}"
+        )
+
+    dtypes = {n: arrays.dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    for name, dt in dtypes.items():
+        if dt not in arrays.DTYPES:
+            raise TypeError(f"{name} has dtype {dt}; accepted: {', '.join(arrays.DTYPES)} (all three the same)")
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(
+            f"q, k, v must share one dtype; got q={dtypes['q']}, k={dtypes['k']}, v={dtypes['v']}"
+        )
+
+    shapes = {n: arrays.shape_of(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    for name, shp in shapes.items():
+        if len(shp) not in (2, 3, 4):
+            raise ValueError(
+                f"{name} has shape {shp}; accepted: (B, H, N, d), (H, N, d) or (N, d)"
+            )
+    if not len(shapes["q"]) == len(shapes["k"]) == len(shapes["v"]):
+        raise ValueError(f"q, k, v must have the same number of dims; got shapes {shapes['q']}, {shapes['k']}, {shapes['v']}")
+    B, H, n_q, d = _as_4d(shapes["q"])
+    Bk, Hkv, n_k, dk = _as_4d(shapes["k"])
+    if shapes["k"] != shapes["v"]:
+        raise ValueError(f"k and v must have the same shape; got k {shapes['k']}, v {shapes['v']}")
+    if Bk != B:
+        raise ValueError(f"batch mismatch: q has B={B}, k/v have B={Bk}")
+    if dk != d:
+        raise ValueError(f"head dim mismatch: q has d={d}, k/v have d={dk} (v's head dim must equal q's)")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim d={d} is not supported; accepted: 1 <= d <= {MAX_HEAD_DIM}")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(
+            f"q has H={H} heads and k/v have Hkv={Hkv}; H must be a positive multiple of Hkv (GQA/MQA)"
+        )
+    if B * H > GRID_Y_MAX:
+        raise ValueError(f"B*H = {B * H} (B={B}, H={H}); at most {GRID_Y_MAX} batch-heads per call")
+
+    if not isinstance(causal, (bool,)) and not (hasattr(causal, "dtype") and causal.dtype == bool):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)  # from the user's d, not the padded one
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+
+    devices = {n: arrays.device_of(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    known = {dv for dv in devices.values() if dv is not None}
+    if len(known) > 1:
+        raise ValueError(f"q, k, v are on different devices: {devices}; put them on one GPU")
+
+    return Problem(
+        kind=kinds["q"], dtype=dtypes["q"], q_shape=shapes["q"], B=B, H=H, Hkv=Hkv,
+        n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
+        device=known.pop() if known else None,
+    )
+
+
+def _mma_blockers(p: Problem, views=None) -> list[str]:
+    """Why the tensor-core kernel cannot take this problem (empty when it can)."""
+    out = []
+    if p.dtype not in mma_forward.DTYPES:
+        out.append(f"dtype {p.dtype}: kernel 'mma' takes float16/bfloat16 (float32 has kernel='tf32x3')")
+    if p.d > MMA_MAX_HEAD_DIM:
+        out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
+    if not nb_config.ENABLE_CUDASIM and cuda.is_available():
+        cc = ptx.compute_capability(p.device)  # None (Numba, CAI arrays): the current device
+        if cc < (8, 0):
+            out.append(f"GPU compute capability {cc} < (8, 0): no mma.sync m16n8k16 / cp.async")
+    if not out:
+        out += _cp_async_blockers(p, views, 2)
+    return out
+
+
+def _cp_async_blockers(p: Problem, views, itemsize: int) -> list[str]:
+    """Layout the tensor-core kernels' 16-byte cp.async copies need, for elements of itemsize bytes."""
+    per = 16 // itemsize
+    if views is None:  # NumPy inputs are copied C-contiguous: only the row length matters
+        if (p.d * itemsize) % 16:
+            return [f"rows of {p.d} x {itemsize} B: cp.async needs rows that are multiples of 16 B (d % {per} == 0)"]
+        return []
+    out = []
+    for name, x in zip("qkv", views):
+        if x.strides[-1] != x.dtype.itemsize or any(st % 16 for st in x.strides[:-1]):
+            out.append(f"{name} strides {tuple(x.strides)} B: cp.async needs a unit-stride last dim "
+                       f"and other strides that are multiples of 16 B ({per} elements)")
+        elif address(x) % 16:
+            out.append(f"{name} data pointer is not 16-byte aligned (cp.async)")
+    return out
+
+
+def _tf32_blockers(p: Problem, views=None) -> list[str]:
+    """Why the fp32 tensor-core kernel cannot take this problem (empty when it can)."""
+    out = []
+    if p.dtype != "float32":
+        out.append(f"dtype {p.dtype}: the tf32 kernels take float32 (float16/bfloat16 have kernel='mma')")
+    if p.d > MMA_MAX_HEAD_DIM:
+        out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
+    if not nb_config.ENABLE_CUDASIM and cuda.is_available():
+        cc = ptx.compute_capability(p.device)
+        if cc < (8, 0):
+            out.append(f"GPU compute capability {cc} < (8, 0): no tf32 mma.sync / cp.async")
+    if not out:
+        out += _cp_async_blockers(p, views, 4)
+    return out
+
+
+def tf32_config(d: int, causal: bool, passes: int = 3) -> dict:
+    """fp32 tensor-core tile config and variants (configs.TF32_TABLE): keywords of tf32_forward.launch."""
+    head_dim = tf32_forward.head_dim_for(d)
+    bq, bk, variants = TF32_TABLE[head_dim, bool(causal)]
+    return {"BLOCK_Q": bq, "BLOCK_K": bk, "HEAD_DIM": head_dim, "PASSES_": passes, **variants}
+
+
+def mma_config(d: int, causal: bool) -> dict:
+    """Tensor-core tile config and kernel variants (configs.MMA_TABLE, from the H200 sweeps in
+    benchmarks/mma_ladder.md): keyword arguments of mma_forward.launch."""
+    head_dim = 64 if d <= 64 else 128
+    bq, bk, m_tiles, variants = MMA_TABLE[head_dim, bool(causal)]
+    return {"BLOCK_Q": bq, "BLOCK_K": bk, "M_TILES": m_tiles, "HEAD_DIM": head_dim, **variants}
+
+
+_TF32_VARIANT_WORDS = {"PRESPLIT": "K/V split into tf32 hi/lo once per tile, not per warp",
+                       "GRID_BH_X": "heaviest causal Q tiles of every head first"}
+_VARIANT_WORDS = {"SMEM_EPILOGUE": "O stored through shared memory (16-byte stores)",
+                  "GRID_BH_X": "heaviest causal Q tiles of every head first",
+                  "PROLOGUE_V": "Q and K_0 copied as one group",
+                  "KV_STAGES": "double-buffered K/V", "WARP_SKIP": "warps skip tiles their rows cannot see",
+                  "LAZY_RESCALE": "running max moved only when a tile exceeds it by 2^8 (O rescaled rarely)",
+                  "SPLIT_TAIL": "the last wave's Q tiles split over every block slot and merged"}
+
+
+def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
+    """(family, config, reasons): which kernel runs for a validated problem, and why.
+
+    ``views`` (the device views of q, k, v) lets the layout checks run; without them (explain on
+    shapes only) a contiguous layout is assumed.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    # In the CUDA simulator auto keeps fp32 on SIMT: the tf32 kernel's tensor-core twins are slow there
+    # (each mma is a 32-thread rendezvous: six forward tests took 7.7 min); kernel="tf32x3" runs it anyway.
+    if kernel in TF32_KERNELS or (kernel == "auto" and p.dtype == "float32" and not nb_config.ENABLE_CUDASIM):
+        tf32_blockers = _tf32_blockers(p, views)
+        if kernel != "auto" and tf32_blockers:
+            raise ValueError(f"kernel={kernel!r} cannot run this problem: " + "; ".join(tf32_blockers))
+        if not tf32_blockers:
+            passes = TF32_KERNELS.get(kernel, 3)
+            cfg = tf32_config(p.d, p.causal, passes)
+            how = ("each fp32 product as 3 tf32 products (hi·hi + hi·lo + lo·hi): fp32-level accuracy, as PyTorch "
+                   "SDPA's memory-efficient kernel does for fp32" if passes == 3 else
+                   "inputs rounded to tf32 (10-bit mantissa): about 1e-3 relative error, like torch's allow_tf32")
+            reasons = [f"{'tf32x3' if passes == 3 else 'tf32'}: fp32 on tensor cores (mma.sync m16n8k8 tf32, fp32 "
+                       f"accumulate), {how}; {cfg['BLOCK_Q']}x{cfg['BLOCK_K']} tiles, {cfg['BLOCK_Q'] // 16} warps x 16 "
+                       f"rows, head dim {cfg['HEAD_DIM']}"]
+            variants = [words for key, words in _TF32_VARIANT_WORDS.items()
+                        if cfg.get(key) and not (key == "PRESPLIT" and passes == 1)]  # one pass has no lo to split
+            if variants:
+                reasons.append("variants: " + "; ".join(variants))
+            if cfg["HEAD_DIM"] != p.d:
+                reasons.append(f"head dim {p.d} is zero-padded to {cfg['HEAD_DIM']} inside the kernel")
+            return ("tf32x3" if passes == 3 else "tf32"), cfg, reasons
+    blockers = _mma_blockers(p, views)
+    if kernel == "mma" and blockers:
+        raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
+    if kernel in ("auto", "mma") and not blockers:
+        cfg = mma_config(p.d, p.causal)
+        head_dim, m_tiles = cfg["HEAD_DIM"], cfg.get("M_TILES", 1)
+        warps = mma_forward.threads_per_block(cfg["BLOCK_Q"], m_tiles) // 32
+        reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
+                   f"{cfg['BLOCK_Q']}x{cfg['BLOCK_K']} tiles, {warps} warps x {16 * m_tiles} rows, "
+                   f"head dim {head_dim}"]
+        variants = [words for key, words in _VARIANT_WORDS.items()
+                    if (cfg.get(key, 1) > 1 if key == "KV_STAGES" else cfg.get(key, False) is True)]
+        if variants:
+            reasons.append("variants: " + "; ".join(variants))
+        if cfg.get("SMEM_EPILOGUE") and p.d % 8:  # out is ours, contiguous: rows of 2·d bytes
+            reasons.append(f"O rows of {p.d} x 2 B are not 16-byte aligned: O is stored from the fragments, "
+                           "not through shared memory")
+        if head_dim != p.d:
+            reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernel")
+        if p.d % 8:
+            reasons.append(f"head dim {p.d} % 8 != 0: each row's last 16-byte copy is part data, part zeros "
+                           "(cp.async src-size: two more instructions per copy than the all-or-nothing form)")
+        return "mma", cfg, reasons
+    cfg = simt_config(p.d)
+    reasons = [f"simt: {cfg.block_q}x{cfg.block_k} tiles, {cfg.threads} threads, "
+               f"{cfg.smem_bytes} B shared memory, fp32 FMA"]
+    if cfg.head_dim != p.d:
+        reasons.append(f"head dim {p.d} is zero-padded to {cfg.head_dim} inside the kernel")
+    if p.dtype in mma_forward.DTYPES:
+        why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
+        reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
+    elif p.dtype == "float32":
+        if kernel == "simt":
+            why = "kernel='simt' was asked for"
+        elif _tf32_blockers(p, views):
+            why = "; ".join(_tf32_blockers(p, views))
+        else:  # only the simulator gets here: auto skips tf32x3 there
+            why = "the CUDA simulator runs fp32 on SIMT unless kernel='tf32x3' is asked for (its twins are slow)"
+        reasons.append(f"float32 on the SIMT path (fp32 FMA), not the tf32x3 tensor-core kernel: {why}")
+    return "simt", cfg, reasons
+
+
+def _on_device(device: int | None):
+    """Context manager that makes the inputs' GPU current (a no-op when unknown or simulated)."""
+    import contextlib
+
+    if device is None or nb_config.ENABLE_CUDASIM or current_device_id() == device:
+        return contextlib.nullcontext()  # switching contexts costs a driver round trip per call
+    return cuda.gpus[device]
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
+    """Exact attention O = softmax(Q Kᵀ · scale) V without materialising the N×N scores.
+
+    Args:
+        q: (B, H, Nq, d), or batch-less (H, Nq, d) / (Nq, d).
+        k, v: (B, Hkv, Nk, d) with H % Hkv == 0 (GQA / MQA: query head h reads kv head
+            h // (H // Hkv)); same number of dims as q.
+            Accepted arrays: CuPy, PyTorch CUDA tensors, Numba device arrays, any object with
+            ``__cuda_array_interface__`` (viewed, never copied; any strides work, a contiguous
+            last dim gives coalesced loads), or NumPy (copied to the GPU and back; this is how
+            the CUDA simulator runs).
+            dtypes: float32, float16, bfloat16 (PyTorch tensors, or NumPy with ml_dtypes;
+            CuPy has no bfloat16), the same for all three. Accumulation is always fp32.
+            Head dim 1 <= d <= 256, zero-padded inside the kernel to a multiple of 16.
+        causal: mask aligned bottom-right as in flash-attention >= 2.1: query i sees key j iff
+            j <= i + Nk - Nq. A row that sees no key gets O = 0 and L = -inf.
+        softmax_scale: default 1/sqrt(d) with the user's d; must be finite and > 0.
+        kernel: "auto" (default), "mma", "tf32x3", "tf32" or "simt". Auto runs a tensor-core kernel
+            for d <= 128 on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async):
+            "mma" (mma.sync, fp32 accumulation) for float16/bfloat16, "tf32x3" for float32 (each
+            fp32 product as three tf32 products, hi·hi + hi·lo + lo·hi: errors at the level of fp32
+            FMA, as PyTorch SDPA's memory-efficient kernel computes fp32). Otherwise the SIMT kernel
+            (fp32 FMA), with a ``PerformanceWarning``. "tf32" (float32 only, never chosen by auto)
+            rounds the inputs to tf32 once: faster (68-90 TFLOP/s at d = 128 in the H200 sweeps, against
+            tf32x3's 54), ~1e-3 relative error, like ``torch.backends.cuda.matmul.allow_tf32``. ``explain`` prints the choice and why.
+            Under the CUDA simulator auto keeps float32 on SIMT (the tensor-core twins are slow
+            there); kernel="tf32x3" runs the tensor-core kernel in the simulator as well.
+
+    Returns:
+        (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
+        out); lse is float32 of shape q.shape[:-1], the natural-log logsumexp of the scaled
+        scores of each query row (L = m + log l).
+
+    Empty inputs: Nq = 0 (or B = 0, H = 0) gives empty outputs; Nk = 0 gives O = 0, L = -inf.
+
+    Stream: CuPy inputs run on CuPy's current stream, PyTorch inputs on PyTorch's current
+    stream of their device, other device arrays on the default stream. Device inputs return
+    without synchronising; NumPy inputs return after the copy back.
+
+    Raises:
+        TypeError / ValueError naming what was given and what is accepted.
+
+    A repeated call with the same signature (array kinds, shapes, strides, dtypes, device, pointer
+    alignment, other arguments) replays the first call's plan (numba_flash.plans): the same kernel,
+    config and parameters, without the checks and choices in Python.
+    """
+    return plans.call(_forward, (q, k, v), (causal, softmax_scale, kernel))
+
+
+def _forward(q, k, v, causal, softmax_scale, kernel):
+    """``forward`` without plans (plans.call runs it for a new signature and watches)."""
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    with _on_device(p.device):
+        stream = arrays.current_stream(q)
+        out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
+        lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
+        if p.B * p.H * p.n_q > 0:
+            qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
+            family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
+            # a tensor-core kernel exists for every dtype (the simulator's fp32 choice is not a slow path)
+            if family == "simt" and kernel == "auto" and not (nb_config.ENABLE_CUDASIM and p.dtype == "float32"):
+                plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
+            out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
+            if family == "mma":
+                # SPLIT_TAIL's fp32 scratch comes from q's framework (and a plan's replay allocates it again)
+                alloc = ((lambda shape, dt: arrays.empty_like_kind(p.kind, q, shape, dt, stream)[1])
+                         if cfg.get("SPLIT_TAIL") else None)
+                mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
+                                   stream=stream, layout_checked=True, alloc=alloc, **cfg)
+            elif family in TF32_KERNELS:
+                tf32_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
+                                    stream=stream, layout_checked=True, **cfg)
+            else:
+                simt_forward.launch(cfg, qd, kd, vd, out4, lse3, causal=p.causal,
+                                    softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream)
+        return (
+            arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),
+            arrays.to_host_kind(p.kind, lse_obj, "float32", stream),
+        )
+
+
+def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
+    """Which kernel ``forward`` would run for these inputs, its tile config, and why."""
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    views = None
+    if p.kind != arrays.NUMPY:  # device arrays: check their real layout (views, no copies)
+        with _on_device(p.device):
+            views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v))
+    family, cfg, reasons = choose_kernel(p, kernel, views)
+    return "\n".join(reasons)

@@ -1,0 +1,395 @@
+"""Public ``backward``: gradients of attention from the forward's outputs (FA2, section 3.6.7).
+
+    out, lse = numba_flash.forward(q, k, v, causal=True)
+    dq, dk, dv = numba_flash.backward(q, k, v, out, lse, dout, causal=True)
+
+The forward's checks (``api.validate``) plus the backward's own arguments, then the kernels (D, dK/dV,
+and dQ in the dK/dV kernel or a kernel of its own: ``dq_scheme``): ``kernels.mma_backward`` (tensor
+cores) for float16/bfloat16 where the forward would
+use tensor cores too, ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
+forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch autograd see
+``numba_flash.torch``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from numba import config as nb_config
+from numba import cuda
+
+from . import arrays, plans
+from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
+from .configs import MMA_BWD_TABLE, REGS_PER_SM, SMEM_PER_BLOCK_MAX
+from .decode import _sm_count
+from .kernels.decode import SMEM_PER_SM
+from .kernels import mma_backward, simt_backward, tf32_backward
+from .launch import address, current_device_id
+
+KERNELS = ("auto", "simt", "mma", "tf32x3")
+
+
+def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
+    """``api.validate`` for q, k, v, then: out and dout like q, lse float32 of shape q.shape[:-1]."""
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    wanted = (
+        ("out", out, p.q_shape, p.dtype, "q's shape", "q's dtype"),
+        ("dout", dout, p.q_shape, p.dtype, "q's shape", "q's dtype"),
+        ("lse", lse, p.lse_shape, "float32", "q.shape[:-1]", "float32, as forward returns it"),
+    )
+    for name, x, shape, dtype, shape_why, dtype_why in wanted:
+        kind = arrays.kind_of(x)
+        if kind is None:
+            raise TypeError(f"{name} must be {_ACCEPTED_ARRAYS}; got {type(x).__module__}.{type(x).__name__}")
+        if kind == arrays.TORCH and not x.is_cuda:
+            raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor (or a NumPy array)")
+        if (kind == arrays.NUMPY) != (p.kind == arrays.NUMPY):
+            raise TypeError(
+                f"{name} is a {kind} array but q is a {p.kind} array; all six must be on the GPU "
+                f"or all be NumPy arrays"
+            )
+        dt = arrays.dtype_name(x)
+        if dt != dtype:
+            raise TypeError(f"{name} has dtype {dt}; accepted: {dtype} ({dtype_why})")
+        shp = arrays.shape_of(x)
+        if shp != shape:
+            raise ValueError(f"{name} has shape {shp}; accepted: {shape} ({shape_why}, q is {p.q_shape})")
+        dev = arrays.device_of(x)
+        if dev is not None and p.device is not None and dev != p.device:
+            raise ValueError(f"{name} is on device {dev} but q, k, v are on device {p.device}; put them on one GPU")
+    return p
+
+
+def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
+    """(family, config, reasons): which backward kernels run for a validated problem, and why.
+
+    The tensor-core path takes what the tensor-core forward takes (float16/bfloat16, d <= 128,
+    sm_80+, cp.async-able layouts), with dout's layout checked as well: ``views`` = device views of
+    (q, k, v, dout), or None to assume contiguous arrays (explain on NumPy inputs).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    # As in forward: auto keeps fp32 on SIMT in the CUDA simulator, where the tensor-core twins are slow.
+    tf32_blockers = []
+    if kernel == "tf32x3" or (kernel == "auto" and p.dtype == "float32" and not nb_config.ENABLE_CUDASIM):
+        tf32_blockers = _tf32x3_blockers(p, views)
+        if kernel == "tf32x3" and tf32_blockers:
+            raise ValueError("kernel='tf32x3' cannot run this backward: " + "; ".join(tf32_blockers))
+        if not tf32_blockers:
+            return _choose_tf32x3(p)
+    blockers = _mma_blockers(p, None if views is None else views[:3])
+    if views is not None and not blockers:
+        blockers += _dout_blockers(views[3], "8 elements")
+    if kernel == "mma" and blockers:
+        raise ValueError("kernel='mma' cannot run this backward: " + "; ".join(blockers))
+    if kernel in ("auto", "mma") and not blockers:
+        head_dim = 64 if p.d <= 64 else 128
+        cfg = dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim)
+        (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
+        an, am = cfg["dkdv_atomic"]
+        reasons = [
+            f"mma backward: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate); D and L·log2(e), "
+            "then dK/dV over K/V tiles, and dQ either in the same kernel (dS·K added into fp32 planes) or by a "
+            "dq kernel over Q tiles",
+            f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_backward.threads_per_block('dkdv', an)} threads, "
+            f"{mma_backward.smem_bytes('dkdv', an, am, head_dim, True)} B shared memory",
+            f"dkdv without dQ: {bn}-key tiles x {bm}-query tiles, {mma_backward.threads_per_block('dkdv', bn)} "
+            f"threads, {mma_backward.smem_bytes('dkdv', bn, bm, head_dim)} B shared memory; "
+            f"dq: {bq}-query tiles x {bk}-key tiles, {mma_backward.threads_per_block('dq', bq)} threads, "
+            f"{mma_backward.smem_bytes('dq', bq, bk, head_dim)} B shared memory",
+        ]
+        if head_dim != p.d:
+            reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
+    else:
+        cfg = simt_backward.backward_configs(p.d)
+        cfg_kv, cfg_q = cfg
+        reasons = [
+            "simt backward: D = rowsum(dO∘O), then dK/dV over K/V tiles, then dQ over Q tiles (no atomics)",
+            f"dkdv: {cfg_kv.block_k}-row K/V tiles x {cfg_kv.block_q}-row Q tiles, {cfg_kv.threads} threads, "
+            f"{cfg_kv.smem_bytes} B shared memory",
+            f"dq: {cfg_q.block_q}-row Q tiles x {cfg_q.block_k}-row K/V tiles, {cfg_q.threads} threads, "
+            f"{cfg_q.smem_bytes} B shared memory",
+        ]
+        if cfg_kv.head_dim != p.d:
+            reasons.append(f"head dim {p.d} is zero-padded to {cfg_kv.head_dim} inside the kernels")
+        if p.dtype == "float32":
+            if kernel == "simt":
+                why = "kernel='simt' was asked for"
+            elif tf32_blockers:
+                why = "; ".join(tf32_blockers)
+            else:  # only the simulator gets here: auto skips tf32x3 there
+                why = "the CUDA simulator runs fp32 on SIMT unless kernel='tf32x3' is asked for (its twins are slow)"
+            reasons.append(f"float32 on the SIMT path (fp32 FMA), not the tf32x3 tensor-core kernels: {why}")
+    if p.H != p.Hkv:
+        reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
+    if blockers or kernel == "simt":
+        if p.dtype in mma_backward.DTYPES:  # last: backward's PerformanceWarning quotes this line
+            why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
+            reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
+    family = "mma" if kernel in ("auto", "mma") and not blockers else "simt"
+    return family, cfg, reasons
+
+
+def _device_smem() -> tuple:
+    """(opt-in shared memory per block, shared memory per SM) of the current device; the simulator and
+    device stand-ins without the attributes: an H200's."""
+    if nb_config.ENABLE_CUDASIM:
+        return SMEM_PER_BLOCK_MAX, SMEM_PER_SM
+    return _device_smem_of(current_device_id())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_of(device_id) -> tuple:  # one driver query per device
+    dev = cuda.get_current_device()
+    return (int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", SMEM_PER_BLOCK_MAX)),
+            int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", SMEM_PER_SM)))
+
+
+def _dq_slots(threads: int, smem: int, smem_per_sm: int) -> int:
+    """Blocks of the dQ-in-dkdv kernel the GPU holds at once: SMs x blocks per SM, from its threads at 255
+    registers (what ptxas gives every shipped tile; pinned by the compile tests) and its shared memory."""
+    per_sm = min(REGS_PER_SM // (256 * threads), smem_per_sm // (smem + 1024))  # 1 KiB reserved per block
+    return max(per_sm, 1) * _sm_count()
+
+
+def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -> tuple:
+    """How the tensor-core backward (family "mma" or "tf32x3") gets dQ: ("atomic", None) for
+    deterministic=False; for the default ("splits", S) where the table allows it, S planes fit in
+    mma_backward.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within SPLITS_SLOWER_OK of the
+    atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why. Both modes take
+    the dq kernel where the table has no "dkdv_atomic" tile or the device's blocks lack its shared memory."""
+    kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
+    if "dkdv_atomic" not in cfg:
+        return "kernel", None, kernel + f"the table has no dQ-in-dkdv tile at head dim {cfg['head_dim']}"
+    bn, bm = cfg["dkdv_atomic"]
+    if family == "tf32x3":
+        smem = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], atomic_dq=True)
+        threads = tf32_backward.threads_per_block(bn)
+    else:
+        smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True, fa2=bool(cfg.get("dkdv_fa2")))
+        threads = mma_backward.threads_per_block("dkdv", bn)
+    optin, per_sm = _device_smem()
+    if smem > optin:  # smaller GPUs (sm_86/89: 99 KiB a block, A100: 163): the dq kernel's smaller tiles
+        return "kernel", None, kernel + (f"the dQ-in-dkdv kernel ({bn} keys x {bm} queries) needs {smem} B of "
+                                         f"shared memory, this GPU gives a block {optin}")
+    if not deterministic:
+        return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
+                                "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
+    if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
+        return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
+    if p.B * p.H * p.n_q * p.n_k == 0:
+        return "kernel", None, kernel + "an empty problem (no kernel runs)"
+    plane = p.B * p.H * mma_backward.padded_rows(p.n_q) * cfg["head_dim"] * 4
+    max_splits = min(mma_backward.MAX_DQ_SPLITS, mma_backward.DQ_SCRATCH_MAX_BYTES // plane)
+    if max_splits < 1:
+        return "kernel", None, kernel + (f"one fp32 plane of dQ ({plane} B) exceeds the splits' scratch budget "
+                                         f"({mma_backward.DQ_SCRATCH_MAX_BYTES} B)")
+    slots = _dq_slots(threads, smem, per_sm)
+    splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots,
+                                           max_splits)
+    if ratio > mma_backward.SPLITS_SLOWER_OK:
+        return "kernel", None, kernel + (f"{splits} deterministic splits of the {bn}-key dkdv (at most {max_splits} "
+                                         f"planes of {plane} B) would take {ratio:.2f}x the atomic grid's time "
+                                         f"(> {mma_backward.SPLITS_SLOWER_OK}) with {p.B * p.Hkv} kv heads on "
+                                         f"{slots} block slots")
+    return "splits", splits, (
+        f"dQ: deterministic splits (FA2's deterministic scheme): {splits} fp32 planes of dQ ({splits * plane} B); "
+        f"the dkdv kernel ({bn} keys x {bm} queries) runs as launches of {splits} key blocks per kv head, block x "
+        "of each adding dS·K into plane x (the first launch stores), and a last kernel sums the planes in order: "
+        f"bitwise repeatable, 5 tile products (predicted {ratio:.2f}x the atomic grid's time on {slots} block slots)")
+
+
+def _dout_blockers(do, elements):
+    """Why dout's device view cannot be read by cp.async (empty when it can)."""
+    if do.strides[-1] != do.dtype.itemsize or any(st % 16 for st in do.strides[:-1]):
+        return [f"dout strides {tuple(do.strides)} B: cp.async needs a unit-stride last dim and other strides that "
+                f"are multiples of 16 B ({elements})"]
+    if address(do) % 16:
+        return ["dout data pointer is not 16-byte aligned (cp.async)"]
+    return []
+
+
+def _tf32x3_blockers(p: Problem, views) -> list[str]:
+    """Why the tf32x3 backward cannot run: the forward's tf32 conditions plus dout's layout (empty when it can)."""
+    blockers = _tf32_blockers(p, None if views is None else views[:3])
+    if views is not None and not blockers:
+        blockers += _dout_blockers(views[3], "4 elements")
+    return blockers
+
+
+def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
+    """choose_backward's tf32x3 branch, once nothing blocks it: the config and the reasons."""
+    cfg = tf32_backward.config_for(p.d, p.causal)
+    hd = cfg["head_dim"]
+    (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
+    passes = cfg.get("dkdv_passes", ("dkdv",))
+    reasons = [
+        "tf32x3 backward: fp32 on tensor cores (mma.sync m16n8k8 tf32, each fp32 product as 3 tf32 products: "
+        "fp32-level accuracy, as SDPA's memory-efficient fp32 backward); D and L·log2(e), then dK/dV over K/V "
+        "tiles, and dQ as the dQ lines say",
+        f"dkdv: {bn}-key tiles x {bm}-query tiles, {tf32_backward.threads_per_block(bn)} threads, "
+        f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory"
+        + (f", as {len(passes)} passes ({' then '.join(passes)}: dK and dV together spill at d{hd})"
+           if len(passes) > 1 else ""),
+        f"dq: {bq}-query tiles x {bk}-key tiles, {tf32_backward.threads_per_block(bq)} threads, "
+        f"{tf32_backward.smem_bytes('dq', bq, bk, hd)} B shared memory"
+        + (f"; dQ in dkdv: {cfg['dkdv_atomic'][0]}-key tiles x {cfg['dkdv_atomic'][1]}-query tiles, "
+           f"{tf32_backward.smem_bytes('dkdv', *cfg['dkdv_atomic'], hd, atomic_dq=True)} B shared memory"
+           if "dkdv_atomic" in cfg else ""),
+    ]
+    if hd != p.d:
+        reasons.append(f"head dim {p.d} is zero-padded to {hd} inside the kernels")
+    if p.H != p.Hkv:
+        reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
+    return "tf32x3", cfg, reasons
+
+
+def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
+    """Which kernels ``backward`` runs for inputs like these, their tile configs, and why (for the
+    tensor-core path: how dQ is formed with the default deterministic=True and with False)."""
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    views = None
+    if p.kind != arrays.NUMPY:  # device arrays: check their real layout (q's stands in for dout's)
+        with _on_device(p.device):
+            views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v, q))
+    family, cfg, reasons = choose_backward(p, kernel, views)
+    if family in ("mma", "tf32x3"):  # after its three kernel lines
+        with _on_device(p.device):
+            reasons[3:3] = [dq_scheme(p, cfg, det, family)[2] for det in (True, False)]
+    return "\n".join(reasons)
+
+
+def _zeros_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream):
+    """Zero gradients for the degenerate cases (no queries or no keys): no kernel runs (not recorded
+    for a plan: such calls keep the ordinary path)."""
+    return arrays.to_host_kind(kind, arrays.alloc_like_kind(kind, ref, shape, dtype, stream, zeroed=True)[0],
+                               dtype, stream)
+
+
+def _zeros_scratch(kind: str, ref: Any, shape: tuple, stream):
+    """Zeroed fp32 device scratch, allocated (and memset) by q's framework on its stream; a view."""
+    return arrays.zeros_like_kind(kind, ref, shape, "float32", stream)[1]
+
+
+def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True):
+    """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from the saved L.
+
+    Args:
+        q, k, v: the forward's inputs, exactly as for ``forward`` (shapes (B, H, Nq, d) and
+            (B, Hkv, Nk, d) or the batch-less forms; GQA/MQA with H % Hkv == 0; float32,
+            float16 or bfloat16; CuPy / PyTorch CUDA / Numba / ``__cuda_array_interface__``
+            arrays viewed without copies, or NumPy arrays copied to the GPU and back).
+        out, lse: the forward's outputs for these q, k, v and the same ``causal`` and
+            ``softmax_scale``: out of q's shape and dtype, lse float32 of shape q.shape[:-1]
+            (natural-log logsumexp; -inf marks a fully masked row).
+        dout: the gradient of the loss with respect to out, q's shape and dtype. Any strides
+            are read correctly; a last dim that is not contiguous costs coalescing.
+        causal, softmax_scale: as for ``forward`` (mask aligned bottom-right: query i sees key
+            j iff j <= i + Nk - Nq; scale defaults to 1/sqrt(d)).
+        kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
+            forward would: "mma" for float16/bfloat16 with d <= 128, "tf32x3" for float32 with
+            d <= 128 and d % 4 == 0 (each fp32 product as three tf32 products, hi·hi + hi·lo +
+            lo·hi: fp32-level accuracy, as SDPA's memory-efficient fp32 backward), both on sm_80+
+            with q, k, v and dout rows starting 16-byte aligned; else the SIMT kernels (with a
+            ``PerformanceWarning`` for half precision). In the CUDA simulator auto keeps float32
+            on SIMT (the tensor-core twins are slow). A named kernel that cannot run raises
+            ValueError saying what blocks it; ``explain_backward`` prints the choice and why.
+        deterministic: True (default): the same inputs (in the same memory layout: the D pass
+            reads 16 bytes at a time only from aligned rows, and adds in another order otherwise)
+            give the same bits every run on the same GPU. The tensor-core paths then take, where
+            configs.MMA_BWD_TABLE says so (fp16/bf16 d > 64; configs.TF32_BWD_TABLE: every fp32
+            head dim), the GPU has the shared memory, the planes fit
+            1 GiB and enough blocks fill the GPU, FA2's deterministic scheme: the dK/dV kernel also forms dQ
+            = dS·K (5 tile products instead of 7) and adds it into S fp32 planes of dQ, block x of
+            each of ceil(key blocks / S) launches owning plane x, so every element's adds come
+            from one lane in stream order; a last kernel sums the planes in order. S follows the
+            GPU's SM count (explain_backward prints it), so other GPUs may round differently.
+            Otherwise a separate dQ kernel recomputes S and dP over Q tiles (no atomics).
+            False: FA2's atomic scheme on the tensor-core paths: every dK/dV block adds dQ into one
+            fp32 buffer with atomic adds (summation order, hence the last bits of dq, vary run to
+            run); fp16 B4 H16 N4096 d128 on an H200: 236 vs 230 TFLOP/s through autograd
+            (benchmarks/NOTES.md). Where the device lacks the shared memory, both take the dQ
+            kernel. The SIMT path is deterministic either way.
+
+    Returns:
+        (dq, dk, dv) with the shape, dtype and kind of q, k and v respectively. For GQA/MQA,
+        dk and dv are summed over the query heads of each group. A fully masked query row
+        contributes nothing and gets dq = 0; keys no query sees get dk = dv = 0. Nq = 0 or
+        Nk = 0 give zero (or empty) gradients.
+
+    Method: FA2 (section 3.6.7). D = rowsum(dO ∘ O); a kernel over K/V tiles keeps dK, dV in
+    registers while recomputing P = exp(S·scale - L) and dS = P ∘ (dO Vᵀ - D) over the Q tiles,
+    and either forms dQ = scale·dS K there too (into fp32 planes, see ``deterministic``) or
+    leaves it to a second kernel over Q tiles that recomputes P and dS. Accumulation is fp32.
+    float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
+    dtype for their products, as in FA2), float32 on tensor cores as 3xTF32 (or on the SIMT
+    cores). Head dims are zero-padded to the next compiled size as in forward.
+
+    Stream: as ``forward`` (the inputs' framework stream; device inputs return without
+    synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row
+    (SIMT), two per query row padded to a multiple of 128 rows (tensor cores), plus where the
+    dK/dV kernel forms dQ an fp32 copy of dq's size (rows padded likewise, d to 64 or 128) per
+    plane: one, zeroed, for deterministic=False; S (at most mma_backward.MAX_DQ_SPLITS = 8, and
+    1 GiB in all) for the deterministic splits.
+
+    Raises:
+        TypeError / ValueError naming what was given and what is accepted: the forward's checks
+        for q, k, v, plus out / dout shape and dtype (q's), lse shape (q.shape[:-1]) and dtype
+        (float32), all six on one device (or all NumPy).
+
+    Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans).
+    """
+    return plans.call(_backward, (q, k, v, out, lse, dout), (causal, softmax_scale, kernel, deterministic))
+
+
+def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, deterministic):
+    """``backward`` without plans (plans.call runs it for a new signature and watches)."""
+    p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    kv_shape = arrays.shape_of(k)
+    kinds = (p.kind, arrays.kind_of(k), arrays.kind_of(v))
+    with _on_device(p.device):
+        stream = arrays.current_stream(q)
+        if p.B * p.H * p.n_q * p.n_k == 0:
+            return tuple(_zeros_like_kind(kind, ref, shape, p.dtype, stream)
+                         for kind, ref, shape in zip(kinds, (q, k, v), (p.q_shape, kv_shape, kv_shape)))
+        qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))
+        family, cfg, reasons = choose_backward(p, kernel, (qd, kd, vd, dod))
+        if family == "simt" and kernel == "auto" and p.dtype in mma_backward.DTYPES:
+            plans.warn("numba_flash.backward: " + reasons[-1], PerformanceWarning)
+        dq_obj, dq_dev = arrays.empty_like_kind(kinds[0], q, p.q_shape, p.dtype, stream)
+        dk_obj, dk_dev = arrays.empty_like_kind(kinds[1], k, kv_shape, p.dtype, stream)
+        dv_obj, dv_dev = arrays.empty_like_kind(kinds[2], v, kv_shape, p.dtype, stream)
+        lse_d = arrays.to_device_view(lse, stream, ndim=3)
+        grads = (arrays.as_4d(dq_dev), arrays.as_4d(dk_dev), arrays.as_4d(dv_dev))
+        if family in ("tf32x3", "mma"):
+            rows = (p.B * p.H, mma_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
+            _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
+            _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
+            scheme, splits, _ = dq_scheme(p, cfg, deterministic, family)
+            planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
+            shape = (planes * rows[0], rows[1], cfg["head_dim"])
+            if scheme == "splits":  # each plane's first launch stores; the convert reads only rows it wrote
+                dq_acc = arrays.empty_like_kind(p.kind, q, shape, "float32", stream)[1]
+            else:
+                dq_acc = _zeros_scratch(p.kind, q, shape, stream) if planes else None
+            if family == "tf32x3":
+                tf32_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                     softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream,
+                                     dq_acc=dq_acc, dq_splits=splits)
+            else:
+                mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                    softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream,
+                                    dq_acc=dq_acc, dq_splits=splits)
+        else:
+            _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
+            simt_backward.launch(
+                cfg, qd, kd, vd, od, dod, lse_d, delta, *grads,
+                causal=p.causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
+            )
+        return tuple(arrays.to_host_kind(kind, obj, p.dtype, stream)
+                     for kind, obj in zip(kinds, (dq_obj, dk_obj, dv_obj)))

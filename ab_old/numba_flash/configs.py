@@ -1,0 +1,291 @@
+"""Tile configurations as data.
+
+A config fixes everything a kernel specialisation needs at compile time. The tables below are
+the shipped choices; ``keep`` drops any that would not fit the hardware budget, so a bad edit
+fails loudly at import (and in tests) rather than at launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_HEAD_DIM = 256
+SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_80 / sm_90 opt-in maximum of dynamic shared memory per block
+SMEM_STATIC_MAX = 48 * 1024      # above this a kernel must opt in (cuFuncSetAttribute)
+REGS_PER_SM = 65536
+
+
+# Compiled head dims (buckets): a user head dim d is zero-padded up to the next one.
+HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
+
+
+def head_dim_bucket(d: int) -> int:
+    """The compiled head dim for a user head dim d (1 <= d <= MAX_HEAD_DIM)."""
+    return next(h for h in HEAD_DIMS if h >= d)
+
+
+@dataclass(frozen=True)
+class SimtConfig:
+    """One SIMT forward specialisation.
+
+    The thread block is a ROW_THREADS x COL_THREADS grid. Thread (tr, tc) owns groups of 4
+    consecutive query rows (rows 4·tr .. 4·tr+3, then the same + 4·ROW_THREADS, ...), groups of
+    4 consecutive S columns (4·tc .., + 4·COL_THREADS, ...) and of 4 consecutive O columns
+    likewise: each operand step is one 16-byte shared-memory load per group.
+    """
+
+    block_q: int
+    block_k: int
+    row_threads: int
+    col_threads: int
+    head_dim: int  # compiled (padded) head dim
+    share_kv: bool = False  # V reuses K's buffer once S is computed: less smem, more blocks per SM
+    max_registers: int | None = None  # cap (ptxas -maxrregcount) so that 2 blocks fit on an SM
+    # K/V tile copies (global -> shared). A "trip" is one thread's 4-element group of a tile (one
+    # 16-byte shared store); a d=128 64-row tile is 8 trips per thread at 256 threads.
+    # stage_trips = 0 and prefetch_trips = 0: the original per-trip loop (load 4, store, repeat).
+    # stage_trips > 0: the tile's global loads go out in batches of stage_trips trips before their
+    # shared stores (read-only ld.global.nc, in-bounds tiles without per-element checks).
+    # prefetch_trips > 0: the first prefetch_trips trips of V_j are loaded into registers before
+    # S_j = Q K_jᵀ is computed and those of K_{j+1} before P V_j, so the global latency hides
+    # behind the GEMMs; the rest of each tile is copied, staged, where it is stored.
+    stage_trips: int = 0
+    prefetch_trips: int = 0
+
+    @property
+    def threads(self) -> int:
+        return self.row_threads * self.col_threads
+
+    @property
+    def rows_per_thread(self) -> int:
+        return self.block_q // self.row_threads
+
+    @property
+    def s_cols_per_thread(self) -> int:
+        return self.block_k // self.col_threads
+
+    @property
+    def o_cols_per_thread(self) -> int:
+        return self.head_dim // self.col_threads
+
+    # Shared-memory layout, in 4-byte words. Q and K are stored transposed (head dim major) and
+    # P transposed (key major) so a thread's 4 rows / columns are adjacent; every row stride is
+    # a multiple of 4 (16-byte vectors) plus 4, which spreads the transposing stores over banks.
+    @property
+    def strides(self) -> dict:
+        return {"qt": self.block_q + 4, "kt": self.block_k + 4, "v": self.head_dim + 4,
+                "pt": self.block_q + 4}
+
+    @property
+    def smem_words(self) -> dict:
+        st = self.strides
+        k = self.head_dim * st["kt"]
+        v = self.block_k * st["v"]
+        return {
+            "q": self.head_dim * st["qt"],
+            "k": max(k, v) if self.share_kv else k,
+            "v": 0 if self.share_kv else v,
+            "p": self.block_k * st["pt"],
+            "red": self.block_q * self.col_threads,  # per-row partial maxima / sums
+        }
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * sum(self.smem_words.values())
+
+    @property
+    def accumulators_per_thread(self) -> int:
+        """Registers the maths needs per thread: S tile, O tile, m_i, l_i (a lower bound)."""
+        r = self.rows_per_thread
+        return r * self.s_cols_per_thread + r * self.o_cols_per_thread + 2 * r
+
+    def problems(self) -> list[str]:
+        """Why this config cannot run (empty when it can)."""
+        out = []
+        for name, total, parts in (("block_q", self.block_q, self.row_threads),
+                                   ("block_k", self.block_k, self.col_threads),
+                                   ("head_dim", self.head_dim, self.col_threads)):
+            if total % (4 * parts):
+                out.append(f"{name}={total} not a multiple of 4 x {parts} threads (16-byte groups)")
+        if not 1 <= self.threads <= 1024:
+            out.append(f"{self.threads} threads per block (1..1024 allowed)")
+        if self.smem_bytes > SMEM_PER_BLOCK_MAX:
+            out.append(f"{self.smem_bytes} B shared memory > {SMEM_PER_BLOCK_MAX}")
+        if self.max_registers is not None and self.max_registers * self.threads > REGS_PER_SM:
+            out.append(f"max_registers={self.max_registers} x {self.threads} threads > {REGS_PER_SM}")
+        if self.stage_trips < 0 or self.prefetch_trips < 0:
+            out.append(f"stage_trips={self.stage_trips}, prefetch_trips={self.prefetch_trips}: must be >= 0")
+        if self.accumulators_per_thread > 160:
+            out.append(f"{self.accumulators_per_thread} accumulator registers per thread > 160")
+        return out
+
+
+def keep(configs):
+    """Triton-style filter: only configs that fit the shared-memory and register budget."""
+    return [c for c in configs if not c.problems()]
+
+
+# head_dim: (block_q, block_k, row_threads, col_threads, share_kv[, max_registers[, stage_trips[, prefetch_trips]]])
+# d = 64 and 128 copy K/V tiles as the H200 sweep chose (results/sweep-simt-2026-11-29-copy.txt, fp32 B4
+# H16 N4096): d = 128 stage4 30.4 vs 27.1 TFLOP/s (causal 28.4 vs 25.1; stage8 31.2 spills 36 B),
+# d = 64 pre4 31.2 vs 24.5 (pre4 + 128-register cap 31.5 spills 76 B). Other head dims: not swept.
+_SIMT_TABLE = {
+    16: (128, 32, 32, 4, False),
+    32: (64, 64, 16, 8, True),
+    64: (128, 64, 16, 16, True, None, 0, 4),
+    96: (64, 64, 16, 8, True),
+    128: (64, 64, 16, 16, True, 128, 4),  # capped: 2 blocks/SM; 27.1 vs 24.2 TFLOP/s uncapped 128x64
+    192: (64, 64, 16, 16, True),
+    256: (64, 64, 16, 16, True),
+}
+
+
+# Tensor-core forward, (head dim, causal): (BLOCK_Q, BLOCK_K, M_TILES, variants of mma_forward.kernel_source).
+# H200 sweep v6 (results/sweep-mma-2026-11-29-v6.txt): FA2's 128x64 tile with 4 warps x 32 rows, in 64 KiB
+# of dynamic shared memory at d = 128: 307.8 TFLOP/s vs 274.5 (64x32) non-causal, 251.0 vs 232.4 (64x64)
+# causal, 344.5 vs 297.3 bf16 N16384, although ptxas spills 64-80 B of it at 255 registers (MMA_SPILL_OK).
+# Variants by sweep v7 (results/sweep-mma-2026-11-29-v7.txt, fp16 B4 H16 N4096, kernel launches, one run):
+# SMEM_EPILOGUE (O through shared memory, 16-byte stores), GRID_BH_X (every head's heaviest causal tile
+# first), PROLOGUE_V (Q and K_0 in one copy group, V_0 behind), KV_STAGES=2 (double-buffered K/V),
+# WARP_SKIP (a warp skips the products of tiles its rows cannot see):
+#   d128 epi 314.5 vs 301.6; d128 causal grid+epi+pro 286.0 vs 256.8; d64 kv2 282.1 vs 267.3;
+#   d64 causal 128x64 grid+skip+epi+pro 229.0 vs the 64x64 tile shipped before, 169.5.
+# LAZY_RESCALE (ninth session; FA4's conditional rescaling: a row's max moves only when a tile beats it by more
+# than 2^8), scripts/ab_mma.py, 4 interleaved rounds, results/ab-mma-2026-12-01-lazy.txt: d128 327.4 vs 322.9,
+# causal 295.8 vs 292.1, bf16 N16384 344.7 vs 338.2 (spills 88 -> 64 B); d64 276.5 vs 281.4 (kv2) and causal
+# 215.3 vs 216.2: not shipped at d64. d64 kv2 + SMEM_EPILOGUE (never timed together before), 6 rounds,
+# results/ab-mma-2026-12-01-d64-epi.txt: 291.6 vs 287.2 (kv2 + epi + lazy 285.1, kv2 + lazy 280.0): shipped.
+# Eleventh session, the leaner K/V loop (every kernel bitwise as before), 5 interleaved rounds against the tenth
+# session's kernels (results/ab-mma-2026-12-01-eleventh.txt): d128 kv2 + epi + lazy 346.1 (it spilled 64-168 B
+# before and timed 290.6; now none) vs epi + lazy 338.0 (was 320.3), bf16 N16384 390.2 vs 382.7 (was 359.4);
+# d64 kv2 + epi + lazy 302.4 (was 290.6) vs kv2 + epi 287.3 (287.2): both non-causal rows now take kv2 + lazy.
+# Causal, one run of 5 rounds (results/ab-mma-2026-12-01-eleventh-b.txt): d128 grid + kv2 + epi + lazy 332.8 vs
+# grid + epi + pro + lazy 322.1; d64 grid + skip + kv2 + epi + lazy 261.2 vs grid + skip + epi + pro 234.7 (+ lazy
+# 240.5); SDPA FA2 293.2 / 247.5: every row now double-buffers K/V and rescales lazily.
+MMA_TABLE = {
+    (64, False): (128, 64, 2, {"KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
+    (64, True): (128, 64, 2, {"GRID_BH_X": True, "WARP_SKIP": True, "KV_STAGES": 2, "SMEM_EPILOGUE": True,
+                              "LAZY_RESCALE": True}),
+    (128, False): (128, 64, 2, {"KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
+    (128, True): (128, 64, 2, {"GRID_BH_X": True, "KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
+}
+# (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 / bf16) of a
+# shipped config measured faster anyway; d128 was 64-80 B, the fifth session's softmax (scaled row maxima) made
+# it 84-92 B and d64 causal 20/36 B (fp16 speed re-measured after it: benchmarks/mma_ladder.md); LAZY_RESCALE
+# (ninth session) brought d128 to 64 (non-causal) / 72 B (causal). Eleventh session (ldmatrix byte addresses,
+# copy offsets stepped per tile, every row kv2 + lazy): d128 non-causal and d64 spill nothing, d128 causal 24 B
+# (stored and loaded, f16 and bf16); the allowance is now exactly that.
+MMA_SPILL_OK = {(128, 64, 128, 2): 24}
+
+# fp32 on tensor cores (kernels/tf32_forward.py, 3xTF32), (head dim, causal): (BLOCK_Q, BLOCK_K, variants).
+# H200 sweeps (results/sweep-tf32-2026-11-29*.txt, fp32 B4 H16 N4096, kernel launches): d128 128x64 with K/V split
+# once per tile (PRESPLIT) 54.2 TFLOP/s vs 45.5 for 64x64 re-splitting per warp (SDPA memory-efficient 44.8, SIMT
+# 30.6 in the same run); causal 128x32 PRESPLIT + GRID_BH_X 42.2 (SDPA 43.0), re-run 37.8 (SDPA 44.2) with 128x64 at
+# 37.7 (results/sweep-tf32-2026-11-29-causal-recheck.json): the causal choice is within the spread; d64 128x64 PRESPLIT 51.0 (SDPA 34.8),
+# causal + GRID_BH_X 49.1 (SDPA 31.6). Head dim 32 takes d64's tiles (not swept).
+TF32_TABLE = {
+    (32, False): (128, 64, {"PRESPLIT": True}),
+    (32, True): (128, 64, {"PRESPLIT": True, "GRID_BH_X": True}),
+    (64, False): (128, 64, {"PRESPLIT": True}),
+    (64, True): (128, 64, {"PRESPLIT": True, "GRID_BH_X": True}),
+    (128, False): (128, 64, {"PRESPLIT": True}),
+    (128, True): (128, 32, {"PRESPLIT": True, "GRID_BH_X": True}),
+}
+
+# Tensor-core backward, head dim: {"dkdv": (BLOCK_N keys own, BLOCK_M queries streamed),
+# "dq": (BLOCK_M queries own, BLOCK_N keys streamed)}. dkdv holds dK and dV (2 x HEAD_DIM/2 fp32
+# per lane) plus Sᵀ and dPᵀ (2 x BLOCK_M/2).
+# H200 sweep (results/backward-2026-11-29-mma-sweep.md, fp16 B4 H16 N4096, each kernel alone): d = 128
+# dkdv 64x64 257.0 vs 64x32 244.6 TFLOP/s (causal 205.9 vs 192.8) although ptxas spills 92 B of it,
+# dq 64x64 269.3 (next 128x64 264.6); d = 64 64x64 best for both (242.5, 249.1). Re-swept at d128 non-causal
+# after the tenth session's whole-tile copies (results/backward-2026-12-01-sweep-copies.md): the same tiles win
+# (dkdv 64x64 3.630 ms vs 64x32 3.927; dq 64x64 2.647 vs 128x64 2.895; atomic 128x64 5.770 vs 64x64 6.451).
+# "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32; fourth
+# session, results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
+# (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.
+# (head_dim, causal) -> tf32x3 backward tiles (kernels.tf32_backward): dkdv (keys, queries), dq (queries,
+# keys). H200 sweeps (scripts/sweep_tf32_backward.py, results/sweep-tf32-backward-2026-12-01*.txt; fp32
+# B4 H16 N4096, each kernel alone, ms), best vs the first guess (the largest tiles that built unspilled):
+#   d128: dkdv 128x32 in one pass 30.2 (causal 16.6) vs 64x64 as a dV pass and a dK pass 73.3;
+#         dq 128x32 24.4 (causal 13.7) vs 64x64 30.2 (15.9)
+#   d64:  dkdv 128x64 14.3 (causal 8.2) vs 64x32 16.9 (9.5); dq 64x32 11.9, but causal 128x64 5.7 vs 6.9
+#   d32:  dkdv 128x64 7.8 vs 64x64 8.4, causal 64x32 4.5 vs 5.0; dq 128x32 5.4 (causal 3.3) vs 64x64 5.4 (3.8)
+# "dkdv_passes": run dkdv as separate launches per gradient (("dv", "dk")): slower wherever timed; kept
+# for the sweep.
+# "dkdv_atomic" / "deterministic_dq" (thirteenth session): dQ formed in the dkdv kernel (the dkdv tile, plus the
+# dQ phase), as MMA_BWD_TABLE's; the dq kernel then does not run. Direct calls vs the dkdv + dq kernels
+# (results/ab-backward-2026-12-01-thirteenth-fp32*.txt; deterministic splits / atomic grid, ms): d128 39.4 /
+# 39.3 vs 55.0 (causal 22.0 / 21.9 vs 30.5), d64 19.9 / 19.5 vs 26.4 (causal 11.3 / 11.0 vs 14.2), d32 12.9 /
+# 12.8 vs 13.4 (causal 6.0 / 5.7 vs 8.0).
+TF32_BWD_TABLE = {
+    (32, False): {"dkdv": (128, 64), "dq": (128, 32), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    (32, True): {"dkdv": (64, 32), "dq": (128, 32), "dkdv_atomic": (64, 32), "deterministic_dq": "splits"},
+    (64, False): {"dkdv": (128, 64), "dq": (64, 32), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    (64, True): {"dkdv": (128, 64), "dq": (128, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    (128, False): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
+    (128, True): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
+}
+# (kernel, own, streamed, HEAD_DIM, causal): spill bytes (ptxas 13.0, sm_90) of a shipped tf32x3 config
+# the sweeps measured fastest anyway (seventh session, cvt.rna builds): d64 dkdv 128x64 14.3 ms vs 128x32 15.9
+# (unspilled); d128 causal dkdv 128x32 16.6 ms vs 128x16 19.4 (56 B) (without the mask the same tile did not
+# spill then). Fourteenth session: the sm_90 builds split operands by cvt.rn (one F2FP) instead of cvt.rna
+# (four instructions), and ptxas allocates anew: the figures below are the cvt.rn builds' (cvt.rna's were
+# dkdv d64 80 / 32, d128 0 / 216; dkdv-atomic d64 24 / 68, d128 32 / 104; splits d64 24 / 124, d128 24 / 116,
+# non-causal / causal). Timed cvt.rn against cvt.rna, B4 H16 N4096 (the splits builds at d32-d128, the dkdv + dq
+# plan at d128, whose dkdv spills 272 B: 55.6 -> 43.3 ms), cvt.rn was faster in every case:
+# results/ab-split-round-2026-12-0{1,2}-fourteenth*. The atomic builds (deterministic=False) were not timed.
+TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 56, ("dkdv", 128, 64, 64, True): 56,
+                     ("dkdv", 128, 32, 128, False): 272, ("dkdv", 128, 32, 128, True): 256,
+                     # the dQ-in-dkdv builds (thirteenth session): atomic grid, later splits, first split (stores);
+                     # timed faster than the dkdv + dq kernels they replace (results/ab-backward-2026-12-01-
+                     # thirteenth-fp32*.txt), spills and all
+                     ("dkdv-atomic", 128, 64, 64, False): 36, ("dkdv-splits", 128, 64, 64, False): 36,
+                     ("dkdv-splits-first", 128, 64, 64, False): 36,
+                     ("dkdv-atomic", 128, 64, 64, True): 80, ("dkdv-splits", 128, 64, 64, True): 88,
+                     ("dkdv-splits-first", 128, 64, 64, True): 88,
+                     ("dkdv-atomic", 128, 32, 128, False): 44,
+                     ("dkdv-atomic", 128, 32, 128, True): 120, ("dkdv-splits", 128, 32, 128, True): 120,
+                     ("dkdv-splits-first", 128, 32, 128, True): 120}
+# "deterministic_dq": how backward(deterministic=True) forms dQ: "splits" (the dkdv_atomic kernel adding into
+# per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back to the dq kernel where too few
+# blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5). Twelfth session, direct
+# calls, fp16 B4 H16 N4096 (results/ab-backward-2026-12-01-twelfth*.txt): d128 splits 5.80 ms vs the dq kernel
+# 6.31 (with the old prep: the dq kernel with this session's prep was not timed non-causal; the prep gained the
+# dq-kernel path 0.10-0.14 ms at d64 and d128 causal), causal 3.41 vs 3.47 (both with the new prep; a 1.7 %
+# margin, within the spread between runs); d64 splits (the 64-key atomic dkdv, 4 splits) 4.84 vs 3.50
+# (results/ab-backward-2026-12-01-twelfth-loop.txt, an earlier build): "kernel".
+MMA_BWD_TABLE = {
+    64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64), "deterministic_dq": "kernel"},
+    128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+}
+# (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
+# shipped config the sweep measured fastest anyway; the build test allows exactly these. Tenth session:
+# the streamed tiles' whole-tile copies freed registers (dkdv d128 104 -> 100, the atomic 128-key dkdv
+# 56 -> 0) except in the causal dq at d128 (48 -> 56); re-swept: results/backward-2026-12-01-sweep-copies.md.
+# Then the atomic dQ phase's two passes were written out: 0 -> 16 B (44 causal), and 4.8 % faster
+# non-causal, equal causal (results/ab-backward-2026-12-01-dq-passes.txt).
+MMA_BWD_SPILL_OK = {("dkdv", 64, 64, 128): 100, ("dq", 64, 64, 128): 56,
+                    # the atomic-dQ dkdv of backward(deterministic=False) with red.v2 adds, 64 or 128 keys
+                    # (worst of causal / not; timed in benchmarks/NOTES.md)
+                    ("dkdv-atomic", 64, 64, 64): 44, ("dkdv-atomic", 64, 64, 128): 100,
+                    ("dkdv-atomic", 128, 64, 64): 40, ("dkdv-atomic", 128, 64, 128): 44,
+                    # the deterministic splits' builds (twelfth session; worst of causal / not, adds / stores:
+                    # the first launch's store build, non-causal; results/sass-loop-2026-12-01-twelfth.txt)
+                    ("dkdv-splits", 128, 64, 128): 36}
+
+
+def _simt_for(head_dim: int) -> SimtConfig:
+    entry = _SIMT_TABLE[head_dim]
+    bq, bk, rt, ct, share, cap, stage, prefetch = entry + (None, 0, 0)[len(entry) - 5:]
+    return SimtConfig(bq, bk, rt, ct, head_dim, share_kv=share, max_registers=cap, stage_trips=stage,
+                      prefetch_trips=prefetch)
+
+
+SIMT_CONFIGS = {d: _simt_for(d) for d in HEAD_DIMS}
+
+_bad = {d: c.problems() for d, c in SIMT_CONFIGS.items() if c.problems()}
+if _bad:  # a table edit that does not fit is a bug, not a runtime surprise
+    raise AssertionError(f"shipped SIMT configs that cannot run: {_bad}")
+
+
+def simt_config(d: int) -> SimtConfig:
+    return SIMT_CONFIGS[head_dim_bucket(d)]

@@ -1,0 +1,283 @@
+"""``decode``: attention of a few new queries against a KV cache, split over the keys (FlashDecoding).
+
+The wrapper validates (``api.validate`` for q, k, v plus the cache checks below), picks a tile
+config and the number of splits, allocates the fp32 scratch with q's own framework and launches
+numba_flash.kernels.decode (a split kernel, then a merge kernel when there is more than one split).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import numpy as np
+from numba import config as nb_config
+from numba import cuda
+
+from . import arrays, plans
+from .api import _on_device, validate
+from .configs import head_dim_bucket
+from .kernels import decode as decode_kernels
+from .kernels.decode import DecodeConfig, decode_config
+from .launch import DeviceView, c_strides, current_device_id, view_of
+
+MAX_DECODE_QUERIES = 16
+H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
+MIN_TILES_PER_SPLIT = 4  # a split shorter than this pays more for its prologue and merge than it gains
+MAX_SPLITS = 128  # of the automatic rule
+MAX_USER_SPLITS = 8192  # the merge kernel keeps one weight per split in (<= 32 KiB of) shared memory
+WAVE_EFFICIENCY_SLACK = 0.85
+# Resident warps per SM a wave aims at: the H200 sweep (results/sweep-decode-2026-11-29.txt) saw
+# 2-stage 4-warp blocks fastest at 2 per SM (1 split at B8 Hkv32, 4 at Hkv8), not at the 3 their
+# shared memory allows; filling the third slot only added splits and merge traffic.
+RESIDENT_WARPS_TARGET = 8
+
+_LENS_ACCEPTED = "an int32 or int64 array of shape (B,), NumPy or the same kind as q, or None"
+
+
+def _sm_count(device: int | None = None) -> int:
+    """SMs of ``device``, which must be the current one (None: ask the driver which that is)."""
+    if nb_config.ENABLE_CUDASIM:
+        return H200_SMS
+    return _sm_count_of(current_device_id() if device is None else device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_id: int | None) -> int:  # one driver query per device, not per call
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def choose_num_splits(base_blocks: int, n_max: int, cfg: DecodeConfig, n_sms: int | None = None) -> int:
+    """How many splits of the keys: the fewest that fill the GPU in whole waves.
+
+    base_blocks = B · Hkv · row chunks blocks exist without splitting; a wave is n_sms · R blocks,
+    R = min(cfg.blocks_per_sm, max(1, 8 // cfg.warps)): as many as shared memory lets an SM hold
+    (2 for the shipped fp16 d = 128 tile), but no more than 8 resident warps need (measured: more
+    blocks of the 2-stage tile did not help). With S splits the wave efficiency is
+
+        eff(S) = base·S / (waves(S) · wave),   waves(S) = ceil(base·S / wave)
+
+    (the fraction of block slots doing work, all splits taking equally long). The rule takes the
+    smallest S within 85 % of the best eff over 1 <= S <= S_max, where S_max = min(128,
+    n_tiles // 4) keeps every split at least 4 K/V tiles long (n_tiles = ceil(Nmax / split_keys),
+    the longest cache: device lengths are not read on the host; split_keys = block_n, or
+    warps · block_n for warp_split configs, whose warps each take every warps-th tile). Examples on an H200 (wave = 264
+    for fp16 d = 128): B8 Hkv32 -> 256 blocks, eff(1) = 0.97, so 1 split (no merge); B8 Hkv8 ->
+    64 blocks, 4 splits; B1 Hkv8 at Nmax = 32768 -> 29 splits.
+    """
+    return _choose_num_splits(base_blocks, n_max, cfg, n_sms or _sm_count())
+
+
+@functools.lru_cache(maxsize=1024)  # up to 2 x 128 efficiencies: ~20 us of Python per decode call uncached
+def _choose_num_splits(base_blocks: int, n_max: int, cfg: DecodeConfig, n_sms: int) -> int:
+    wave = n_sms * min(cfg.blocks_per_sm, max(1, RESIDENT_WARPS_TARGET // cfg.warps))
+    n_tiles = -(-n_max // cfg.split_keys)
+    s_max = max(1, min(MAX_SPLITS, n_tiles // MIN_TILES_PER_SPLIT))
+    if base_blocks <= 0:
+        return 1
+
+    def eff(s):
+        blocks = base_blocks * s
+        return blocks / (-(-blocks // wave) * wave)
+
+    best = max(eff(s) for s in range(1, s_max + 1))
+    return next(s for s in range(1, s_max + 1) if eff(s) >= WAVE_EFFICIENCY_SLACK * best)
+
+
+def _check_seqlens(cache_seqlens, p, n_max):
+    """Validate cache_seqlens against the problem; returns its dtype name (or None)."""
+    if cache_seqlens is None:
+        return None
+    kind = arrays.kind_of(cache_seqlens)
+    if kind is None:
+        raise TypeError(f"cache_seqlens must be {_LENS_ACCEPTED}; got {type(cache_seqlens).__module__}."
+                        f"{type(cache_seqlens).__name__}")
+    if kind == arrays.TORCH and not cache_seqlens.is_cuda:
+        raise TypeError(f"cache_seqlens is a PyTorch tensor on {cache_seqlens.device}; pass a CUDA tensor on "
+                        f"q's device or a NumPy array")
+    if kind != arrays.NUMPY and kind != p.kind:
+        raise TypeError(f"cache_seqlens is a {kind} array but q is a {p.kind} array; accepted: {_LENS_ACCEPTED}")
+    dtype = arrays.dtype_name(cache_seqlens)
+    if dtype not in decode_kernels.LENS_DTYPES:
+        raise TypeError(f"cache_seqlens has dtype {dtype}; accepted: int32 or int64")
+    shape = arrays.shape_of(cache_seqlens)
+    if shape != (p.B,):
+        raise ValueError(f"cache_seqlens has shape {shape}; accepted: (B,) = ({p.B},), one length per sequence")
+    device = arrays.device_of(cache_seqlens)
+    if device is not None and p.device is not None and device != p.device:
+        raise ValueError(f"cache_seqlens is on device {device} but q on device {p.device}; put them on one GPU")
+    if kind == arrays.NUMPY:  # device lengths would need a copy and a sync: the kernel clamps them instead
+        bad = np.flatnonzero((cache_seqlens < 0) | (cache_seqlens > n_max))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"cache_seqlens[{i}] = {int(cache_seqlens[i])}; accepted: 0 <= length <= Nmax = {n_max} "
+                             f"(the caches' dim 2)")
+    return dtype
+
+
+def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None,
+                    config=None):
+    """All checks of a decode call; returns (Problem, seqlens dtype or None). Raises like ``validate``."""
+    p = validate(q, k_cache, v_cache, causal=True, softmax_scale=softmax_scale)
+    if len(p.q_shape) != 4:
+        raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d); "
+                         f"got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")
+    if p.n_q > MAX_DECODE_QUERIES:
+        raise ValueError(f"decode takes at most {MAX_DECODE_QUERIES} queries per sequence; got Nq = {p.n_q}. "
+                         f"For longer query blocks use numba_flash.forward(q, k, v, causal=True) on the valid "
+                         f"prefix of the cache")
+    lens_dtype = _check_seqlens(cache_seqlens, p, p.n_k)
+    if num_splits is not None:
+        if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+            raise TypeError(f"num_splits must be an int >= 1 or None (automatic); got {num_splits!r}")
+        if not 1 <= num_splits <= MAX_USER_SPLITS:
+            raise ValueError(f"num_splits must be an int in [1, {MAX_USER_SPLITS}] or None (automatic); "
+                             f"got {num_splits}")
+    if config is not None:
+        if not isinstance(config, DecodeConfig):
+            raise TypeError(f"config must be a numba_flash.kernels.decode.DecodeConfig or None; got {config!r}")
+        problems = config.problems()
+        if config.dtype != p.dtype:
+            problems.append(f"its dtype {config.dtype} is not the inputs' {p.dtype}")
+        if config.head_dim < p.d or config.head_dim % 16:
+            problems.append(f"its head_dim {config.head_dim} does not hold d = {p.d} "
+                            f"(use {head_dim_bucket(p.d)} or more, a multiple of 16)")
+        if problems:
+            raise ValueError(f"config {config} cannot run this problem: {'; '.join(problems)}")
+    return p, lens_dtype
+
+
+def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None):
+    """(Problem, config, num_splits, row chunks) that ``decode`` would use for these inputs."""
+    p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                           num_splits=num_splits, config=config)
+    with _on_device(p.device):
+        return (p, *_tiles_and_splits(p, num_splits, config))
+
+
+def _tiles_and_splits(p, num_splits, config) -> tuple:
+    """(config, num_splits, row chunks) of a validated problem; p.device (if known) must be current."""
+    group = p.H // p.Hkv
+    cfg = config or decode_config(p.d, p.dtype, group * max(p.n_q, 1))
+    chunks = decode_kernels.n_row_chunks(cfg, group, max(p.n_q, 1))
+    if num_splits is None:
+        num_splits = choose_num_splits(p.B * p.Hkv * chunks, p.n_k, cfg, _sm_count(p.device))
+    return cfg, int(num_splits), chunks
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None):
+    """One decoding step: Nq <= 16 new queries per sequence attend to a KV cache.
+
+    Args:
+        q: (B, H, Nq, d) with 1 <= Nq <= 16 (Nq = 0 gives empty outputs).
+        k_cache, v_cache: (B, Hkv, Nmax, d), H % Hkv == 0 (GQA / MQA: query head h reads kv head
+            h // (H // Hkv)). Same array kinds, dtypes (float32, float16, bfloat16) and head dims
+            1 <= d <= 256 as ``forward``; any strides (16-byte aligned rows are copied with
+            cp.async, others with scalar loads).
+        cache_seqlens: valid length of each cache, int32 or int64 of shape (B,), a NumPy array or
+            the same kind as q (on q's device); None means Nmax for every sequence. NumPy lengths
+            are checked (0 <= length <= Nmax); device lengths are not (that needs a host copy and
+            a sync) and the kernel clamps them to [0, Nmax].
+        softmax_scale: default 1/sqrt(d); must be finite and > 0.
+        num_splits: how many ranges the keys of each sequence are cut into (one thread block
+            each, then a merge); None chooses from occupancy (see ``choose_num_splits``). Splits
+            are whole 64-key (or 32-key) tiles, ceil(tiles / num_splits) each; splits past the
+            last tile are empty and cost one block each.
+        config: a ``kernels.decode.DecodeConfig`` to override the tile configuration (tuning,
+            tests); None picks ``decode_config(d, dtype, G·Nq)``.
+
+    Masking: the Nq queries are the last Nq positions of each sequence, so query i of sequence b
+    sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with
+    causal=True on the valid prefix); keys >= len_b are never read into the result. A query that
+    sees no key (len_b = 0, or i < Nq - len_b) gets O = 0 and L = -inf.
+
+    Returns:
+        (out, lse): out has q's shape, dtype and kind; lse is float32 of shape (B, H, Nq), the
+        natural-log logsumexp of each query's scaled, masked scores.
+
+    The result depends on num_splits only through rounding (fp32 accumulation throughout); for
+    a given num_splits it is bitwise deterministic. Streams as ``forward``.
+
+    Raises:
+        TypeError / ValueError naming what was given and what is accepted.
+
+    Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans); NumPy
+    lengths are checked on every call (they take the ordinary path).
+    """
+    return plans.call(_decode, (q, k_cache, v_cache, cache_seqlens), (softmax_scale, num_splits, config))
+
+
+def _decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, config):
+    """``decode`` without plans (plans.call runs it for a new signature and watches)."""
+    p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                           num_splits=num_splits, config=config)
+    with _on_device(p.device):  # once per call: each context switch or query is a driver call
+        cfg, n_splits, _ = _tiles_and_splits(p, num_splits, config)
+        stream = arrays.current_stream(q)
+        out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
+        lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
+        if p.B * p.H * p.n_q > 0:
+            qd = arrays.to_device_view(q, stream)
+            kd, vd = (_kv_words(arrays.to_device_view(x, stream), p.dtype) for x in (k_cache, v_cache))
+            lens = _seqlens_view(cache_seqlens, stream)
+            partials, keep_alive = None, None
+            if n_splits > 1:
+                keep_alive, partials = _scratch(p, q, n_splits, stream)
+            decode_kernels.launch(cfg, qd, kd, vd, lens, out_dev, lse_dev, softmax_scale=p.softmax_scale,
+                                  d=p.d, num_splits=n_splits, partials=partials, stream=stream)
+            del keep_alive  # stream-ordered allocators: freeing after the launch is safe
+        return (
+            arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),
+            arrays.to_host_kind(p.kind, lse_obj, "float32", stream),
+        )
+
+
+def _scratch(p, q, n_splits: int, stream):
+    """(owner, (m_part, l_part, acc_part)): the fp32 scratch of scratch_shapes() as views of one
+    allocation of q's kind (one allocator call instead of three)."""
+    total, parts = _scratch_layout(p.B, p.H, p.n_q, n_splits, p.d)
+    obj, flat = arrays.empty_like_kind(p.kind, q, (total,), "float32", stream)
+    if isinstance(flat, DeviceView):
+        views = [DeviceView(flat.ptr + 4 * start, shape, strides, _F32, obj) for start, shape, strides in parts]
+    else:  # simulator arrays
+        views = [flat[start:start + math.prod(shape)].reshape(shape) for start, shape, _ in parts]
+    acc_part, m_part, l_part = views
+    return obj, (m_part, l_part, acc_part)
+
+
+_F32 = np.dtype(np.float32)
+
+
+@functools.lru_cache(maxsize=256)  # the same few shapes every step of a generation loop
+def _scratch_layout(B: int, H: int, n_q: int, n_splits: int, d: int) -> tuple:
+    """(total floats, ((start, shape, byte strides) of acc_part, m_part, l_part)); acc_part first,
+    at the allocation's (aligned) base."""
+    m_shape, l_shape, acc_shape = decode_kernels.scratch_shapes(B, H, n_q, n_splits, d)
+    parts, start = [], 0
+    for shape in (acc_shape, m_shape, l_shape):
+        parts.append((start, shape, c_strides(shape, 4)))
+        start += math.prod(shape)
+    return start, tuple(parts)
+
+
+def _kv_words(dev, dtype: str):
+    """16-bit caches as uint16 words: the kernel only copies and unpacks them."""
+    return dev.view(np.uint16) if dtype == "float16" else dev
+
+
+_NO_LENS = DeviceView(0, (0,), (4,), np.int32)  # never dereferenced: the kernel checks the length
+
+
+def _seqlens_view(cache_seqlens, stream):
+    """A 1-D device view of the lengths; a 0-length one means 'Nmax for every sequence'."""
+    sim = nb_config.ENABLE_CUDASIM
+    if cache_seqlens is None:
+        if sim:
+            return cuda.device_array(0, dtype=np.int32, stream=stream)
+        return _NO_LENS
+    if arrays.kind_of(cache_seqlens) == arrays.NUMPY:
+        dev = cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
+        return dev if sim else view_of(dev, arrays.CAI)
+    if sim:
+        return cuda.as_cuda_array(cache_seqlens, sync=False)
+    return view_of(cache_seqlens, arrays.kind_of(cache_seqlens))
