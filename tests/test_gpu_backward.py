@@ -82,12 +82,16 @@ def test_backward_error_rule(dtype, Hkv, n_q, n_k, d, causal):
 
 @pytest.mark.parametrize("dtype,d", [("float32", 128), ("float16", 64), ("float16", 128)])
 def test_backward_deterministic(dtype, d):
-    """20 runs, bitwise the same gradients: no atomics (fp16 d64: the dq kernel), or at d128 (fp16, and fp32's
-    3xTF32) the deterministic splits (every fp32 plane of dQ owned by one block, planes summed in order)."""
+    """20 runs, bitwise the same gradients: the deterministic splits (every fp32 plane of dQ owned by one block,
+    planes summed in order) at d128 (fp16, and fp32's 3xTF32) and, on sm_90 (the wgmma dkdv), at fp16 d64;
+    elsewhere fp16 d64 takes the dq kernel (no atomics)."""
+    from numba_flash.ptx import current_wgmma
+
     Hkv, causal = (4 if dtype == "float32" else 2), True  # compiled above
     q, k, v, dout = _inputs(2, 4, Hkv, 1000, 1000, d, getattr(torch, dtype), 3)
     how = numba_flash.explain_backward(q, k, v, causal=causal).splitlines()[3]
-    assert how.startswith("dQ: deterministic splits" if d == 128 else "dQ: a separate dq kernel"), how
+    splits = d == 128 or current_wgmma()
+    assert how.startswith("dQ: deterministic splits" if splits else "dQ: a separate dq kernel"), how
     out, lse = numba_flash.forward(q, k, v, causal=causal)
     first = backward(q, k, v, out, lse, dout, causal=causal)
     for _ in range(20):
@@ -189,6 +193,7 @@ def test_fa2_dkdv_error_rule(monkeypatch, atomic, d, causal):
     table = {hd: dict(cfg, dkdv=(128, 64), dkdv_atomic=(128, 64), dkdv_fa2=True)
              for hd, cfg in configs.MMA_BWD_TABLE.items()}
     monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_TABLE", table)  # the module, not the function
+    monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_WGMMA", {hd: {} for hd in table})  # no wgmma
     from numba_flash import plans
 
     plans.clear()  # a recorded plan would replay the shipped kernels (and one recorded here, fa2's)
@@ -210,3 +215,44 @@ def test_fa2_dkdv_error_rule(monkeypatch, atomic, d, causal):
         err, naive_err, mag = _max_err(g, r), _max_err(nv, r), r.abs().max().item()
         print(f"fa2 atomic={atomic} d{d} causal={causal} {name}: ours {err:.3e}, naive {naive_err:.3e}")
         assert err <= 2 * naive_err + ulp * mag, f"{name}: ours {err:.3e} vs naive fp16 {naive_err:.3e}"
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("dtype,d,causal", [("float16", 128, False), ("bfloat16", 64, True)])
+def test_mma_sync_dq_in_dkdv_error_rule(monkeypatch, deterministic, dtype, d, causal):
+    """The mma.sync kernels that sm_80-89 run, on this GPU whatever it is: configs.MMA_BWD_WGMMA emptied, so
+    an sm_90 takes them too (the dQ-in-dkdv kernel of the splits / atomic grid at d128, the dq kernel or the
+    atomic 64-key dkdv at d64). GQA 2, lengths off the tile grid, the error rule per gradient."""
+    from numba_flash import plans
+    from numba_flash.kernels import wgmma_backward
+
+    monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_WGMMA", {64: {}, 128: {}})
+    plans.clear()  # a recorded plan would replay the wgmma kernels
+    monkeypatch.setattr(plans, "_state", dict(plans._state, enabled=False))
+    monkeypatch.setattr(wgmma_backward, "make_kernel", None)  # launching it would fail
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = _inputs(2, 4, 2, 1000, 1300, d, tdt, seed=7 * d + causal)
+    assert "wgmma" not in numba_flash.explain_backward(q, k, v, causal=causal)
+    out, lse = numba_flash.forward(q, k, v, causal=causal)
+    grads = backward(q, k, v, out, lse, dout, causal=causal, deterministic=deterministic)
+    ref = _autograd(lambda *x: attention_f64_torch(*x, causal)[0], q, k, v, dout, torch.float64)
+    naive = _autograd(lambda *x: attention_naive_same_dtype(*x, causal), q, k, v, dout)
+    ulp = torch.finfo(tdt).eps
+    for name, g, nv, r in zip(("dq", "dk", "dv"), grads, naive[1:], ref[1:]):
+        err, naive_err, mag = _max_err(g, r), _max_err(nv, r), r.abs().max().item()
+        assert err <= 2 * naive_err + ulp * mag, f"{name}: ours {err:.3e} vs naive {dtype} {naive_err:.3e}"
+
+
+def test_sm90_runs_the_wgmma_dkdv():
+    """On sm_90 the default backward launches wgmma_backward's kernel (and explain says so); elsewhere not."""
+    from numba_flash.kernels import wgmma_backward
+    from numba_flash.ptx import current_wgmma
+
+    q, k, v, dout = _inputs(1, 2, 2, 300, 300, 128, torch.float16, 11)
+    said = "wgmma" in numba_flash.explain_backward(q, k, v)
+    assert said == current_wgmma()
+    before = wgmma_backward.make_kernel.cache_info().misses + wgmma_backward.make_kernel.cache_info().hits
+    out, lse = numba_flash.forward(q, k, v)
+    backward(q, k, v, out, lse, dout, deterministic=False)
+    after = wgmma_backward.make_kernel.cache_info().misses + wgmma_backward.make_kernel.cache_info().hits
+    assert (after > before) == current_wgmma()
