@@ -263,8 +263,8 @@ MMA_BWD_TABLE = {
 # deterministic / deterministic=False, ms): d128 5.78 / 5.55 -> 4.63 / 3.79, causal 3.40 / 3.28 -> 2.74 / 2.35,
 # d64 3.32 / 3.16 -> 2.57 / 2.46, causal 1.91 / 1.99 -> 1.61 / 1.56 (results/ab-backward-2026-12-02-fifteenth.txt).
 MMA_BWD_WGMMA = {
-    64: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
-    128: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    64: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits", "dkdv_wgmma_defer_dq": True},
+    128: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits", "dkdv_wgmma_defer_dq": True},
 }
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
 # shipped config the sweep measured fastest anyway; the build test allows exactly these. Tenth session:

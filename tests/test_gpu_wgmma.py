@@ -21,22 +21,24 @@ def test_wgmma_forms_gpu(dtype, seed):
 
 
 @pytest.mark.parametrize(
-    "B,H,Hkv,n_q,n_k,d,causal,dtype,splits",
+    "B,H,Hkv,n_q,n_k,d,causal,dtype,splits,defer",
     [
-        (1, 2, 1, 70, 150, 64, True, "float16", None),
-        (1, 1, 1, 80, 40, 128, True, "bfloat16", None),
-        (1, 1, 1, 66, 130, 100, False, "float16", 2),
-        (2, 4, 2, 1000, 1100, 128, True, "float16", 3),     # GQA 2, many steps, both buffers, 3 splits of 9
-        (1, 4, 4, 700, 700, 128, False, "bfloat16", None),
-        (2, 2, 1, 513, 900, 64, False, "float16", 4),
+        (1, 2, 1, 70, 150, 64, True, "float16", None, True),
+        (1, 1, 1, 80, 40, 128, True, "bfloat16", None, True),
+        (1, 1, 1, 66, 130, 100, False, "float16", 2, True),
+        (2, 4, 2, 1000, 1100, 128, True, "float16", 3, True),     # GQA 2, many steps, both buffers, 3 splits of 9
+        (1, 4, 4, 700, 700, 128, False, "bfloat16", None, True),
+        (2, 2, 1, 513, 900, 64, False, "float16", 4, True),
+        (2, 4, 2, 1000, 1100, 128, True, "float16", 3, False),    # DEFER_DQ off
+        (1, 4, 4, 700, 700, 64, False, "bfloat16", None, False),
     ],
 )
-def test_wgmma_dkdv_gpu(B, H, Hkv, n_q, n_k, d, causal, dtype, splits):
+def test_wgmma_dkdv_gpu(B, H, Hkv, n_q, n_k, d, causal, dtype, splits, defer):
     if compute_capability()[0] != 9:
         pytest.skip("wgmma is sm_90a only")
     from test_wgmma import test_wgmma_dkdv_sim
 
-    test_wgmma_dkdv_sim.__wrapped__(B, H, Hkv, n_q, n_k, d, causal, dtype, splits)
+    test_wgmma_dkdv_sim.__wrapped__(B, H, Hkv, n_q, n_k, d, causal, dtype, splits, defer)
 
 
 def test_wgmma_splits_repeat_bitwise_gpu():

@@ -114,28 +114,33 @@ def test_wgmma_forms_sim(dtype):
 # --------------------------------------------------------------------------------------------
 # The wgmma dK/dV/dQ kernel (kernels/wgmma_backward.py) through mma_backward.launch
 # --------------------------------------------------------------------------------------------
-def wgmma_config(head_dim):
-    return {"dkdv": (64, 64), "dq": (64, 64), "head_dim": head_dim, "dkdv_atomic": (128, 64), "dkdv_wgmma": True}
+def wgmma_config(head_dim, **change):
+    """The shipped sm_90 config (MMA_BWD_TABLE with MMA_BWD_WGMMA's overrides), with ``change``."""
+    from numba_flash.configs import MMA_BWD_TABLE, MMA_BWD_WGMMA
+
+    return dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim, **dict(MMA_BWD_WGMMA[head_dim], **change))
 
 
 @in_simulator
 @pytest.mark.parametrize(
-    "B,H,Hkv,n_q,n_k,d,causal,dtype,splits",
+    "B,H,Hkv,n_q,n_k,d,causal,dtype,splits,defer",
     [
-        (1, 2, 1, 70, 150, 64, True, "float16", None),     # GQA 2, 2 key blocks (the second partial), Nq < Nk
-        (1, 1, 1, 80, 40, 128, True, "bfloat16", None),    # Nq > Nk: rows that see no key; 2 Q tiles
-        (1, 1, 1, 66, 130, 100, False, "float16", 2),      # the deterministic splits; d 100 (part-data chunk,
-                                                            # NaN row padding) padded to 128
+        (1, 2, 1, 70, 150, 64, True, "float16", None, True),   # GQA 2, 2 key blocks (the second partial), Nq < Nk
+        (1, 1, 1, 80, 40, 128, True, "bfloat16", None, True),  # Nq > Nk: rows that see no key; 2 Q tiles
+        (1, 1, 1, 66, 130, 100, False, "float16", 2, True),    # the deterministic splits; d 100 (part-data chunk,
+                                                                # NaN row padding) padded to 128
+        (1, 2, 1, 70, 150, 128, True, "float16", 2, False),    # dQ added in its own step (DEFER_DQ off)
     ],
 )
-def test_wgmma_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, splits):
+def test_wgmma_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, splits, defer):
     """The wgmma dkdv with its dQ (one plane of adds, or the splits) against the float64 reference, by
     the flash-attention error rule; NaN-filled outputs show anything left unwritten."""
     from test_mma_backward import check_error_rule, problem, run_backward
 
+    config = wgmma_config(64 if d <= 64 else 128, dkdv_wgmma_defer_dq=defer)
     vals, stored = problem(3 + n_q + n_k, B, H, Hkv, n_q, n_k, d, causal, dtype)
-    grads = run_backward(stored, d, causal, dtype, wgmma_config(64 if d <= 64 else 128), atomic=splits is None,
-                         splits=splits, pad_to=-(-d // 8) * 8 + 8 if d % 8 else None)
+    grads = run_backward(stored, d, causal, dtype, config, atomic=splits is None, splits=splits,
+                         pad_to=-(-d // 8) * 8 + 8 if d % 8 else None)
     check_error_rule(grads, vals, causal, dtype)
     if n_q > n_k and causal:  # rows that see no key: dQ exactly zero
         assert np.all(grads[0][:, :, : n_q - n_k] == 0)
@@ -147,7 +152,7 @@ from numba import cuda
 from numba_flash.kernels import mma_backward, wgmma_backward
 out = {}
 for hd, causal, splits in [(128, False, 0), (128, True, 2), (64, True, 1)]:
-    src = wgmma_backward.dkdv_source(hd, causal, "float16", False, splits)
+    src = wgmma_backward.dkdv_source(hd, causal, "float16", False, splits, DEFER_DQ=True)
     ptx, _ = cuda.compile_ptx(src, mma_backward.kernel_signature("dkdv", True, bool(splits)), cc=(9, 0, "a"))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)

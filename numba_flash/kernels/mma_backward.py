@@ -1564,9 +1564,10 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
             raise ValueError(f"dkdv_wgmma: the wgmma dkdv takes ({wgmma_backward.BLOCK_N}, "
                              f"{wgmma_backward.BLOCK_M}) tiles (dkdv_atomic), got ({bn}, {bm}) fa2={fa2}")
         args = (*words, l2, dd, _words(dk), _words(dv), dq_acc)
+        defer = bool(config.get("dkdv_wgmma_defer_dq", False))
         launch_dq_in_dkdv(lambda splits: wgmma_backward.make_kernel(head_dim, bool(causal), dtype, bool(partial),
-                                                                    splits),
-                          B * Hkv, wgmma_backward.THREADS, wgmma_backward.smem_bytes(head_dim), stream, args,
+                                                                    splits, defer),
+                          B * Hkv, wgmma_backward.THREADS, wgmma_backward.smem_bytes(head_dim, defer), stream, args,
                           scalars, n_kb, dq_splits, B * H)
     elif "dkdv" in kernels:
         # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key

@@ -51,10 +51,10 @@ def atom_offset(row, chunk, rows):
     return (chunk >> 3) * rows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3)
 
 
-def smem_bytes(head_dim: int) -> int:
-    """K and V, two stages of [Q | dO | L2 | D] (each rounded up to 1024 B), the dSᵀ tile."""
+def smem_bytes(head_dim: int, defer_dq: bool = False) -> int:
+    """K and V, two stages of [Q | dO | L2 | D] (each rounded up to 1024 B), the dSᵀ tile (two with defer_dq)."""
     stage = -(-(2 * BLOCK_M * head_dim + 4 * BLOCK_M) // 512) * 512
-    return 2 * (2 * BLOCK_N * head_dim + 2 * stage + BLOCK_N * BLOCK_M)
+    return 2 * (2 * BLOCK_N * head_dim + 2 * stage + (2 if defer_dq else 1) * BLOCK_N * BLOCK_M)
 
 
 def problems(head_dim: int, dtype: str) -> list[str]:
@@ -67,10 +67,15 @@ def problems(head_dim: int, dtype: str) -> list[str]:
     return out
 
 
-def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0):
+def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=False):
     """The kernel (before cuda.jit) of mma_backward.kernel_signature("dkdv", atomic_dq=True,
     dq_splits=bool(DQ_SPLITS)). DQ_SPLITS as dkdv_source's: 0 one plane of adds (deterministic=False),
-    1 the splits' adding launches, 2 the first launch's (stores)."""
+    1 the splits' adding launches, 2 the first launch's (stores).
+
+    DEFER_DQ: step i's dQ product is left in flight through the next step's barrier and prefetch, and added
+    before that step issues Sᵀ and dPᵀ (reading its accumulators inside their wgmma stage instead made ptxas
+    serialize every wgmma); dSᵀ is double-buffered by step parity, since a warpgroup may still read step i's
+    while the other writes step i + 1's."""
     from .mma_backward import _dkdv_common  # the shared plan, copies, schedule and epilogue
 
     bad = problems(HEAD_DIM, DTYPE)
@@ -90,14 +95,15 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0):
     mma_o = ptx.wgmma(HEAD_DIM, DTYPE, trans_b=True, a_regs=True)
     mma_q = ptx.wgmma(DQ_N, DTYPE, trans_a=True, trans_b=True)
     hold_s, hold_o, hold_q = ptx.wgmma_hold(BLOCK_M), ptx.wgmma_hold(HEAD_DIM), ptx.wgmma_hold(DQ_N)
-    wait0, wait1 = ptx.wgmma_wait(0), ptx.wgmma_wait(1)
+    wait0, wait1, wait2 = ptx.wgmma_wait(0), ptx.wgmma_wait(1), ptx.wgmma_wait(2)
+    DS_TILE = BLOCK_N * BLOCK_M  # words of one dSᵀ buffer
     fence, commit, fence_async = ptx.wgmma_fence, ptx.wgmma_commit, ptx.fence_proxy_async
     # descriptor bits: K-major operands ignore LBO; MN-major B steps LBO from one atom (64 columns) to the next
     K_MAJOR = ptx.wgmma_desc_bits(16)
     QO_MN = ptx.wgmma_desc_bits(BLOCK_M * 128)
     K_MN = ptx.wgmma_desc_bits(BLOCK_N * 128)
     # 16-byte units (a descriptor's address field) of the fixed offsets
-    K16, V16, DS16 = 2 * SK >> 4, 2 * SV >> 4, 2 * SDS >> 4
+    K16, V16 = 2 * SK >> 4, 2 * SV >> 4
     KV_ATOM16 = BLOCK_N * 128 >> 4  # one column atom of K / V
     QO_ATOM16 = BLOCK_M * 128 >> 4  # ... of Q / dO
     ROWS16_16 = 16 * 128 >> 4  # 16 rows of an atom (a k16 slice of an MN-major operand)
@@ -129,11 +135,12 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0):
         commit()
 
     @inline_device
-    def dq_phase(smem, acc_q, base16, wg):
-        """acc_q = dS_i K_j[:, DQ_N wg ..] from the stored dSᵀ; committed, not waited for."""
+    def dq_phase(smem, acc_q, base16, wg, ds16):
+        """acc_q = dS_i K_j[:, DQ_N wg ..] from the stored dSᵀ (at ds16, 16-byte units); committed, not
+        waited for."""
         fence()
         for kk in range(N_STEPS):
-            a = QO_MN + base16 + DS16 + kk * ROWS16_16
+            a = QO_MN + base16 + ds16 + kk * ROWS16_16
             b = K_MN + base16 + K16 + wg * DQ_COL16 + kk * ROWS16_16
             mma_q(smem, acc_q, a, b, 1 if kk > 0 else 0)
         commit()
@@ -184,16 +191,22 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0):
                 acc_k[dt, r] = ZERO
                 acc_v[dt, r] = ZERO
 
+        row_prev = 0  # DEFER_DQ: the dQ rows of the product in flight
         for step in range(steps):
             cp_wait(0)  # this step's tiles (the only group in flight) ...
             fence_async()  # ... visible to wgmma's reads ...
-            cuda.syncthreads()  # ... for every thread; and every warp has retired the previous step's wgmma
+            cuda.syncthreads()  # ... for every thread; and every warp has retired the previous step's dV, dK
             prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, plan, b, h_kv, group, n_q, nq_pad)
             cp_commit()
             hh, i0 = step_tile(step, qt0, per_head, group)
             st = STAGE0 + (step & 1) * STAGE
             st16 = base16 + (st >> 3)
+            sds = SDS + (step & 1) * DS_TILE if DEFER_DQ else SDS
 
+            if DEFER_DQ and step > 0:  # the previous step's dQ, computed during the barrier and the prefetch
+                wait0()
+                hold_q(acc_q)
+                add_dq(dq_acc, acc_q, row_prev, wg * DQ_N, t, first)
             products_s(smem, s, dp, kv16, st16)
             wait1()
             hold_s(s)
@@ -231,20 +244,28 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0):
                 mma_o(smem, acc_v, p0, p1, p2, p3, QO_MN + st16 + (SDO >> 3) + kk * ROWS16_16, 1)
                 mma_o(smem, acc_k, d0, d1, d2, d3, QO_MN + st16 + (SQ >> 3) + kk * ROWS16_16, 1)
                 # dSᵀ rows key_row (+ 8), queries 16 kk + 2t (+ 8): the same packed pairs
-                st_b32(smem, SDS + atom_offset(key_row, nt, BLOCK_N) + 2 * t, d0)
-                st_b32(smem, SDS + atom_offset(key_row + 8, nt, BLOCK_N) + 2 * t, d1)
-                st_b32(smem, SDS + atom_offset(key_row, nt + 1, BLOCK_N) + 2 * t, d2)
-                st_b32(smem, SDS + atom_offset(key_row + 8, nt + 1, BLOCK_N) + 2 * t, d3)
+                st_b32(smem, sds + atom_offset(key_row, nt, BLOCK_N) + 2 * t, d0)
+                st_b32(smem, sds + atom_offset(key_row + 8, nt, BLOCK_N) + 2 * t, d1)
+                st_b32(smem, sds + atom_offset(key_row, nt + 1, BLOCK_N) + 2 * t, d2)
+                st_b32(smem, sds + atom_offset(key_row + 8, nt + 1, BLOCK_N) + 2 * t, d3)
             commit()
             fence_async()  # the dSᵀ stores, for wgmma
             cuda.syncthreads()  # every warp's dSᵀ is in shared memory
 
-            dq_phase(smem, acc_q, base16, wg)
-            wait0()  # dQ, and this step's dV and dK: the stage and dSᵀ may be overwritten after the next barrier
-            hold_q(acc_q)
+            dq_phase(smem, acc_q, base16, wg, sds >> 3)
             row0 = ((dq_h0 + hh) * dq_acc.shape[1] + i0 + 16 * (warp & 3) + g) * HEAD_DIM
-            add_dq(dq_acc, acc_q, row0, wg * DQ_N, t, first)
+            if DEFER_DQ:
+                wait1()  # this step's dV and dK: the stage may be refilled after the next barrier
+                row_prev = row0
+            else:
+                wait0()  # dQ, dV and dK: the stage and dSᵀ may be overwritten after the next barrier
+                hold_q(acc_q)
+                add_dq(dq_acc, acc_q, row0, wg * DQ_N, t, first)
 
+        if DEFER_DQ and steps > 0:  # the last step's dQ
+            wait0()
+            hold_q(acc_q)
+            add_dq(dq_acc, acc_q, row_prev, wg * DQ_N, t, first)
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
         hold_o(acc_k)
         hold_o(acc_v)
@@ -266,11 +287,12 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0):
 
 
 @lru_cache(maxsize=None)
-def make_kernel(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, dq_splits: int = 0):
+def make_kernel(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, dq_splits: int = 0,
+                defer_dq: bool = False):
     """The compiled wgmma dkdv of one specialisation (sm_90 only: wgmma is an sm_90a instruction)."""
     from .mma_backward import kernel_signature
 
     if dq_splits not in (0, 1, 2):
         raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores)")
-    source = dkdv_source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits))
+    source = dkdv_source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq))
     return cuda.jit(kernel_signature("dkdv", True, bool(dq_splits)))(source)
