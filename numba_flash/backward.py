@@ -93,7 +93,8 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             with_dq = (f"dkdv with dQ: warpgroup MMA (wgmma.mma_async, sm_90), {an}-key tiles x {am}-query tiles, "
                        f"{wgmma_backward.THREADS} threads, "
                        f"{wgmma_backward.smem_bytes(head_dim, bool(cfg.get('dkdv_wgmma_defer_dq')))} B shared memory"
-                       + (", each step's dQ added during the next" if cfg.get("dkdv_wgmma_defer_dq") else ""))
+                       + (f"; each step's dQ added during the next with {' and '.join(cfg['dkdv_wgmma_defer_dq'])}"
+                          " dQ" if cfg.get("dkdv_wgmma_defer_dq") else ""))
         else:
             with_dq = (f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_backward.threads_per_block('dkdv', an)} "
                        f"threads, {mma_backward.smem_bytes('dkdv', an, am, head_dim, True)} B shared memory")
@@ -184,7 +185,7 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     if family == "tf32x3":
         smem = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], atomic_dq=True)
         threads = tf32_backward.threads_per_block(bn)
-    elif cfg.get("dkdv_wgmma"):
+    elif cfg.get("dkdv_wgmma"):  # the larger build (a second dSᵀ tile where dQ is deferred in either scheme)
         smem = wgmma_backward.smem_bytes(cfg["head_dim"], bool(cfg.get("dkdv_wgmma_defer_dq")))
         threads = wgmma_backward.THREADS
     else:

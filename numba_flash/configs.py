@@ -262,9 +262,16 @@ MMA_BWD_TABLE = {
 # d = 64 too. Fifteenth session, A/B against the mma.sync kernels in one run (B4 H16 N4096 fp16, direct calls,
 # deterministic / deterministic=False, ms): d128 5.78 / 5.55 -> 4.63 / 3.79, causal 3.40 / 3.28 -> 2.74 / 2.35,
 # d64 3.32 / 3.16 -> 2.57 / 2.46, causal 1.91 / 1.99 -> 1.61 / 1.56 (results/ab-backward-2026-12-02-fifteenth.txt).
+# dkdv_wgmma_defer_dq: the dQ schemes ("atomic": deterministic=False's grid, "splits") whose builds leave each
+# step's dQ product in flight through the next step's barrier (wgmma_backward's DEFER_DQ). A/B against the
+# builds without it (results/ab-backward-2026-12-02-fifteenth-defer.txt, ms): atomic d128 3.96 -> 3.72, causal
+# 2.36 -> 2.21, d64 2.41 -> 2.28; splits d128 4.75 -> 4.84 (slower: off there), causal 2.74 -> 2.77, d64
+# 2.51 -> 2.46.
 MMA_BWD_WGMMA = {
-    64: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits", "dkdv_wgmma_defer_dq": True},
-    128: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits", "dkdv_wgmma_defer_dq": True},
+    64: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits",
+         "dkdv_wgmma_defer_dq": ("atomic", "splits")},
+    128: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits",
+          "dkdv_wgmma_defer_dq": ("atomic",)},
 }
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
 # shipped config the sweep measured fastest anyway; the build test allows exactly these. Tenth session:

@@ -137,7 +137,7 @@ def test_wgmma_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, splits, defer):
     the flash-attention error rule; NaN-filled outputs show anything left unwritten."""
     from test_mma_backward import check_error_rule, problem, run_backward
 
-    config = wgmma_config(64 if d <= 64 else 128, dkdv_wgmma_defer_dq=defer)
+    config = wgmma_config(64 if d <= 64 else 128, dkdv_wgmma_defer_dq=("atomic", "splits") if defer else ())
     vals, stored = problem(3 + n_q + n_k, B, H, Hkv, n_q, n_k, d, causal, dtype)
     grads = run_backward(stored, d, causal, dtype, config, atomic=splits is None, splits=splits,
                          pad_to=-(-d // 8) * 8 + 8 if d % 8 else None)
@@ -179,3 +179,30 @@ def test_wgmma_dkdv_builds_for_sm90a(tmp_path):
         assert r["registers"] <= 255, (key, r)
         assert not r["serialized"], (key, r["log"])
         assert r["mma"] == (32 if key.startswith("128") else 24), (key, r["mma"])
+
+
+@in_simulator
+@pytest.mark.parametrize("head_dim,splits,want_defer", [(128, None, True), (128, 2, False), (64, None, True),
+                                                         (64, 2, True)])
+def test_shipped_defer_dq_per_scheme(monkeypatch, head_dim, splits, want_defer):
+    """mma_backward.launch builds the wgmma dkdv with DEFER_DQ for the schemes MMA_BWD_WGMMA lists (timed
+    faster there) and without it for the others (d128's splits), with the matching shared memory."""
+    from numba_flash.kernels import mma_backward, wgmma_backward
+
+    from test_mma_backward import problem
+
+    built, launched = [], []
+    monkeypatch.setattr(wgmma_backward, "make_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(mma_backward, "launch_kernel", lambda kernel, grid, threads, stream, smem, *args:
+                        launched.append((kernel, smem)))
+    _, stored = problem(1, 1, 1, 1, 70, 300, head_dim, False, "float16")
+    q, k, v, o, lse, do = (cuda.to_device(x) for x in stored)
+    rows = (1, mma_backward.padded_rows(70))
+    l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
+    dq_acc = cuda.device_array(((splits or 1) * rows[0], rows[1], head_dim), np.float32)
+    grads = [cuda.device_array_like(x) for x in (q, k, v)]
+    mma_backward.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=False, softmax_scale=0.1, dtype="float16",
+                        d=head_dim, config=wgmma_config(head_dim), kernels=("dkdv",), dq_acc=dq_acc,
+                        dq_splits=splits)
+    assert built and all(a[-1] is want_defer for a in built), built
+    assert {s for kern, s in launched if kern == "kernel"} == {wgmma_backward.smem_bytes(head_dim, want_defer)}

@@ -1564,7 +1564,7 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
             raise ValueError(f"dkdv_wgmma: the wgmma dkdv takes ({wgmma_backward.BLOCK_N}, "
                              f"{wgmma_backward.BLOCK_M}) tiles (dkdv_atomic), got ({bn}, {bm}) fa2={fa2}")
         args = (*words, l2, dd, _words(dk), _words(dv), dq_acc)
-        defer = bool(config.get("dkdv_wgmma_defer_dq", False))
+        defer = ("atomic" if dq_splits is None else "splits") in config.get("dkdv_wgmma_defer_dq", ())
         launch_dq_in_dkdv(lambda splits: wgmma_backward.make_kernel(head_dim, bool(causal), dtype, bool(partial),
                                                                     splits, defer),
                           B * Hkv, wgmma_backward.THREADS, wgmma_backward.smem_bytes(head_dim, defer), stream, args,
