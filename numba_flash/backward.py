@@ -321,8 +321,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
         deterministic: True (default): the same inputs (in the same memory layout: the D pass
             reads 16 bytes at a time only from aligned rows, and adds in another order otherwise)
             give the same bits every run on the same GPU. The tensor-core paths then take, where
-            configs.MMA_BWD_TABLE says so (fp16/bf16 d > 64; configs.TF32_BWD_TABLE: every fp32
-            head dim), the GPU has the shared memory, the planes fit
+            the config says so (fp16/bf16: every head dim on sm_90, configs.MMA_BWD_WGMMA, else d > 64,
+            configs.MMA_BWD_TABLE; configs.TF32_BWD_TABLE: every fp32 head dim), the GPU has the
+            shared memory, the planes fit
             1 GiB and enough blocks fill the GPU, FA2's deterministic scheme: the dK/dV kernel also forms dQ
             = dS·K (5 tile products instead of 7) and adds it into S fp32 planes of dQ, block x of
             each of ceil(key blocks / S) launches owning plane x, so every element's adds come
@@ -331,7 +332,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             Otherwise a separate dQ kernel recomputes S and dP over Q tiles (no atomics).
             False: FA2's atomic scheme on the tensor-core paths: every dK/dV block adds dQ into one
             fp32 buffer with atomic adds (summation order, hence the last bits of dq, vary run to
-            run); fp16 B4 H16 N4096 d128 on an H200: 236 vs 230 TFLOP/s through autograd
+            run); fp16 B4 H16 N4096 d128 on an H200: 329 vs 273 TFLOP/s through autograd
             (benchmarks/NOTES.md). Where the device lacks the shared memory, both take the dQ
             kernel. The SIMT path is deterministic either way.
 
@@ -345,9 +346,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     registers while recomputing P = exp(S·scale - L) and dS = P ∘ (dO Vᵀ - D) over the Q tiles,
     and either forms dQ = scale·dS K there too (into fp32 planes, see ``deterministic``) or
     leaves it to a second kernel over Q tiles that recomputes P and dS. Accumulation is fp32.
-    float16 / bfloat16 run on tensor cores (mma.sync, P and dS rounded to the input
-    dtype for their products, as in FA2), float32 on tensor cores as 3xTF32 (or on the SIMT
-    cores). Head dims are zero-padded to the next compiled size as in forward.
+    float16 / bfloat16 run on tensor cores (mma.sync, and on sm_90 wgmma for the dK/dV kernel
+    that forms dQ; P and dS rounded to the input dtype for their products, as in FA2), float32
+    on tensor cores as 3xTF32 (or on the SIMT cores). Head dims are zero-padded to the next compiled size as in forward.
 
     Stream: as ``forward`` (the inputs' framework stream; device inputs return without
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row

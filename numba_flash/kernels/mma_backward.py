@@ -63,6 +63,9 @@ predicate, or by its src-size operand when d % 8 != 0 (PARTIAL_CHUNK: a chunk of
 Causal (bottom-right, query i sees key j iff j <= i + Nk − Nq): ``dkdv`` starts at the first Q
 tile that sees its keys, ``dq`` stops after the last K/V tile its rows see; only tiles that cross
 the diagonal (or, in ``dq``, the end of the keys) pay for the mask.
+
+On sm_90 the dkdv kernel that forms dQ is wgmma_backward's (the same steps on warpgroup MMA; config key
+``dkdv_wgmma``, configs.MMA_BWD_WGMMA): ``launch`` runs it in place of ``dkdv_source``'s ATOMIC_DQ builds.
 """
 from __future__ import annotations
 
