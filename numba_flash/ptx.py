@@ -119,6 +119,7 @@ class _WarpRendezvous:
         self.arrived = 0
         self.generation = 0
         self.result = None
+        self.error = None
         self.op = None
 
     def exchange(self, lane, value, combine, op):
@@ -132,7 +133,11 @@ class _WarpRendezvous:
             self.arrived += 1
             if self.arrived == self.lanes:
                 try:
+                    self.result, self.error = None, None
                     self.result = combine(self.values)
+                except Exception as e:  # every lane fails with it, not with a missing result
+                    self.error = e
+                    raise
                 finally:
                     self.values, self.arrived, self.op = [None] * self.lanes, 0, None
                     self.generation += 1
@@ -142,6 +147,8 @@ class _WarpRendezvous:
                 self.cond.wait(timeout=0.05)
                 if getattr(thread, "abort", False):
                     raise RuntimeError(f"lane {lane}: block aborted while waiting in {op}")
+            if self.result is None and self.error is not None:
+                raise RuntimeError(f"lane {lane}: {op} failed in another lane: {self.error}")
             return self.result[lane]
 
 
@@ -1057,8 +1064,9 @@ def _syncwarp_twin(mask=FULL_MASK):
 # registers) that the intrinsics read and write in place. wgmma is asynchronous: between an mma and
 # the wgmma_wait that retires it nothing may read its accumulators; wgmma_hold(acc) after the wait
 # re-defines them through an empty volatile asm, so no use can be scheduled above the wait (CUTLASS's
-# warpgroup_fence_operand). The twins compute at once, reading shared memory through the descriptors
-# by the rules above; fence, commit and wait are no-ops there.
+# warpgroup_fence_operand). The twins keep a queue per thread: a product runs when a wait retires its group,
+# reading shared memory through the descriptors by the rules above, and its accumulators read NaN until
+# then; fence and hold are no-ops there.
 # --------------------------------------------------------------------------------------------
 WGMMA_SWIZZLE_128B = 1 << 62
 WGMMA_SBO = 1024  # 8 rows of 128 B: the stride between 8-row groups of a column atom
@@ -1177,6 +1185,9 @@ def _wgmma_operand(sbytes, desc, rows, cols, k_major):
     start, lbo, sbo = (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
     if desc >> 62 != 1:
         raise ValueError(f"wgmma twin: descriptor {desc:#x} is not a 128-byte swizzle (bits 62-63 = {desc >> 62})")
+    if (start >> 7) & 7 or (desc >> 49) & 7:  # the hardware would then need (and read) the base-offset field
+        raise ValueError(f"wgmma twin: descriptor {desc:#x} starts at byte {start}, not at a whole 8-row group of "
+                         "a 1024-aligned atom (plus chunk offsets), or sets the base-offset bits 49-51")
     out = np.empty((rows, cols), np.int64)
     for r in range(rows):
         for c in range(0, cols, 8):  # 16-byte chunks of 8 elements along the contiguous index
@@ -1192,51 +1203,125 @@ def _wgmma_operand(sbytes, desc, rows, cols, k_major):
     return out
 
 
+class _WgmmaQueue:
+    """One simulated thread's wgmma state, as the hardware keeps it: products issued but not committed
+    (``open``), committed groups not yet retired, and for each accumulator array with a product in flight its
+    running value (the array itself holds NaN meanwhile, so a read before the wait shows)."""
+
+    def __init__(self):
+        self.open, self.committed, self.running = [], [], {}
+
+
+def _wgmma_queue():
+    thread = threading.current_thread()
+    queue = getattr(thread, "_ptx_wgmma", None)
+    if queue is None:
+        queue = thread._ptx_wgmma = _WgmmaQueue()
+    return queue
+
+
 def _make_wgmma_twin(n, value_of, trans_a, trans_b, a_regs):
+    """Issue: the product is queued (operands by value where they are registers, by descriptor where they are
+    shared memory) and its accumulators turn NaN. It runs when a wgmma_wait retires its group, reading shared
+    memory then, as the hardware may: a kernel that overwrites an operand tile, or reads the accumulators,
+    before the wait that retires the product fails in the simulator too."""
+    regs = n // 2
+
+    def wgmma(smem, acc, *rest):
+        arr = _numpy_of(acc)
+        flat = arr.reshape(-1)
+        if flat.size < regs:
+            raise ValueError(f"wgmma m64n{n}: the accumulator array has {flat.size} elements, needs {regs}")
+        queue = _wgmma_queue()
+        if id(arr) not in queue.running:
+            queue.running[id(arr)] = [arr, flat[:regs].astype(np.float32), 0]
+            flat[:regs] = np.nan
+        queue.running[id(arr)][2] += 1  # products in flight on it
+        a = tuple(int(x) for x in rest[:4]) if a_regs else int(rest[0])
+        run, operands = _wgmma_product(n, value_of, trans_a, trans_b, a_regs)
+        # lane 0 of the warpgroup keeps the shared operands' bits as they were at the issue
+        snap = operands(smem, a, int(rest[-2])) if threading.current_thread().thread_id % 128 == 0 else None
+        queue.open.append((run, id(arr), a, int(rest[-2]), bool(rest[-1]), smem, snap))
+
+    return wgmma
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_product(n, value_of, trans_a, trans_b, a_regs):
+    """(run, operands): run(running, a, desc_b, scale_d, smem, snap) -> the new running value of this lane,
+    computed for the warpgroup at once (a rendezvous of its 128 lanes) from shared memory as it is now;
+    operands(smem, a, desc_b): the bits of the shared operands (snap: lane 0's at the issue; a difference at
+    the retirement means the kernel wrote an operand tile while the product was in flight)."""
     regs = n // 2
     vec = np.vectorize(value_of, otypes=[np.float64])
 
-    def wgmma(smem, acc, *rest):
-        flat = _numpy_of(acc).reshape(-1)
-        if flat.size < regs:
-            raise ValueError(f"wgmma m64n{n}: the accumulator array has {flat.size} elements, needs {regs}")
-        a = tuple(int(x) for x in rest[:4]) if a_regs else int(rest[0])
-        lane_value = (a, int(rest[-2]), bool(rest[-1]), flat[:regs].copy(), smem)
+    def operands(smem, a, desc_b):
+        sbytes = _numpy_of(smem).reshape(-1).view(np.uint8)
+        b = _wgmma_operand(sbytes, desc_b, 16, n, False) if trans_b else _wgmma_operand(sbytes, desc_b, n, 16, True)
+        if a_regs:
+            return None, b
+        return (_wgmma_operand(sbytes, a, 16, 64, False) if trans_a else _wgmma_operand(sbytes, a, 64, 16, True)), b
 
-        def combine(lanes):
-            if len({(None if a_regs else v[0], v[1], v[2]) for v in lanes}) != 1:
-                raise ValueError(f"wgmma m64n{n} twin: the lanes of a warpgroup passed different descriptors "
-                                 "or scale_d")
-            sbytes = _numpy_of(lanes[0][4]).reshape(-1).view(np.uint8)
-            if a_regs:
-                A = np.zeros((64, 16))
-                for lane, value in enumerate(lanes):
-                    w, l32 = divmod(lane, 32)
-                    bits = [h for word in value[0] for h in halves(word)]
-                    for (r, k), b in zip(a_fragment_coords(l32), bits):
-                        A[16 * w + r, k] = value_of(b)
-            elif trans_a:
-                A = vec(_wgmma_operand(sbytes, lanes[0][0], 16, 64, False)).T
-            else:
-                A = vec(_wgmma_operand(sbytes, lanes[0][0], 64, 16, True))
-            desc_b = lanes[0][1]
-            B = vec(_wgmma_operand(sbytes, desc_b, 16, n, False)) if trans_b else \
-                vec(_wgmma_operand(sbytes, desc_b, n, 16, True)).T
-            D = A @ B  # products of 16-bit floats are exact; one rounding to fp32 below
-            out = []
+    def combine(lanes):
+        if len({(None if a_regs else v[1], v[2], v[3]) for v in lanes}) != 1:
+            raise ValueError(f"wgmma m64n{n} twin: the lanes of a warpgroup passed different descriptors or scale_d")
+        sbytes = _numpy_of(lanes[0][4]).reshape(-1).view(np.uint8)
+        now = operands(lanes[0][4], lanes[0][1], lanes[0][2])
+        snap = lanes[0][5]
+        if any(x is not None and not np.array_equal(x, y) for x, y in zip(now, snap)):
+            raise RuntimeError(f"wgmma m64n{n} twin: shared memory under an operand changed between the product's "
+                               "issue and the wait that retired it (a race on the GPU)")
+        if a_regs:
+            A = np.zeros((64, 16))
             for lane, value in enumerate(lanes):
                 w, l32 = divmod(lane, 32)
-                g, t = l32 >> 2, l32 & 3
-                i = np.arange(regs)
-                r = 16 * w + g + 8 * ((i % 4) >= 2)
-                c = 8 * (i // 4) + 2 * t + (i % 2)
-                old = value[3].astype(np.float64) if value[2] else 0.0
-                out.append((D[r, c] + old).astype(np.float32))
-            return out
+                bits = [h for word in value[1] for h in halves(word)]
+                for (r, k), b in zip(a_fragment_coords(l32), bits):
+                    A[16 * w + r, k] = value_of(b)
+        elif trans_a:
+            A = vec(_wgmma_operand(sbytes, lanes[0][1], 16, 64, False)).T
+        else:
+            A = vec(_wgmma_operand(sbytes, lanes[0][1], 64, 16, True))
+        desc_b = lanes[0][2]
+        B = vec(_wgmma_operand(sbytes, desc_b, 16, n, False)) if trans_b else \
+            vec(_wgmma_operand(sbytes, desc_b, n, 16, True)).T
+        D = A @ B  # products of 16-bit floats are exact; one rounding to fp32 below
+        out = []
+        for lane, value in enumerate(lanes):
+            w, l32 = divmod(lane, 32)
+            g, t = l32 >> 2, l32 & 3
+            i = np.arange(regs)
+            r = 16 * w + g + 8 * ((i % 4) >= 2)
+            c = 8 * (i // 4) + 2 * t + (i % 2)
+            old = value[0].astype(np.float64) if value[3] else 0.0
+            out.append((D[r, c] + old).astype(np.float32))
+        return out
 
-        flat[:regs] = warp_exchange(lane_value, combine, f"wgmma.m64n{n}", lanes=128)
+    def run(running, a, desc_b, scale_d, smem, snap):
+        return warp_exchange((running, a, desc_b, scale_d, smem, snap), combine, f"wgmma.m64n{n}", lanes=128)
 
-    return wgmma
+    return run, operands
+
+
+def _wgmma_commit_twin():
+    queue = _wgmma_queue()
+    queue.committed.append(queue.open)
+    queue.open = []
+
+
+def _make_wgmma_wait_twin(pending):
+    def wait():
+        queue = _wgmma_queue()
+        while len(queue.committed) > pending:  # groups retire in order
+            for run, key, a, desc_b, scale_d, smem, snap in queue.committed.pop(0):
+                state = queue.running[key]
+                state[1] = run(state[1], a, desc_b, scale_d, smem, snap)
+                state[2] -= 1
+                if state[2] == 0:  # its last product in flight: the accumulators hold the value again
+                    state[0].reshape(-1)[: state[1].size] = state[1]
+                    del queue.running[key]
+
+    return wait
 
 
 def _make_wgmma_hold_twin(n):
@@ -1381,11 +1466,14 @@ def wgmma_hold(n: int):
 @functools.lru_cache(maxsize=None)
 def wgmma_wait(pending: int):
     """wgmma.wait_group.sync.aligned pending: until at most ``pending`` committed groups are in flight."""
-    return _noop_twin if SIMULATOR else _make_plain_asm_intrinsic(f"wgmma.wait_group.sync.aligned {int(pending)};")
+    if SIMULATOR:
+        return _make_wgmma_wait_twin(int(pending))
+    return _make_plain_asm_intrinsic(f"wgmma.wait_group.sync.aligned {int(pending)};")
 
 
 if SIMULATOR:
-    wgmma_fence = wgmma_commit = fence_proxy_async = _noop_twin
+    wgmma_fence = fence_proxy_async = _noop_twin
+    wgmma_commit = _wgmma_commit_twin
 else:
     wgmma_fence = _make_plain_asm_intrinsic("wgmma.fence.sync.aligned;")  # registers written before it are seen
     wgmma_commit = _make_plain_asm_intrinsic("wgmma.commit_group.sync.aligned;")

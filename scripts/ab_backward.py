@@ -71,15 +71,17 @@ def main(argv=None):
     ap.add_argument("--after-dq", choices=["splits", "kernel"],
                     help="set configs.MMA_BWD_TABLE's deterministic_dq of every head dim in the 'after' package: "
                          "how its deterministic mode forms dQ (deterministic splits, or the dq kernel)")
-    ap.add_argument("--after-wgmma", action="store_true",
-                    help="the 'after' package's fp16/bf16 dQ-in-dkdv kernel is the wgmma one (kernels/wgmma_backward: "
-                         "MMA_BWD_TABLE's dkdv_wgmma with 128 x 64 tiles, deterministic_dq splits at every head dim)")
+    ap.add_argument("--after-mma-sync", action="store_true",
+                    help="the 'after' package runs the mma.sync kernels on sm_90 too (configs.MMA_BWD_WGMMA's "
+                         "overrides emptied; the fifteenth session's first A/B instead had a flag that added them)")
     args = ap.parse_args(argv)
-    if args.after_wgmma:
-        for cfg in numba_flash.configs.MMA_BWD_TABLE.values():
-            cfg.update(dkdv_wgmma=True, dkdv_atomic=(128, 64), deterministic_dq="splits")
-    if args.after_dq:  # the dicts backward reads, mutated in place (fp32: entries with a dQ-in-dkdv tile)
+    if args.after_mma_sync:
+        for cfg in numba_flash.configs.MMA_BWD_WGMMA.values():
+            cfg.clear()
+    if args.after_dq:  # the dicts backward reads, mutated in place (fp32: entries with a dQ-in-dkdv tile; on sm_90
+        # fp16 / bf16 read MMA_BWD_WGMMA's entry over MMA_BWD_TABLE's, so both)
         for cfg in [*numba_flash.configs.MMA_BWD_TABLE.values(),
+                    *(c for c in numba_flash.configs.MMA_BWD_WGMMA.values() if c),
                     *(c for c in numba_flash.configs.TF32_BWD_TABLE.values() if "dkdv_atomic" in c)]:
             cfg["deterministic_dq"] = args.after_dq
     old = load_old(args.old)

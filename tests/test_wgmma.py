@@ -127,8 +127,9 @@ def wgmma_config(head_dim, **change):
     [
         (1, 2, 1, 70, 150, 64, True, "float16", None, True),   # GQA 2, 2 key blocks (the second partial), Nq < Nk
         (1, 1, 1, 80, 40, 128, True, "bfloat16", None, True),  # Nq > Nk: rows that see no key; 2 Q tiles
-        (1, 1, 1, 66, 130, 100, False, "float16", 2, True),    # the deterministic splits; d 100 (part-data chunk,
-                                                                # NaN row padding) padded to 128
+        (1, 1, 1, 66, 300, 100, False, "float16", 2, True),    # the deterministic splits (3 key blocks: a storing
+                                                                # launch, then an adding one); d 100 (part-data
+                                                                # chunk, NaN row padding) padded to 128
         (1, 2, 1, 70, 150, 128, True, "float16", 2, False),    # dQ added in its own step (DEFER_DQ off)
     ],
 )
@@ -149,10 +150,12 @@ def test_wgmma_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, splits, defer):
 WGMMA_COMPILE = NO_GPU_PATCH + """
 import json, re, subprocess, sys, tempfile
 from numba import cuda
+from numba_flash.configs import MMA_BWD_WGMMA
 from numba_flash.kernels import mma_backward, wgmma_backward
 out = {}
-for hd, causal, splits in [(128, False, 0), (128, True, 2), (64, True, 1)]:
-    src = wgmma_backward.dkdv_source(hd, causal, "float16", False, splits, DEFER_DQ=True)
+for hd, causal, splits in [(128, False, 0), (128, True, 2), (128, False, 1), (64, True, 1)]:
+    defer = ("splits" if splits else "atomic") in MMA_BWD_WGMMA[hd]["dkdv_wgmma_defer_dq"]  # as launch() builds
+    src = wgmma_backward.dkdv_source(hd, causal, "float16", False, splits, DEFER_DQ=defer)
     ptx, _ = cuda.compile_ptx(src, mma_backward.kernel_signature("dkdv", True, bool(splits)), cc=(9, 0, "a"))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -163,21 +166,24 @@ for hd, causal, splits in [(128, False, 0), (128, True, 2), (64, True, 1)]:
                                           spills=int(m.group(2)) + int(m.group(3)) if m else -1,
                                           registers=int(re.search(r"Used (\\d+) registers", rep).group(1)) if m else -1,
                                           mma=len(re.findall(r"wgmma.mma_async", ptx)),
-                                          serialized="serialized" in rep, log=rep[-600:])
+                                          serialized="serialized" in rep, arrive_injected="C7519" in rep,
+                                          log=rep[-600:])
 print(json.dumps(out))
 """
 
 
 def test_wgmma_dkdv_builds_for_sm90a(tmp_path):
     """ptxas -arch=sm_90a takes the shipped builds (the atomic grid's d128, the splits' first launch causal
-    d128, an adding split causal d64) without spills or a stack, within 255 registers, with every wgmma in the
-    PTX (d128: 16 Sᵀ/dPᵀ + 8 dV/dK + 8 dQ per step; d64: 8 + 8 + 8) and none of them serialized by ptxas."""
+    d128 and an adding one, an adding split causal d64; DEFER_DQ as MMA_BWD_WGMMA says for each) without
+    spills or a stack, within 255 registers, with every wgmma in the PTX (d128: 16 Sᵀ/dPᵀ + 8 dV/dK + 8 dQ
+    per step; d64: 8 + 8 + 8) and none of them serialized by ptxas, nor a wgmma.fence injected by it
+    (C7519: a register the products read written after the fence)."""
     got = run_compile_child(WGMMA_COMPILE, [], tmp_path)
     for key, r in got.items():
         assert r["rc"] == 0, (key, r["log"])
         assert (r["stack"], r["spills"]) == (0, 0), (key, r)
         assert r["registers"] <= 255, (key, r)
-        assert not r["serialized"], (key, r["log"])
+        assert not r["serialized"] and not r["arrive_injected"], (key, r["log"])
         assert r["mma"] == (32 if key.startswith("128") else 24), (key, r["mma"])
 
 
@@ -206,3 +212,44 @@ def test_shipped_defer_dq_per_scheme(monkeypatch, head_dim, splits, want_defer):
                         dq_splits=splits)
     assert built and all(a[-1] is want_defer for a in built), built
     assert {s for kern, s in launched if kern == "kernel"} == {wgmma_backward.smem_bytes(head_dim, want_defer)}
+
+
+def _twin_probe(overwrite):
+    """One m64n64k16 product of the K-like and Q-like tiles; reads its accumulator before and after the
+    wait; with ``overwrite`` a thread rewrites part of the B tile while the product is in flight."""
+    mma = ptx.wgmma(64, "float16")
+    wait0 = ptx.wgmma_wait(0)
+    k_major = ptx.wgmma_desc_bits(16)
+
+    @cuda.jit
+    def kernel(early, late):
+        smem = cuda.shared.array(SMEM_WORDS, uint16, alignment=WGMMA_ALIGN)
+        tid = cuda.threadIdx.x
+        for i in range(tid, SMEM_WORDS, 128):
+            smem[i] = 0x3C00  # 1.0
+        cuda.syncthreads()
+        base = ptx.shared_base(smem) >> 4
+        s = cuda.local.array(32, float32)
+        ptx.wgmma_fence()
+        mma(smem, s, k_major + base + (2 * SK >> 4), k_major + base + (2 * SQ >> 4), 0)
+        ptx.wgmma_commit()
+        early[tid] = s[0]
+        if overwrite and tid == 0:  # after its own issue (the lane whose view the twin keeps)
+            smem[SQ] = 0x4000  # 2.0, in the B operand's first row
+        wait0()
+        late[tid] = s[0]
+
+    early, late = np.zeros(128, np.float32), np.zeros(128, np.float32)
+    kernel[1, 128](early, late)
+    return early, late
+
+
+@in_simulator
+def test_wgmma_twin_retires_at_the_wait():
+    """The twin's product runs at the wait: its accumulators read NaN before (as a read the hardware leaves
+    undefined), the sum of 16 ones after; rewriting an operand tile in between is refused as a race."""
+    early, late = _twin_probe(False)
+    assert np.all(np.isnan(early))
+    assert np.all(late == 16.0)
+    with pytest.raises(Exception, match="changed between the product's issue and the wait"):
+        _twin_probe(True)

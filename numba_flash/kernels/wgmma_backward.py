@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, uint16
+from numba import cuda, float32, uint16, uint32
 
 from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
@@ -95,7 +95,7 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER
     mma_o = ptx.wgmma(HEAD_DIM, DTYPE, trans_b=True, a_regs=True)
     mma_q = ptx.wgmma(DQ_N, DTYPE, trans_a=True, trans_b=True)
     hold_s, hold_o, hold_q = ptx.wgmma_hold(BLOCK_M), ptx.wgmma_hold(HEAD_DIM), ptx.wgmma_hold(DQ_N)
-    wait0, wait1, wait2 = ptx.wgmma_wait(0), ptx.wgmma_wait(1), ptx.wgmma_wait(2)
+    wait0, wait1 = ptx.wgmma_wait(0), ptx.wgmma_wait(1)
     DS_TILE = BLOCK_N * BLOCK_M  # words of one dSᵀ buffer
     fence, commit, fence_async = ptx.wgmma_fence, ptx.wgmma_commit, ptx.fence_proxy_async
     # descriptor bits: K-major operands ignore LBO; MN-major B steps LBO from one atom (64 columns) to the next
@@ -229,25 +229,32 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER
                     col = nt * 8 + 2 * t + (r & 1)
                     dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col])
 
-            # dV_w += Pᵀ dO_i, dK_w += dSᵀ Q_i (A from registers); dSᵀ to shared memory for dQ meanwhile
-            fence()
+            # dV_w += Pᵀ dO_i, dK_w += dSᵀ Q_i (A from registers), and dSᵀ to shared memory for dQ. Every A
+            # word is packed, and dSᵀ stored from the same words, before the fence: the PTX ISA leaves an A
+            # register written after wgmma.fence, or read before the wait that retires its product, undefined.
+            a_p = cuda.local.array((M_STEPS, 4), uint32)
+            a_d = cuda.local.array((M_STEPS, 4), uint32)
             for kk in range(M_STEPS):
                 nt = 2 * kk
-                p0 = pack(s[nt, 0], s[nt, 1])
-                p1 = pack(s[nt, 2], s[nt, 3])
-                p2 = pack(s[nt + 1, 0], s[nt + 1, 1])
-                p3 = pack(s[nt + 1, 2], s[nt + 1, 3])
-                d0 = pack(dp[nt, 0], dp[nt, 1])
-                d1 = pack(dp[nt, 2], dp[nt, 3])
-                d2 = pack(dp[nt + 1, 0], dp[nt + 1, 1])
-                d3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
-                mma_o(smem, acc_v, p0, p1, p2, p3, QO_MN + st16 + (SDO >> 3) + kk * ROWS16_16, 1)
-                mma_o(smem, acc_k, d0, d1, d2, d3, QO_MN + st16 + (SQ >> 3) + kk * ROWS16_16, 1)
-                # dSᵀ rows key_row (+ 8), queries 16 kk + 2t (+ 8): the same packed pairs
-                st_b32(smem, sds + atom_offset(key_row, nt, BLOCK_N) + 2 * t, d0)
-                st_b32(smem, sds + atom_offset(key_row + 8, nt, BLOCK_N) + 2 * t, d1)
-                st_b32(smem, sds + atom_offset(key_row, nt + 1, BLOCK_N) + 2 * t, d2)
-                st_b32(smem, sds + atom_offset(key_row + 8, nt + 1, BLOCK_N) + 2 * t, d3)
+                a_p[kk, 0] = pack(s[nt, 0], s[nt, 1])
+                a_p[kk, 1] = pack(s[nt, 2], s[nt, 3])
+                a_p[kk, 2] = pack(s[nt + 1, 0], s[nt + 1, 1])
+                a_p[kk, 3] = pack(s[nt + 1, 2], s[nt + 1, 3])
+                a_d[kk, 0] = pack(dp[nt, 0], dp[nt, 1])
+                a_d[kk, 1] = pack(dp[nt, 2], dp[nt, 3])
+                a_d[kk, 2] = pack(dp[nt + 1, 0], dp[nt + 1, 1])
+                a_d[kk, 3] = pack(dp[nt + 1, 2], dp[nt + 1, 3])
+                # dSᵀ rows key_row (+ 8), queries 16 kk + 2t (+ 8): the pairs of the A fragment
+                st_b32(smem, sds + atom_offset(key_row, nt, BLOCK_N) + 2 * t, a_d[kk, 0])
+                st_b32(smem, sds + atom_offset(key_row + 8, nt, BLOCK_N) + 2 * t, a_d[kk, 1])
+                st_b32(smem, sds + atom_offset(key_row, nt + 1, BLOCK_N) + 2 * t, a_d[kk, 2])
+                st_b32(smem, sds + atom_offset(key_row + 8, nt + 1, BLOCK_N) + 2 * t, a_d[kk, 3])
+            fence()
+            for kk in range(M_STEPS):
+                mma_o(smem, acc_v, a_p[kk, 0], a_p[kk, 1], a_p[kk, 2], a_p[kk, 3],
+                      QO_MN + st16 + (SDO >> 3) + kk * ROWS16_16, 1)
+                mma_o(smem, acc_k, a_d[kk, 0], a_d[kk, 1], a_d[kk, 2], a_d[kk, 3],
+                      QO_MN + st16 + (SQ >> 3) + kk * ROWS16_16, 1)
             commit()
             fence_async()  # the dSᵀ stores, for wgmma
             cuda.syncthreads()  # every warp's dSᵀ is in shared memory
