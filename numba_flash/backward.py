@@ -99,8 +99,9 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             with_dq = (f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_backward.threads_per_block('dkdv', an)} "
                        f"threads, {mma_backward.smem_bytes('dkdv', an, am, head_dim, True)} B shared memory")
         reasons = [
-            f"mma backward: tensor cores (mma.sync m16n8k16{', and wgmma for the dkdv with dQ' if cfg.get('dkdv_wgmma') else ''}, "
-            f"{p.dtype} in, fp32 accumulate); D and L·log2(e), "
+            f"mma backward: tensor cores (mma.sync m16n8k16"
+            f"{', and wgmma for the dkdv with dQ' if cfg.get('dkdv_wgmma') else ''}, {p.dtype} in, fp32 accumulate); "
+            "D and L·log2(e), "
             "then dK/dV over K/V tiles, and dQ either in the same kernel (dS·K added into fp32 planes) or by a "
             "dq kernel over Q tiles",
             with_dq,
@@ -348,7 +349,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     leaves it to a second kernel over Q tiles that recomputes P and dS. Accumulation is fp32.
     float16 / bfloat16 run on tensor cores (mma.sync, and on sm_90 wgmma for the dK/dV kernel
     that forms dQ; P and dS rounded to the input dtype for their products, as in FA2), float32
-    on tensor cores as 3xTF32 (or on the SIMT cores). Head dims are zero-padded to the next compiled size as in forward.
+    on tensor cores as 3xTF32 (or on the SIMT cores). Head dims are zero-padded to the next
+    compiled size as in forward.
 
     Stream: as ``forward`` (the inputs' framework stream; device inputs return without
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row

@@ -1150,7 +1150,8 @@ def _make_wgmma_intrinsic(n, ab, trans_a, trans_b, a_regs):
 
 
 def _make_wgmma_hold_intrinsic(n):
-    """An empty volatile asm that reads and re-defines the n / 2 accumulators of an m64n{n} product (CUTLASS's warpgroup_fence_operand)."""
+    """An empty volatile asm that reads and re-defines the n / 2 accumulators of an m64n{n} product
+    (CUTLASS's warpgroup_fence_operand)."""
     @intrinsic
     def hold(typingctx, acc):
         if not _is_f32_array(acc):
@@ -1490,7 +1491,8 @@ __all__ = [
     "pack_f16x2", "pack_bf16x2", "ex2_approx", "shfl_xor_sync", "syncwarp", "red_add_f32", "red_add_v2_f32",
     "red_add_v4_f32", "st_global_f32", "st_global_v2_f32",
     "wgmma", "wgmma_hold", "wgmma_wait", "wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc_bits",
-    "WGMMA_SBO", "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "ld_global_nc_v4", "current_sm90", "current_wgmma",
+    "WGMMA_SBO", "inline_device", "st_shared_b32", "ld_shared_v4", "st_global_v4", "ld_global_nc_v4", "current_sm90",
+    "current_wgmma",
     "compute_capability",
     "a_fragment_coords", "b_fragment_coords", "c_fragment_coords", "tf32_a_coords", "tf32_b_coords", "tf32_value",
     "f16_bits", "bf16_bits", "f16_value", "bf16_value", "halves",

@@ -1560,8 +1560,9 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
         raise ValueError(f"dq_splits={dq_splits}: needs dq_acc and the dkdv_source layout (not dkdv_fa2)")
     wgmma = atomic and bool(config.get("dkdv_wgmma", False))
     if wgmma and not ptx.current_wgmma():
-        raise ValueError(f"dkdv_wgmma: wgmma needs an sm_90 GPU, this one is sm_{''.join(map(str, ptx.compute_capability()))}"
-                         " (backward.mma_config adds the key only there)")
+        cc = "".join(map(str, ptx.compute_capability()))
+        raise ValueError(f"dkdv_wgmma: wgmma needs an sm_90 GPU, this one is sm_{cc} (backward.mma_config adds the "
+                         "key only there)")
     if "dkdv" in kernels and wgmma:  # the sm_90 warpgroup-MMA build of the dQ-in-dkdv kernel (wgmma_backward)
         if (bn, bm) != (wgmma_backward.BLOCK_N, wgmma_backward.BLOCK_M) or fa2:
             raise ValueError(f"dkdv_wgmma: the wgmma dkdv takes ({wgmma_backward.BLOCK_N}, "
