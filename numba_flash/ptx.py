@@ -527,14 +527,21 @@ def _cp_async_16_zero_if_intrinsic(typingctx, dst, dst_offset, src, src_offset, 
     return sig, codegen
 
 
-@intrinsic
-def _cp_async_commit_intrinsic(typingctx):
-    sig = types.void()
+def _make_plain_asm_intrinsic(text):
+    """An intrinsic of no arguments emitting ``text`` (volatile, clobbering memory: never moved across others)."""
+    @intrinsic
+    def plain(typingctx):
+        sig = types.void()
 
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", True)
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], text, "~{memory}", True)
 
-    return sig, codegen
+        return sig, codegen
+
+    return plain
+
+
+_cp_async_commit_intrinsic = _make_plain_asm_intrinsic("cp.async.commit_group;")
 
 
 @intrinsic
@@ -556,12 +563,31 @@ def _cp_async_wait_intrinsic(typingctx, n):
 _POISON = 0xFF
 
 
-def _cp_async_state():
-    thread = threading.current_thread()
-    state = thread.__dict__.get("_cp_async")
-    if state is None:
-        state = thread.__dict__["_cp_async"] = {"pending": [], "groups": []}
-    return state
+class _AsyncGroups:
+    """One simulated thread's queue of an asynchronous unit's operations (cp.async, wgmma), as the hardware
+    keeps it: those issued since the last commit, then committed groups; retire(pending) runs each operation
+    (a callable) of every group but the newest ``pending``, in issue order."""
+
+    def __init__(self):
+        self.open, self.committed = [], []
+
+    def commit(self):
+        self.committed.append(self.open)
+        self.open = []
+
+    def retire(self, pending):
+        while len(self.committed) > pending:
+            for land in self.committed.pop(0):
+                land()
+
+
+def _async_groups(unit):
+    """The current simulated thread's _AsyncGroups of ``unit`` ("cp.async", "wgmma")."""
+    state = threading.current_thread().__dict__
+    groups = state.get(f"_ptx_{unit}")
+    if groups is None:  # not setdefault: this runs for every simulated copy
+        groups = state[f"_ptx_{unit}"] = _AsyncGroups()
+    return groups
 
 
 def _span_bytes(array, offset, nbytes, what):
@@ -590,7 +616,12 @@ def _cp_async_16_zfill_twin(dst, dst_offset, src, src_offset, src_bytes):
     target = _flat_bytes(dst, dst_offset, 16, "cp.async dst")
     source = _span_bytes(src, src_offset, n, "cp.async src") if n else None
     target[:] = _POISON
-    _cp_async_state()["pending"].append((target, source, n))
+
+    def land():
+        target[:n] = source if n else target[:0]
+        target[n:] = 0
+
+    _async_groups("cp.async").open.append(land)
 
 
 def _cp_async_16_zero_if_twin(dst, dst_offset, src, src_offset, zero):
@@ -602,17 +633,11 @@ def _cp_async_16_twin(dst, dst_offset, src, src_offset):
 
 
 def _cp_async_commit_twin():
-    state = _cp_async_state()
-    state["groups"].append(state["pending"])
-    state["pending"] = []
+    _async_groups("cp.async").commit()
 
 
 def _cp_async_wait_twin(n):
-    groups = _cp_async_state()["groups"]
-    while len(groups) > n:
-        for target, source, nbytes in groups.pop(0):
-            target[:nbytes] = source if nbytes else target[:0]
-            target[nbytes:] = 0
+    _async_groups("cp.async").retire(int(n))
 
 
 # --------------------------------------------------------------------------------------------
@@ -640,17 +665,10 @@ def _mbarrier_init_intrinsic(typingctx, bar, bar_offset, count):
     return sig, codegen
 
 
-@intrinsic
-def _fence_mbarrier_init_intrinsic(typingctx):
-    sig = types.void()
-
-    def codegen(context, builder, sig, args):
-        # fence.mbarrier_init orders the inits before later cluster-scope uses; fence.proxy.async
-        # makes them visible to the async proxy (the copy engine) that completes transactions.
-        text = "fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;"
-        _asm(builder, ir.VoidType(), [], text, "~{memory}", True)
-
-    return sig, codegen
+# fence.mbarrier_init orders the inits before later cluster-scope uses; fence.proxy.async makes them visible
+# to the async proxy (the copy engine) that completes transactions.
+_fence_mbarrier_init_intrinsic = _make_plain_asm_intrinsic(
+    "fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;")
 
 
 @intrinsic
@@ -1166,19 +1184,6 @@ def _make_wgmma_hold_intrinsic(n):
     return hold
 
 
-def _make_plain_asm_intrinsic(text):
-    @intrinsic
-    def plain(typingctx):
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
-
-        return sig, codegen
-
-    return plain
-
-
 def _wgmma_operand(sbytes, desc, rows, cols, k_major):
     """The (rows x cols) matrix a descriptor describes (K-major: rows = M or N, cols = 16; MN-major:
     rows = 16 k, cols = M or N), read from the shared bytes by the 128-byte swizzle rules above."""
@@ -1204,72 +1209,29 @@ def _wgmma_operand(sbytes, desc, rows, cols, k_major):
     return out
 
 
-class _WgmmaQueue:
-    """One simulated thread's wgmma state, as the hardware keeps it: products issued but not committed
-    (``open``), committed groups not yet retired, and for each accumulator array with a product in flight its
-    running value (the array itself holds NaN meanwhile, so a read before the wait shows)."""
-
-    def __init__(self):
-        self.open, self.committed, self.running = [], [], {}
-
-
-def _wgmma_queue():
-    thread = threading.current_thread()
-    queue = getattr(thread, "_ptx_wgmma", None)
-    if queue is None:
-        queue = thread._ptx_wgmma = _WgmmaQueue()
-    return queue
-
-
 def _make_wgmma_twin(n, value_of, trans_a, trans_b, a_regs):
     """Issue: the product is queued (operands by value where they are registers, by descriptor where they are
     shared memory) and its accumulators turn NaN. It runs when a wgmma_wait retires its group, reading shared
-    memory then, as the hardware may: a kernel that overwrites an operand tile, or reads the accumulators,
-    before the wait that retires the product fails in the simulator too."""
-    regs = n // 2
-
-    def wgmma(smem, acc, *rest):
-        arr = _numpy_of(acc)
-        flat = arr.reshape(-1)
-        if flat.size < regs:
-            raise ValueError(f"wgmma m64n{n}: the accumulator array has {flat.size} elements, needs {regs}")
-        queue = _wgmma_queue()
-        if id(arr) not in queue.running:
-            queue.running[id(arr)] = [arr, flat[:regs].astype(np.float32), 0]
-            flat[:regs] = np.nan
-        queue.running[id(arr)][2] += 1  # products in flight on it
-        a = tuple(int(x) for x in rest[:4]) if a_regs else int(rest[0])
-        run, operands = _wgmma_product(n, value_of, trans_a, trans_b, a_regs)
-        # lane 0 of the warpgroup keeps the shared operands' bits as they were at the issue
-        snap = operands(smem, a, int(rest[-2])) if threading.current_thread().thread_id % 128 == 0 else None
-        queue.open.append((run, id(arr), a, int(rest[-2]), bool(rest[-1]), smem, snap))
-
-    return wgmma
-
-
-@functools.lru_cache(maxsize=None)
-def _wgmma_product(n, value_of, trans_a, trans_b, a_regs):
-    """(run, operands): run(running, a, desc_b, scale_d, smem, snap) -> the new running value of this lane,
-    computed for the warpgroup at once (a rendezvous of its 128 lanes) from shared memory as it is now;
-    operands(smem, a, desc_b): the bits of the shared operands (snap: lane 0's at the issue; a difference at
-    the retirement means the kernel wrote an operand tile while the product was in flight)."""
+    memory then, as the hardware may: a kernel that reads the accumulators before the wait that retires the
+    product, or that overwrites an operand tile meanwhile (lane 0 of the warpgroup keeps the operands' bits
+    as they were at the issue, and a difference at the retirement is refused as a race), fails in the
+    simulator too. For each accumulator array with products in flight the thread keeps its running value."""
     regs = n // 2
     vec = np.vectorize(value_of, otypes=[np.float64])
 
     def operands(smem, a, desc_b):
+        """The shared operands' bits (A None where it comes from registers)."""
         sbytes = _numpy_of(smem).reshape(-1).view(np.uint8)
         b = _wgmma_operand(sbytes, desc_b, 16, n, False) if trans_b else _wgmma_operand(sbytes, desc_b, n, 16, True)
         if a_regs:
             return None, b
         return (_wgmma_operand(sbytes, a, 16, 64, False) if trans_a else _wgmma_operand(sbytes, a, 64, 16, True)), b
 
-    def combine(lanes):
+    def combine(lanes):  # lanes: (running value, a, desc_b, scale_d, smem, snap), one per lane of the warpgroup
         if len({(None if a_regs else v[1], v[2], v[3]) for v in lanes}) != 1:
             raise ValueError(f"wgmma m64n{n} twin: the lanes of a warpgroup passed different descriptors or scale_d")
-        sbytes = _numpy_of(lanes[0][4]).reshape(-1).view(np.uint8)
-        now = operands(lanes[0][4], lanes[0][1], lanes[0][2])
-        snap = lanes[0][5]
-        if any(x is not None and not np.array_equal(x, y) for x, y in zip(now, snap)):
+        a_bits, b_bits = operands(lanes[0][4], lanes[0][1], lanes[0][2])
+        if any(x is not None and not np.array_equal(x, y) for x, y in zip((a_bits, b_bits), lanes[0][5])):
             raise RuntimeError(f"wgmma m64n{n} twin: shared memory under an operand changed between the product's "
                                "issue and the wait that retired it (a race on the GPU)")
         if a_regs:
@@ -1279,13 +1241,9 @@ def _wgmma_product(n, value_of, trans_a, trans_b, a_regs):
                 bits = [h for word in value[1] for h in halves(word)]
                 for (r, k), b in zip(a_fragment_coords(l32), bits):
                     A[16 * w + r, k] = value_of(b)
-        elif trans_a:
-            A = vec(_wgmma_operand(sbytes, lanes[0][1], 16, 64, False)).T
         else:
-            A = vec(_wgmma_operand(sbytes, lanes[0][1], 64, 16, True))
-        desc_b = lanes[0][2]
-        B = vec(_wgmma_operand(sbytes, desc_b, 16, n, False)) if trans_b else \
-            vec(_wgmma_operand(sbytes, desc_b, n, 16, True)).T
+            A = vec(a_bits).T if trans_a else vec(a_bits)
+        B = vec(b_bits) if trans_b else vec(b_bits).T
         D = A @ B  # products of 16-bit floats are exact; one rounding to fp32 below
         out = []
         for lane, value in enumerate(lanes):
@@ -1298,40 +1256,45 @@ def _wgmma_product(n, value_of, trans_a, trans_b, a_regs):
             out.append((D[r, c] + old).astype(np.float32))
         return out
 
-    def run(running, a, desc_b, scale_d, smem, snap):
-        return warp_exchange((running, a, desc_b, scale_d, smem, snap), combine, f"wgmma.m64n{n}", lanes=128)
+    def wgmma(smem, acc, *rest):
+        arr = _numpy_of(acc)
+        flat = arr.reshape(-1)
+        if flat.size < regs:
+            raise ValueError(f"wgmma m64n{n}: the accumulator array has {flat.size} elements, needs {regs}")
+        thread = threading.current_thread()
+        running = thread.__dict__.setdefault("_ptx_wgmma_running", {})
+        if id(arr) not in running:  # [array, running value, products in flight on it]
+            running[id(arr)] = [arr, flat[:regs].astype(np.float32), 0]
+            flat[:regs] = np.nan
+        state = running[id(arr)]
+        state[2] += 1
+        a, desc_b, scale_d = tuple(int(x) for x in rest[:4]) if a_regs else int(rest[0]), int(rest[-2]), bool(rest[-1])
+        snap = operands(smem, a, desc_b) if thread.thread_id % 128 == 0 else None
 
-    return run, operands
+        def land():
+            state[1] = warp_exchange((state[1], a, desc_b, scale_d, smem, snap), combine, f"wgmma.m64n{n}", lanes=128)
+            state[2] -= 1
+            if state[2] == 0:  # its last product in flight: the accumulators hold the value again
+                flat[:regs] = state[1]
+                del running[id(arr)]
+
+        _async_groups("wgmma").open.append(land)
+
+    return wgmma
 
 
 def _wgmma_commit_twin():
-    queue = _wgmma_queue()
-    queue.committed.append(queue.open)
-    queue.open = []
+    _async_groups("wgmma").commit()
 
 
 def _make_wgmma_wait_twin(pending):
     def wait():
-        queue = _wgmma_queue()
-        while len(queue.committed) > pending:  # groups retire in order
-            for run, key, a, desc_b, scale_d, smem, snap in queue.committed.pop(0):
-                state = queue.running[key]
-                state[1] = run(state[1], a, desc_b, scale_d, smem, snap)
-                state[2] -= 1
-                if state[2] == 0:  # its last product in flight: the accumulators hold the value again
-                    state[0].reshape(-1)[: state[1].size] = state[1]
-                    del queue.running[key]
+        _async_groups("wgmma").retire(pending)
 
     return wait
 
 
-def _make_wgmma_hold_twin(n):
-    def hold(acc):
-        return None
-    return hold
-
-
-def _noop_twin():
+def _noop_twin(*args):  # fence, hold: nothing to do where products run at their retirement
     return None
 
 
@@ -1461,7 +1424,7 @@ def wgmma(n: int, dtype: str, trans_a: bool = False, trans_b: bool = False, a_re
 @functools.lru_cache(maxsize=None)
 def wgmma_hold(n: int):
     """hold(acc): the n / 2 accumulators of an m64n{n} product re-defined after a wgmma_wait (no-op twin)."""
-    return _make_wgmma_hold_twin(n) if SIMULATOR else _make_wgmma_hold_intrinsic(n)
+    return _noop_twin if SIMULATOR else _make_wgmma_hold_intrinsic(n)
 
 
 @functools.lru_cache(maxsize=None)

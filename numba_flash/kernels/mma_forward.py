@@ -114,6 +114,14 @@ def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE, M_TILES=1, KV_STAGES=1):
     return out
 
 
+@inline_device
+def atom_offset(row, chunk, rows):
+    """Word offset of 16-byte chunk ``chunk`` of row ``row`` in a tile of ``rows`` rows stored as column
+    atoms for wgmma's 128-byte swizzle (ptx.py's wgmma section): atom chunk // 8 (64 columns) holds rows x
+    128 B, chunk j of row r at chunk j ^ (r % 8) of its row."""
+    return (chunk >> 3) * rows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3)
+
+
 def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
     """(swizzle, load_tile, copy_plan, load_tile_fast): the swizzled 16-bit tile layout and the cp.async
     copies of rows into it, for any kernel of THREADS threads (the tensor-core backward uses them too).
@@ -126,7 +134,7 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
     (the forward's FAST_LOADS, the backward's every copy), a whole tile then costs one add per copy and
     only a sequence's last tile pays for row clamps. PARTIAL_CHUNK (d % 8 != 0): see kernel_source;
     load_tile always names its source bytes. ATOM_ROWS (wgmma_backward's tiles): the layout is instead
-    wgmma's column atoms of a tile of ATOM_ROWS rows (wgmma_backward.atom_offset: 64 columns an atom)."""
+    wgmma's column atoms of a tile of ATOM_ROWS rows (atom_offset: 64 columns an atom)."""
     CHUNKS = HEAD_DIM // 8
     ROW_WORDS = 64 if ATOM_ROWS else HEAD_DIM  # words from a row to the next in the same columns
     ROW_STEP = THREADS // CHUNKS  # rows between a thread's successive copies (load_tile_fast)
@@ -137,7 +145,7 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
     if ATOM_ROWS:
         @inline_device
         def swizzle(row, chunk):
-            return (chunk >> 3) * (ATOM_ROWS * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3)
+            return atom_offset(row, chunk, ATOM_ROWS)
     else:
         @inline_device
         def swizzle(row, chunk):

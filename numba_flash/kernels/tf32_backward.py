@@ -842,6 +842,6 @@ def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale
                                     softmax_scale, n_k, bn, bm, causal, B * H, stream)
     elif "dq" in kernels:
         bm, bn = config["dq"]
-        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz, **rnd), ((n_q + bm - 1) // bm, B * H),
-                      threads_per_block(bm), stream, smem_bytes("dq", bm, bn, head_dim, swz),
-                      q, k, v, dout, l2, dd, dq, *scalars)
+        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz, **rnd),
+                      ((n_q + bm - 1) // bm, B * H), threads_per_block(bm), stream,
+                      smem_bytes("dq", bm, bn, head_dim, swz), q, k, v, dout, l2, dd, dq, *scalars)

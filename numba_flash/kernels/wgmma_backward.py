@@ -37,18 +37,11 @@ from numba import cuda, float32, uint16, uint32
 
 from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
+from .mma_forward import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 
 BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
 THREADS = 256
 HEAD_DIMS = (64, 128)
-
-
-@inline_device
-def atom_offset(row, chunk, rows):
-    """Word offset of 16-byte chunk ``chunk`` of row ``row`` in a tile of ``rows`` rows stored as column
-    atoms for wgmma's 128-byte swizzle: atom chunk // 8 (64 columns) holds rows x 128 B, chunk j of row r
-    at chunk j ^ (r % 8) of its row."""
-    return (chunk >> 3) * rows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3)
 
 
 def smem_bytes(head_dim: int, defer_dq: bool = False) -> int:
@@ -120,19 +113,21 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER
     ZERO = float32(0.0)
 
     @inline_device
+    def product_s(smem, acc, a16, b16):
+        """acc = A Bᵀ over the head dim, both K-major (A: 64 rows of K or V at a16, B: the Q or dO tile at b16,
+        16-byte units), as one commit group."""
+        for kk in range(D_STEPS):
+            a = K_MAJOR + a16 + (kk >> 2) * KV_ATOM16 + (kk & 3) * 2
+            b = K_MAJOR + b16 + (kk >> 2) * QO_ATOM16 + (kk & 3) * 2
+            mma_s(smem, acc, a, b, 1 if kk > 0 else 0)
+        commit()
+
+    @inline_device
     def products_s(smem, s, dp, kv16, st16):
         """Sᵀ into s, dPᵀ into dp (two commit groups: the softmax of s runs while dp is computed)."""
         fence()
-        for kk in range(D_STEPS):
-            a = K_MAJOR + kv16 + K16 + (kk >> 2) * KV_ATOM16 + (kk & 3) * 2
-            b = K_MAJOR + st16 + (kk >> 2) * QO_ATOM16 + (kk & 3) * 2
-            mma_s(smem, s, a, b, 1 if kk > 0 else 0)
-        commit()
-        for kk in range(D_STEPS):
-            a = K_MAJOR + kv16 + V16 + (kk >> 2) * KV_ATOM16 + (kk & 3) * 2
-            b = K_MAJOR + st16 + (SDO >> 3) + (kk >> 2) * QO_ATOM16 + (kk & 3) * 2
-            mma_s(smem, dp, a, b, 1 if kk > 0 else 0)
-        commit()
+        product_s(smem, s, kv16 + K16, st16 + (SQ >> 3))
+        product_s(smem, dp, kv16 + V16, st16 + (SDO >> 3))
 
     @inline_device
     def dq_phase(smem, acc_q, base16, wg, ds16):
