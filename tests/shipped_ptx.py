@@ -341,7 +341,10 @@ def _worker(args):
     return out
 
 
-def run(names, jobs: int) -> dict:
+CHUNK = 24  # cases per worker process (cases of one family share kernels: sorted names keep them together)
+
+
+def run(names, jobs: int, progress=None) -> dict:
     """{case name: [digest of each launched kernel, in launch order]} for these cases."""
     import multiprocessing as mp
 
@@ -351,7 +354,7 @@ def run(names, jobs: int) -> dict:
         by_target.setdefault(everything[n][0], []).append(n)
     work = []
     for target, ns in sorted(by_target.items()):
-        per = max(1, -(-len(ns) // max(jobs, 1)))
+        per = max(1, min(CHUNK, -(-len(ns) // max(jobs, 1))))
         work += [(ns[i:i + per], target) for i in range(0, len(ns), per)]
     result: dict = {}
     if jobs <= 1 and len(work) == 1:
@@ -360,6 +363,8 @@ def run(names, jobs: int) -> dict:
         with mp.get_context("spawn").Pool(max(jobs, 1), maxtasksperchild=1) as pool:
             for part in pool.imap_unordered(_worker, work):
                 result.update(part)
+                if progress:
+                    progress(result)
     return result
 
 
@@ -394,11 +399,15 @@ def main(argv=None) -> int:
         print("\n".join(names))
         print(f"{len(names)} cases", file=sys.stderr)
         return 0
-    got = run(names, a.jobs)
-    if a.command == "record":
-        old = json.loads(GOLDEN.read_text())["cases"] if GOLDEN.exists() and (a.ci or a.only) else {}
+    old = json.loads(GOLDEN.read_text())["cases"] if GOLDEN.exists() and (a.ci or a.only) else {}
+
+    def write(got):
         GOLDEN.write_text(json.dumps({"versions": versions(), "cases": {**old, **got}}, indent=1, sort_keys=True)
                           + "\n")
+
+    got = run(names, a.jobs, progress=write if a.command == "record" else None)
+    if a.command == "record":
+        write(got)
         print(f"recorded {len(got)} cases, {len({d for v in got.values() for d in v})} distinct kernels")
         return 0
     want = json.loads(GOLDEN.read_text())

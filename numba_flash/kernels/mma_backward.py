@@ -82,10 +82,10 @@ from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from . import wgmma_backward
-from .mma_forward import tile_copies
-from .simt_backward import DELTA_LANES, DELTA_ROWS, row_dot_helper
+from ..blocks.copies import tile_copies
+from ..blocks.numerics import LOG2E
+from ..blocks.rows import DELTA_LANES, DELTA_ROWS, row_dot_helper
 
-LOG2E = 1.4426950408889634
 DTYPES = ("float16", "bfloat16")
 KERNELS = ("dkdv", "dq")
 WORD = np.dtype(np.uint16)

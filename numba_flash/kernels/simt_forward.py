@@ -41,19 +41,11 @@ from llvmlite import ir
 from numba.cuda.extending import intrinsic
 
 from .. import ptx
+from ..blocks.numerics import FASTMATH, LN2, LOG2E, STORAGE
 from ..configs import SimtConfig
 from ..launch import launch as launch_kernel
 from ..vec import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-# How the kernel reads and writes the input dtype. bfloat16 travels as uint16 bit patterns
-# (Numba has no bfloat16 array type) and is widened by a shift through an aliased shared word.
-STORAGE = {"float32": types.float32, "float16": types.float16, "bfloat16": types.uint16}
-
-# Only the flags that cannot change -inf/nan semantics: masking relies on exact -inf.
-FASTMATH = {"contract", "arcp", "afn"}
 
 
 @intrinsic

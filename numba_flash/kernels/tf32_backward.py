@@ -67,7 +67,8 @@ from ..ptx import SMEM_ALIGN, inline_device
 from ..vec import bits_from_f32
 from ..vec import ld_shared_f32x4 as ld4  # 16-byte shared load
 from . import mma_backward
-from .tf32_forward import LOG2E, SPLIT_ROUNDS, head_dim_for, products, split_round_for_device
+from ..blocks.numerics import LOG2E
+from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device
 
 KERNELS = ("dkdv", "dq")
 GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)

@@ -37,7 +37,7 @@ from numba import cuda, float32, uint16, uint32
 
 from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
-from .mma_forward import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
+from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 
 BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
 THREADS = 256
