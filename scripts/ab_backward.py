@@ -73,7 +73,7 @@ def main(argv=None):
                          "how its deterministic mode forms dQ (deterministic splits, or the dq kernel)")
     ap.add_argument("--after-mma-sync", action="store_true",
                     help="the 'after' package runs the mma.sync kernels on sm_90 too (configs.MMA_BWD_WGMMA's "
-                         "overrides emptied; the fifteenth session's first A/B instead had a flag that added them)")
+                         "overrides emptied: what sm_80-89 run)")
     args = ap.parse_args(argv)
     if args.after_mma_sync:
         for cfg in numba_flash.configs.MMA_BWD_WGMMA.values():

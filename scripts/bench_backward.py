@@ -199,7 +199,7 @@ def sweep(B=4, H=16, N=4096, d=128, dtype="float32", causal=False, budget_s=1.0)
 
 def tf32_rows(B=4, H=16, N=4096, budget_s=1.0):
     """fp32 backward (no autograd, the forward not timed): numba_flash.backward with kernel="tf32x3"
-    (what auto runs for fp32 since the seventh session) and "simt", beside SDPA memory-efficient's backward (autograd.grad of a
+    (what auto runs for fp32) and "simt", beside SDPA memory-efficient's backward (autograd.grad of a
     retained graph, itself 3xTF32), d 64 and 128, causal and not; tf32x3's max |difference| to simt."""
     import torch
     import torch.nn.functional as F

@@ -16,7 +16,7 @@ Rows:
   them back to back inside one event pair (time / KERNEL_BURST), so the GPU queue stays full and the
   Python of each launch hides behind the previous kernel: the kernels' own bandwidth. (Timed one
   launch per event pair it included that launch's Python, which since the launch plans is more
-  than a planned ``decode`` call's: the fourth session's row read below the end-to-end one.)
+  than a planned ``decode`` call's: that row read below the end-to-end one.)
 * ``numba_flash.forward``: the FA2 forward on the same inputs (one Q tile per head: no split).
 * ``sdpa-flash`` / ``sdpa-efficient`` / ``sdpa-cudnn``: F.scaled_dot_product_attention with
   is_causal=False (Nq = 1 sees the whole cache) and enable_gqa when Hkv < H; a backend that

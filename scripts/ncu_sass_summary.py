@@ -7,8 +7,8 @@
 For every kernel in each file: the stall reasons and opcodes that hold the samples, and the main loop
 read from the counts (its trip count is the most executed BAR.SYNC's): instructions executed per warp
 and trip, and the share of samples and instructions between that barrier and the loop's first HMMA
-(the streamed tiles' copies and address set-up, in the tensor-core kernels). scripts/gpu/session_tenth.sh
-made the tenth session's files; benchmarks/NOTES.md reads them.
+(the streamed tiles' copies and address set-up, in the tensor-core kernels). It made
+benchmarks/results/ncu-sass-2026-12-01*; benchmarks/DESIGN.md reads them.
 """
 from __future__ import annotations
 

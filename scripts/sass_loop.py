@@ -90,7 +90,7 @@ def main_loop_path(ins, labels):
 
 def hmma_chained(texts):
     """How many of these HMMAs (instruction texts, in issue order) take as accumulator the result of the HMMA
-    just before them (fourteenth session: 307 of 456 in the tf32 dK/dV step, whose 3xTF32 chains three products
+    just before them (307 of 456 in the tf32 dK/dV step, whose 3xTF32 chains three products
     and the k-steps on one accumulator; 0 in the fp16 kernels). What that costs is not measured: given source
     that alternates two tiles' HMMAs, ptxas put each tile's back to back again, which suggests the dependency
     is cheap for it (an accumulator forwarded from one HMMA to the next)."""

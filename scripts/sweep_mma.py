@@ -12,7 +12,7 @@ host overhead is quantified three ways: the compiled kernel called directly (ker
 mma_forward.launch (layout checks + dispatch) and numba_flash.forward on the torch tensors
 (validation, views, allocation). Prints a table; writes $OUT/sweep_mma.json when $OUT is set.
 
-Variants (see benchmarks/mma_ladder.md, v4): BQxBK, warps = BQ / 16, MAX_REGS = ptxas
+Variants (see benchmarks/DESIGN.md, the tensor-core forward): BQxBK, warps = BQ / 16, MAX_REGS = ptxas
 -maxrregcount (blocks/SM from registers: 64K / (regs rounded up to 8 x 32 x warps)).
 """
 from __future__ import annotations
@@ -60,10 +60,10 @@ LAZY = dict(LAZY_RESCALE=True)
 SPLIT = dict(SPLIT_TAIL=True)
 VARIANTS = {
     128: [
-        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped (eleventh)
+        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped
         ("128x64 mt2 grid+kv2+epi lazy", {**MT2_128, **GRID, **KV2, **EPI, **LAZY}, D128C),  # shipped causal
         ("128x64 mt2 grid+epi+pro lazy", {**MT2_128, **GRID, **EPI, **PRO, **LAZY}, D128C),  # ... before
-        ("128x64 mt2 epi lazy", {**MT2_128, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped in the ninth session
+        ("128x64 mt2 epi lazy", {**MT2_128, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped before the address changes
         ("128x64 mt2 epi lazy split", {**MT2_128, **EPI, **LAZY, **SPLIT}, (D128_FIRST, BF16)),
         ("128x64 mt2", MT2_128),  # FA2's d=128 tile; 64 KiB dynamic smem
         ("128x64 mt2 epi", {**MT2_128, **EPI}),
@@ -85,10 +85,10 @@ VARIANTS = {
         ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
     ],
     64: [
-        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),  # shipped non-causal (eleventh)
+        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),  # shipped non-causal
         ("128x64 mt2 grid+skip+kv2+epi lazy", {**MT2_128, **GRID, **SKIP, **KV2, **EPI, **LAZY}, D64C),  # shipped causal
         ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),  # ... before
-        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}, D64),  # shipped in the ninth session
+        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}, D64),  # shipped before the address changes
         ("128x64 mt2 kv2 split", {**MT2_128, **KV2, **SPLIT}, D64),
         ("128x64 mt2 kv2 lazy", {**MT2_128, **KV2, **LAZY}, D64),
         ("128x64 mt2 grid+skip+epi+pro lazy", {**MT2_128, **GRID, **SKIP, **EPI, **PRO, **LAZY}, D64C),

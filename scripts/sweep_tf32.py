@@ -30,7 +30,7 @@ SHAPES = [
         dict(BLOCK_Q=64, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, **PRE),
         dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=64, BLOCK_K=32),
         dict(BLOCK_Q=64, BLOCK_K=64, PASSES_=1),
-        # fourteenth session: with the split by cvt.rn (one instruction), the per-warp splits PRESPLIT saves cost less
+        # with the split by cvt.rn (one instruction), the per-warp splits PRESPLIT saves cost less
         dict(BLOCK_Q=128, BLOCK_K=64), dict(BLOCK_Q=128, BLOCK_K=32), dict(BLOCK_Q=128, BLOCK_K=64, SPLIT_ROUND="rna", **PRE)]),
     ("fp32 B4H16 N4096 d128 causal", 128, True, 4096, [
         dict(BLOCK_Q=128, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=32, GRID_BH_X=True, **PRE),

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The GPU host's runner: named steps, each under its own time limit, logged to OUTDIR/<step>.log (its
+# tail printed), everything re-packed into OUTDIR/run.tgz after each step, so a call cut short keeps
+# what finished. Result files (JSON / md / txt) land in OUTDIR/results.
+#
+#   bash scripts/gpu/run.sh [--dry-run] OUTDIR STEP [STEP ...]
+#
+# Run from the repository root. The GPU host has no index to install from: the wheels travel in .whl/
+# and are installed first (the runner does this itself when .whl/ exists):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+#
+# Steps:
+#   tests     the GPU test suite (pytest -m gpu tests; PYTEST_K=expr narrows it with -k)
+#   bench     the backward (autograd, fp16 + fp32) and decode quick benchmarks, then the forward suite
+#             (numba-flash bench --quick: the registered suites, JSON and plots)
+#   forward   the full forward benchmark (scripts/bench_forward.py, fp32 and fp16, memory sweep) and its plots
+#   sanitize  compute-sanitizer memcheck over scripts/sanitize_case.py (every kernel family), then racecheck
+#             (SANITIZE_TOOLS="memcheck racecheck synccheck" and SANITIZE_FAMILY=forward|backward|decode choose)
+#   ab        A/B against another version of the package: AB_OLD=DIR holds a numba_flash extracted by
+#             `mkdir -p DIR && git archive <commit> numba_flash | tar -x -C DIR` (or AB_COMMIT=<commit> with a git
+#             checkout: the runner extracts it to .ab/old). Runs scripts/ab_backward.py --old DIR (AB_SHAPES,
+#             AB_ROUNDS) and, when AB_MMA_VARIANTS is set, scripts/ab_mma.py --old DIR --variants ...
+#             (AB_MMA_SHAPE: a regex on sweep_mma's shape labels, default 'N4096 d128$')
+#   ptx       the PTX intrinsic GPU tests (tests/test_gpu_ptx.py)
+#   host      host time per call (scripts/host_overhead.py)
+#
+# Each step's time limit (seconds) can be overridden by LIMIT_<step>=N, e.g. LIMIT_tests=400.
+# --dry-run prints each step's commands without running them (no GPU needed).
+set -u
+
+dry=0
+if [ "${1:-}" = "--dry-run" ] || [ "${1:-}" = "-n" ]; then dry=1; shift; fi
+if [ $# -lt 2 ]; then
+  sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+out=$1; shift
+steps=("$@")
+known=" tests bench forward sanitize ab ptx host "
+for s in "${steps[@]}"; do
+  case "$known" in *" $s "*) ;; *) echo "unknown step: $s (steps:$known)" >&2; exit 2 ;; esac
+done
+
+mkdir -p "$out/results"
+out=$(cd "$out" && pwd)
+res=$out/results
+export PYTHONUNBUFFERED=1 OUT=$res
+export NUMBA_FLASH_COMMIT=${NUMBA_FLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+P="python3 -m pytest -q -p no:warnings -p no:cacheprovider -m gpu"
+
+if [ $dry = 0 ] && [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+
+pack() { [ $dry = 1 ] || tar czf "$out/run.tgz" --exclude run.tgz -C "$out" .; }
+
+# run NAME LIMIT CMD...: one command of a step, under LIMIT seconds, appended to OUTDIR/NAME.log.
+run() {
+  local name=$1 limit=$2; shift 2
+  if [ $dry = 1 ]; then echo "[$name, ${limit}s] $(printf '%q ' "$@")"; return 0; fi
+  echo "== $name: $*" | tee -a "$out/$name.log"
+  timeout "$limit" "$@" >> "$out/$name.log" 2>&1; local rc=$?
+  echo "rc=$rc" >> "$out/$name.log"
+  grep -vE "Warning|warn\(" "$out/$name.log" | tail -n 6
+  pack
+  return $rc
+}
+
+limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
+
+step_tests() {
+  local k=(); [ -n "${PYTEST_K:-}" ] && k=(-k "$PYTEST_K")
+  run tests "$(limit tests 560)" $P tests -rfE "${k[@]}"
+}
+
+step_bench() {
+  local l; l=$(limit bench 300)
+  run bench "$l" python3 scripts/bench_backward.py --quick --dtypes float16 float32 --budget-s 0.3 --out "$res"
+  run bench "$l" python3 scripts/bench_decode.py --quick --out "$res"
+  run bench "$l" python3 -m numba_flash bench --quick --no-progress --json "$res/bench-quick.json" --plots "$res/plots"
+}
+
+step_forward() {
+  run forward "$(limit forward 400)" python3 scripts/bench_forward.py --dtypes float32 float16 --out "$res"
+  local f; f=$(ls "$res"/forward-*.json 2>/dev/null | head -1)
+  [ -n "$f" ] || [ $dry = 1 ] && run forward 60 python3 -m numba_flash plot "${f:-$res/forward-DATE.json}" --out "$res/plots"
+}
+
+step_sanitize() {
+  local fam=(); [ -n "${SANITIZE_FAMILY:-}" ] && fam=("$SANITIZE_FAMILY")
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    run sanitize "$(limit sanitize 200)" compute-sanitizer --tool "$tool" --print-limit 20 \
+      python3 scripts/sanitize_case.py "${fam[@]}"
+  done
+}
+
+step_ab() {
+  local old=${AB_OLD:-}
+  if [ -z "$old" ] && [ -n "${AB_COMMIT:-}" ]; then
+    old=.ab/old
+    if [ $dry = 1 ]; then echo "[ab] git archive $AB_COMMIT numba_flash | tar -x -C $old"
+    else rm -rf "$old" && mkdir -p "$old" && git archive "$AB_COMMIT" numba_flash | tar -x -C "$old" || return 1; fi
+  fi
+  if [ -z "$old" ]; then echo "ab: set AB_OLD=DIR (a numba_flash extracted by git archive) or AB_COMMIT=<commit>" >&2
+    return 2; fi
+  local shapes=(); [ -n "${AB_SHAPES:-}" ] && eval "shapes=(--shapes $AB_SHAPES)"
+  run ab "$(limit ab 300)" python3 scripts/ab_backward.py --old "$old" --rounds "${AB_ROUNDS:-3}" "${shapes[@]}"
+  if [ -n "${AB_MMA_VARIANTS:-}" ]; then
+    local variants; eval "variants=($AB_MMA_VARIANTS)"
+    run ab "$(limit ab 300)" python3 scripts/ab_mma.py --old "$old" --rounds "${AB_ROUNDS:-5}" \
+      --shape "${AB_MMA_SHAPE:-N4096 d128\$}" --variants "${variants[@]}"
+  fi
+}
+
+step_ptx() { run ptx "$(limit ptx 120)" $P tests/test_gpu_ptx.py -rfE; }
+
+step_host() { run host "$(limit host 100)" python3 scripts/host_overhead.py --json "$res/host_overhead.json"; }
+
+status=0
+for s in "${steps[@]}"; do
+  [ $dry = 1 ] || echo "## step $s"
+  "step_$s" || status=1
+done
+pack
+[ $dry = 1 ] || ls "$res"
+exit $status
