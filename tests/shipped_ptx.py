@@ -393,13 +393,17 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--ci", action="store_true", help="only the CI subset")
     ap.add_argument("--only", default=None, help="only cases whose name contains this")
+    ap.add_argument("--missing", action="store_true", help="record: only the cases the JSON lacks")
     a = ap.parse_args(argv)
     names = selected(a.ci, a.only)
+    if a.missing and GOLDEN.exists():
+        have = json.loads(GOLDEN.read_text())["cases"]
+        names = [n for n in names if n not in have]
     if a.command == "list":
         print("\n".join(names))
         print(f"{len(names)} cases", file=sys.stderr)
         return 0
-    old = json.loads(GOLDEN.read_text())["cases"] if GOLDEN.exists() and (a.ci or a.only) else {}
+    old = json.loads(GOLDEN.read_text())["cases"] if GOLDEN.exists() and (a.ci or a.only or a.missing) else {}
 
     def write(got):
         GOLDEN.write_text(json.dumps({"versions": versions(), "cases": {**old, **got}}, indent=1, sort_keys=True)
