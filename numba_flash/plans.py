@@ -29,8 +29,8 @@ Why a hit is safe:
   stream is the framework's current one at each call, and allocations go through the same
   ``arrays`` function with the same arguments. A thread with no current CUDA context (PyTorch's
   autograd runs ``loss.backward()`` on its own device threads, which bind no driver context)
-  replays inside the plan's device's context, as the ordinary path's ``_on_device`` would run:
-  before the eighth session such calls missed every time (0.6 ms of host time per fp16 backward).
+  replays inside the plan's device's context, as the ordinary path's ``_on_device`` would run
+  (otherwise every such call misses: 0.6 ms of host time per fp16 backward).
 
 Plans see launches through ``launch.launch`` only: code that replaces a kernel module's
 ``launch_kernel`` (tests comparing with Numba's dispatcher) must turn plans off first, or the

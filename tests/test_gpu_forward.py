@@ -121,7 +121,7 @@ def test_fp16_lse_does_not_drift_with_length():
 def test_forward_head_dim_not_a_multiple_of_8(d, dtype, causal):
     """Rows of a padded buffer (16-byte strides, as cp.async needs) whose padding holds NaN: the tensor-core
     kernel runs with PARTIAL_CHUNK (the chunk holding column d - 1 is part data, part zeros), and a byte
-    copied past column d - 1 would put NaN into S. (Added in the eleventh session; not yet run on a GPU then.)"""
+    copied past column d - 1 would put NaN into S."""
     tdt = getattr(torch, dtype)
     pad = -(-d // 8) * 8
     g = torch.Generator(device="cuda").manual_seed(d)

@@ -185,13 +185,21 @@ def test_launch_matches_dispatcher_bitwise(dtype, causal, monkeypatch):
         args = [cuda.as_cuda_array(a, sync=False) if isinstance(a, DeviceView) else a for a in args]
         dispatcher[grid, block, stream, shared](*args)
 
-    from numba_flash.kernels import (decode, mma_backward, mma_forward, simt_backward, simt_forward, tf32_backward,
-                                     tf32_forward)
+    import importlib
+    import pkgutil
 
-    # every module that launches (fp32 runs the tf32x3 kernels since the fifth / seventh sessions:
-    # without them here the fp32 cases compared the fast path with itself and failed the count)
-    for mod in (decode, mma_backward, mma_forward, simt_backward, simt_forward, tf32_backward, tf32_forward):
-        monkeypatch.setattr(mod, "launch_kernel", via_dispatcher)
+    import numba_flash
+
+    # every module that launches: a module left out would compare the fast path with itself
+    patched = 0
+    for info in pkgutil.walk_packages(numba_flash.__path__, "numba_flash."):
+        if info.name.split(".")[-1] in ("torch", "plots", "cli", "bench", "__main__"):
+            continue
+        mod = importlib.import_module(info.name)
+        if getattr(mod, "launch_kernel", None) is launch_mod.launch:
+            monkeypatch.setattr(mod, "launch_kernel", via_dispatcher)
+            patched += 1
+    assert patched >= 5, f"only {patched} modules launch kernels through launch_kernel"
     slow = everything()
     torch.cuda.synchronize()
     assert len(calls) >= 6, "the dispatcher path did not run every kernel"
