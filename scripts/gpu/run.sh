@@ -22,6 +22,8 @@
 #             checkout: the runner extracts it to .ab/old). Runs scripts/ab_backward.py --old DIR (AB_SHAPES,
 #             AB_ROUNDS) and, when AB_MMA_VARIANTS is set, scripts/ab_mma.py --old DIR --variants ...
 #             (AB_MMA_SHAPE: a regex on sweep_mma's shape labels, default 'N4096 d128$')
+#   abapi     A/B of forward, backward and decode through the public API against AB_OLD / AB_COMMIT (as ab):
+#             scripts/ab_api.py --old DIR --rounds AB_ROUNDS (bitwise comparison of the outputs, SDPA beside)
 #   ptx       the PTX intrinsic GPU tests (tests/test_gpu_ptx.py)
 #   host      host time per call (scripts/host_overhead.py)
 #
@@ -37,7 +39,7 @@ if [ $# -lt 2 ]; then
 fi
 out=$1; shift
 steps=("$@")
-known=" tests bench forward sanitize ab ptx host "
+known=" tests bench forward sanitize ab abapi ptx host "
 for s in "${steps[@]}"; do
   case "$known" in *" $s "*) ;; *) echo "unknown step: $s (steps:$known)" >&2; exit 2 ;; esac
 done
@@ -96,8 +98,9 @@ step_sanitize() {
   done
 }
 
-step_ab() {
-  local old=${AB_OLD:-}
+# ab_old: the directory holding the "before" numba_flash (AB_OLD, or AB_COMMIT extracted to .ab/old)
+ab_old() {
+  old=${AB_OLD:-}
   if [ -z "$old" ] && [ -n "${AB_COMMIT:-}" ]; then
     old=.ab/old
     if [ $dry = 1 ]; then echo "[ab] git archive $AB_COMMIT numba_flash | tar -x -C $old"
@@ -105,6 +108,15 @@ step_ab() {
   fi
   if [ -z "$old" ]; then echo "ab: set AB_OLD=DIR (a numba_flash extracted by git archive) or AB_COMMIT=<commit>" >&2
     return 2; fi
+}
+
+step_abapi() {
+  local old; ab_old || return $?
+  run abapi "$(limit abapi 420)" python3 scripts/ab_api.py --old "$old" --rounds "${AB_ROUNDS:-3}"
+}
+
+step_ab() {
+  local old; ab_old || return $?
   local shapes=(); [ -n "${AB_SHAPES:-}" ] && eval "shapes=(--shapes $AB_SHAPES)"
   run ab "$(limit ab 300)" python3 scripts/ab_backward.py --old "$old" --rounds "${AB_ROUNDS:-3}" "${shapes[@]}"
   if [ -n "${AB_MMA_VARIANTS:-}" ]; then
