@@ -86,7 +86,6 @@ from numba import cuda, float32, int32, types, uint16, uint32, uint64
 from numba.cuda.extending import intrinsic
 
 from .. import ptx
-from .. import vec as vec4
 from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..launch import address
 from ..launch import launch as launch_kernel
@@ -159,7 +158,7 @@ def _f16x2_to_f32_intrinsic(typingctx, word):
 def _ld_shared_u32x4_intrinsic(typingctx, smem, offset):
     """Four 32-bit words of a uint32 shared array at a 16-byte aligned word offset: one LDS.128.
 
-    (Bit-casting the lanes of numba_flash.vec's float32 load makes NVVM fail to compile.)
+    (Bit-casting the lanes of ptx.ld_shared_f32x4 makes NVVM fail to compile.)
     """
     if not (isinstance(smem, types.Array) and smem.dtype == types.uint32 and isinstance(offset, types.Integer)):
         return None
@@ -952,7 +951,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
     cp_async = ptx.cp_async_16_zfill
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
-    ld4 = vec4.ld_shared_f32x4
+    ld4 = ptx.ld_shared_f32x4
     exp2, log2 = math.exp2, math.log2
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
     block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF)

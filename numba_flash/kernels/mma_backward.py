@@ -226,7 +226,7 @@ def convert_source(dtype: str, vec: bool = False):
     st = ptx.st_global_v4
     VEC = bool(vec)
     from .decode import f32_from_bits
-    from ..vec import bits_from_f32
+    from ..ptx import bits_from_f32
 
     def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale, n_k, block_n, block_m, causal):
         bh = cuda.blockIdx.y
