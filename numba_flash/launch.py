@@ -129,7 +129,7 @@ def address(x: Any) -> int:
     if iface is None:  # simulator arrays wrap a NumPy array
         from . import ptx
 
-        return ptx._numpy_of(x).ctypes.data
+        return ptx.sim._numpy_of(x).ctypes.data
     return iface["data"][0] or 0
 
 

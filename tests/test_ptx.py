@@ -550,12 +550,12 @@ def test_red_add_twins(rng):
     misaligned vector address, as the GPU would fault on it."""
     acc = np.zeros(8, np.float32)
     x, y, z = (np.float32(v) for v in rng.standard_normal(3))
-    ptx._red_add_twin(acc, 2, x, y)
-    ptx._red_add_twin(acc, 2, y, x)
-    ptx._red_add_twin(acc, 7, z)
+    ptx.mem._red_add_twin(acc, 2, x, y)
+    ptx.mem._red_add_twin(acc, 2, y, x)
+    ptx.mem._red_add_twin(acc, 7, z)
     np.testing.assert_array_equal(acc, [0, 0, x + y, y + x, 0, 0, 0, z])
     with pytest.raises(ValueError, match="offset 3 is not 8-byte aligned"):
-        ptx._red_add_twin(acc, 3, x, y)
+        ptx.mem._red_add_twin(acc, 3, x, y)
 
 
 @in_simulator
@@ -616,7 +616,7 @@ def test_bulk_copy_read_before_wait_is_poisoned_sim():
 def test_mbarrier_wait_on_a_phase_that_never_ends_raises_sim(monkeypatch):
     """Waiting for parity 1 before phase 0 is over (or without an arrive) would hang a GPU; the
     twin raises after MBARRIER_WAIT_LIMIT_S. Bad sizes are refused at issue."""
-    monkeypatch.setattr(ptx, "MBARRIER_WAIT_LIMIT_S", 0.2)
+    monkeypatch.setattr(ptx.sim, "MBARRIER_WAIT_LIMIT_S", 0.2)
 
     @cuda.jit
     def wrong_parity(src):

@@ -36,7 +36,7 @@ def tf32_rna_numpy(x):
 
 def tf32_rn_numpy(x):
     """Round float32 to tf32, ties to even (cvt.rn.tf32.f32); inf/nan unchanged. By arithmetic, not bits (the
-    twin, ptx._tf32_round_rn_twin, works on bits): a multiple of tf32's ulp at x's binade (denormals: the
+    twin, ptx.mma._tf32_round_rn_twin, works on bits): a multiple of tf32's ulp at x's binade (denormals: the
     smallest binade's) by np.rint, which rounds half to even; past the largest float32, inf."""
     x = np.asarray(x, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # inf and nan are replaced below

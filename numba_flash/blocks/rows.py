@@ -1,7 +1,7 @@
 """Row sums over (B, H, N, d) arrays: D = Σ_c dO ∘ O per query row, the backward's preprocessing pass."""
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..vec import bits_from_f32, f32_from_bits
+from ..ptx import bits_from_f32, f32_from_bits
 
 U = uint64
 

@@ -80,17 +80,13 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-import numpy as np
-from llvmlite import ir
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
-from numba.cuda.extending import intrinsic
 
 from .. import ptx
-from .. import vec as vec4
 from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..launch import address
 from ..launch import launch as launch_kernel
-from ..ptx import SMEM_ALIGN, inline_device
+from ..ptx import SMEM_ALIGN, bits_from_f32, f16x2_to_f32, f32_from_bits, inline_device, ld_shared_u32x4
 
 # Indices are cast to unsigned before indexing: Numba then skips its negative-index wraparound code.
 U = uint64
@@ -107,101 +103,6 @@ LENS_DTYPES = ("int32", "int64")
 FASTMATH = {"contract", "arcp", "afn"}  # never the flags that change -inf / nan: masking needs -inf
 SMEM_PER_SM = 228 * 1024  # H100 / H200; 1 KiB of it is reserved per resident block
 MERGE_THREADS = 128
-
-
-# --------------------------------------------------------------------------------------------
-# Bit casts (no conversion instruction, just a new type for the same 32 bits), with twins.
-# --------------------------------------------------------------------------------------------
-@intrinsic
-def _f32_from_bits_intrinsic(typingctx, bits):
-    if not isinstance(bits, types.Integer):
-        return None
-    sig = types.float32(bits)
-
-    def codegen(context, builder, sig, args):
-        word = context.cast(builder, args[0], sig.args[0], types.uint32)
-        return builder.bitcast(word, ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_from_f32_intrinsic(typingctx, x):
-    if not isinstance(x, (types.Float, types.Integer)):
-        return None
-    sig = types.uint32(x)
-
-    def codegen(context, builder, sig, args):
-        value = context.cast(builder, args[0], sig.args[0], types.float32)
-        return builder.bitcast(value, ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _f16x2_to_f32_intrinsic(typingctx, word):
-    """Two packed halves (lower index in the low 16 bits) -> (float32, float32): two cvt.f32.f16."""
-    if not isinstance(word, types.Integer):
-        return None
-    sig = types.UniTuple(types.float32, 2)(word)
-
-    def codegen(context, builder, sig, args):
-        w = context.cast(builder, args[0], sig.args[0], types.uint32)
-        pair = builder.bitcast(w, ir.VectorType(ir.HalfType(), 2))
-        lo, hi = (builder.fpext(builder.extract_element(pair, ir.Constant(ir.IntType(32), i)), ir.FloatType())
-                  for i in (0, 1))
-        return context.make_tuple(builder, sig.return_type, [lo, hi])
-
-    return sig, codegen
-
-
-@intrinsic
-def _ld_shared_u32x4_intrinsic(typingctx, smem, offset):
-    """Four 32-bit words of a uint32 shared array at a 16-byte aligned word offset: one LDS.128.
-
-    (Bit-casting the lanes of numba_flash.vec's float32 load makes NVVM fail to compile.)
-    """
-    if not (isinstance(smem, types.Array) and smem.dtype == types.uint32 and isinstance(offset, types.Integer)):
-        return None
-    sig = types.UniTuple(types.uint32, 4)(smem, offset)
-
-    def codegen(context, builder, sig, args):
-        vec_t = ir.VectorType(ir.IntType(32), 4)
-        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-        elem = builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)])
-        ptr = builder.addrspacecast(builder.bitcast(elem, ir.PointerType(vec_t)), ir.PointerType(vec_t, 3))
-        vec = builder.load(ptr, align=16)
-        items = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i)) for i in range(4)]
-        return context.make_tuple(builder, sig.return_type, items)
-
-    return sig, codegen
-
-
-def _ld_shared_u32x4_twin(smem, offset):
-    o = int(offset)
-    assert o % 4 == 0, f"ld_shared_u32x4 at word {o}: not 16-byte aligned"
-    return tuple(np.uint32(x) for x in smem[o:o + 4])
-
-
-def _f32_from_bits_twin(bits):
-    return np.array(int(bits) & 0xFFFFFFFF, dtype=np.uint32).view(np.float32)[()]
-
-
-def _bits_from_f32_twin(x):
-    return np.array(x, dtype=np.float32).view(np.uint32)[()]
-
-
-def _f16x2_to_f32_twin(word):
-    lo, hi = np.array(int(word) & 0xFFFFFFFF, dtype=np.uint32).reshape(1).view(np.float16)
-    return np.float32(lo), np.float32(hi)
-
-
-if ptx.SIMULATOR:
-    f32_from_bits, bits_from_f32, f16x2_to_f32 = _f32_from_bits_twin, _bits_from_f32_twin, _f16x2_to_f32_twin
-else:
-    f32_from_bits, bits_from_f32 = _f32_from_bits_intrinsic, _bits_from_f32_intrinsic
-    f16x2_to_f32 = _f16x2_to_f32_intrinsic
-ld_shared_u32x4 = _ld_shared_u32x4_twin if ptx.SIMULATOR else _ld_shared_u32x4_intrinsic
 
 
 # --------------------------------------------------------------------------------------------
@@ -952,7 +853,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
     cp_async = ptx.cp_async_16_zfill
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
-    ld4 = vec4.ld_shared_f32x4
+    ld4 = ptx.ld_shared_f32x4
     exp2, log2 = math.exp2, math.log2
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
     block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF)

@@ -225,8 +225,7 @@ def convert_source(dtype: str, vec: bool = False):
     ld = ptx.ld_global_nc_v4
     st = ptx.st_global_v4
     VEC = bool(vec)
-    from .decode import f32_from_bits
-    from ..vec import bits_from_f32
+    from ..ptx import bits_from_f32, f32_from_bits
 
     def mma_backward_dq_convert(dq_acc, dq, n_q, d, scale, n_k, block_n, block_m, causal):
         bh = cuda.blockIdx.y
@@ -303,7 +302,7 @@ def prep_vec_source(dtype: str, head_dim: int):
     FULL = ptx.FULL_MASK
     INF, NEG_INF, ZERO = float32(math.inf), float32(-math.inf), float32(0.0)
     HI = uint32(0xFFFF0000)
-    from .decode import f16x2_to_f32, f32_from_bits
+    from ..ptx import f16x2_to_f32, f32_from_bits
 
     @inline_device
     def pair(word):

@@ -28,7 +28,7 @@ repeatable run to run):
 Register tiling, as in simt_forward: a block is a ROW_THREADS × COL_THREADS grid of threads. The
 block's own tile (K/V rows in ``dkdv``, Q rows in ``dq``) is split over ROW_THREADS; the streamed
 tile's rows and the head dim are split over COL_THREADS (head-dim columns in groups of 4). Every
-shared-memory operand is read with 16-byte loads (``numba_flash.vec``): four FMA steps per load
+shared-memory operand is read with 16-byte loads (``numba_flash.ptx.mem``): four FMA steps per load
 instead of one, because the shared-memory pipe, not the FMA units, limits a scalar SIMT kernel.
 Rows are padded by 4 words so that these loads are free of bank conflicts.
 
@@ -51,7 +51,7 @@ from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 from ..configs import HEAD_DIMS, REGS_PER_SM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..launch import launch as launch_kernel
 from ..blocks.rows import DELTA_LANES, DELTA_ROWS, element_io, row_dot_helper
-from ..vec import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
+from ..ptx import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 from ..blocks.numerics import FASTMATH, LOG2E, STORAGE
 
 # Unsigned indices: Numba then skips its negative-index wraparound test (see simt_forward).

@@ -44,7 +44,7 @@ from .. import ptx
 from ..blocks.numerics import FASTMATH, LN2, LOG2E, STORAGE
 from ..configs import SimtConfig
 from ..launch import launch as launch_kernel
-from ..vec import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
+from ..ptx import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 
 
 
@@ -69,7 +69,7 @@ def _ldg(typingctx, src, offset):
 
 
 def _ldg_twin(src, offset):
-    ary = ptx._numpy_of(src)
+    ary = ptx.sim._numpy_of(src)
     low, high = np.lib.array_utils.byte_bounds(ary)
     address = ary.ctypes.data + int(offset) * ary.itemsize
     if not low <= address <= high - ary.itemsize:

@@ -64,8 +64,8 @@ from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX, TF32_BWD_TABLE
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
-from ..vec import bits_from_f32
-from ..vec import ld_shared_f32x4 as ld4  # 16-byte shared load
+from ..ptx import bits_from_f32
+from ..ptx import ld_shared_f32x4 as ld4  # 16-byte shared load
 from . import mma_backward
 from ..blocks.numerics import LOG2E
 from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device

@@ -55,7 +55,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.numerics import LN2, LOG2E
 from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device
-from ..vec import ld_shared_f32x4, st_shared_f32x4
+from ..ptx import ld_shared_f32x4, st_shared_f32x4
 
 F32 = np.dtype(np.float32)
 PASSES = (1, 3)  # tf32 products per fp32 product: 1 (plain TF32) or 3 (3xTF32, fp32 accuracy)
