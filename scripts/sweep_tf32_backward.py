@@ -58,6 +58,8 @@ def ptxas_report(causal=False, layouts=("padded",)):
     from ptxas_util import blocks_per_sm, ptxas_v, sm90_ptxas
 
     ptxas = sm90_ptxas()
+    from numba_flash import backward_plan
+    from numba_flash.blocks import schedule
     from numba_flash.kernels import tf32_backward as tb
 
     rows = []
@@ -70,12 +72,12 @@ def ptxas_report(causal=False, layouts=("padded",)):
                 print(f"d{hd} {kernel} {own}x{streamed} {grads}: cannot build: {bad}", flush=True)
                 continue
             swz = LAYOUTS[layout]
-            src = tb.kernel_source(kernel, own, streamed, hd, causal, grads, swz)
+            src = tb.source(kernel, own, streamed, hd, causal, grads, swz)
             ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
             rep = ptxas_v(ptx, ptxas)
             smem = tb.smem_bytes(kernel, own, streamed, hd, swz)
             row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed, grads=grads, layout=layout,
-                       **rep, smem=smem, blocks_per_sm=blocks_per_sm(rep["registers"], tb.threads_per_block(own), smem))
+                       **rep, smem=smem, blocks_per_sm=blocks_per_sm(rep["registers"], tb.threads(own), smem))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -87,6 +89,8 @@ def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("padde
 
     import numba_flash
     from numba_flash import bench
+    from numba_flash import backward_plan
+    from numba_flash.blocks import schedule
     from numba_flash.kernels import tf32_backward as tb
 
     rows = []
@@ -95,17 +99,17 @@ def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("padde
             g = torch.Generator(device="cuda").manual_seed(hd + causal)
             q, k, v, dout = (torch.randn(B, H, N, hd, device="cuda", generator=g) for _ in range(4))
             out, lse = numba_flash.forward(q, k, v, causal=causal)
-            l2, dd = (torch.empty(B * H, tb.padded_rows(N), device="cuda") for _ in range(2))
+            l2, dd = (torch.empty(B * H, schedule.padded_rows(N), device="cuda") for _ in range(2))
             grads = [torch.empty_like(x) for x in (q, k, v)]
             nb = [cuda.as_cuda_array(x) for x in (q, k, v, out, dout, lse, l2, dd, *grads)]
             scale = hd ** -0.5
             fwd = bench.flops(B, H, N, N, hd, causal)  # 2 products
 
             def run(config, kernels):
-                tb.launch(*nb, causal=causal, softmax_scale=scale, d=hd, config=config, stream=0, kernels=kernels)
+                backward_plan.launch_tf32(*nb, causal=causal, softmax_scale=scale, d=hd, config=config, stream=0, kernels=kernels)
 
             run(None, ("prep",))
-            shipped = tb.config_for(hd, causal)
+            shipped = backward_plan.tf32_config(hd, causal)
             for kernel, cands in (("dkdv", dkdv), ("dq", dq)):
                 ref = None
                 for cand, layout in ((c, lay) for c in cands for lay in layouts):

@@ -17,6 +17,8 @@ from numba import config, cuda
 import numba_flash
 import reference
 from numba_flash.configs import SMEM_PER_BLOCK_MAX, TF32_BWD_SPILL_OK, TF32_BWD_TABLE
+from numba_flash import backward_plan
+from numba_flash.blocks import schedule
 from numba_flash.kernels import tf32_backward as tb
 from test_mma_forward import attention_f64
 from gpu_helpers import needs_gpu
@@ -41,10 +43,10 @@ def run_launcher(vals, d, causal, scale, config):
     kw = {"split_round": config.pop("split_round")} if "split_round" in config else {}
     q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
     B, H, n_q, _ = vals[0].shape
-    rows = (B * H, tb.padded_rows(n_q))
+    rows = (B * H, schedule.padded_rows(n_q))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
     grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]  # unwritten shows as NaN
-    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config, **kw)
+    backward_plan.launch_tf32(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config, **kw)
     return [g.copy_to_host() for g in grads]
 
 
@@ -93,13 +95,13 @@ def run_dq_in_dkdv(vals, d, causal, scale, config, splits):
     Returns (grads, planes as (S, B, H, NQ_PAD, HEAD_DIM))."""
     q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
     B, H, n_q, _ = vals[0].shape
-    rows = (B * H, tb.padded_rows(n_q))
+    rows = (B * H, schedule.padded_rows(n_q))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
     grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]
     planes = splits or 1
     acc = cuda.to_device(np.full((planes * B * H, rows[1], config["head_dim"]), np.nan if splits else 0.0,
                                  np.float32))
-    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config,
+    backward_plan.launch_tf32(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config,
               dq_acc=acc, dq_splits=splits)
     return [g.copy_to_host() for g in grads], acc.copy_to_host().reshape(planes, B, H, rows[1], -1)
 
@@ -140,7 +142,7 @@ def dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=2e-6):
                                        softmax_scale=scale, dq_splits=splits or 1, planes=want_planes)
     for plane in range(splits or 1):
         want = want_planes[plane]
-        first = tb.mma_backward.plane_first_row(plane, n_q, n_k, bn, bm, int(causal)) if splits else 0
+        first = schedule.plane_first_row(plane, n_q, n_k, bn, bm, int(causal)) if splits else 0
         got = planes[plane][:, :, first:n_q]
         np.testing.assert_allclose(got[..., :d], want[:, :, first:], atol=tol * max(1.0, np.abs(want).max()),
                                    err_msg=f"plane {plane}")
@@ -159,7 +161,7 @@ def test_gpu_tf32x3_dq_splits(d, causal, splits, n_q, n_k):
     count: at test sizes some head dims take the dq kernel): fp32-level gradients, every plane against
     float64 (planes NaN until written), and 3 runs bitwise equal."""
     vals, refs, scale = problem(1, 4, 2, n_q, n_k, d, causal, seed=d + n_q)
-    config = tb.config_for(d, causal)
+    config = backward_plan.tf32_config(d, causal)
     first = dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=1e-5)  # the tensor core truncates
     for _ in range(3):
         again, _ = run_dq_in_dkdv(vals, d, causal, scale, config, splits)
@@ -178,7 +180,7 @@ def test_tf32_dq_scheme(monkeypatch):
     bwd = importlib.import_module("numba_flash.backward")  # the module (the package exports the function)
     x = np.broadcast_to(np.float32(1), (4, 16, 4096, 128))  # no memory: only shapes and dtype are read
     p = validate(x, x, x)
-    cfg = tb.config_for(128, False)
+    cfg = backward_plan.tf32_config(128, False)
     how, splits, why = bwd.dq_scheme(p, cfg, True, "tf32x3")
     assert how == "splits" and 1 <= splits <= 8 and "5 tile products" in why, why
     assert bwd.dq_scheme(p, cfg, False, "tf32x3")[0] == "atomic"
@@ -188,7 +190,7 @@ def test_tf32_dq_scheme(monkeypatch):
     for d in (64, 128):
         y = np.broadcast_to(np.float32(1), (1, 4, 1024, d))
         for det in (True, False):
-            how, _, why = bwd.dq_scheme(validate(y, y, y), tb.config_for(d, True), det, "tf32x3")
+            how, _, why = bwd.dq_scheme(validate(y, y, y), backward_plan.tf32_config(d, True), det, "tf32x3")
             assert how == "kernel" and "shared memory" in why, (d, det, why)
 
 
@@ -211,9 +213,9 @@ def test_dq_in_dkdv_layouts():
     assert tb.atomic_problems(128, 64, 128)  # 64-query tiles at d128: 288 KB of shared memory even without dS
     assert "groups of 16 queries" in tb.atomic_problems(32, 8, 32)[0]  # add_dq reads 16-row fragments of dS
     with pytest.raises(ValueError, match="atomic dQ is built into the one-pass padded dkdv kernel only"):
-        tb.make_kernel("dkdv", 128, 32, 128, False, grads="dv", atomic_dq=True)
+        tb.build("dkdv", 128, 32, 128, False, grads="dv", atomic_dq=True)
     with pytest.raises(ValueError, match="dq_splits=1"):
-        tb.make_kernel("dq", 128, 32, 128, False, dq_splits=1)
+        tb.build("dq", 128, 32, 128, False, dq_splits=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,11 +290,11 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
         for kernel, grads in runs:
             if kernel in builds:
                 own, streamed = cfg["dkdv_atomic"]
-                src = tb.kernel_source("dkdv", own, streamed, hd, causal, atomic_dq=True, dq_splits=builds[kernel])
+                src = tb.source("dkdv", own, streamed, hd, causal, atomic_dq=True, dq_splits=builds[kernel])
                 sig = tb.kernel_signature("dkdv", True, builds[kernel] > 0)
             else:
                 own, streamed = cfg[kernel]
-                src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
+                src = tb.source(kernel, own, streamed, hd, causal, grads)
                 sig = tb.kernel_signature(kernel)
             ptx, _ = cuda.compile_ptx(src, sig, cc=(9, 0))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -357,7 +359,7 @@ def test_explain_backward_tf32x3(rng):
     text = numba_flash.explain_backward(q, k, k, causal=True, kernel="tf32x3")
     assert text.startswith("tf32x3 backward: fp32 on tensor cores"), text
     bn, bm = TF32_BWD_TABLE[128, True]["dkdv"]
-    assert f"dkdv: {bn}-key tiles x {bm}-query tiles, {tb.threads_per_block(bn)} threads" in text, text
+    assert f"dkdv: {bn}-key tiles x {bm}-query tiles, {tb.threads(bn)} threads" in text, text
     assert "GQA" in text
     auto = numba_flash.explain_backward(q, q, q)
     if config.ENABLE_CUDASIM:  # auto keeps fp32 on SIMT in the simulator and names the option

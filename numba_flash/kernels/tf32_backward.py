@@ -1,6 +1,6 @@
 """fp32 FlashAttention-2 backward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 (auto for fp32).
 
-Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt from the saved L:
+Maths: kernels/mma_dkdv.py's (reference/backward.py, section 3.6.7), with P rebuilt from the saved L:
 
     L2 = L·log2(e)   (+inf for a row that sees no key: its P = exp2(… − inf) = 0)
     P  = exp2(S·scale·log2(e) − L2),   D = rowsum(dO ∘ O)
@@ -8,12 +8,13 @@ Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt fro
 
 Every product is formed as in tf32_forward: each fp32 operand split x = hi + lo (tf32 parts), three
 tf32 products lo·hi + hi·lo + hi·hi per fp32 product, small terms first. Kernels on one stream, in
-mma_backward's schemes: prep, dkdv and the separate dq kernel below (7 tile products, no atomics), or
-prep and dkdv built with ATOMIC_DQ (dkdv_source, atomic_dq_phase: the dkdv kernel also forms dQ_i +=
-dS_i K_j, 5 tile products, into fp32 planes: one with atomic adds for deterministic=False, or the
-deterministic splits) and mma_backward's convert (dq = scale · the planes summed in order):
+the 16-bit backward's schemes (numba_flash/backward_plan.py runs them): prep, dkdv and the separate dq
+kernel below (7 tile products, no atomics), or prep and dkdv built with ATOMIC_DQ (dkdv_source,
+atomic_dq_phase: the dkdv kernel also forms dQ_i += dS_i K_j, 5 tile products, into fp32 planes: one with
+atomic adds for deterministic=False, or the deterministic splits) and convert (dq = scale · the planes
+summed in order):
 
-1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (mma_backward's prep on fp32, by 16-byte loads where the rows allow).
+1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (kernels/bwd_prep.py on fp32, by 16-byte loads where the rows allow).
 2. dkdv: one block per (BLOCK_N keys, batch · kv head), warp w owning keys 16w..16w+15; the block
    streams (query head of the group, Q tile) steps, so the GQA sum needs no atomics:
 
@@ -44,7 +45,7 @@ config key; the sweep's --layouts) stores them unpadded with 16-byte chunks XOR-
 ``chunk_xor(row)``, conflict-free in both patterns (ncu: 0.6 M conflicts of 1.4 G wavefronts), but
 the XOR offsets cost registers: timed kernel by kernel it was slower in dkdv (d128 35.0 vs 30.8 ms,
 72 B of spills where the padded kernel has none; d64 16.6 vs 14.5) and 2-3 % faster in dq (d128
-23.9 vs 24.6 ms, one run), so the padded layout ships (benchmarks/NOTES.md, eighth session).
+23.9 vs 24.6 ms, one run), so the padded layout ships (benchmarks/DESIGN.md).
 Tiles arrive by cp.async with zero fill past the sequence and d; the streamed ones (Q, dO, L2, D
 in dkdv; K, V in dq) are double-buffered: at the top of step i one barrier says tile i has landed
 and every warp has left step i − 1, whose buffer then receives tile i + 1 while step i computes.
@@ -58,22 +59,20 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, types
 
 from .. import ptx
-from ..configs import SMEM_PER_BLOCK_MAX, TF32_BWD_TABLE
+from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..vec import bits_from_f32
 from ..vec import ld_shared_f32x4 as ld4  # 16-byte shared load
-from . import mma_backward
-from ..blocks.numerics import LOG2E
-from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device
+from ..blocks.entry import dkdv_entry, kernel_signature as _signature, launch_dq_in_dkdv
+from ..blocks.schedule import ROW_PAD
+from ..blocks.tf32 import SPLIT_ROUNDS, products
 
 KERNELS = ("dkdv", "dq")
 GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)
-ROW_PAD = mma_backward.ROW_PAD  # scratch rows padded to 128: every Q tile's L2, D are inside
-padded_rows = mma_backward.padded_rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,7 +94,8 @@ def chunk_xor(row):
     return (row & 6) ^ ((row & 1) << 2)
 
 
-def threads_per_block(block_own):
+def threads(block_own):
+    """One warp per 16 rows of the block's own tile (keys in dkdv, queries in dq)."""
     return 32 * (block_own // 16)
 
 
@@ -130,7 +130,7 @@ def problems(kernel, block_own, block_streamed, HEAD_DIM):
         out.append(f"own tile of {block_own} rows: one warp per 16 rows, 1..8 warps")
     if block_streamed not in (8, 16, 32, 64):
         out.append(f"streamed tile of {block_streamed} rows: 8, 16, 32 or 64 (n-tiles of 8, divides {ROW_PAD})")
-    elif kernel == "dkdv" and block_streamed // 2 > threads_per_block(block_own or 16):
+    elif kernel == "dkdv" and block_streamed // 2 > threads(block_own or 16):
         out.append(f"{block_streamed} queries' L2 and D need {block_streamed // 2} copying threads")
     if kernel == "dq" and ROW_PAD % max(block_own, 1):
         out.append(f"dq tile of {block_own} rows does not divide the scratch padding {ROW_PAD}")
@@ -146,15 +146,8 @@ def problems(kernel, block_own, block_streamed, HEAD_DIM):
 # Kernel sources
 # --------------------------------------------------------------------------------------------
 def kernel_signature(kernel, atomic_dq=False, dq_splits=False):
-    """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...),
-    fp32 arrays; dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) when dkdv also adds up dQ (mma_backward's layout)."""
-    io = types.Array(types.float32, 4, "A")
-    rows = types.Array(types.float32, 2, "A")
-    grads = (io, io) if kernel == "dkdv" else (io,)
-    if atomic_dq:
-        grads += (types.Array(types.float32, 3, "A"),)
-    tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
-    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
+    """blocks.entry.kernel_signature on fp32 arrays."""
+    return _signature(kernel, atomic_dq, dq_splits, types.float32)
 
 
 def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
@@ -330,7 +323,7 @@ def atomic_problems(block_n, block_m, head_dim):
 
 
 def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True, SPLIT_ROUND="rn"):
-    """The atomic dQ phase of the dK/dV kernel (dkdv_source with ATOMIC_DQ; mma_backward's FA2 scheme in
+    """The atomic dQ phase of the dK/dV kernel (dkdv_source with ATOMIC_DQ; mma_dkdv's FA2 scheme in
     3xTF32): dQ_i += dS_i K_j over the block's BLOCK_N keys, added to fp32 scratch.
 
     (store_ds, add_dq). store_ds: each warp writes its dSᵀ (hi and lo parts, split once for dK) to shared
@@ -447,19 +440,19 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
     accumulator registers per lane) would spill. Timed slower than one pass wherever swept
     (configs.TF32_BWD_TABLE): no shipped tile uses it.
 
-    ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_backward's dQ-in-dkdv): after dV and dK, dSᵀ into
+    ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_dkdv's dQ-in-dkdv): after dV and dK, dSᵀ into
     shared memory (atomic_dq_phase), a barrier, then dQ_i += dS_i K_j added to fp32 scratch dq_acc. dS goes
     over this step's dO (hi parts) and Q (lo) buffers where it fits (ds_in_stage: d128, no room for more),
     after a barrier that says every warp has read them; else into a region of its own after the stages
     (the barrier at the top of the next step keeps it until every warp has read it). Without DQ_SPLITS
     every block adds into one zeroed plane, atomics in any order (deterministic=False). DQ_SPLITS:
-    mma_backward's deterministic splits: 1 = block x adds into plane x (a view of dq_acc from row
+    the deterministic splits (blocks.entry.dkdv_entry): 1 = block x adds into plane x (a view of dq_acc from row
     x·plane_rows), key block kb0 + x; 2 = the same, storing (the first launch, into planes nobody zeroed)."""
     DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
     if ATOMIC_DQ and (GRADS != "dkdv" or SWIZZLE):
         raise ValueError("the atomic dQ phase is built into the one-pass, padded dkdv kernel only")
     FIRST_STORES = DQ_SPLITS == 2  # a compile-time constant: the other builds' stores are pruned
-    THREADS = threads_per_block(BLOCK_N)
+    THREADS = threads(BLOCK_N)
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
     S1, S2 = strides(HEAD_DIM, SWIZZLE)
@@ -539,7 +532,7 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
             q_t = SQ + 2 * t * S2 + (g & 3)
             do_t = SDO + 2 * t * S2 + (g & 3)
             col_x = 4 * ((g >> 2) ^ chunk_xor(2 * t))
-        else:  # padded rows: column g directly (the seventh session's code, instruction for instruction)
+        else:  # padded rows: column g directly
             q_t = SQ + 2 * t * S2 + g
             do_t = SDO + 2 * t * S2 + g
             col_x = 0
@@ -606,27 +599,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
         if DK:
             store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
 
-    if ATOMIC_DQ and DQ_SPLITS:
-        def tf32_backward_dkdv_splits(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale,
-                                      kb0, plane_rows):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
-                      scale_log2, scale, kb0 + cuda.blockIdx.x)
-        return tf32_backward_dkdv_splits
-    if ATOMIC_DQ:
-        def tf32_backward_dkdv_atomic(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2,
-                                      scale):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale,
-                      cuda.blockIdx.x)
-        return tf32_backward_dkdv_atomic
-
-    def tf32_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
-        dkdv_body(q, k, v, dout, l2, dd, dk, dv, dk, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x)
-    return tf32_backward_dkdv
+    return dkdv_entry(dkdv_body, globals(), "tf32_dkdv", ATOMIC_DQ, DQ_SPLITS, first=False, stand_in="dk")
 
 
 def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn"):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-key K/V tiles streamed."""
-    THREADS = threads_per_block(BLOCK_M)
+    THREADS = threads(BLOCK_M)
     O_TILES = HEAD_DIM // 8
     N_TILES = BLOCK_N // 8  # n-tiles of S / dP = k-steps of dQ
     S1, S2 = strides(HEAD_DIM, SWIZZLE)
@@ -642,7 +620,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    def tf32_backward_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+    def tf32_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -731,10 +709,10 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
         store_rows(dq, acc, b, h, qw, g, t, n_q, d, scale)
 
-    return tf32_backward_dq
+    return tf32_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False, atomic_dq=False,
+def source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False, atomic_dq=False,
                   dq_splits=0, vector_red=True, split_round="rn"):
     """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
     grads: dkdv_source's GRADS (dkdv only); swizzle=True: the swizzled variant (sweep only);
@@ -750,12 +728,12 @@ def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dk
 # Kernel factories
 # --------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
-def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
+def build(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
                 swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True, split_round="rn"):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch (red.global.add.v4.f32 with
     vector_red, sm_90+, else scalar adds); dq_splits: 1 / 2, the deterministic splits' builds (adds /
-    the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS); split_round: kernel_source's,
+    the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS); split_round: source's,
     passed only when not "rn" (launch: "rna" below sm_90)."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
     if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
@@ -773,76 +751,39 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
         raise ValueError(f"tf32 backward {kernel} ({block_own}, {block_streamed}, {HEAD_DIM}) cannot be built: "
                          f"{'; '.join(bad)}")
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    source = kernel_source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), grads, bool(swizzle),
-                           bool(atomic_dq), int(dq_splits), bool(vector_red), split_round)
-    return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(source)
+    fn = source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), grads, bool(swizzle),
+                bool(atomic_dq), int(dq_splits), bool(vector_red), split_round)
+    return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(fn)
 
 
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def config_for(d, causal):
-    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
-    "dk")][, "swizzle": False][, "dkdv_atomic": (BLOCK_N, BLOCK_M), "deterministic_dq": "splits" | "kernel"]}
-    (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv");
-    swizzle=True: the swizzled variant of the both-patterns tiles (sweep A/B); dkdv_atomic: the tile of the
-    dkdv kernel that also forms dQ (launch's dq_acc), deterministic_dq: backward.dq_scheme's table choice."""
-    head_dim = head_dim_for(d)
-    return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
-
-
-def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,
-           kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None, split_round=None):
-    """Run prep, dkdv and dq on float32 device arrays; the caller has validated the problem and layout.
-
-    q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d); q, k, v, dout with unit last
-    stride, other strides multiples of 16 B and 16-byte aligned data (cp.async); lse (B, H, Nq) fp32;
-    l2, dd: C-contiguous fp32 scratch (B·H, padded_rows(Nq)). config: as config_for(d, causal) returns it
-    (default). Nq, Nk > 0. kernels: which of the three run (dkdv and dq read prep's scratch).
-    dq_acc, dq_splits: as mma_backward.launch (the dkdv tile config["dkdv_atomic"] then forms dQ: one
-    zeroed plane with atomics, or dq_splits planes, and a convert kernel replaces the dq kernel).
-    split_round: tf32_forward.SPLIT_ROUNDS (default: "rn" on sm_90+, "rna" below it)."""
-    B, H, n_q, _ = q.shape
+def launch(kernel, args, scalars, *, tile, head_dim, causal, stream=0, grads="dkdv", swizzle=False,
+           split_round="rn", dq_acc=None, dq_splits=None):
+    """One kernel over its grid: args = (q, k, v, dout, l2, dd, dk, dv) for dkdv or (..., dd, dq) for dq, fp32
+    arrays (l2, dd: prep's scratch rows), scalars (n_q, n_k, d, group, scale·log2 e, scale). dkdv with dq_acc:
+    the build that also forms dQ, one zeroed plane with atomic adds (dq_splits None) or dq_splits planes
+    (blocks.entry.launch_dq_in_dkdv)."""
+    q, k = args[0], args[1]
+    B, H, n_q = q.shape[0], q.shape[1], q.shape[2]
     Hkv, n_k = k.shape[1], k.shape[2]
-    config = config_for(d, causal) if config is None else config
-    head_dim = config["head_dim"]
-    if d > head_dim:
-        raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
-    scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
-    swz = bool(config.get("swizzle", False))
-    split_round = split_round_for_device(split_round)
     rnd = {} if split_round == "rn" else {"split_round": split_round}  # passed only when not the default (cache key)
-    atomic = dq_acc is not None
-    if "prep" in kernels:  # 16-byte loads where every chunk is all data (d % 4 == 0) and the rows are aligned
-        vec = d % 4 == 0 and mma_backward.rows16(out) and mma_backward.rows16(dout)
-        mma_backward.launch_prep("float32", head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)
-    if atomic:
-        if "dkdv_atomic" not in config:
-            raise ValueError(f"dq_acc given but the config has no dkdv_atomic tile: {config}")
-        bn, bm = config["dkdv_atomic"]
-        n_kb = (n_k + bn - 1) // bn
-        mma_backward.check_dq_acc(dq_acc, dq_splits, B * H, l2.shape[1], head_dim, n_kb)
-    elif dq_splits is not None:
-        raise ValueError(f"dq_splits={dq_splits} needs dq_acc")
-    if "dkdv" in kernels and atomic:
+    if kernel == "dkdv" and dq_acc is not None:
+        bn, bm = tile
         red = {} if ptx.current_sm90() else {"vector_red": False}  # passed only when off (cache key)
-        mma_backward.launch_dq_in_dkdv(
-            lambda splits: make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **red, **rnd,
-                                       **({"dq_splits": splits} if splits else {})),
-            B * Hkv, threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True), stream,
-            (q, k, v, dout, l2, dd, dk, dv, dq_acc), scalars, n_kb, dq_splits, B * H)
-    elif "dkdv" in kernels:
-        bn, bm = config["dkdv"]
-        for grads in config.get("dkdv_passes", ("dkdv",)):
-            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swz, **rnd),
-                          ((n_k + bn - 1) // bn, B * Hkv), threads_per_block(bn), stream,
-                          smem_bytes("dkdv", bn, bm, head_dim, swz),
-                          q, k, v, dout, l2, dd, dk, dv, *scalars)
-    if "dq" in kernels and atomic:
-        mma_backward.launch_convert("float32", d % 8 == 0 and mma_backward.rows16(dq), dq_acc, dq, n_q, d,
-                                    softmax_scale, n_k, bn, bm, causal, B * H, stream)
-    elif "dq" in kernels:
-        bm, bn = config["dq"]
-        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz, **rnd),
-                      ((n_q + bm - 1) // bm, B * H), threads_per_block(bm), stream,
-                      smem_bytes("dq", bm, bn, head_dim, swz), q, k, v, dout, l2, dd, dq, *scalars)
+        launch_dq_in_dkdv(
+            lambda splits: build("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **red, **rnd,
+                                 **({"dq_splits": splits} if splits else {})),
+            B * Hkv, threads(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True), stream, (*args, dq_acc),
+            scalars, (n_k + bn - 1) // bn, dq_splits, B * H)
+    elif kernel == "dkdv":
+        bn, bm = tile
+        launch_kernel(build("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swizzle, **rnd),
+                      ((n_k + bn - 1) // bn, B * Hkv), threads(bn), stream,
+                      smem_bytes("dkdv", bn, bm, head_dim, swizzle), *args, *scalars)
+    else:
+        bm, bn = tile
+        launch_kernel(build("dq", bm, bn, head_dim, bool(causal), swizzle=swizzle, **rnd),
+                      ((n_q + bm - 1) // bm, B * H), threads(bm), stream,
+                      smem_bytes("dq", bm, bn, head_dim, swizzle), *args, *scalars)
