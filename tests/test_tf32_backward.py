@@ -346,7 +346,7 @@ def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
 def test_backward_tf32x3_public_sim(monkeypatch):
     """numba_flash.backward(kernel='tf32x3'): NumPy in and out, GQA causal. One-warp tiles: the shipped
     64-row ones take minutes in the simulator (the compile test covers those)."""
-    monkeypatch.setattr(tb, "config_for", lambda d, causal: dict(dkdv=(16, 8), dq=(16, 8), head_dim=32))
+    monkeypatch.setattr(backward_plan, "tf32_config", lambda d, causal: dict(dkdv=(16, 8), dq=(16, 8), head_dim=32))
     vals, refs, scale = problem(1, 2, 1, 11, 19, 8, True, seed=3)
     grads = numba_flash.backward(*vals, causal=True, kernel="tf32x3")
     assert all(g.dtype == np.float32 for g in grads)
