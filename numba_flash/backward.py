@@ -247,15 +247,12 @@ def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
     cfg = backward_plan.tf32_config(p.d, p.causal)
     hd = cfg["head_dim"]
     (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
-    passes = cfg.get("dkdv_passes", ("dkdv",))
     reasons = [
         "tf32x3 backward: fp32 on tensor cores (mma.sync m16n8k8 tf32, each fp32 product as 3 tf32 products: "
         "fp32-level accuracy, as SDPA's memory-efficient fp32 backward); D and L·log2(e), then dK/dV over K/V "
         "tiles, and dQ as the dQ lines say",
         f"dkdv: {bn}-key tiles x {bm}-query tiles, {tf32_backward.threads(bn)} threads, "
-        f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory"
-        + (f", as {len(passes)} passes ({' then '.join(passes)}: dK and dV together spill at d{hd})"
-           if len(passes) > 1 else ""),
+        f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory",
         f"dq: {bq}-query tiles x {bk}-key tiles, {tf32_backward.threads(bq)} threads, "
         f"{tf32_backward.smem_bytes('dq', bq, bk, hd)} B shared memory"
         + (f"; dQ in dkdv: {cfg['dkdv_atomic'][0]}-key tiles x {cfg['dkdv_atomic'][1]}-query tiles, "

@@ -93,10 +93,8 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
 
 
 def tf32_config(d, causal):
-    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
-    "dk")][, "swizzle": False][, "dkdv_atomic": (BLOCK_N, BLOCK_M), "deterministic_dq": "splits" | "kernel"]}
-    (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv");
-    swizzle=True: the swizzled variant of the both-patterns tiles (sweep A/B); dkdv_atomic: the tile of the
+    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_atomic": (BLOCK_N,
+    BLOCK_M), "deterministic_dq": "splits" | "kernel"]} (configs.TF32_BWD_TABLE); dkdv_atomic: the tile of the
     dkdv kernel that also forms dQ (launch_tf32's dq_acc), deterministic_dq: backward.dq_scheme's table choice."""
     head_dim = head_dim_for(d)
     return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
@@ -121,7 +119,6 @@ def launch_tf32(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_
     if d > head_dim:
         raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
-    swz = bool(config.get("swizzle", False))
     split_round = split_round_for_device(split_round)
     atomic = dq_acc is not None
     if "prep" in kernels:  # 16-byte loads where every chunk is all data (d % 4 == 0) and the rows are aligned
@@ -139,11 +136,9 @@ def launch_tf32(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_
         tf32_backward.launch("dkdv", (q, k, v, dout, l2, dd, dk, dv), scalars, tile=(bn, bm), dq_acc=dq_acc,
                              dq_splits=dq_splits, **opts)
     elif "dkdv" in kernels:
-        for grads in config.get("dkdv_passes", ("dkdv",)):
-            tf32_backward.launch("dkdv", (q, k, v, dout, l2, dd, dk, dv), scalars, tile=config["dkdv"], grads=grads,
-                                 swizzle=swz, **opts)
+        tf32_backward.launch("dkdv", (q, k, v, dout, l2, dd, dk, dv), scalars, tile=config["dkdv"], **opts)
     if "dq" in kernels and atomic:
         bwd_prep.launch_convert("float32", d % 8 == 0 and rows16(dq), dq_acc, dq, n_q, d, softmax_scale, n_k, bn, bm,
                                 causal, B * H, stream)
     elif "dq" in kernels:
-        tf32_backward.launch("dq", (q, k, v, dout, l2, dd, dq), scalars, tile=config["dq"], swizzle=swz, **opts)
+        tf32_backward.launch("dq", (q, k, v, dout, l2, dd, dq), scalars, tile=config["dq"], **opts)

@@ -71,12 +71,8 @@ SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
     (1, 2, 2, 21, 50, 16, True, {}),    # Nq < Nk causal
     pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: 125 s under pytest -n 2
     (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
-    (1, 2, 1, 12, 21, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
     (1, 1, 1, 23, 30, 32, True, dict(split_round="rna")),  # the split below sm_90 (cvt.rna)
     pytest.param(1, 1, 1, 18, 25, 28, False, dict(split_round="rn_raw"), marks=pytest.mark.variant),  # lo unrounded
-    # the sweep's swizzled variant (not shipped), at d 64: chunk pairs and n-tiles past the first 32 words
-    pytest.param(1, 1, 1, 19, 26, 60, True, dict(swizzle=True, dkdv=(16, 8), dq=(16, 8), head_dim=64),
-                 marks=pytest.mark.variant),
 ])
 def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal)
@@ -212,63 +208,10 @@ def test_dq_in_dkdv_layouts():
     assert tb.smem_bytes("dkdv", 128, 64, 64, atomic_dq=True) == 156672 + 65536 <= SMEM_PER_BLOCK_MAX
     assert tb.atomic_problems(128, 64, 128)  # 64-query tiles at d128: 288 KB of shared memory even without dS
     assert "groups of 16 queries" in tb.atomic_problems(32, 8, 32)[0]  # add_dq reads 16-row fragments of dS
-    with pytest.raises(ValueError, match="atomic dQ is built into the one-pass padded dkdv kernel only"):
-        tb.build("dkdv", 128, 32, 128, False, grads="dv", atomic_dq=True)
+    with pytest.raises(ValueError, match="atomic dQ is built into the dkdv kernel only"):
+        tb.build("dq", 128, 32, 128, False, atomic_dq=True)
     with pytest.raises(ValueError, match="dq_splits=1"):
         tb.build("dq", 128, 32, 128, False, dq_splits=1)
-
-
-# --------------------------------------------------------------------------------------------
-# Shared-memory banks of the swizzled (both-patterns) tiles: a model of each warp request
-# --------------------------------------------------------------------------------------------
-def wavefronts(word_addrs, width):
-    """Shared-memory wavefronts of one warp request: lane l reads `width` 4-byte words from
-    word_addrs[l]; 16-byte loads go in four 8-lane phases, 32-bit loads in one. A wavefront
-    serves one word per bank (the same word to several lanes counts once)."""
-    phases = [range(i, i + 8) for i in range(0, 32, 8)] if width == 4 else [range(32)]
-    total = 0
-    for lanes in phases:
-        per_bank = {}
-        for lane in lanes:
-            for w in range(width):
-                a = word_addrs[lane] + w
-                per_bank.setdefault(a % 32, set()).add(a)
-        total += max(len(words) for words in per_bank.values())
-    return total
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_swizzled_tiles_are_bank_conflict_free(head_dim):
-    """The lane addresses of pattern 1 (B rows 8nt + g, chunk 4c + t: tile start + row + (16c) ^ b_x)
-    and pattern 2 (B rows 8n + 2t (+1), column 8dt + g) as the kernels form them need the fewest
-    wavefronts (4 per 16-byte request, 1 per 32-bit one) on tb.chunk_xor's layout (swizzle=True);
-    the shipped padded rows (HEAD_DIM + 8) need two-way replays in both, which the model must see too
-    (ncu agrees: benchmarks/NOTES.md, eighth session)."""
-    lanes = [(lane >> 2, lane & 3) for lane in range(32)]  # (g, t)
-    s2 = tb.strides(head_dim, swizzle=True)[1]
-    assert s2 == head_dim  # unpadded: the swizzle, not padding, spreads the banks
-    for nt in range(4):
-        for c in range(head_dim // 16):
-            swz = [(8 * nt + g) * s2 + ((16 * c) ^ (4 * (t ^ tb.chunk_xor(g)))) for g, t in lanes]
-            assert wavefronts(swz, 4) == 4, (nt, c)
-            # each lane's 16 bytes are the logical row's chunk 4c + t, where the copy put it
-            assert all(a - (8 * nt + g) * s2 == 4 * ((4 * c + t) ^ tb.chunk_xor(8 * nt + g))
-                       for a, (g, t) in zip(swz, lanes))
-            assert wavefronts([(8 * nt + g) * (head_dim + 8) + 16 * c + 4 * t for g, t in lanes], 4) == 8
-    for n in range(4):
-        for dt in range(head_dim // 8):
-            for odd in (0, 1):
-                swz = []
-                for g, t in lanes:
-                    row = 8 * n + 2 * t + odd
-                    b_x = 4 * ((g >> 2) ^ tb.chunk_xor(2 * t)) ^ (16 * odd)
-                    a = row * s2 + (g & 3) + ((8 * dt) ^ b_x)
-                    chunk = (8 * dt + g) // 4  # the logical column's chunk, stored at chunk ^ chunk_xor(row)
-                    assert a == row * s2 + 4 * (chunk ^ tb.chunk_xor(row)) + (8 * dt + g) % 4
-                    swz.append(a)
-                assert wavefronts(swz, 1) == 1, (n, dt, odd)
-                old = [(8 * n + 2 * t + odd) * (head_dim + 8) + 8 * dt + g for g, t in lanes]
-                assert wavefronts(old, 1) == 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,16 +228,15 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
     out = []
     builds = {"dkdv-atomic": 0, "dkdv-splits": 1, "dkdv-splits-first": 2}  # the dQ-in-dkdv builds: dq_splits
     for (hd, causal), cfg in sorted(TF32_BWD_TABLE.items()):
-        runs = [("dkdv", grads) for grads in cfg.get("dkdv_passes", ("dkdv",))] + [("dq", "dkdv")]
-        runs += [(name, "dkdv") for name in builds if "dkdv_atomic" in cfg]
-        for kernel, grads in runs:
+        runs = ["dkdv", "dq"] + [name for name in builds if "dkdv_atomic" in cfg]
+        for kernel in runs:
             if kernel in builds:
                 own, streamed = cfg["dkdv_atomic"]
                 src = tb.source("dkdv", own, streamed, hd, causal, atomic_dq=True, dq_splits=builds[kernel])
                 sig = tb.kernel_signature("dkdv", True, builds[kernel] > 0)
             else:
                 own, streamed = cfg[kernel]
-                src = tb.source(kernel, own, streamed, hd, causal, grads)
+                src = tb.source(kernel, own, streamed, hd, causal)
                 sig = tb.kernel_signature(kernel)
             ptx, _ = cuda.compile_ptx(src, sig, cc=(9, 0))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -303,7 +245,7 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
                                text=True)
             rep = r.stderr + r.stdout
             m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
-            out.append(dict(hd=hd, kernel=kernel, grads=grads, causal=causal, own=own, streamed=streamed,
+            out.append(dict(hd=hd, kernel=kernel, causal=causal, own=own, streamed=streamed,
                             rc=r.returncode,
                             stack=int(m.group(1)), spills=int(m.group(2)) + int(m.group(3)),
                             registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
@@ -321,8 +263,7 @@ def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
     configs.TF32_BWD_SPILL_OK, a block's registers within the 64K file, shared memory within 227 KiB."""
     reports = run_compile_child(CHILD, [], tmp_path)
     print(json.dumps(reports, indent=0))
-    assert len(reports) == sum(1 + len(c.get("dkdv_passes", ("dkdv",))) + 3 * ("dkdv_atomic" in c)
-                               for c in TF32_BWD_TABLE.values())
+    assert len(reports) == sum(2 + 3 * ("dkdv_atomic" in c) for c in TF32_BWD_TABLE.values())
     for rep in reports:
         where = json.dumps(rep)
         allowed = TF32_BWD_SPILL_OK.get((rep["kernel"], rep["own"], rep["streamed"], rep["hd"], rep["causal"]), 0)
@@ -410,4 +351,4 @@ def test_tf32x3_backward_refuses(rng):
 def test_tf32_backward_table_entries_can_be_built():
     for (hd, causal), cfg in TF32_BWD_TABLE.items():
         assert not tb.problems("dkdv", *cfg["dkdv"], hd) and not tb.problems("dq", *cfg["dq"], hd), (hd, causal)
-        assert set(cfg.get("dkdv_passes", ("dkdv",))) <= set(tb.GRADS)
+        assert not {"dkdv_passes", "swizzle"} & set(cfg), (hd, causal)  # layouts that did not ship

@@ -40,12 +40,9 @@ Shared memory (fp32 words): tiles read only by pattern 1 have rows padded to S1 
 conflict-free 16-byte loads). No row padding serves both patterns (pattern 1 wants rows == 16 mod
 32, pattern 2 rows == 4 mod 16): tiles read both ways (Q, dO in dkdv; K in dq) use S2 = HEAD_DIM + 8,
 two-way conflicts in each pattern instead of four-way in one (ncu on an H200: 43 % of the d = 128
-dkdv's shared wavefronts and 32 % of dq's are bank conflicts). The variant ``swizzle=True`` (a
-config key; the sweep's --layouts) stores them unpadded with 16-byte chunks XOR-swizzled by
-``chunk_xor(row)``, conflict-free in both patterns (ncu: 0.6 M conflicts of 1.4 G wavefronts), but
-the XOR offsets cost registers: timed kernel by kernel it was slower in dkdv (d128 35.0 vs 30.8 ms,
-72 B of spills where the padded kernel has none; d64 16.6 vs 14.5) and 2-3 % faster in dq (d128
-23.9 vs 24.6 ms, one run), so the padded layout ships (benchmarks/DESIGN.md).
+dkdv's shared wavefronts and 32 % of dq's are bank conflicts). Unpadded rows with 16-byte chunks
+XOR-swizzled were conflict-free in both patterns but slower (the XOR offsets cost registers; the
+verdict is in benchmarks/DESIGN.md's variants that did not ship).
 Tiles arrive by cp.async with zero fill past the sequence and d; the streamed ones (Q, dO, L2, D
 in dkdv; K, V in dq) are double-buffered: at the top of step i one barrier says tile i has landed
 and every warp has left step i − 1, whose buffer then receives tile i + 1 while step i computes.
@@ -72,26 +69,14 @@ from ..blocks.schedule import ROW_PAD
 from ..blocks.tf32 import SPLIT_ROUNDS, products
 
 KERNELS = ("dkdv", "dq")
-GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)
 
 
 # --------------------------------------------------------------------------------------------
 # Shapes of a specialisation
 # --------------------------------------------------------------------------------------------
-def strides(HEAD_DIM, swizzle=False):
-    """(S1, S2): row lengths in words of tiles read by pattern 1 only (padded), and by both patterns
-    (padded by 8, shipped; swizzle=True: unpadded, chunks swizzled by chunk_xor, the sweep's variant)."""
-    return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM if swizzle else HEAD_DIM + 8
-
-
-@inline_device  # register_jitable: callable from the kernels and from Python (tests) alike
-def chunk_xor(row):
-    """The 16-byte chunk swizzle of a both-patterns tile: chunk c of row r is stored at c ^ chunk_xor(r).
-
-    Pattern 1 (16-byte loads, rows 2j and 2j+1 in one 8-lane phase, chunks 4cc + t) needs bit 2 to
-    differ between rows 2j and 2j + 1; pattern 2 (rows 2t, or 2t + 1, at word g of chunk 2dt + g // 4)
-    needs bits 1-2 distinct over t. (r & 6) ^ 4 (r & 1) gives both; only r % 8 matters."""
-    return (row & 6) ^ ((row & 1) << 2)
+def strides(HEAD_DIM):
+    """(S1, S2): row lengths in words of tiles read by pattern 1 only, and by both patterns (padded by 8)."""
+    return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM + 8
 
 
 def threads(block_own):
@@ -99,9 +84,9 @@ def threads(block_own):
     return 32 * (block_own // 16)
 
 
-def stage_words(kernel, block_streamed, HEAD_DIM, swizzle=False):
+def stage_words(kernel, block_streamed, HEAD_DIM):
     """One buffer of the streamed tiles: dkdv Q, dO (S2) | L2, D; dq K (S2) | V (S1)."""
-    s1, s2 = strides(HEAD_DIM, swizzle)
+    s1, s2 = strides(HEAD_DIM)
     if kernel == "dkdv":
         return 2 * block_streamed * s2 + 2 * block_streamed
     return block_streamed * (s1 + s2)
@@ -113,11 +98,11 @@ def ds_in_stage(block_n, HEAD_DIM):
     return block_n <= strides(HEAD_DIM)[1]
 
 
-def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, swizzle=False, atomic_dq=False):
+def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, atomic_dq=False):
     """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer);
     with atomic_dq (dkdv), dS's own region where it does not fit the stage (ds_in_stage)."""
     ds = 2 * block_streamed * block_own if atomic_dq and not ds_in_stage(block_own, HEAD_DIM) else 0
-    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM, swizzle)
+    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM)
                 + ds)
 
 
@@ -150,10 +135,10 @@ def kernel_signature(kernel, atomic_dq=False, dq_splits=False):
     return _signature(kernel, atomic_dq, dq_splits, types.float32)
 
 
-def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
+def _helpers(THREADS, HEAD_DIM, SPLIT_ROUND):
     """Device functions both kernels share: tile copies, the split, 3xTF32 mma, the two patterns.
-    SWIZZLE: the layout of the both-patterns tiles (strides); SPLIT_ROUND: tf32_forward.SPLIT_ROUNDS."""
-    S2 = strides(HEAD_DIM, SWIZZLE)[1]
+    SPLIT_ROUND: blocks.tf32.SPLIT_ROUNDS."""
+    S2 = strides(HEAD_DIM)[1]
     CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
     PAIRS = HEAD_DIM // 16  # pairs of k-steps over d (pattern 1)
     O_TILES = HEAD_DIM // 8  # n-tiles over d (pattern 2)
@@ -163,9 +148,8 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
     split, mma3 = products(3, SPLIT_ROUND)
 
     @inline_device
-    def load_tile(smem, tile0, STRIDE, SWIZZLED, src, b, h, row0, n_rows, d, ROWS):
-        """cp.async rows row0.. of src[b, h] into the tile at word tile0 (zero fill past n_rows and d);
-        SWIZZLED (0 or 1): chunks at chunk ^ chunk_xor(row) (a both-patterns tile)."""
+    def load_tile(smem, tile0, STRIDE, src, b, h, row0, n_rows, d, ROWS):
+        """cp.async rows row0.. of src[b, h] into the tile at word tile0 (zero fill past n_rows and d)."""
         rs = src.strides[2] // 4
         base = b * (src.strides[0] // 4) + h * (src.strides[1] // 4)
         for i in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
@@ -178,19 +162,14 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
                 nbytes = min(max(d - col, 0), 4) * 4 if row < n_rows else 0
                 # a zero-byte copy still names an address inside the array: row 0 of the tile's rows, column 0
                 src_off = base + (row * rs + col if nbytes > 0 else min(row0, n_rows - 1) * rs)
-                cp_async(smem, tile0 + r * STRIDE + ((chunk ^ (SWIZZLED * chunk_xor(r))) << 2), src, src_off, nbytes)
+                cp_async(smem, tile0 + r * STRIDE + (chunk << 2), src, src_off, nbytes)
 
     @inline_device
-    def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, b_x, B_SWZ, N_TILES):
+    def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, N_TILES):
         """out[nt] = A_w · Bᵀ for n-tiles nt < N_TILES over all of d: lane (g, t) brings columns
-        16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane: the row's start,
-        its chunk 4c + t at words (16c) ^ b_x with b_x = 4 (t ^ chunk_xor(g)) if swizzled; unswizzled
-        b_lane is at column 4t and b_x = 0);
-        each pair of k-steps starts from zero and is added by an FADD. B_SWZ (0 or 1, constant):
-        whether B is swizzled. (16c) ^ b_x is formed as 32 (c >> 1) + (b_x or b_x ^ 16): two lane
-        registers and immediates, not one per c (ptxas spilled hundreds of bytes at d = 128 when
-        each c had its own XOR); unswizzled, b_lane + 16c: an immediate on one register."""
-        b_x1 = b_x ^ 16
+        16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane: the row's column 4t);
+        each pair of k-steps starts from zero and is added by an FADD. b_lane + 16c: an immediate on one
+        register."""
         c = cuda.local.array((1, 4), float32)
         for nt in range(N_TILES):
             for r in range(4):
@@ -207,10 +186,7 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
             yh2, yl2 = split(y2)
             yh3, yl3 = split(y3)
             for nt in range(N_TILES):
-                if B_SWZ:
-                    z0, z1, z2, z3 = ld4(smem, b_lane + nt * 8 * B_STRIDE + 32 * (cc >> 1) + (b_x1 if cc & 1 else b_x))
-                else:
-                    z0, z1, z2, z3 = ld4(smem, b_lane + b_x + nt * 8 * B_STRIDE + 16 * cc)
+                z0, z1, z2, z3 = ld4(smem, b_lane + nt * 8 * B_STRIDE + 16 * cc)
                 zh0, zl0 = split(z0)
                 zh1, zl1 = split(z1)
                 zh2, zl2 = split(z2)
@@ -224,55 +200,43 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
                     out[nt, r] += c[0, r]
 
     @inline_device
-    def pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, dt, K_STEPS):
+    def pattern2_tile(acc, ah, al, smem, b_lane, dt, K_STEPS):
         """acc[dt] += A · B[:, 8dt:8dt+8] in fresh registers, A = the accumulators ah + al (columns
-        8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g
-        of a swizzled tile: b_lane = row 2t's start + g % 4, and with b_x = 4 ((g // 4) ^ chunk_xor(2t))
-        the column's words are (8dt) ^ b_x = 32 (dt >> 2) + o[dt & 3], o[m] = (8m) ^ b_x (pattern2
-        forms o0..o3 once); row 2t + 1's chunk differs in bit 2: words ^ 16, i.e. o[m ^ 2].
-        Padded tiles (SWIZZLE off): b_lane = row 2t's start + g, the o's unused."""
-        m = dt & 3
+        8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g:
+        b_lane = row 2t's start + g."""
         c = cuda.local.array((1, 4), float32)
         for r in range(4):
             c[0, r] = ZERO
         for n in range(K_STEPS):
-            if SWIZZLE:
-                x0 = o0 if m == 0 else (o1 if m == 1 else (o2 if m == 2 else o3))
-                x1 = o2 if m == 0 else (o3 if m == 1 else (o0 if m == 2 else o1))
-                row = b_lane + n * 8 * S2 + 32 * (dt >> 2)
-                bh0, bl0 = split(smem[row + x0])
-                bh1, bl1 = split(smem[row + S2 + x1])
-            else:  # padded rows: b_lane at column g (b_x = 0), 8dt + g of both rows, immediates on one register
-                off = b_lane + n * 8 * S2 + dt * 8
-                bh0, bl0 = split(smem[off])
-                bh1, bl1 = split(smem[off + S2])
+            off = b_lane + n * 8 * S2 + dt * 8  # 8dt + g of both rows: immediates on one register
+            bh0, bl0 = split(smem[off])
+            bh1, bl1 = split(smem[off + S2])
             mma3(c, 0, ah[n, 0], ah[n, 2], ah[n, 1], ah[n, 3], al[n, 0], al[n, 2], al[n, 1], al[n, 3],
                  bh0, bh1, bl0, bl1)
         for r in range(4):
             acc[dt, r] += c[0, r]
 
     @inline_device
-    def pattern2(acc, ah, al, smem, b_lane, b_x, K_STEPS):
+    def pattern2(acc, ah, al, smem, b_lane, K_STEPS):
         """Every n-tile of acc (16 x HEAD_DIM) += A · B, one call per n-tile (constant indices: registers)."""
-        o0, o1, o2, o3 = b_x, b_x ^ 8, b_x ^ 16, b_x ^ 24
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 0, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 1, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 2, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 3, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 0, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 1, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 2, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 3, K_STEPS)
         if O_TILES > 4:
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 4, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 5, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 6, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 7, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 4, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 5, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 6, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 7, K_STEPS)
         if O_TILES > 8:
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 8, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 9, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 10, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 11, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 12, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 13, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 14, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 15, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 8, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 9, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 10, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 11, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 12, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 13, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 14, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 15, K_STEPS)
 
     @inline_device
     def split_all(x, lo, N):
@@ -431,14 +395,8 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True, SPLIT_R
     return store_ds, add_dq
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False, ATOMIC_DQ=False, DQ_SPLITS=0,
-                VECTOR_RED=True, SPLIT_ROUND="rn"):
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, ATOMIC_DQ=False, DQ_SPLITS=0, VECTOR_RED=True, SPLIT_ROUND="rn"):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
-
-    GRADS: "dkdv" (both), or "dv" / "dk" alone: a dV pass (Sᵀ and dV only) and a dK pass (the four
-    other products), recomputing Sᵀ once more, for tiles where dK and dV together (2 x HEAD_DIM/2
-    accumulator registers per lane) would spill. Timed slower than one pass wherever swept
-    (configs.TF32_BWD_TABLE): no shipped tile uses it.
 
     ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_dkdv's dQ-in-dkdv): after dV and dK, dSᵀ into
     shared memory (atomic_dq_phase), a barrier, then dQ_i += dS_i K_j added to fp32 scratch dq_acc. dS goes
@@ -448,24 +406,20 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
     every block adds into one zeroed plane, atomics in any order (deterministic=False). DQ_SPLITS:
     the deterministic splits (blocks.entry.dkdv_entry): 1 = block x adds into plane x (a view of dq_acc from row
     x·plane_rows), key block kb0 + x; 2 = the same, storing (the first launch, into planes nobody zeroed)."""
-    DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
-    if ATOMIC_DQ and (GRADS != "dkdv" or SWIZZLE):
-        raise ValueError("the atomic dQ phase is built into the one-pass, padded dkdv kernel only")
     FIRST_STORES = DQ_SPLITS == 2  # a compile-time constant: the other builds' stores are pruned
     THREADS = threads(BLOCK_N)
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
-    S1, S2 = strides(HEAD_DIM, SWIZZLE)
-    SWZ = 1 if SWIZZLE else 0
+    S1, S2 = strides(HEAD_DIM)
     SK, SV = 0, BLOCK_N * S1
-    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM, SWIZZLE)  # two buffers of:
+    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM)  # two buffers of:
     SQ = STAGE0
     SDO = SQ + BLOCK_M * S2
     SL = SDO + BLOCK_M * S2  # L2 of the tile's queries, then D
     SD = SL + BLOCK_M
     CAUSAL = bool(CAUSAL)
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies of a tile's L2 (or D)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SPLIT_ROUND)
     if ATOMIC_DQ:
         store_ds, add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED, SPLIT_ROUND)
     DS_IN_STAGE = ds_in_stage(BLOCK_N, HEAD_DIM)
@@ -483,8 +437,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
         i0 = (qt0 + step - hh * per_head) * BLOCK_M
         h = h_kv * group + hh
         st = (step & 1) * STAGE
-        load_tile(smem, SQ + st, S2, SWZ, q, b, h, i0, n_q, d, BLOCK_M)
-        load_tile(smem, SDO + st, S2, SWZ, dout, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SQ + st, S2, q, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO + st, S2, dout, b, h, i0, n_q, d, BLOCK_M)
         tid = cuda.threadIdx.x
         row = (b * (group * n_kv_heads) + h) * (l2.strides[0] // 4) + i0  # padded: i0 + BLOCK_M <= NQ_PAD
         if tid < ROW_CHUNKS:
@@ -515,39 +469,30 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
         per_head = n_qt - qt0
         steps = group * per_head
 
-        load_tile(smem, SK, S1, 0, k, b, h_kv, k0, n_k, d, BLOCK_N)
-        load_tile(smem, SV, S1, 0, v, b, h_kv, k0, n_k, d, BLOCK_N)
+        load_tile(smem, SK, S1, k, b, h_kv, k0, n_k, d, BLOCK_N)
+        load_tile(smem, SV, S1, v, b, h_kv, k0, n_k, d, BLOCK_N)
         if steps > 0:
             load_stage(smem, 0, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d)
         cp_commit()
 
         # Lane offsets: K, V rows g (+8) of the warp and Q, dO rows g of each n-tile at columns 4t
-        # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2). Q and dO are swizzled.
+        # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2).
         k_lane = SK + (warp * 16 + g) * S1 + 4 * t
         v_lane = SV + (warp * 16 + g) * S1 + 4 * t
-        q_lane = SQ + g * S2 + (0 if SWIZZLE else 4 * t)  # padded: columns 4t here (the old code exactly)
-        do_lane = SDO + g * S2 + (0 if SWIZZLE else 4 * t)
-        row_x = 4 * (t ^ chunk_xor(g)) if SWIZZLE else 0  # pattern 1's chunk swizzle of rows g
-        if SWIZZLE:  # pattern 2's lane offsets: word g % 4 here, the chunk (g // 4, swizzled) in col_x
-            q_t = SQ + 2 * t * S2 + (g & 3)
-            do_t = SDO + 2 * t * S2 + (g & 3)
-            col_x = 4 * ((g >> 2) ^ chunk_xor(2 * t))
-        else:  # padded rows: column g directly
-            q_t = SQ + 2 * t * S2 + g
-            do_t = SDO + 2 * t * S2 + g
-            col_x = 0
+        q_lane = SQ + g * S2 + 4 * t
+        do_lane = SDO + g * S2 + 4 * t
+        q_t = SQ + 2 * t * S2 + g
+        do_t = SDO + 2 * t * S2 + g
 
-        acc_k = cuda.local.array((O_TILES if DK else 1, 4), float32)
-        acc_v = cuda.local.array((O_TILES if DV else 1, 4), float32)
+        acc_k = cuda.local.array((O_TILES, 4), float32)
+        acc_v = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ (hi)
         dp = cuda.local.array((M_TILES, 4), float32)  # dPᵀ, then dSᵀ (hi)
         lo = cuda.local.array((M_TILES, 4), float32)  # Pᵀ's, then dSᵀ's lo parts
         for dt in range(O_TILES):
             for r in range(4):
-                if DK:
-                    acc_k[dt, r] = ZERO
-                if DV:
-                    acc_v[dt, r] = ZERO
+                acc_k[dt, r] = ZERO
+                acc_v[dt, r] = ZERO
 
         for step in range(steps):
             hh = step // per_head
@@ -559,9 +504,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
             cp_commit()
             st = (step & 1) * STAGE
 
-            pattern1(s, smem, k_lane, S1, q_lane + st, S2, row_x, SWZ, M_TILES)  # Sᵀ = K_w Q_iᵀ
-            if DK:
-                pattern1(dp, smem, v_lane, S1, do_lane + st, S2, row_x, SWZ, M_TILES)  # dPᵀ = V_w dO_iᵀ
+            pattern1(s, smem, k_lane, S1, q_lane + st, S2, M_TILES)  # Sᵀ = K_w Q_iᵀ
+            pattern1(dp, smem, v_lane, S1, do_lane + st, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
 
             # Pᵀ = exp2(Sᵀ·c − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries have L2 = +inf.
             needs_mask = CAUSAL and kw + 15 > i0 + shift
@@ -573,15 +517,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
                         x = NEG_INF
                     p = ex2(x)
                     s[nt, r] = p
-                    if DK:
-                        dp[nt, r] = p * (dp[nt, r] - smem[SD + st + col])
+                    dp[nt, r] = p * (dp[nt, r] - smem[SD + st + col])
 
-            if DV:
-                split_all(s, lo, M_TILES)
-                pattern2(acc_v, s, lo, smem, do_t + st, col_x, M_TILES)  # dV_w += Pᵀ dO_i
-            if DK:
-                split_all(dp, lo, M_TILES)
-                pattern2(acc_k, dp, lo, smem, q_t + st, col_x, M_TILES)  # dK_w += dSᵀ Q_i
+            split_all(s, lo, M_TILES)
+            pattern2(acc_v, s, lo, smem, do_t + st, M_TILES)  # dV_w += Pᵀ dO_i
+            split_all(dp, lo, M_TILES)
+            pattern2(acc_k, dp, lo, smem, q_t + st, M_TILES)  # dK_w += dSᵀ Q_i
             if ATOMIC_DQ:
                 if DS_IN_STAGE:
                     s_hi, s_lo = SDO + st, SQ + st
@@ -594,27 +535,24 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
                 add_dq(smem, s_hi, s_lo, dq_acc, row0, warp, lane, g, t, FIRST_STORES)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
-        if DV:
-            store_rows(dv, acc_v, b, h_kv, kw, g, t, n_k, d, float32(1.0))
-        if DK:
-            store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
+        store_rows(dv, acc_v, b, h_kv, kw, g, t, n_k, d, float32(1.0))
+        store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
 
     return dkdv_entry(dkdv_body, globals(), "tf32_dkdv", ATOMIC_DQ, DQ_SPLITS, first=False, stand_in="dk")
 
 
-def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn"):
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SPLIT_ROUND="rn"):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-key K/V tiles streamed."""
     THREADS = threads(BLOCK_M)
     O_TILES = HEAD_DIM // 8
     N_TILES = BLOCK_N // 8  # n-tiles of S / dP = k-steps of dQ
-    S1, S2 = strides(HEAD_DIM, SWIZZLE)
-    SWZ = 1 if SWIZZLE else 0
+    S1, S2 = strides(HEAD_DIM)
     SQ, SDO = 0, BLOCK_M * S1
-    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM, SWIZZLE)  # two buffers of K_j | V_j
+    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM)  # two buffers of K_j | V_j
     SK = 2 * BLOCK_M * S1
     SV = SK + BLOCK_N * S2
     CAUSAL = bool(CAUSAL)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SPLIT_ROUND)
     ex2 = ptx.ex2_approx
     cp_commit, cp_wait = ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
@@ -641,11 +579,11 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
             visible = min(q0 + BLOCK_M, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_N - 1) // BLOCK_N)
 
-        load_tile(smem, SQ, S1, 0, q, b, h, q0, n_q, d, BLOCK_M)
-        load_tile(smem, SDO, S1, 0, dout, b, h, q0, n_q, d, BLOCK_M)
+        load_tile(smem, SQ, S1, q, b, h, q0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO, S1, dout, b, h, q0, n_q, d, BLOCK_M)
         if n_tiles > 0:
-            load_tile(smem, SK, S2, SWZ, k, b, h_kv, 0, n_k, d, BLOCK_N)
-            load_tile(smem, SV, S1, 0, v, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SK, S2, k, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SV, S1, v, b, h_kv, 0, n_k, d, BLOCK_N)
         cp_commit()
 
         # L2 and D of rows g, g + 8 (padded scratch: always inside)
@@ -657,15 +595,9 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
 
         q_lane = SQ + (warp * 16 + g) * S1 + 4 * t
         do_lane = SDO + (warp * 16 + g) * S1 + 4 * t
-        k_lane = SK + g * S2 + (0 if SWIZZLE else 4 * t)  # K may be swizzled (read by both patterns), V is not
-        row_x = 4 * (t ^ chunk_xor(g)) if SWIZZLE else 0
+        k_lane = SK + g * S2 + 4 * t
         v_lane = SV + g * S1 + 4 * t
-        if SWIZZLE:
-            k_t = SK + 2 * t * S2 + (g & 3)
-            col_x = 4 * ((g >> 2) ^ chunk_xor(2 * t))
-        else:
-            k_t = SK + 2 * t * S2 + g
-            col_x = 0
+        k_t = SK + 2 * t * S2 + g
 
         acc = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((N_TILES, 4), float32)  # S
@@ -681,13 +613,13 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
             cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1, whose buffer ...
             if j + 1 < n_tiles:  # ... now receives tile j + 1 while this one computes
                 nxt = ((j + 1) & 1) * STAGE
-                load_tile(smem, SK + nxt, S2, SWZ, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
-                load_tile(smem, SV + nxt, S1, 0, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SK + nxt, S2, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SV + nxt, S1, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
             cp_commit()
             st = (j & 1) * STAGE
 
-            pattern1(s, smem, q_lane, S1, k_lane + st, S2, row_x, SWZ, N_TILES)  # S = Q_w K_jᵀ
-            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, 0, 0, N_TILES)  # dP = dO_w V_jᵀ
+            pattern1(s, smem, q_lane, S1, k_lane + st, S2, N_TILES)  # S = Q_w K_jᵀ
+            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, N_TILES)  # dP = dO_w V_jᵀ
 
             # dS = exp2(S·c − L2[row]) ∘ (dP − D[row]); mask keys past n_k and past the diagonal.
             needs_mask = k0 + BLOCK_N > n_k
@@ -704,7 +636,7 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
                     dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
 
             split_all(dp, lo, N_TILES)
-            pattern2(acc, dp, lo, smem, k_t + st, col_x, N_TILES)  # dQ_w += dS K_j
+            pattern2(acc, dp, lo, smem, k_t + st, N_TILES)  # dQ_w += dS K_j
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
         store_rows(dq, acc, b, h, qw, g, t, n_q, d, scale)
@@ -712,35 +644,30 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
     return tf32_dq
 
 
-def source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False, atomic_dq=False,
-                  dq_splits=0, vector_red=True, split_round="rn"):
-    """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
-    grads: dkdv_source's GRADS (dkdv only); swizzle=True: the swizzled variant (sweep only);
-    atomic_dq, dq_splits, vector_red: dkdv_source's ATOMIC_DQ, DQ_SPLITS, VECTOR_RED; split_round: how
-    operands are split (tf32_forward.SPLIT_ROUNDS; "rn" needs sm_90)."""
+def source(kernel, block_own, block_streamed, HEAD_DIM, causal, atomic_dq=False, dq_splits=0, vector_red=True,
+           split_round="rn"):
+    """The Python kernel of one specialisation (before cuda.jit; the compile test uses it); atomic_dq,
+    dq_splits, vector_red: dkdv_source's ATOMIC_DQ, DQ_SPLITS, VECTOR_RED; split_round: how operands are
+    split (blocks.tf32.SPLIT_ROUNDS; "rn" needs sm_90)."""
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads, swizzle, atomic_dq, dq_splits,
-                           vector_red, split_round)
-    return dq_source(block_own, block_streamed, HEAD_DIM, causal, swizzle, split_round)
+        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, atomic_dq, dq_splits, vector_red, split_round)
+    return dq_source(block_own, block_streamed, HEAD_DIM, causal, split_round)
 
 
 # --------------------------------------------------------------------------------------------
 # Kernel factories
 # --------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
-def build(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
-                swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True, split_round="rn"):
+def build(kernel, block_own, block_streamed, HEAD_DIM, causal, max_registers=None, atomic_dq=False, dq_splits=0,
+          vector_red=True, split_round="rn"):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch (red.global.add.v4.f32 with
     vector_red, sm_90+, else scalar adds); dq_splits: 1 / 2, the deterministic splits' builds (adds /
     the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS); split_round: source's,
     passed only when not "rn" (launch: "rna" below sm_90)."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
-    if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
-        bad.append(f"grads={grads!r}: one of {GRADS}, and only the dkdv kernel splits")
-    if atomic_dq and (kernel != "dkdv" or grads != "dkdv" or swizzle):
-        bad.append(f"atomic dQ is built into the one-pass padded dkdv kernel only, not {kernel} grads={grads!r} "
-                   f"swizzle={swizzle}")
+    if atomic_dq and kernel != "dkdv":
+        bad.append(f"atomic dQ is built into the dkdv kernel only, not {kernel}")
     elif atomic_dq and not bad:
         bad += atomic_problems(block_own, block_streamed, HEAD_DIM)
     if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
@@ -751,16 +678,16 @@ def build(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max
         raise ValueError(f"tf32 backward {kernel} ({block_own}, {block_streamed}, {HEAD_DIM}) cannot be built: "
                          f"{'; '.join(bad)}")
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    fn = source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), grads, bool(swizzle),
-                bool(atomic_dq), int(dq_splits), bool(vector_red), split_round)
+    fn = source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), bool(atomic_dq), int(dq_splits),
+                bool(vector_red), split_round)
     return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(fn)
 
 
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def launch(kernel, args, scalars, *, tile, head_dim, causal, stream=0, grads="dkdv", swizzle=False,
-           split_round="rn", dq_acc=None, dq_splits=None):
+def launch(kernel, args, scalars, *, tile, head_dim, causal, stream=0, split_round="rn", dq_acc=None,
+           dq_splits=None):
     """One kernel over its grid: args = (q, k, v, dout, l2, dd, dk, dv) for dkdv or (..., dd, dq) for dq, fp32
     arrays (l2, dd: prep's scratch rows), scalars (n_q, n_k, d, group, scale·log2 e, scale). dkdv with dq_acc:
     the build that also forms dQ, one zeroed plane with atomic adds (dq_splits None) or dq_splits planes
@@ -779,11 +706,9 @@ def launch(kernel, args, scalars, *, tile, head_dim, causal, stream=0, grads="dk
             scalars, (n_k + bn - 1) // bn, dq_splits, B * H)
     elif kernel == "dkdv":
         bn, bm = tile
-        launch_kernel(build("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swizzle, **rnd),
-                      ((n_k + bn - 1) // bn, B * Hkv), threads(bn), stream,
-                      smem_bytes("dkdv", bn, bm, head_dim, swizzle), *args, *scalars)
+        launch_kernel(build("dkdv", bn, bm, head_dim, bool(causal), **rnd), ((n_k + bn - 1) // bn, B * Hkv),
+                      threads(bn), stream, smem_bytes("dkdv", bn, bm, head_dim), *args, *scalars)
     else:
         bm, bn = tile
-        launch_kernel(build("dq", bm, bn, head_dim, bool(causal), swizzle=swizzle, **rnd),
-                      ((n_q + bm - 1) // bm, B * H), threads(bm), stream,
-                      smem_bytes("dq", bm, bn, head_dim, swizzle), *args, *scalars)
+        launch_kernel(build("dq", bm, bn, head_dim, bool(causal), **rnd), ((n_q + bm - 1) // bm, B * H),
+                      threads(bm), stream, smem_bytes("dq", bm, bn, head_dim), *args, *scalars)
