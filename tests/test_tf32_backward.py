@@ -19,6 +19,7 @@ import reference
 from numba_flash.configs import SMEM_PER_BLOCK_MAX, TF32_BWD_SPILL_OK, TF32_BWD_TABLE
 from numba_flash import backward_plan
 from numba_flash.blocks import schedule
+from numba_flash.blocks.tf32 import head_dim_for
 from numba_flash.kernels import tf32_backward as tb
 from test_mma_forward import attention_f64
 from gpu_helpers import needs_gpu
@@ -38,7 +39,7 @@ def problem(B, H, Hkv, n_q, n_k, d, causal, seed=0, scale=None):
 
 
 def run_launcher(vals, d, causal, scale, config):
-    """tb.launch on the problem; a "split_round" key of config goes to launch's argument of that name."""
+    """backward_plan.launch_tf32 on the problem; a "split_round" key of config goes to launch's argument of that name."""
     config = dict(config)
     kw = {"split_round": config.pop("split_round")} if "split_round" in config else {}
     q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
@@ -86,7 +87,7 @@ def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
 # dQ formed in the dK/dV kernel: the atomic grid and the deterministic splits, plane by plane
 # --------------------------------------------------------------------------------------------
 def run_dq_in_dkdv(vals, d, causal, scale, config, splits):
-    """tb.launch with dq_acc: splits None = one zeroed plane (deterministic=False), else that many planes
+    """backward_plan.launch_tf32 with dq_acc: splits None = one zeroed plane (deterministic=False), else that many planes
     filled with NaN (the first launch must store; the convert must read a plane only from its first row).
     Returns (grads, planes as (S, B, H, NQ_PAD, HEAD_DIM))."""
     q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
@@ -120,7 +121,7 @@ def test_tf32x3_dq_in_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, tile, splits):
     float64 reference: a block adding into another's plane, or a key block run twice or never, fails here
     even where the sum would not."""
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal, seed=n_k)
-    config = {**SMALL, "dkdv_atomic": tile, "head_dim": tb.head_dim_for(d)}
+    config = {**SMALL, "dkdv_atomic": tile, "head_dim": head_dim_for(d)}
     dq_plane_check(vals, refs, scale, d, causal, config, splits)
 
 
@@ -324,7 +325,7 @@ def test_auto_backward_fp32_is_tf32x3_off_the_simulator(rng, monkeypatch):
     for d in (24, 64, 128):
         q = rng.standard_normal((1, 2, 8, d)).astype(np.float32)
         family, cfg, reasons = bw.choose_backward(api.validate(q, q, q))
-        assert family == "tf32x3" and cfg["head_dim"] == tb.head_dim_for(d), (d, reasons)
+        assert family == "tf32x3" and cfg["head_dim"] == head_dim_for(d), (d, reasons)
     q = rng.standard_normal((1, 2, 8, 130)).astype(np.float32)
     family, _, reasons = bw.choose_backward(api.validate(q, q, q))
     assert family == "simt" and "head dim 130 > 128" in reasons[-1], reasons
