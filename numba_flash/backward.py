@@ -4,9 +4,9 @@
     dq, dk, dv = numba_flash.backward(q, k, v, out, lse, dout, causal=True)
 
 The forward's checks (``api.validate``) plus the backward's own arguments, then the kernels (D, dK/dV,
-and dQ in the dK/dV kernel or a kernel of its own: ``dq_scheme``): ``kernels.mma_backward`` (tensor
-cores) for float16/bfloat16 where the forward would
-use tensor cores too, ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
+and dQ in the dK/dV kernel or a kernel of its own: ``dq_scheme``; ``backward_plan`` launches them):
+``kernels.mma_dkdv``, ``mma_dq`` and ``wgmma_backward`` (tensor cores) for float16/bfloat16 where the
+forward would use tensor cores too, ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
 forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch autograd see
 ``numba_flash.torch``.
 """
@@ -19,12 +19,13 @@ import numpy as np
 from numba import config as nb_config
 from numba import cuda
 
-from . import arrays, plans
+from . import arrays, backward_plan, plans
 from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
 from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM, SMEM_PER_BLOCK_MAX
 from .decode import _sm_count
 from .kernels.decode import SMEM_PER_SM
-from .kernels import mma_backward, simt_backward, tf32_backward, wgmma_backward
+from .blocks import schedule
+from .kernels import mma_dkdv, mma_dq, simt_backward, tf32_backward, wgmma_backward
 from .ptx import current_wgmma
 from .launch import address, current_device_id
 
@@ -91,13 +92,13 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
         an, am = cfg["dkdv_atomic"]
         if cfg.get("dkdv_wgmma"):
             with_dq = (f"dkdv with dQ: warpgroup MMA (wgmma.mma_async, sm_90), {an}-key tiles x {am}-query tiles, "
-                       f"{wgmma_backward.THREADS} threads, "
+                       f"{wgmma_backward.threads()} threads, "
                        f"{wgmma_backward.smem_bytes(head_dim, bool(cfg.get('dkdv_wgmma_defer_dq')))} B shared memory"
                        + (f"; each step's dQ added during the next with {' and '.join(cfg['dkdv_wgmma_defer_dq'])}"
                           " dQ" if cfg.get("dkdv_wgmma_defer_dq") else ""))
         else:
-            with_dq = (f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_backward.threads_per_block('dkdv', an)} "
-                       f"threads, {mma_backward.smem_bytes('dkdv', an, am, head_dim, True)} B shared memory")
+            with_dq = (f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_dkdv.threads(an)} "
+                       f"threads, {mma_dkdv.smem_bytes(an, am, head_dim, True)} B shared memory")
         reasons = [
             f"mma backward: tensor cores (mma.sync m16n8k16"
             f"{', and wgmma for the dkdv with dQ' if cfg.get('dkdv_wgmma') else ''}, {p.dtype} in, fp32 accumulate); "
@@ -105,10 +106,10 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             "then dK/dV over K/V tiles, and dQ either in the same kernel (dS·K added into fp32 planes) or by a "
             "dq kernel over Q tiles",
             with_dq,
-            f"dkdv without dQ: {bn}-key tiles x {bm}-query tiles, {mma_backward.threads_per_block('dkdv', bn)} "
-            f"threads, {mma_backward.smem_bytes('dkdv', bn, bm, head_dim)} B shared memory; "
-            f"dq: {bq}-query tiles x {bk}-key tiles, {mma_backward.threads_per_block('dq', bq)} threads, "
-            f"{mma_backward.smem_bytes('dq', bq, bk, head_dim)} B shared memory",
+            f"dkdv without dQ: {bn}-key tiles x {bm}-query tiles, {mma_dkdv.threads(bn)} "
+            f"threads, {mma_dkdv.smem_bytes(bn, bm, head_dim)} B shared memory; "
+            f"dq: {bq}-query tiles x {bk}-key tiles, {mma_dq.threads(bq)} threads, "
+            f"{mma_dq.smem_bytes(bq, bk, head_dim)} B shared memory",
         ]
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
@@ -135,7 +136,7 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     if p.H != p.Hkv:
         reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
     if blockers or kernel == "simt":
-        if p.dtype in mma_backward.DTYPES:  # last: backward's PerformanceWarning quotes this line
+        if p.dtype in mma_dkdv.DTYPES:  # last: backward's PerformanceWarning quotes this line
             why = "kernel='simt' was asked for" if kernel == "simt" else "; ".join(blockers)
             reasons.append(f"{p.dtype} widened to fp32 on the SIMT path, not tensor cores: {why}")
     family = "mma" if kernel in ("auto", "mma") and not blockers else "simt"
@@ -176,7 +177,7 @@ def _dq_slots(threads: int, smem: int, smem_per_sm: int) -> int:
 def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -> tuple:
     """How the tensor-core backward (family "mma" or "tf32x3") gets dQ: ("atomic", None) for
     deterministic=False; for the default ("splits", S) where the table allows it, S planes fit in
-    mma_backward.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within SPLITS_SLOWER_OK of the
+    schedule.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within SPLITS_SLOWER_OK of the
     atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why. Both modes take
     the dq kernel where the table has no "dkdv_atomic" tile or the device's blocks lack its shared memory."""
     kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
@@ -185,13 +186,13 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     bn, bm = cfg["dkdv_atomic"]
     if family == "tf32x3":
         smem = tf32_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], atomic_dq=True)
-        threads = tf32_backward.threads_per_block(bn)
+        threads = tf32_backward.threads(bn)
     elif cfg.get("dkdv_wgmma"):  # the larger build (a second dSᵀ tile where dQ is deferred in either scheme)
         smem = wgmma_backward.smem_bytes(cfg["head_dim"], bool(cfg.get("dkdv_wgmma_defer_dq")))
-        threads = wgmma_backward.THREADS
+        threads = wgmma_backward.threads()
     else:
-        smem = mma_backward.smem_bytes("dkdv", bn, bm, cfg["head_dim"], True, fa2=bool(cfg.get("dkdv_fa2")))
-        threads = mma_backward.threads_per_block("dkdv", bn)
+        smem = mma_dkdv.smem_bytes(bn, bm, cfg["head_dim"], True)
+        threads = mma_dkdv.threads(bn)
     optin, per_sm = _device_smem()
     if smem > optin:  # smaller GPUs (sm_86/89: 99 KiB a block, A100: 163): the dq kernel's smaller tiles
         return "kernel", None, kernel + (f"the dQ-in-dkdv kernel ({bn} keys x {bm} queries) needs {smem} B of "
@@ -199,22 +200,22 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     if not deterministic:
         return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
                                 "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
-    if cfg.get("deterministic_dq") != "splits" or cfg.get("dkdv_fa2"):  # fa2's layout has no splits
+    if cfg.get("deterministic_dq") != "splits":
         return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
     if p.B * p.H * p.n_q * p.n_k == 0:
         return "kernel", None, kernel + "an empty problem (no kernel runs)"
-    plane = p.B * p.H * mma_backward.padded_rows(p.n_q) * cfg["head_dim"] * 4
-    max_splits = min(mma_backward.MAX_DQ_SPLITS, mma_backward.DQ_SCRATCH_MAX_BYTES // plane)
+    plane = p.B * p.H * schedule.padded_rows(p.n_q) * cfg["head_dim"] * 4
+    max_splits = min(schedule.MAX_DQ_SPLITS, schedule.DQ_SCRATCH_MAX_BYTES // plane)
     if max_splits < 1:
         return "kernel", None, kernel + (f"one fp32 plane of dQ ({plane} B) exceeds the splits' scratch budget "
-                                         f"({mma_backward.DQ_SCRATCH_MAX_BYTES} B)")
+                                         f"({schedule.DQ_SCRATCH_MAX_BYTES} B)")
     slots = _dq_slots(threads, smem, per_sm)
-    splits, ratio = mma_backward.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots,
-                                           max_splits)
-    if ratio > mma_backward.SPLITS_SLOWER_OK:
+    splits, ratio = schedule.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots,
+                                       max_splits)
+    if ratio > schedule.SPLITS_SLOWER_OK:
         return "kernel", None, kernel + (f"{splits} deterministic splits of the {bn}-key dkdv (at most {max_splits} "
                                          f"planes of {plane} B) would take {ratio:.2f}x the atomic grid's time "
-                                         f"(> {mma_backward.SPLITS_SLOWER_OK}) with {p.B * p.Hkv} kv heads on "
+                                         f"(> {schedule.SPLITS_SLOWER_OK}) with {p.B * p.Hkv} kv heads on "
                                          f"{slots} block slots")
     return "splits", splits, (
         f"dQ: deterministic splits (FA2's deterministic scheme): {splits} fp32 planes of dQ ({splits * plane} B); "
@@ -243,19 +244,16 @@ def _tf32x3_blockers(p: Problem, views) -> list[str]:
 
 def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
     """choose_backward's tf32x3 branch, once nothing blocks it: the config and the reasons."""
-    cfg = tf32_backward.config_for(p.d, p.causal)
+    cfg = backward_plan.tf32_config(p.d, p.causal)
     hd = cfg["head_dim"]
     (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
-    passes = cfg.get("dkdv_passes", ("dkdv",))
     reasons = [
         "tf32x3 backward: fp32 on tensor cores (mma.sync m16n8k8 tf32, each fp32 product as 3 tf32 products: "
         "fp32-level accuracy, as SDPA's memory-efficient fp32 backward); D and L·log2(e), then dK/dV over K/V "
         "tiles, and dQ as the dQ lines say",
-        f"dkdv: {bn}-key tiles x {bm}-query tiles, {tf32_backward.threads_per_block(bn)} threads, "
-        f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory"
-        + (f", as {len(passes)} passes ({' then '.join(passes)}: dK and dV together spill at d{hd})"
-           if len(passes) > 1 else ""),
-        f"dq: {bq}-query tiles x {bk}-key tiles, {tf32_backward.threads_per_block(bq)} threads, "
+        f"dkdv: {bn}-key tiles x {bm}-query tiles, {tf32_backward.threads(bn)} threads, "
+        f"{tf32_backward.smem_bytes('dkdv', bn, bm, hd)} B shared memory",
+        f"dq: {bq}-query tiles x {bk}-key tiles, {tf32_backward.threads(bq)} threads, "
         f"{tf32_backward.smem_bytes('dq', bq, bk, hd)} B shared memory"
         + (f"; dQ in dkdv: {cfg['dkdv_atomic'][0]}-key tiles x {cfg['dkdv_atomic'][1]}-query tiles, "
            f"{tf32_backward.smem_bytes('dkdv', *cfg['dkdv_atomic'], hd, atomic_dq=True)} B shared memory"
@@ -356,7 +354,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row
     (SIMT), two per query row padded to a multiple of 128 rows (tensor cores), plus where the
     dK/dV kernel forms dQ an fp32 copy of dq's size (rows padded likewise, d to 64 or 128) per
-    plane: one, zeroed, for deterministic=False; S (at most mma_backward.MAX_DQ_SPLITS = 8, and
+    plane: one, zeroed, for deterministic=False; S (at most schedule.MAX_DQ_SPLITS = 8, and
     1 GiB in all) for the deterministic splits.
 
     Raises:
@@ -385,7 +383,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
                          for kind, ref, shape in zip(kinds, (q, k, v), (p.q_shape, kv_shape, kv_shape)))
         qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))
         family, cfg, reasons = choose_backward(p, kernel, (qd, kd, vd, dod))
-        if family == "simt" and kernel == "auto" and p.dtype in mma_backward.DTYPES:
+        if family == "simt" and kernel == "auto" and p.dtype in mma_dkdv.DTYPES:
             plans.warn("numba_flash.backward: " + reasons[-1], PerformanceWarning)
         dq_obj, dq_dev = arrays.empty_like_kind(kinds[0], q, p.q_shape, p.dtype, stream)
         dk_obj, dk_dev = arrays.empty_like_kind(kinds[1], k, kv_shape, p.dtype, stream)
@@ -393,7 +391,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
         lse_d = arrays.to_device_view(lse, stream, ndim=3)
         grads = (arrays.as_4d(dq_dev), arrays.as_4d(dk_dev), arrays.as_4d(dv_dev))
         if family in ("tf32x3", "mma"):
-            rows = (p.B * p.H, mma_backward.padded_rows(p.n_q))  # L·log2(e) and D, scratch
+            rows = (p.B * p.H, schedule.padded_rows(p.n_q))  # L·log2(e) and D, scratch
             _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             scheme, splits, _ = dq_scheme(p, cfg, deterministic, family)
@@ -404,13 +402,13 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
             else:
                 dq_acc = _zeros_scratch(p.kind, q, shape, stream) if planes else None
             if family == "tf32x3":
-                tf32_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
-                                     softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream,
-                                     dq_acc=dq_acc, dq_splits=splits)
+                backward_plan.launch_tf32(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                          softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream,
+                                          dq_acc=dq_acc, dq_splits=splits)
             else:
-                mma_backward.launch(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
-                                    softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg, stream=stream,
-                                    dq_acc=dq_acc, dq_splits=splits)
+                backward_plan.launch_mma(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                                         softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg,
+                                         stream=stream, dq_acc=dq_acc, dq_splits=splits)
         else:
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(

@@ -31,7 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 import numba_flash  # noqa: E402
 from numba_flash import plans  # noqa: E402
 from numba_flash.bench import time_call  # noqa: E402
-from numba_flash.kernels import tf32_backward, tf32_forward  # noqa: E402
+from numba_flash import backward_plan  # noqa: E402
+from numba_flash.kernels import tf32_forward  # noqa: E402
 
 MODES = tf32_forward.SPLIT_ROUNDS
 TIMED = {  # label: (B, H, N, d, causal)
@@ -50,7 +51,7 @@ ACCURACY = {  # label: (N, d, causal), B1 H4 (tiles of the timed shapes: no extr
 def force(mode):
     fixed = lambda split_round=None: mode  # noqa: E731
     tf32_forward.split_round_for_device = fixed
-    tf32_backward.split_round_for_device = fixed
+    backward_plan.split_round_for_device = fixed
 
 
 def inputs(B, H, N, d, seed):
@@ -83,9 +84,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     plans.set_enabled(False)
     if args.dq_kernel:
-        config_for = tf32_backward.config_for
-        tf32_backward.config_for = lambda d, causal: {k: v for k, v in config_for(d, causal).items()
-                                                      if k not in ("dkdv_atomic", "deterministic_dq")}
+        config_for = backward_plan.tf32_config
+        backward_plan.tf32_config = lambda d, causal: {k: v for k, v in config_for(d, causal).items()
+                                                       if k not in ("dkdv_atomic", "deterministic_dq")}
     result = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("NUMBA_FLASH_COMMIT", "?"),
               "modes": args.modes, "dq_kernel": args.dq_kernel, "accuracy": {}, "timing": {}}
 

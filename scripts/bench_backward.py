@@ -4,8 +4,6 @@
     python scripts/bench_backward.py --quick      # N 4096 d 128 only
     python scripts/bench_backward.py --sweep      # also time candidate backward tile configs (B4 H16 N4096 d128)
     python scripts/bench_backward.py --sweep-mma  # time the tensor-core kernels' candidate tiles one by one
-    python scripts/bench_backward.py --sweep-mma --sweep-kernels dkdv-atomic-variants --sweep-only
-                                                  # the atomic dkdv's dQ-phase variants vs shipped, checked
     python scripts/bench_backward.py --tf32 --sweep-only
                                                   # fp32: backward(kernel="tf32x3") vs "simt" vs SDPA efficient
 
@@ -247,77 +245,19 @@ MMA_SWEEP = {
 }
 
 
-# name -> dkdv_atomic_variants (mma_backward.ATOMIC_VARIANTS): candidate dQ phases of the atomic dkdv,
-# timed on the shipped atomic tile; "shipped" (all off) first, the reference the others are checked against.
-ATOMIC_VARIANT_SWEEP = {
-    "shipped": {},
-    "dq_cols64": {"dq_cols": 64},
-    "dq_deferred": {"dq_deferred": True},
-    "red_v4": {"red_v4": True},
-    "all3": {"dq_cols": 64, "dq_deferred": True, "red_v4": True},
-}
-VARIANT_TOL = 1e-2  # max |variant − shipped| / max |shipped| per gradient: fp32 atomics in another order
-
-
-def atomic_variant_grads(views, *, causal, d, dtype, variants, head_dim=None):
-    """(dq, dk, dv) as float32 host arrays from backward(deterministic=False)'s kernels (prep, atomic
-    dkdv with the dQ-phase ``variants``, conversion) on numba device arrays ``views`` = (q, k, v, out,
-    dout, lse); on the GPU or the simulator, default stream."""
-    import numpy as np
-    from numba import cuda
-
-    from numba_flash.configs import MMA_BWD_TABLE
-    from numba_flash.kernels import mma_backward
-
-    q, k, v, out, dout, lse = views
-    B, H, N, _ = q.shape
-    head_dim = head_dim or (64 if d <= 64 else 128)
-    rows = (B * H, mma_backward.padded_rows(N))
-    l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
-    dq_acc = cuda.to_device(np.zeros(rows + (head_dim,), np.float32))
-    grads = [cuda.device_array(x.shape, x.dtype) for x in (q, k, v)]
-    config = dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim, dkdv_atomic_variants=variants)
-    mma_backward.launch(q, k, v, out, dout, lse, l2, dd, *grads, causal=causal, softmax_scale=d ** -0.5,
-                        dtype=dtype, d=d, config=config, dq_acc=dq_acc)
-    cuda.synchronize()
-    return [g.copy_to_host().astype(np.float32) for g in grads]
-
-
-def compare_atomic_variants(grads_of, names):
-    """name -> {dq, dk, dv: max |variant − shipped| / max |shipped|, ok}: each variant of
-    ATOMIC_VARIANT_SWEEP against "shipped"; grads_of(variants) -> (dq, dk, dv). A variant that
-    cannot be built or run gets its error instead (the sweep goes on)."""
-    import numpy as np
-
-    ref = grads_of(ATOMIC_VARIANT_SWEEP["shipped"])
-    out = {}
-    for name in names:
-        try:
-            got = grads_of(ATOMIC_VARIANT_SWEEP[name])
-        except Exception as e:  # a variant that does not build here is a result, not a crash
-            out[name] = {"ok": False, "error": str(e).strip().splitlines()[0][:160]}
-            continue
-        diff = {g: float(np.abs(a - r).max() / max(float(np.abs(r).max()), 1e-30))
-                for g, a, r in zip(("dq", "dk", "dv"), got, ref)}
-        finite = all(np.isfinite(a).all() for a in got)
-        out[name] = dict(diff, ok=finite and max(diff.values()) <= VARIANT_TOL)
-    return out
-
-
 # sweep_mma's kernel names: the config key its tile replaces, the layout flags it sets, TFLOP/s credit
 # (x F: dkdv 4 of the 5 products, dq 3, the atomic dkdv all 5 with the dq conversion)
 MMA_SWEEP_KINDS = {
     "dkdv": ("dkdv", {}, 2.0), "dkdv-shipped": ("dkdv", {}, 2.0), "dq": ("dq", {}, 1.5),
-    "dkdv-atomic": ("dkdv_atomic", {}, 2.5), "dkdv-split": ("dkdv", {"dkdv_split_d": True}, 2.0),
-    "dkdv-fa2": ("dkdv", {"dkdv_fa2": True}, 2.0), "dkdv-atomic-fa2": ("dkdv_atomic", {"dkdv_fa2": True}, 2.5),
+    "dkdv-atomic": ("dkdv_atomic", {}, 2.5),
 }
 
 
 def sweep_mma_case(kernel, tile, shipped):
-    """(launch config, kernels to launch, make_kernel's kernel name and keyword arguments, TFLOP/s
+    """(launch config, kernels to launch, the kernel's name and build's keyword arguments, TFLOP/s
     credit) of one sweep_mma entry; "prep" has no tile (and no credit). The atomic path launches dkdv
-    with dq_acc, then the dq conversion. The keyword arguments are mma_backward.launch's, in its
-    order, so that asking make_kernel for the registers hits its cache instead of compiling again."""
+    with dq_acc, then the dq conversion. The keyword arguments are backward_plan.launch_mma's, so that
+    asking build for the registers hits its cache instead of compiling again."""
     if kernel == "prep":
         return dict(shipped), ("prep",), ("prep", {}), None
     key, flags, credit = MMA_SWEEP_KINDS[kernel]
@@ -325,35 +265,31 @@ def sweep_mma_case(kernel, tile, shipped):
     if key == "dq":
         return config, ("dq",), ("dq", {}), credit
     atomic = key == "dkdv_atomic"
-    make = {"atomic_dq": atomic, "split_d": bool(flags.get("dkdv_split_d")) and not atomic}
-    if flags.get("dkdv_fa2"):
-        make["fa2"] = True
+    make = {"atomic_dq": True} if atomic else {}
     return config, ("dkdv", "dq") if atomic else ("dkdv",), ("dkdv", make), credit
 
 
-def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=0.5, kernels=None,
-              sweep_split=False):
+def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=0.5, kernels=None):
     """Time prep, then each candidate dkdv and dq tile of the tensor-core backward, kernel by kernel.
 
     TFLOP/s credit each kernel with its own products: dkdv 4 of the 5 backward GEMMs (Sᵀ, dPᵀ, dV,
     dK: 2·F), dq 3 (S, dP, dQ: 1.5·F), where F = 4·B·H·N²·d/2 per GEMM pair (halved for causal).
-    kernels: the names to time (prep, dkdv, dq, dkdv-atomic, dkdv-split, dkdv-fa2, dkdv-atomic-fa2,
-    dkdv-shipped, dkdv-atomic-variants), default all but dkdv-split (--sweep-split); dkdv-shipped: the
-    shipped dkdv tile alone (a baseline without the dkdv candidates). dkdv-fa2 / dkdv-atomic-fa2: FA2's
-    dkdv warp tiles (mma_backward.dkdv_fa2_source) without / with the atomic dQ phase. dkdv-atomic-variants: the shipped atomic tile with each ATOMIC_VARIANT_SWEEP entry, each one's
-    dq, dk, dv first checked against the shipped kernel's (row["check"])."""
+    kernels: the names to time (prep, dkdv, dq, dkdv-atomic, dkdv-shipped), default all; dkdv-shipped: the
+    shipped dkdv tile alone (a baseline without the dkdv candidates)."""
     import torch
     from numba import cuda
 
     from numba_flash.arrays import to_device_view
     from numba_flash.configs import MMA_BWD_TABLE
-    from numba_flash.kernels import mma_backward
+    from numba_flash import backward_plan
+    from numba_flash.blocks.schedule import padded_rows
+    from numba_flash.kernels import mma_dkdv, mma_dq
 
     tdt = getattr(torch, dtype)
     q, k, v, dout = (torch.randn(B, H, N, d, device="cuda").to(tdt) for _ in range(4))
     out, lse = numba_flash.forward(q, k, v, causal=causal)
     grads = [torch.empty_like(x) for x in (q, k, v)]
-    rows_shape = (B * H, mma_backward.padded_rows(N))
+    rows_shape = (B * H, padded_rows(N))
     l2, dd = (torch.empty(rows_shape, device="cuda", dtype=torch.float32) for _ in range(2))
     views = [to_device_view(t, 0) for t in (q, k, v, out, dout)] + [to_device_view(lse, 0, ndim=3)]
     views += [to_device_view(t, 0, ndim=2) for t in (l2, dd)] + [to_device_view(t, 0) for t in grads]
@@ -363,11 +299,8 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     rows = []
     dq_acc = torch.zeros((*rows_shape, d), device="cuda", dtype=torch.float32)
     acc_view = to_device_view(dq_acc, 0, ndim=3)
-    # atomic dQ (deterministic=False) with 64 or 128 keys per block; FA2's dkdv warp layout (dkdv-split,
-    # slower: results/backward-2026-11-29-split.md) only with --sweep-split
-    extra = [("dkdv-atomic", [(64, 64), (128, 64)])] + ([("dkdv-split", [(64, 64)])] if sweep_split else [])
-    extra += [("dkdv-shipped", [tuple(shipped["dkdv"])]), ("dkdv-fa2", [(128, 64), (64, 64)]),
-              ("dkdv-atomic-fa2", [(128, 64), (64, 64)])]
+    # atomic dQ (deterministic=False) with 64 or 128 keys per block
+    extra = [("dkdv-atomic", [(64, 64), (128, 64)]), ("dkdv-shipped", [tuple(shipped["dkdv"])])]
     for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()) + extra:
         if kernels is not None and kernel not in kernels:
             continue
@@ -376,9 +309,9 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
             atomic = make.get("atomic_dq", False)
             row = {"kernel": kernel, "tile": list(tile) if tile else None, "d": d, "dtype": dtype, "causal": causal,
                    "B": B, "H": H, "N": N, "shipped": credit is not None and config == shipped}
-            run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
-                                              d=d, config=config, stream=stream, kernels=launched,
-                                              dq_acc=acc_view if atomic else None)
+            run = lambda: backward_plan.launch_mma(*views, causal=causal, softmax_scale=d ** -0.5,  # noqa: E731
+                                                   dtype=dtype, d=d, config=config, stream=stream, kernels=launched,
+                                                   dq_acc=acc_view if atomic else None)
             try:
                 ms, _ = bench.time_call(run, budget_s=budget_s)
             except Exception as e:  # a launch failure (too many resources) is a result
@@ -386,53 +319,12 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
                 continue
             row["ms"] = ms
             if tile:  # dkdv-atomic: its 5 products (2.5·F) and the dq conversion, timed together
-                fn = mma_backward.make_kernel(name, *tile, d, causal, dtype, **make)
+                fn = (mma_dkdv if name == "dkdv" else mma_dq).build(*tile, d, causal, dtype, **make)
                 row["regs"] = next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs
                 row["tflops"] = credit * f / ms / 1e9
             rows.append(row)
             print(f"  mma {dtype} d{d} causal={causal} {kernel} {tile}: {ms:.3f} ms"
                   + (f", {row['tflops']:.1f} TFLOP/s, regs {row['regs']}" if tile else ""), flush=True)
-    if kernels is None or "dkdv-atomic-variants" in kernels:
-        rows += sweep_atomic_variants(views, acc_view, stream, shipped, f, d=d, dtype=dtype, causal=causal,
-                                      budget_s=budget_s, B=B, H=H, N=N)
-    return rows
-
-
-def sweep_atomic_variants(views, acc_view, stream, shipped, f, *, d, dtype, causal, budget_s, B, H, N):
-    """Rows of dkdv-atomic-variants: check each variant against shipped (fresh scratch, prep run),
-    then time the atomic dkdv + conversion as the dkdv-atomic rows do (2.5·F)."""
-    import torch
-
-    from numba_flash.kernels import mma_backward
-
-    torch.cuda.synchronize()
-    inputs = [views[i] for i in (0, 1, 2, 3, 4, 5)]  # q, k, v, out, dout, lse
-    checks = compare_atomic_variants(
-        lambda variants: atomic_variant_grads(inputs, causal=causal, d=d, dtype=dtype, variants=variants),
-        list(ATOMIC_VARIANT_SWEEP))
-    tile = shipped["dkdv_atomic"]
-    rows = []
-    for name, variants in ATOMIC_VARIANT_SWEEP.items():
-        config = dict(shipped, dkdv_atomic_variants=variants)
-        row = {"kernel": f"dkdv-atomic:{name}", "tile": list(tile), "variant": variants, "check": checks[name],
-               "d": d, "dtype": dtype, "causal": causal, "B": B, "H": H, "N": N}
-        run = lambda: mma_backward.launch(*views, causal=causal, softmax_scale=d ** -0.5, dtype=dtype,  # noqa: E731
-                                          d=d, config=config, stream=stream, kernels=("dkdv", "dq"),
-                                          dq_acc=acc_view)
-        try:
-            ms, _ = bench.time_call(run, budget_s=budget_s)
-        except Exception as e:  # a launch failure (too many resources) is a result
-            rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
-            continue
-        fn = mma_backward.make_kernel("dkdv", *tile, d, causal, dtype, atomic_dq=True, split_d=False, **variants)
-        row.update(ms=ms, tflops=2.5 * f / ms / 1e9,
-                   regs=next(iter(fn.overloads.values()))._codelibrary.get_cufunc().attrs.regs)
-        rows.append(row)
-        c = checks[name]
-        print(f"  mma {dtype} d{d} causal={causal} dkdv-atomic:{name} {tile}: {ms:.3f} ms, {row['tflops']:.1f} "
-              f"TFLOP/s, regs {row['regs']}; vs shipped " + (c.get("error") or
-              f"dq {c['dq']:.1e} dk {c['dk']:.1e} dv {c['dv']:.1e}") + ("" if c["ok"] else "  ** CHECK FAILED **"),
-              flush=True)
     return rows
 
 
@@ -530,14 +422,12 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time the candidate tile configs (fp32 and fp16)")
     ap.add_argument("--sweep-mma", action="store_true", help="time the tensor-core kernels' candidate tiles (fp16)")
     ap.add_argument("--sweep-kernels", nargs="+", default=None,
-                    help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-split dkdv-fa2 dkdv-atomic-fa2 "
-                         "dkdv-atomic-variants)")
+                    help="with --sweep-mma: only these (prep dkdv dq dkdv-atomic dkdv-shipped)")
     ap.add_argument("--sweep-d", nargs="+", type=int, default=None, help="with --sweep-mma: only these head dims")
     ap.add_argument("--sweep-causal", nargs="+", default=None, choices=["False", "True"],
                     help="with --sweep-mma: only these causal settings (d64 sweeps only non-causal)")
     ap.add_argument("--sweep-only", action="store_true", help="skip the autograd suite: only the sweeps asked for")
     ap.add_argument("--tf32", action="store_true", help="time the fp32 backward kernel='tf32x3' vs simt, SDPA")
-    ap.add_argument("--sweep-split", action="store_true", help="with --sweep-mma: also time dkdv-split")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement (s)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
@@ -562,7 +452,7 @@ def main(argv=None):
                                for causal in ((False, True) if d == 128 else (False,))
                                if args.sweep_causal is None or str(causal) in args.sweep_causal
                                for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5),
-                                                  kernels=args.sweep_kernels, sweep_split=args.sweep_split)]
+                                                  kernels=args.sweep_kernels)]
     if args.tf32:
         print("fp32 backward: tf32x3 (auto) vs simt vs SDPA efficient (B4 H16 N4096, bwd only):", flush=True)
         result["tf32"] = tf32_rows(budget_s=args.budget_s)

@@ -128,8 +128,8 @@ def find_nvdisasm():
 
 
 def kernel_ptx(kind, args, extra):
-    """The sm_90 PTX of a forward (mma_forward.kernel_source) or backward kernel (mma_backward.kernel_source;
-    tf32_backward.kernel_source for DTYPE float32)."""
+    """The sm_90 PTX of a forward (mma_forward.kernel_source) or backward kernel (mma_dkdv.source, mma_dq.source;
+    tf32_backward.source for DTYPE float32)."""
     from numba import cuda
 
     if kind == "forward":
@@ -138,17 +138,18 @@ def kernel_ptx(kind, args, extra):
         bq, bk, d, causal, dtype = int(args[0]), int(args[1]), int(args[2]), args[3] == "True", args[4]
         fn = m.kernel_source(bq, bk, d, causal, dtype, **extra)
         return cuda.compile_ptx(fn, m.kernel_signature(extra.get("SPLIT_TAIL", False)), cc=(9, 0))[0]
-    from numba_flash.kernels import mma_backward as m
-    from numba_flash.kernels import tf32_backward
+    from numba_flash.blocks.entry import kernel_signature
+    from numba_flash.kernels import mma_dkdv, mma_dq, tf32_backward
 
     own, streamed, d, causal, dtype = int(args[0]), int(args[1]), int(args[2]), args[3] == "True", args[4]
     if dtype == "float32":  # the 3xTF32 backward
-        m = tf32_backward
-        fn = m.kernel_source(kind, own, streamed, d, causal, **extra)
+        fn = tf32_backward.source(kind, own, streamed, d, causal, **extra)
+        sig = tf32_backward.kernel_signature(kind, extra.get("atomic_dq", False), extra.get("dq_splits", False))
     else:
-        fn = m.kernel_source(kind, own, streamed, d, causal, dtype, **extra)
-    return cuda.compile_ptx(fn, m.kernel_signature(kind, extra.get("atomic_dq", False), extra.get("dq_splits", False)),
-                            cc=(9, 0))[0]
+        flags = {k.upper(): v for k, v in extra.items()}  # the source's flags: ATOMIC_DQ, VECTOR_RED, DQ_SPLITS ...
+        fn = (mma_dkdv if kind == "dkdv" else mma_dq).source(own, streamed, d, causal, dtype, **flags)
+        sig = kernel_signature(kind, flags.get("ATOMIC_DQ", False), flags.get("DQ_SPLITS", False))
+    return cuda.compile_ptx(fn, sig, cc=(9, 0))[0]
 
 
 def main(argv=None):
@@ -157,7 +158,7 @@ def main(argv=None):
     ap.add_argument("kind", choices=["forward", "dkdv", "dq"])
     ap.add_argument("args", nargs=5, help="forward: BLOCK_Q BLOCK_K HEAD_DIM CAUSAL DTYPE; "
                                           "dkdv/dq: own streamed HEAD_DIM CAUSAL DTYPE")
-    ap.add_argument("extra", nargs="*", help="KEY=VALUE keyword arguments of kernel_source")
+    ap.add_argument("extra", nargs="*", help="KEY=VALUE keyword arguments of the source (atomic_dq=True ...)")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.package or os.path.join(HERE, "..")))
     sys.path.insert(0, HERE)

@@ -2,14 +2,14 @@
 
     python3 scripts/sweep_tf32_backward.py            # GPU: B4 H16 N4096 fp32, d 32, 64, 128 (--causal: causal)
     python3 scripts/sweep_tf32_backward.py --ptxas    # no GPU: registers / spills / smem per candidate
-    python3 scripts/sweep_tf32_backward.py --front --layouts swizzled padded   # A/B of the Q/dO/K layout
+    python3 scripts/sweep_tf32_backward.py --front    # the shipped tiles and their nearest rivals
 
-For each head dim: every dkdv candidate (BLOCK_N keys, BLOCK_M queries streamed, passes) and every dq
-candidate (BLOCK_M queries, BLOCK_N keys streamed), launched through tf32_backward.launch with
+For each head dim: every dkdv candidate (BLOCK_N keys, BLOCK_M queries streamed) and every dq
+candidate (BLOCK_M queries, BLOCK_N keys streamed), launched through backward_plan.launch_tf32 with
 kernels=("dkdv",) or ("dq",) on the same inputs after one prep. Each result's max |difference| to
 the first candidate's is printed beside its time (a wrong tile shows up there, not only in the tests).
 Timing: CUDA events around single launches, median (bench.time_call); TFLOP/s credits dkdv with 4
-of the backward's five N x N x d products (Sᵀ, dPᵀ, dV, dK; passes recompute more) and dq with 3
+of the backward's five N x N x d products (Sᵀ, dPᵀ, dV, dK) and dq with 3
 (S, dP, dQ), so the two add up to the 2.5 x forward FLOPs that bench_backward credits plus the
 recomputation. Writes $OUT/sweep_tf32_backward.json when $OUT is set.
 """
@@ -22,37 +22,34 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-ONE, TWO = ("dkdv",), ("dv", "dk")
-# head dim: (dkdv candidates (BLOCK_N, BLOCK_M, passes), dq candidates (BLOCK_M, BLOCK_N)); first = the
-# reference the others are diffed against.
+# head dim: (dkdv candidates (BLOCK_N, BLOCK_M), dq candidates (BLOCK_M, BLOCK_N)); first = the reference the
+# others are diffed against.
 CANDIDATES = {
-    128: ([(64, 64, TWO), (64, 32, TWO), (128, 32, TWO), (128, 16, TWO),
-           (64, 32, ONE), (64, 16, ONE), (128, 16, ONE), (128, 32, ONE), (32, 32, ONE)],
+    128: ([(128, 32), (64, 32), (64, 16), (128, 16), (32, 32)],
           [(64, 64), (64, 32), (128, 32), (128, 16), (32, 64), (32, 32)]),
-    64: ([(64, 32, ONE), (64, 64, ONE), (128, 32, ONE), (128, 64, ONE), (128, 16, ONE), (32, 32, ONE)],
+    64: ([(64, 32), (64, 64), (128, 32), (128, 64), (128, 16), (32, 32)],
          [(64, 32), (64, 64), (128, 32), (128, 64), (32, 64)]),
-    32: ([(64, 64, ONE), (128, 64, ONE), (128, 32, ONE), (64, 32, ONE)],
+    32: ([(64, 64), (128, 64), (128, 32), (64, 32)],
          [(64, 64), (128, 32), (128, 64), (64, 32)]),
 }
 # --causal: the non-causal sweep's front runners (ptxas spills 216 B at d128 dkdv 128x32 causal, none
 # without the mask), plus d32.
 CAUSAL_CANDIDATES = {
-    128: ([(128, 32, ONE), (128, 16, ONE), (64, 16, ONE), (128, 32, TWO), (64, 32, ONE)], [(128, 32), (64, 64)]),
-    64: ([(128, 64, ONE), (128, 32, ONE), (64, 32, ONE)], [(64, 32), (128, 32), (128, 64)]),
+    128: ([(128, 32), (128, 16), (64, 16), (64, 32)], [(128, 32), (64, 64)]),
+    64: ([(128, 64), (128, 32), (64, 32)], [(64, 32), (128, 32), (128, 64)]),
     32: CANDIDATES[32],
 }
 
 
-# --front: the shipped tiles and their nearest rivals (a short run, e.g. for an A/B of --layouts).
+# --front: the shipped tiles and their nearest rivals (a short run).
 FRONT = {
-    128: ([(128, 32, ONE), (128, 16, ONE)], [(128, 32), (64, 32)]),
-    64: ([(128, 64, ONE), (128, 32, ONE)], [(64, 32), (128, 64)]),
-    32: ([(128, 64, ONE), (64, 32, ONE)], [(128, 32), (64, 64)]),
+    128: ([(128, 32), (128, 16)], [(128, 32), (64, 32)]),
+    64: ([(128, 64), (128, 32)], [(64, 32), (128, 64)]),
+    32: ([(128, 64), (64, 32)], [(128, 32), (64, 64)]),
 }
-LAYOUTS = {"padded": False, "swizzled": True}  # tiles read by both patterns: tf32_backward.strides
 
 
-def ptxas_report(causal=False, layouts=("padded",)):
+def ptxas_report(causal=False):
     from numba import cuda
 
     from ptxas_util import blocks_per_sm, ptxas_v, sm90_ptxas
@@ -62,31 +59,31 @@ def ptxas_report(causal=False, layouts=("padded",)):
 
     rows = []
     for hd, (dkdv, dq) in CANDIDATES.items():
-        runs = [("dkdv", bn, bm, g) for bn, bm, passes in dkdv for g in passes] + [("dq", bm, bn, "dkdv")
-                                                                                   for bm, bn in dq]
-        for (kernel, own, streamed, grads), layout in ((r, lay) for r in runs for lay in layouts):
+        runs = [("dkdv", bn, bm) for bn, bm in dkdv] + [("dq", bm, bn) for bm, bn in dq]
+        for kernel, own, streamed in runs:
             bad = tb.problems(kernel, own, streamed, hd)
             if bad:
-                print(f"d{hd} {kernel} {own}x{streamed} {grads}: cannot build: {bad}", flush=True)
+                print(f"d{hd} {kernel} {own}x{streamed}: cannot build: {bad}", flush=True)
                 continue
-            swz = LAYOUTS[layout]
-            src = tb.kernel_source(kernel, own, streamed, hd, causal, grads, swz)
+            src = tb.source(kernel, own, streamed, hd, causal)
             ptx, _ = cuda.compile_ptx(src, tb.kernel_signature(kernel), cc=(9, 0))
             rep = ptxas_v(ptx, ptxas)
-            smem = tb.smem_bytes(kernel, own, streamed, hd, swz)
-            row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed, grads=grads, layout=layout,
-                       **rep, smem=smem, blocks_per_sm=blocks_per_sm(rep["registers"], tb.threads_per_block(own), smem))
+            smem = tb.smem_bytes(kernel, own, streamed, hd)
+            row = dict(hd=hd, causal=causal, kernel=kernel, own=own, streamed=streamed,
+                       **rep, smem=smem, blocks_per_sm=blocks_per_sm(rep["registers"], tb.threads(own), smem))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
-def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("padded",)):
+def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,)):
     import torch
     from numba import cuda
 
     import numba_flash
     from numba_flash import bench
+    from numba_flash import backward_plan
+    from numba_flash.blocks import schedule
     from numba_flash.kernels import tf32_backward as tb
 
     rows = []
@@ -95,30 +92,24 @@ def gpu_sweep(B=4, H=16, N=4096, budget_s=0.4, causals=(False,), layouts=("padde
             g = torch.Generator(device="cuda").manual_seed(hd + causal)
             q, k, v, dout = (torch.randn(B, H, N, hd, device="cuda", generator=g) for _ in range(4))
             out, lse = numba_flash.forward(q, k, v, causal=causal)
-            l2, dd = (torch.empty(B * H, tb.padded_rows(N), device="cuda") for _ in range(2))
+            l2, dd = (torch.empty(B * H, schedule.padded_rows(N), device="cuda") for _ in range(2))
             grads = [torch.empty_like(x) for x in (q, k, v)]
             nb = [cuda.as_cuda_array(x) for x in (q, k, v, out, dout, lse, l2, dd, *grads)]
             scale = hd ** -0.5
             fwd = bench.flops(B, H, N, N, hd, causal)  # 2 products
 
             def run(config, kernels):
-                tb.launch(*nb, causal=causal, softmax_scale=scale, d=hd, config=config, stream=0, kernels=kernels)
+                backward_plan.launch_tf32(*nb, causal=causal, softmax_scale=scale, d=hd, config=config, stream=0,
+                                          kernels=kernels)
 
             run(None, ("prep",))
-            shipped = tb.config_for(hd, causal)
+            shipped = backward_plan.tf32_config(hd, causal)
             for kernel, cands in (("dkdv", dkdv), ("dq", dq)):
                 ref = None
-                for cand, layout in ((c, lay) for c in cands for lay in layouts):
-                    cfg = dict(shipped, swizzle=LAYOUTS[layout])
-                    tag = "" if layouts == ("padded",) else f" {layout}"
-                    if kernel == "dkdv":
-                        cfg["dkdv"], cfg["dkdv_passes"] = cand[:2], cand[2]
-                        label = f"dkdv {cand[0]}x{cand[1]} {'+'.join(cand[2])}{tag}"
-                        fl = 2 * fwd
-                    else:
-                        cfg["dq"] = cand
-                        label = f"dq {cand[0]}x{cand[1]}{tag}"
-                        fl = 1.5 * fwd
+                for cand in cands:
+                    cfg = dict(shipped, **{kernel: cand})
+                    label = f"{kernel} {cand[0]}x{cand[1]}"
+                    fl = 2 * fwd if kernel == "dkdv" else 1.5 * fwd
                     bad = tb.problems(kernel, *cfg[kernel], hd)
                     if bad:
                         print(f"d{hd} causal={causal} {label}: skipped: {bad}", flush=True)
@@ -151,8 +142,6 @@ def main():
     ap.add_argument("--dims", type=int, nargs="+", default=None)
     ap.add_argument("--causal", action="store_true", help="causal, over CAUSAL_CANDIDATES (default: non-causal)")
     ap.add_argument("--front", action="store_true", help="only the FRONT candidates (shipped + nearest rivals)")
-    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["padded"],
-                    help="layouts of the both-patterns tiles to time (each candidate in each)")
     args = ap.parse_args()
     if args.causal or args.front:
         CANDIDATES.clear()
@@ -161,8 +150,7 @@ def main():
         for d in list(CANDIDATES):
             if d not in args.dims:
                 del CANDIDATES[d]
-    layouts = tuple(args.layouts)
-    rows = ptxas_report(args.causal, layouts) if args.ptxas else gpu_sweep(causals=(args.causal,), layouts=layouts)
+    rows = ptxas_report(args.causal) if args.ptxas else gpu_sweep(causals=(args.causal,))
     if os.environ.get("OUT"):
         name = "sweep_tf32_backward" + ("_causal" if args.causal else "") + ("_front" if args.front else "") + ".json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:

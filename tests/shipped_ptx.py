@@ -125,11 +125,11 @@ def cases() -> dict:
 
     # --- backward: tensor cores, fp16 / bf16 (mma.sync below sm_90, wgmma dkdv on sm_90) ---------
     def bwd_arrays(dtype, d, hd, n_splits):
-        from numba_flash.kernels import mma_backward
+        from numba_flash.blocks.schedule import padded_rows
 
         view, q, k, v = qkv(dtype, d)
         st = storage[dtype]
-        rows = mma_backward.padded_rows(n_q)
+        rows = padded_rows(n_q)
         arr = dict(out=view(q.shape, st), dout=view(q.shape, st), lse=view(q.shape[:3], "float32"),
                    l2=view((B * H, rows), "float32"), dd=view((B * H, rows), "float32"), dq=view(q.shape, st),
                    dk=view(k.shape, st), dv=view(v.shape, st),
@@ -145,16 +145,16 @@ def cases() -> dict:
                             def call(hd=hd, causal=causal, dtype=dtype, d=d, scheme=scheme):
                                 import importlib
 
-                                from numba_flash.kernels import mma_backward
+                                from numba_flash import backward_plan
 
                                 cfg = importlib.import_module("numba_flash.backward").mma_config(hd)
                                 n_splits = 2 if scheme == "splits" else 0
                                 q, k, v, a = bwd_arrays(dtype, d, hd, n_splits)
-                                mma_backward.launch(q, k, v, a["out"], a["dout"], a["lse"], a["l2"], a["dd"], a["dq"],
-                                                    a["dk"], a["dv"], causal=causal, softmax_scale=0.1, dtype=dtype,
-                                                    d=d, config=cfg,
-                                                    dq_acc=None if scheme == "kernel" else a["dq_acc"],
-                                                    dq_splits=n_splits or None)
+                                backward_plan.launch_mma(q, k, v, a["out"], a["dout"], a["lse"], a["l2"], a["dd"],
+                                                         a["dq"], a["dk"], a["dv"], causal=causal, softmax_scale=0.1,
+                                                         dtype=dtype, d=d, config=cfg,
+                                                         dq_acc=None if scheme == "kernel" else a["dq_acc"],
+                                                         dq_splits=n_splits or None)
                             out[f"bwd-mma/d{hd}/{'causal' if causal else 'full'}/{dtype}/{target}/{scheme}/d{d}"] = \
                                 (target, call)
 
@@ -163,14 +163,15 @@ def cases() -> dict:
         for (hd, causal) in sorted(configs.TF32_BWD_TABLE):
             for scheme in ("kernel", "splits", "atomic"):
                 def call(hd=hd, causal=causal, scheme=scheme, target=target):
-                    from numba_flash.kernels import tf32_backward
+                    from numba_flash import backward_plan
 
                     n_splits = 2 if scheme == "splits" else 0
                     q, k, v, a = bwd_arrays("float32", hd, hd, n_splits)
-                    tf32_backward.launch(q, k, v, a["out"], a["dout"], a["lse"], a["l2"], a["dd"], a["dq"], a["dk"],
-                                         a["dv"], causal=causal, softmax_scale=0.1, d=hd,
-                                         dq_acc=None if scheme == "kernel" else a["dq_acc"],
-                                         dq_splits=n_splits or None, split_round="rn" if target == "sm90" else "rna")
+                    backward_plan.launch_tf32(q, k, v, a["out"], a["dout"], a["lse"], a["l2"], a["dd"], a["dq"],
+                                              a["dk"], a["dv"], causal=causal, softmax_scale=0.1, d=hd,
+                                              dq_acc=None if scheme == "kernel" else a["dq_acc"],
+                                              dq_splits=n_splits or None,
+                                              split_round="rn" if target == "sm90" else "rna")
                 out[f"bwd-tf32x3/d{hd}/{'causal' if causal else 'full'}/float32/{target}/{scheme}"] = (target, call)
 
     # --- backward: SIMT ----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from gpu_helpers import HAVE_TORCH_CUDA, attention_f64_torch, attention_naive_sa
 
 import numba_flash
 from numba_flash.backward import backward
-from numba_flash.kernels import tf32_backward
+from numba_flash import backward_plan
 
 pytestmark = [pytest.mark.gpu, needs_gpu,
               pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")]
@@ -174,47 +174,12 @@ def test_tf32x3_backward_as_accurate_as_simt(Hkv, n_q, n_k, d, causal):
         assert (tf[0][:, :, : n_q - n_k] == 0).all()
     again = backward(q, k, v, out, lse, dout, causal=causal, kernel="tf32x3")
     assert all(torch.equal(a, b) for a, b in zip(tf, again))
-    if "dkdv_atomic" in tf32_backward.config_for(d, causal):  # dQ in dkdv: the atomic grid too
+    if "dkdv_atomic" in backward_plan.tf32_config(d, causal):  # dQ in dkdv: the atomic grid too
         atomic = backward(q, k, v, out, lse, dout, causal=causal, kernel="tf32x3", deterministic=False)
         for name, a, b, r in zip(("dq", "dk", "dv"), atomic, simt, ref[1:]):
             err, err_simt, mag = _max_err(a, r), _max_err(b, r), r.abs().max().item()
             print(f"tf32x3 atomic d{d} causal={causal} {name}: {err:.3e}, simt {err_simt:.3e}")
             assert err <= 2 * err_simt + 1e-6 * mag, f"{name}: tf32x3 atomic {err:.3e} vs simt {err_simt:.3e}"
-
-
-@pytest.mark.parametrize("atomic", [False, True])
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
-def test_fa2_dkdv_error_rule(monkeypatch, atomic, d, causal):
-    """FA2's dkdv warp tiles (mma_backward.dkdv_fa2_source, a sweep candidate) through the public
-    backward at 128-key blocks, deterministic and atomic: the fp16 error rule per gradient, GQA 2,
-    lengths off the tile grid."""
-    from numba_flash import configs
-
-    table = {hd: dict(cfg, dkdv=(128, 64), dkdv_atomic=(128, 64), dkdv_fa2=True)
-             for hd, cfg in configs.MMA_BWD_TABLE.items()}
-    monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_TABLE", table)  # the module, not the function
-    monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_WGMMA", {hd: {} for hd in table})  # no wgmma
-    from numba_flash import plans
-
-    plans.clear()  # a recorded plan would replay the shipped kernels (and one recorded here, fa2's)
-    monkeypatch.setattr(plans, "_state", dict(plans._state, enabled=False))
-    from numba_flash.kernels import mma_backward
-
-    built = []
-    make_kernel = mma_backward.make_kernel
-    monkeypatch.setattr(mma_backward, "make_kernel",
-                        lambda *a, **kw: built.append(kw.get("fa2", False)) or make_kernel(*a, **kw))
-    q, k, v, dout = _inputs(2, 4, 2, 1000, 1300, d, torch.float16, seed=d + causal)
-    out, lse = numba_flash.forward(q, k, v, causal=causal)
-    grads = backward(q, k, v, out, lse, dout, causal=causal, deterministic=not atomic)
-    ref = _autograd(lambda *x: attention_f64_torch(*x, causal)[0], q, k, v, dout, torch.float64)
-    naive = _autograd(lambda *x: attention_naive_same_dtype(*x, causal), q, k, v, dout)
-    assert True in built, f"the fa2 dkdv was not launched ({built})"  # the table patch took effect
-    ulp = torch.finfo(torch.float16).eps
-    for name, g, nv, r in zip(("dq", "dk", "dv"), grads, naive[1:], ref[1:]):
-        err, naive_err, mag = _max_err(g, r), _max_err(nv, r), r.abs().max().item()
-        print(f"fa2 atomic={atomic} d{d} causal={causal} {name}: ours {err:.3e}, naive {naive_err:.3e}")
-        assert err <= 2 * naive_err + ulp * mag, f"{name}: ours {err:.3e} vs naive fp16 {naive_err:.3e}"
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -229,7 +194,7 @@ def test_mma_sync_dq_in_dkdv_error_rule(monkeypatch, deterministic, dtype, d, ca
     monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_WGMMA", {64: {}, 128: {}})
     plans.clear()  # a recorded plan would replay the wgmma kernels
     monkeypatch.setattr(plans, "_state", dict(plans._state, enabled=False))
-    monkeypatch.setattr(wgmma_backward, "make_kernel", None)  # launching it would fail
+    monkeypatch.setattr(wgmma_backward, "build", None)  # launching it would fail
     tdt = getattr(torch, dtype)
     q, k, v, dout = _inputs(2, 4, 2, 1000, 1300, d, tdt, seed=7 * d + causal)
     assert "wgmma" not in numba_flash.explain_backward(q, k, v, causal=causal)
@@ -251,8 +216,8 @@ def test_sm90_runs_the_wgmma_dkdv():
     q, k, v, dout = _inputs(1, 2, 2, 300, 300, 128, torch.float16, 11)
     said = "wgmma" in numba_flash.explain_backward(q, k, v)
     assert said == current_wgmma()
-    before = wgmma_backward.make_kernel.cache_info().misses + wgmma_backward.make_kernel.cache_info().hits
+    before = wgmma_backward.build.cache_info().misses + wgmma_backward.build.cache_info().hits
     out, lse = numba_flash.forward(q, k, v)
     backward(q, k, v, out, lse, dout, deterministic=False)
-    after = wgmma_backward.make_kernel.cache_info().misses + wgmma_backward.make_kernel.cache_info().hits
+    after = wgmma_backward.build.cache_info().misses + wgmma_backward.build.cache_info().hits
     assert (after > before) == current_wgmma()

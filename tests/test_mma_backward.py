@@ -1,4 +1,5 @@
-"""Tensor-core backward (numba_flash.kernels.mma_backward): simulator, sm_90 build, and the real GPU.
+"""Tensor-core backward (kernels.mma_dkdv, mma_dq, bwd_prep through backward_plan.launch_mma): simulator,
+sm_90 build, and the real GPU.
 
 The simulator runs the kernels' fragment indexing through numba_flash.ptx's twins (mma, ldmatrix,
 cp.async with poisoned in-flight bytes), so a wrong lane mapping, a read before a copy lands or a
@@ -23,7 +24,9 @@ from numba import cuda
 
 import reference
 from numba_flash.configs import MMA_BWD_SPILL_OK, MMA_BWD_TABLE
-from numba_flash.kernels import mma_backward
+from numba_flash import backward_plan
+from numba_flash.blocks import entry, schedule
+from numba_flash.kernels import mma_dkdv, mma_dq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_ptx import compile_in_subprocess, in_simulator, ptxas_report  # noqa: E402
@@ -70,13 +73,13 @@ def padded_view(x, pad_to):
 
 
 def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False, pad_to=None, splits=None, planes=None):
-    """mma_backward.launch on device arrays (simulator or GPU); returns (dq, dk, dv) as float64.
+    """backward_plan.launch_mma on device arrays (simulator or GPU); returns (dq, dk, dv) as float64.
     atomic: dQ added up by the dkdv kernel with atomic adds (deterministic=False). splits: the deterministic
     splits instead (dq_acc with that many planes; ``planes``, a list, receives them). pad_to: q, k, v, out
     and dout are padded_view's of rows of pad_to elements."""
     q, k, v, o, lse, do = (padded_view(x, pad_to) if pad_to and x.ndim == 4 else cuda.to_device(x) for x in stored)
     B, H, n_q, _ = stored[0].shape
-    rows = (B * H, mma_backward.padded_rows(n_q))
+    rows = (B * H, schedule.padded_rows(n_q))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
     grads = [cuda.to_device(np.full(x.shape, 0x7E00 if dtype == "float16" else 0x7FC0, np.uint16)
                             .view(x.dtype)) for x in (stored[0], stored[1], stored[2])]  # NaN: unwritten shows
@@ -85,8 +88,8 @@ def run_backward(stored, d, causal, dtype, config, scale=None, atomic=False, pad
     # the splits' planes are not zeroed (their first launch stores): NaN shows a row read before it was written
     dq_acc = cuda.to_device(np.full((n_planes * rows[0], rows[1], config["head_dim"]), np.nan if splits else 0.0,
                                     np.float32)) if n_planes else None
-    mma_backward.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, dtype=dtype, d=d,
-                        config=config, dq_acc=dq_acc, dq_splits=splits)
+    backward_plan.launch_mma(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, dtype=dtype,
+                             d=d, config=config, dq_acc=dq_acc, dq_splits=splits)
     if planes is not None:
         planes.append(dq_acc.copy_to_host().reshape(n_planes, B, H, rows[1], config["head_dim"]))
     out = [g.copy_to_host() for g in grads]
@@ -205,7 +208,7 @@ def test_dq_splits_sim(n_q, n_k, splits):
                                        planes=want_planes)
     for plane in range(splits):
         want = want_planes[plane]
-        first = mma_backward.plane_first_row(plane, n_q, n_k, 64, 64, 1)  # rows before it: never written (NaN)
+        first = schedule.plane_first_row(plane, n_q, n_k, 64, 64, 1)  # rows before it: never written (NaN)
         got = planes[0][plane][:, :, first:n_q, :d]
         np.testing.assert_allclose(got, want[:, :, first:], atol=2e-2 * np.abs(want).max() + 1e-3,
                                    err_msg=f"plane {plane}")
@@ -219,108 +222,18 @@ def test_dq_splits_sim(n_q, n_k, splits):
     (4, 132, 8, 8, True),     # GQA 8 on 4 kv heads: 32 blocks cannot fill 132 slots, the dq kernel runs
 ])
 def test_dq_splits_choice(n_kv_heads, slots, group, want_splits, fallback):
-    splits, ratio = mma_backward.dq_splits(4096, 4096, 128, 64, False, group, n_kv_heads, slots)
+    splits, ratio = schedule.dq_splits(4096, 4096, 128, 64, False, group, n_kv_heads, slots)
     assert splits == want_splits
-    assert (ratio > mma_backward.SPLITS_SLOWER_OK) == fallback, ratio
+    assert (ratio > schedule.SPLITS_SLOWER_OK) == fallback, ratio
     # causal: a launch holds neighbouring key blocks, alike in work
-    splits, ratio = mma_backward.dq_splits(4096, 4096, 128, 64, True, 1, 64, 132)
+    splits, ratio = schedule.dq_splits(4096, 4096, 128, 64, True, 1, 64, 132)
     assert ratio <= 1.01
 
 
 def test_makespan_is_a_greedy_schedule():
-    assert mma_backward._makespan([5, 1, 1, 1], 2) == 5  # three short blocks beside the long one
-    assert mma_backward._makespan([1, 1, 1, 5], 2) == 6  # the long one starts last
-    assert mma_backward._makespan([3, 3], 4) == 3
-
-
-@in_simulator
-@pytest.mark.parametrize(
-    "variants,H,n_q,n_k,d,causal,dtype",
-    [
-        # each alone: not shipped, 40 s each under the simulator (NUMBA_FLASH_VARIANT_TESTS=1 runs them)
-        pytest.param({"dq_cols": 64}, 3, 40, 100, 64, True, "float16", marks=pytest.mark.variant),  # one pass per warp
-        pytest.param({"dq_deferred": True}, 3, 40, 100, 64, True, "float16",  # 3 steps: both dSᵀ buffers, reused
-                     marks=pytest.mark.variant),
-        pytest.param({"red_v4": True}, 3, 40, 100, 64, True, "float16", marks=pytest.mark.variant),
-        ({"dq_cols": 64, "dq_deferred": True, "red_v4": True}, 1, 24, 100, 128, False, "bfloat16"),  # 128 keys, 1 step
-    ],
-)
-def test_atomic_dq_variants_sim(variants, H, n_q, n_k, d, causal, dtype):
-    """The atomic dQ phase's sweep candidates (mma_backward.ATOMIC_VARIANTS), GQA with one kv head:
-    several steps per block and two key blocks adding into the same dQ rows (at d = 128 one block of
-    one step, the simulator's budget: 256 threads)."""
-    vals, stored = problem(11 + n_q, 1, H, 1, n_q, n_k, d, causal, dtype)
-    config = dict(shipped(d), dkdv_atomic_variants=variants)
-    check_error_rule(run_backward(stored, d, causal, dtype, config, atomic=True), vals, causal, dtype)
-
-
-@in_simulator
-def test_bench_atomic_variant_check_sim():
-    """scripts/bench_backward.py's dkdv-atomic-variants check, as the GPU sweep runs it, on a tiny
-    shape: the variants all on match the shipped kernel (one launch each: the simulator's prep and
-    conversion grids are slow); every entry's flags are accepted at both shipped tiles."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_backward.py"
-    spec = importlib.util.spec_from_file_location("bench_backward", path)
-    bench_backward = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_backward)
-    _, stored = problem(4, 1, 1, 1, 20, 20, 64, False, "float16")
-    q, k, v, o, lse, do = (cuda.to_device(x) for x in stored)
-    checks = bench_backward.compare_atomic_variants(
-        lambda variants: bench_backward.atomic_variant_grads((q, k, v, o, do, lse), causal=False, d=64,
-                                                             dtype="float16", variants=variants), ["all3"])
-    assert checks["all3"]["ok"], checks
-    assert checks["all3"]["dk"] == 0 and checks["all3"]["dv"] == 0, checks  # only the dQ phase differs
-    for head_dim, cfg in MMA_BWD_TABLE.items():
-        for variants in bench_backward.ATOMIC_VARIANT_SWEEP.values():
-            mma_backward.kernel_source("dkdv", *cfg["dkdv_atomic"], head_dim, True, "float16", True, **variants)
-
-
-@in_simulator
-@pytest.mark.variant
-@pytest.mark.parametrize("atomic", [False, True])
-def test_fa2_dkdv_sim(atomic):
-    """FA2's dkdv warp tiles (dkdv_fa2_source: two warps per 32 keys): GQA 2 over 64-key blocks of 4
-    warps, causal with Nq > Nk (masked rows, a partial last key block), several steps a block, the
-    deterministic and the atomic dQ path."""
-    vals, stored = problem(3, 1, 2, 1, 70, 50, 64, True, "float16")
-    config = {"dkdv": (64, 64), "dq": (16, 16), "head_dim": 64, "dkdv_fa2": True, "dkdv_atomic": (64, 64)}
-    grads = run_backward(stored, 64, True, "float16", config, atomic=atomic)
-    check_error_rule(grads, vals, True, "float16")
-    assert np.all(grads[0][:, :, :20] == 0)  # rows that see no key
-
-
-@in_simulator
-@pytest.mark.variant
-def test_fa2_dkdv_128_keys_sim():
-    """The same layout at d = 128 with 128-key blocks (8 warps: FA2's 4 x 2), bf16, atomic dQ
-    (4 row groups x 2 column halves of dQ_i), one block of one step (the simulator's budget)."""
-    vals, stored = problem(9, 1, 1, 1, 30, 100, 128, False, "bfloat16")
-    config = {"dkdv": (128, 64), "dq": (64, 64), "head_dim": 128, "dkdv_fa2": True, "dkdv_atomic": (128, 64)}
-    check_error_rule(run_backward(stored, 128, False, "bfloat16", config, atomic=True), vals, False, "bfloat16")
-
-
-@in_simulator
-@pytest.mark.variant
-def test_split_d_dkdv_sim():
-    """FA2's dkdv warp layout (two warps per 16 keys, Pᵀ / dSᵀ through shared memory): GQA 2, causal,
-    Nq > Nk, 16-key blocks of 2 warps streaming 64-query tiles. Not shipped: a sweep candidate."""
-    vals, stored = problem(2, 1, 2, 1, 40, 30, 64, True, "float16")
-    config = {"dkdv": (16, 64), "dq": (16, 16), "head_dim": 64, "dkdv_split_d": True}
-    check_error_rule(run_backward(stored, 64, True, "float16", config), vals, True, "float16")
-
-
-@pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
-def test_split_d_dkdv_compiles_without_spills(head_dim, tmp_path):
-    """ptxas sm_90: half the accumulators per warp, so no spills at d = 128 (244 registers, 8 warps)."""
-    source = COMPILE_SOURCE.format(K="dkdv", O=64, S=64, D=head_dim, C=True, DT="float16", A=False).replace(
-        "atomic_dq=False)", "atomic_dq=False, split_d=True)")
-    assert "split_d=True" in source
-    text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
-    assert text.count("mma.sync.aligned") == 2 * (head_dim // 16) * 4 + 2 * 4 * (head_dim // 16)
-    report = ptxas_report(text, tmp_path)
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+    assert schedule._makespan([5, 1, 1, 1], 2) == 5  # three short blocks beside the long one
+    assert schedule._makespan([1, 1, 1, 5], 2) == 6  # the long one starts last
+    assert schedule._makespan([3, 3], 4) == 3
 
 
 def test_public_api_deterministic_flag():
@@ -334,11 +247,10 @@ def test_public_api_deterministic_flag():
     check_error_rule([g.astype(np.float64) for g in grads], vals, True, "float16")
     with pytest.raises(ValueError, match="atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query "
                                          "tiles only, not dkdv 64x32"):
-        mma_backward.make_kernel("dkdv", 64, 32, 128, False, "float16", atomic_dq=True)
-    for bad in ({"atomic_dq": False, "dq_splits": 1}, {"atomic_dq": True, "dq_splits": 3},
-                {"atomic_dq": True, "dq_splits": 2, "red_v4": True}):
+        mma_dkdv.build(64, 32, 128, False, "float16", atomic_dq=True)
+    for bad in ({"atomic_dq": False, "dq_splits": 1}, {"atomic_dq": True, "dq_splits": 3}):
         with pytest.raises(ValueError, match="dq_splits="):
-            mma_backward.make_kernel("dkdv", 64, 64, 64, False, "float16", **bad)
+            mma_dkdv.build(64, 64, 64, False, "float16", **bad)
 
 
 @in_simulator
@@ -363,25 +275,30 @@ def test_tile_sizes_property_sim(dkdv, dq, n_q, n_k, causal, seed):
 
 def test_problems_and_configs():
     for head_dim, cfg in MMA_BWD_TABLE.items():
-        assert mma_backward.problems("dkdv", *cfg["dkdv"], head_dim, "float16") == []
-        assert mma_backward.problems("dq", *cfg["dq"], head_dim, "bfloat16") == []
-        assert mma_backward.problems("dkdv", *cfg["dkdv_atomic"], head_dim, "float16") == []
-    assert "HEAD_DIM=96" in " ".join(mma_backward.problems("dq", 64, 64, 96, "float16"))
-    assert "shared memory" in " ".join(mma_backward.problems("dkdv", 256, 128, 128, "float16"))
-    assert "the scratch rows' padding" in " ".join(mma_backward.problems("dq", 256, 64, 64, "float16"))
-    assert "copying threads" in " ".join(mma_backward.problems("dkdv", 16, 128, 64, "float16"))
+        assert mma_dkdv.problems(*cfg["dkdv"], head_dim, "float16") == []
+        assert mma_dq.problems(*cfg["dq"], head_dim, "bfloat16") == []
+        assert mma_dkdv.problems(*cfg["dkdv_atomic"], head_dim, "float16") == []
+    assert "HEAD_DIM=96" in " ".join(mma_dq.problems(64, 64, 96, "float16"))
+    assert "shared memory" in " ".join(mma_dkdv.problems(256, 128, 128, "float16"))
+    assert "the scratch rows' padding" in " ".join(mma_dq.problems(256, 64, 64, "float16"))
+    assert "copying threads" in " ".join(mma_dkdv.problems(16, 128, 64, "float16"))
     with pytest.raises(ValueError, match="cannot be built"):
-        mma_backward.make_kernel("dq", 64, 24, 64, False, "float16")
-    assert mma_backward.padded_rows(1) == 128 and mma_backward.padded_rows(256) == 256
+        mma_dq.build(64, 24, 64, False, "float16")
+    assert schedule.padded_rows(1) == 128 and schedule.padded_rows(256) == 256
 
 
 # --------------------------------------------------------------------------------------------
 # sm_90 build of the shipped configs
 # --------------------------------------------------------------------------------------------
 COMPILE_SOURCE = """
-from numba_flash.kernels import mma_backward
-kern = mma_backward.kernel_source({K!r}, {O}, {S}, {D}, {C}, {DT!r}, atomic_dq={A})
-SIG = mma_backward.kernel_signature({K!r}, {A})
+from numba_flash.blocks.entry import kernel_signature
+from numba_flash.kernels import mma_dkdv, mma_dq
+def source(kernel, own, streamed, d, causal, dtype, atomic_dq=False, vector_red=True, dq_splits=0):
+    if kernel == "dq":
+        return mma_dq.source(own, streamed, d, causal, dtype)
+    return mma_dkdv.source(own, streamed, d, causal, dtype, atomic_dq, vector_red, DQ_SPLITS=dq_splits)
+kern = source({K!r}, {O}, {S}, {D}, {C}, {DT!r}, atomic_dq={A})
+SIG = kernel_signature({K!r}, {A})
 """
 
 
@@ -454,7 +371,7 @@ def test_atomic_dq_compiles_to_red(head_dim, keys, vector_red, tmp_path):
 
 def _dkdv_ptx_cases():
     """name -> (keys, queries, HEAD_DIM, causal, dtype, atomic_dq): the shipped dkdv tiles (atomic and
-    not) and the atomic tiles the sweep times, each compiled with every atomic-dQ variant off."""
+    not) and the atomic tiles the sweep times."""
     cases = {}
     for d, cfg in MMA_BWD_TABLE.items():
         for causal in (False, True):
@@ -470,32 +387,28 @@ def _dkdv_ptx_cases():
 DKDV_PTX_CASES = _dkdv_ptx_cases()
 
 
-# Code sha256 of each DKDV_PTX_CASES kernel's sm_90 PTX, recorded with numba 0.68.1, numba-cuda 0.30.4,
-# NVVM 2.0 (other versions skip) when the tenth session changed the kernels on purpose (whole-tile copies
-# of the streamed tiles, no per-step division without GQA; the atomic dQ phase's passes written out);
-# d0d51d1's hashes had held from before the atomic dQ variants until then. Re-recorded with each change of
-# the bwd-lean branch's address arithmetic (same floating-point operations; git log says which).
+# sha256 of each DKDV_PTX_CASES kernel's sm_90 PTX after shipped_ptx.normalise (mangled names renamed by
+# first use, so a kernel or helper moved to another module keeps its hash), recorded with numba 0.68.1,
+# numba-cuda 0.30.4, NVVM 2.0 (other versions skip) from the kernels before they were split into one file
+# each (0a6a5b1); re-recorded with each change of the kernels' instructions on purpose (git log -p says which).
 DKDV_PTX_SHA256 = {
-    "dkdv-64x64-d128-False-float16": "c3efa3a4519f6e562a61c146bf655c6e8a9626739468b355b1c1e92798b80d8e",
-    "dkdv-64x64-d128-True-float16": "b03c5d445f1d27ab8e593d034b94e03f290fb27d961911839e40d3d0301836ac",
-    "dkdv-64x64-d64-False-float16": "a87cecd5614559b04e18ca2bbc8f1157a60727cbff2397cf603aff4b2ad6129c",
-    "dkdv-64x64-d64-True-float16": "2c3ac4bc02ce3994015711a10eb8e91b3036bb4d991b1d698857e71fc57ef1dc",
-    "dkdv-atomic-128x64-d128-False-float16": "fb4bf2d0fb554a65c81f06066da10ab352d5672e963e202ea76dca912b00982c",
-    "dkdv-atomic-128x64-d128-True-bfloat16": "3f424ae4a3b2addf3e64b4f04482dc25394a2df29959821ded31a4612a48d8fb",
-    "dkdv-atomic-128x64-d128-True-float16": "05e2a2971d0d0c6c34839a8a17ef28a39dc23c83588808f3aa1b0e442a884564",
-    # twelfth session: dkdv_body takes its key block and dQ plane as arguments (the deterministic splits'
-    # build passes others); at d64 NVVM then orders one 64-bit multiply differently
-    "dkdv-atomic-64x64-d64-False-float16": "0fb57f9f9302350a89d94b047cd26fa1bbcfd4bab2ca51b57cb3aedff8ede9fd",
-    "dkdv-atomic-64x64-d64-True-float16": "9491648aecf329c7718b5d25a8e3e81c0c01b655796c2250ec585a389436138c",
+    "dkdv-64x64-d128-False-float16": "2313034340bd1223c3a9136ac8b485ec1eff734066ef377b6c08dcc39c48c2ee",
+    "dkdv-64x64-d128-True-float16": "c119980dfc166988463648190f67f071a00a9ea6df6b945c93d1cd68abc5a0e0",
+    "dkdv-64x64-d64-False-float16": "d95f2cc9081464468ec17aeef56dae899fac145ec7225562e5813697087355c2",
+    "dkdv-64x64-d64-True-float16": "5dff310b407b96443a2b51477d469833324efc62da6a72db97bd76733d6e4b1a",
+    "dkdv-atomic-128x64-d128-False-float16": "4d53ef7ee49d9a39d11b1a10d45a5cc68eafa76cb553552630b58eb317aa591d",
+    "dkdv-atomic-128x64-d128-True-bfloat16": "304a4861a63e6d152ce987911751046027ab95a1b9d7396e2d53c2c4f1a19d74",
+    "dkdv-atomic-128x64-d128-True-float16": "b7726d3889de433a3ea411b03b351478dadae964d18087e9f47570e4457139bd",
+    "dkdv-atomic-64x64-d64-False-float16": "078bd18218b29dfb2fa62334293e1e050f98756eccf267012102f569c45e2275",
+    "dkdv-atomic-64x64-d64-True-float16": "332fe2f9879b62db6e781a86316096b3dbf7b595be20dbbd02204591a443cebd",
     # the two variant tiles (NUMBA_FLASH_VARIANT_TESTS=1 adds them to DKDV_PTX_CASES)
-    "dkdv-atomic-128x64-d64-False-float16": "e5e85c93983737f30ff695b326f9c807fbf657f725011b4a46d291e97e5a42b3",
-    "dkdv-atomic-64x64-d128-False-float16": "852556a62892038165507b098b4592cd90ec2102bb3274b29ba158de3dedb246",
+    "dkdv-atomic-128x64-d64-False-float16": "bc64a6a72a44be7a048c4eb6ab7d5ad319d64348b607002bade9ed84ceeda29a",
+    "dkdv-atomic-64x64-d128-False-float16": "7ce53ceae4de507a07dd4fd3566903aac5510af9ea1ecfc2692f9fc241601eb7",
 }
 
 
-def test_atomic_variants_off_ptx_unchanged(tmp_path):
-    """With the atomic dQ variants off (kernel_source's defaults), the shipped dkdv kernels (atomic and
-    not) compile to the recorded instructions: the variants are confined to their flags."""
+def test_dkdv_ptx_unchanged(tmp_path):
+    """The shipped dkdv kernels (atomic and not) compile to the recorded instructions."""
     from test_mma_forward import SHIPPED_PTX_VERSIONS
     from test_ptx import NO_GPU_PATCH, run_compile_child
 
@@ -504,17 +417,18 @@ import json, sys
 import numba, numba_cuda
 from numba import cuda
 from numba.cuda.cudadrv import nvvm
-from numba_flash.kernels import mma_backward
+from numba_flash.blocks.entry import kernel_signature
+from numba_flash.kernels import mma_dkdv
 sys.path.insert(0, "tests")
 from test_mma_backward import DKDV_PTX_CASES
-from test_mma_forward import normalised_ptx_sha256
+from shipped_ptx import sha
 versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
 out = {}
 if versions == [numba.__version__, "0.30.4", [2, 0]]:
     for name, (own, st, d, causal, dtype, atomic) in sorted(DKDV_PTX_CASES.items()):
-        fn = mma_backward.kernel_source("dkdv", own, st, d, causal, dtype, atomic_dq=atomic)
-        ptx, _ = cuda.compile_ptx(fn, mma_backward.kernel_signature("dkdv", atomic), cc=(9, 0))
-        out[name] = normalised_ptx_sha256(ptx)
+        fn = mma_dkdv.source(own, st, d, causal, dtype, atomic)
+        ptx, _ = cuda.compile_ptx(fn, kernel_signature("dkdv", atomic), cc=(9, 0))
+        out[name] = sha(ptx)
 print(json.dumps(dict(versions=versions, hashes=out)))
 """
     got = run_compile_child(source, [], tmp_path)
@@ -525,35 +439,6 @@ print(json.dumps(dict(versions=versions, hashes=out)))
     assert got["hashes"] == {name: DKDV_PTX_SHA256[name] for name in DKDV_PTX_CASES}
 
 
-# ptxas sm_90 spill bytes (stores; loads are equal) of each atomic dQ variant at the shipped atomic
-# tiles, worst of causal / not (ptxas 13.0): recorded so a change shows, not a limit that was chosen.
-# (tenth session, after the whole-tile copies and the written-out passes; before: 40, 40, 44, 28; 88, 4, 40, 0)
-ATOMIC_VARIANT_SPILLS = {
-    (128, "dq_cols64"): 28, (128, "dq_deferred"): 12, (128, "red_v4"): 44, (128, "all3"): 4,
-    (64, "dq_cols64"): 48, (64, "dq_deferred"): 0, (64, "red_v4"): 48, (64, "all3"): 0,
-}
-
-
-@pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
-@pytest.mark.parametrize("name", [pytest.param("dq_cols64", marks=pytest.mark.variant),
-                                  pytest.param("dq_deferred", marks=pytest.mark.variant),
-                                  pytest.param("red_v4", marks=pytest.mark.variant), "all3"])
-def test_atomic_variants_compile_for_sm90(head_dim, name, tmp_path):
-    """Each variant the sweep times builds for sm_90 at the shipped atomic tile (causal), with its
-    adds as the variant says and spills no worse than recorded."""
-    variants = {"dq_cols64": {"dq_cols": 64}, "dq_deferred": {"dq_deferred": True}, "red_v4": {"red_v4": True},
-                "all3": {"dq_cols": 64, "dq_deferred": True, "red_v4": True}}[name]
-    keys, queries = MMA_BWD_TABLE[head_dim]["dkdv_atomic"]
-    source = COMPILE_SOURCE.format(K="dkdv", O=keys, S=queries, D=head_dim, C=True, DT="float16", A=True).replace(
-        "atomic_dq=True)", f"atomic_dq=True, **{variants!r})")
-    text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
-    v4, v2 = text.count("red.global.add.v4.f32"), text.count("red.global.add.v2.f32")
-    assert (v4 > 0 and v2 == 0) if variants.get("red_v4") else (v4 == 0 and v2 > 0)
-    assert "ld.local" not in text and "st.local" not in text
-    report = ptxas_report(text, tmp_path)
-    assert report["spill_stores"] <= ATOMIC_VARIANT_SPILLS[head_dim, name], report["text"]
-
-
 # --------------------------------------------------------------------------------------------
 # Real GPU (marked gpu; skipped without one): python -m pytest -m gpu tests/test_mma_backward.py
 # --------------------------------------------------------------------------------------------
@@ -561,8 +446,6 @@ from gpu_helpers import needs_gpu  # noqa: E402
 
 gpu = [pytest.mark.gpu, needs_gpu]
 SWEEP = [  # non-shipped configs scripts/bench_backward.py --sweep-mma times: each must be right too
-    {"dkdv": (64, 64), "dq": (64, 64), "head_dim": 128, "dkdv_split_d": True},
-    {"dkdv": (64, 64), "dq": (64, 64), "head_dim": 64, "dkdv_split_d": True},
     {"dkdv": (128, 32), "dq": (128, 64), "head_dim": 128},
     {"dkdv": (64, 32), "dq": (64, 32), "head_dim": 128},
     {"dkdv": (128, 64), "dq": (128, 64), "head_dim": 64},
@@ -640,14 +523,14 @@ def test_check_dq_acc_names_the_layout_it_needs():
     """launch()'s check of the dQ-in-dkdv scratch (both families): planes x heads, padded rows, HEAD_DIM,
     C-contiguous fp32, and 1 <= dq_splits <= key blocks."""
     ok = np.zeros((3 * 8, 128, 64), np.float32)
-    mma_backward.check_dq_acc(ok, 3, 8, 128, 64, n_kb=5)
-    mma_backward.check_dq_acc(ok[:8], None, 8, 128, 64, n_kb=5)
+    entry.check_dq_acc(ok, 3, 8, 128, 64, n_kb=5)
+    entry.check_dq_acc(ok[:8], None, 8, 128, 64, n_kb=5)
     with pytest.raises(ValueError, match=r"needs a C-contiguous fp32 array of shape \(16, 128, 64\)"):
-        mma_backward.check_dq_acc(ok, 2, 8, 128, 64, n_kb=5)
+        entry.check_dq_acc(ok, 2, 8, 128, 64, n_kb=5)
     with pytest.raises(ValueError, match="strides"):
-        mma_backward.check_dq_acc(np.zeros((24, 128, 128), np.float32)[:, :, ::2], 3, 8, 128, 64, n_kb=5)
+        entry.check_dq_acc(np.zeros((24, 128, 128), np.float32)[:, :, ::2], 3, 8, 128, 64, n_kb=5)
     with pytest.raises(ValueError, match=r"1 <= dq_splits <= 2 key blocks"):
-        mma_backward.check_dq_acc(ok, 3, 8, 128, 64, n_kb=2)
+        entry.check_dq_acc(ok, 3, 8, 128, 64, n_kb=2)
 
 
 def test_dq_scheme_falls_back_to_the_dq_kernel(monkeypatch):

@@ -17,6 +17,9 @@ from numba import config, cuda
 import numba_flash
 import reference
 from numba_flash.configs import SMEM_PER_BLOCK_MAX, TF32_BWD_SPILL_OK, TF32_BWD_TABLE
+from numba_flash import backward_plan
+from numba_flash.blocks import schedule
+from numba_flash.blocks.tf32 import head_dim_for
 from numba_flash.kernels import tf32_backward as tb
 from test_mma_forward import attention_f64
 from gpu_helpers import needs_gpu
@@ -36,15 +39,15 @@ def problem(B, H, Hkv, n_q, n_k, d, causal, seed=0, scale=None):
 
 
 def run_launcher(vals, d, causal, scale, config):
-    """tb.launch on the problem; a "split_round" key of config goes to launch's argument of that name."""
+    """backward_plan.launch_tf32 on the problem; a "split_round" key of config goes to launch's argument of that name."""
     config = dict(config)
     kw = {"split_round": config.pop("split_round")} if "split_round" in config else {}
     q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
     B, H, n_q, _ = vals[0].shape
-    rows = (B * H, tb.padded_rows(n_q))
+    rows = (B * H, schedule.padded_rows(n_q))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
     grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]  # unwritten shows as NaN
-    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config, **kw)
+    backward_plan.launch_tf32(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config, **kw)
     return [g.copy_to_host() for g in grads]
 
 
@@ -69,12 +72,8 @@ SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
     (1, 2, 2, 21, 50, 16, True, {}),    # Nq < Nk causal
     pytest.param(2, 2, 1, 9, 20, 8, False, {}, marks=pytest.mark.slow),  # B 2 x GQA: 125 s under pytest -n 2
     (1, 1, 1, 20, 36, 52, False, dict(dkdv=(16, 8), dq=(16, 8), head_dim=64)),  # 1 warp, d 52 -> 64
-    (1, 2, 1, 12, 21, 20, True, dict(dkdv_passes=("dv", "dk"))),  # dkdv as two passes (d128's plan)
     (1, 1, 1, 23, 30, 32, True, dict(split_round="rna")),  # the split below sm_90 (cvt.rna)
     pytest.param(1, 1, 1, 18, 25, 28, False, dict(split_round="rn_raw"), marks=pytest.mark.variant),  # lo unrounded
-    # the sweep's swizzled variant (not shipped), at d 64: chunk pairs and n-tiles past the first 32 words
-    pytest.param(1, 1, 1, 19, 26, 60, True, dict(swizzle=True, dkdv=(16, 8), dq=(16, 8), head_dim=64),
-                 marks=pytest.mark.variant),
 ])
 def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal)
@@ -88,18 +87,18 @@ def test_tf32x3_backward_kernels_sim(B, H, Hkv, n_q, n_k, d, causal, config):
 # dQ formed in the dK/dV kernel: the atomic grid and the deterministic splits, plane by plane
 # --------------------------------------------------------------------------------------------
 def run_dq_in_dkdv(vals, d, causal, scale, config, splits):
-    """tb.launch with dq_acc: splits None = one zeroed plane (deterministic=False), else that many planes
+    """backward_plan.launch_tf32 with dq_acc: splits None = one zeroed plane (deterministic=False), else that many planes
     filled with NaN (the first launch must store; the convert must read a plane only from its first row).
     Returns (grads, planes as (S, B, H, NQ_PAD, HEAD_DIM))."""
     q, k, v, o, lse, do = (cuda.to_device(x) for x in vals)
     B, H, n_q, _ = vals[0].shape
-    rows = (B * H, tb.padded_rows(n_q))
+    rows = (B * H, schedule.padded_rows(n_q))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
     grads = [cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in vals[:3]]
     planes = splits or 1
     acc = cuda.to_device(np.full((planes * B * H, rows[1], config["head_dim"]), np.nan if splits else 0.0,
                                  np.float32))
-    tb.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config,
+    backward_plan.launch_tf32(q, k, v, o, do, lse, l2, dd, *grads, causal=causal, softmax_scale=scale, d=d, config=config,
               dq_acc=acc, dq_splits=splits)
     return [g.copy_to_host() for g in grads], acc.copy_to_host().reshape(planes, B, H, rows[1], -1)
 
@@ -122,7 +121,7 @@ def test_tf32x3_dq_in_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, tile, splits):
     float64 reference: a block adding into another's plane, or a key block run twice or never, fails here
     even where the sum would not."""
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal, seed=n_k)
-    config = {**SMALL, "dkdv_atomic": tile, "head_dim": tb.head_dim_for(d)}
+    config = {**SMALL, "dkdv_atomic": tile, "head_dim": head_dim_for(d)}
     dq_plane_check(vals, refs, scale, d, causal, config, splits)
 
 
@@ -140,7 +139,7 @@ def dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=2e-6):
                                        softmax_scale=scale, dq_splits=splits or 1, planes=want_planes)
     for plane in range(splits or 1):
         want = want_planes[plane]
-        first = tb.mma_backward.plane_first_row(plane, n_q, n_k, bn, bm, int(causal)) if splits else 0
+        first = schedule.plane_first_row(plane, n_q, n_k, bn, bm, int(causal)) if splits else 0
         got = planes[plane][:, :, first:n_q]
         np.testing.assert_allclose(got[..., :d], want[:, :, first:], atol=tol * max(1.0, np.abs(want).max()),
                                    err_msg=f"plane {plane}")
@@ -159,7 +158,7 @@ def test_gpu_tf32x3_dq_splits(d, causal, splits, n_q, n_k):
     count: at test sizes some head dims take the dq kernel): fp32-level gradients, every plane against
     float64 (planes NaN until written), and 3 runs bitwise equal."""
     vals, refs, scale = problem(1, 4, 2, n_q, n_k, d, causal, seed=d + n_q)
-    config = tb.config_for(d, causal)
+    config = backward_plan.tf32_config(d, causal)
     first = dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=1e-5)  # the tensor core truncates
     for _ in range(3):
         again, _ = run_dq_in_dkdv(vals, d, causal, scale, config, splits)
@@ -178,7 +177,7 @@ def test_tf32_dq_scheme(monkeypatch):
     bwd = importlib.import_module("numba_flash.backward")  # the module (the package exports the function)
     x = np.broadcast_to(np.float32(1), (4, 16, 4096, 128))  # no memory: only shapes and dtype are read
     p = validate(x, x, x)
-    cfg = tb.config_for(128, False)
+    cfg = backward_plan.tf32_config(128, False)
     how, splits, why = bwd.dq_scheme(p, cfg, True, "tf32x3")
     assert how == "splits" and 1 <= splits <= 8 and "5 tile products" in why, why
     assert bwd.dq_scheme(p, cfg, False, "tf32x3")[0] == "atomic"
@@ -188,7 +187,7 @@ def test_tf32_dq_scheme(monkeypatch):
     for d in (64, 128):
         y = np.broadcast_to(np.float32(1), (1, 4, 1024, d))
         for det in (True, False):
-            how, _, why = bwd.dq_scheme(validate(y, y, y), tb.config_for(d, True), det, "tf32x3")
+            how, _, why = bwd.dq_scheme(validate(y, y, y), backward_plan.tf32_config(d, True), det, "tf32x3")
             assert how == "kernel" and "shared memory" in why, (d, det, why)
 
 
@@ -210,63 +209,10 @@ def test_dq_in_dkdv_layouts():
     assert tb.smem_bytes("dkdv", 128, 64, 64, atomic_dq=True) == 156672 + 65536 <= SMEM_PER_BLOCK_MAX
     assert tb.atomic_problems(128, 64, 128)  # 64-query tiles at d128: 288 KB of shared memory even without dS
     assert "groups of 16 queries" in tb.atomic_problems(32, 8, 32)[0]  # add_dq reads 16-row fragments of dS
-    with pytest.raises(ValueError, match="atomic dQ is built into the one-pass padded dkdv kernel only"):
-        tb.make_kernel("dkdv", 128, 32, 128, False, grads="dv", atomic_dq=True)
+    with pytest.raises(ValueError, match="atomic dQ is built into the dkdv kernel only"):
+        tb.build("dq", 128, 32, 128, False, atomic_dq=True)
     with pytest.raises(ValueError, match="dq_splits=1"):
-        tb.make_kernel("dq", 128, 32, 128, False, dq_splits=1)
-
-
-# --------------------------------------------------------------------------------------------
-# Shared-memory banks of the swizzled (both-patterns) tiles: a model of each warp request
-# --------------------------------------------------------------------------------------------
-def wavefronts(word_addrs, width):
-    """Shared-memory wavefronts of one warp request: lane l reads `width` 4-byte words from
-    word_addrs[l]; 16-byte loads go in four 8-lane phases, 32-bit loads in one. A wavefront
-    serves one word per bank (the same word to several lanes counts once)."""
-    phases = [range(i, i + 8) for i in range(0, 32, 8)] if width == 4 else [range(32)]
-    total = 0
-    for lanes in phases:
-        per_bank = {}
-        for lane in lanes:
-            for w in range(width):
-                a = word_addrs[lane] + w
-                per_bank.setdefault(a % 32, set()).add(a)
-        total += max(len(words) for words in per_bank.values())
-    return total
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_swizzled_tiles_are_bank_conflict_free(head_dim):
-    """The lane addresses of pattern 1 (B rows 8nt + g, chunk 4c + t: tile start + row + (16c) ^ b_x)
-    and pattern 2 (B rows 8n + 2t (+1), column 8dt + g) as the kernels form them need the fewest
-    wavefronts (4 per 16-byte request, 1 per 32-bit one) on tb.chunk_xor's layout (swizzle=True);
-    the shipped padded rows (HEAD_DIM + 8) need two-way replays in both, which the model must see too
-    (ncu agrees: benchmarks/NOTES.md, eighth session)."""
-    lanes = [(lane >> 2, lane & 3) for lane in range(32)]  # (g, t)
-    s2 = tb.strides(head_dim, swizzle=True)[1]
-    assert s2 == head_dim  # unpadded: the swizzle, not padding, spreads the banks
-    for nt in range(4):
-        for c in range(head_dim // 16):
-            swz = [(8 * nt + g) * s2 + ((16 * c) ^ (4 * (t ^ tb.chunk_xor(g)))) for g, t in lanes]
-            assert wavefronts(swz, 4) == 4, (nt, c)
-            # each lane's 16 bytes are the logical row's chunk 4c + t, where the copy put it
-            assert all(a - (8 * nt + g) * s2 == 4 * ((4 * c + t) ^ tb.chunk_xor(8 * nt + g))
-                       for a, (g, t) in zip(swz, lanes))
-            assert wavefronts([(8 * nt + g) * (head_dim + 8) + 16 * c + 4 * t for g, t in lanes], 4) == 8
-    for n in range(4):
-        for dt in range(head_dim // 8):
-            for odd in (0, 1):
-                swz = []
-                for g, t in lanes:
-                    row = 8 * n + 2 * t + odd
-                    b_x = 4 * ((g >> 2) ^ tb.chunk_xor(2 * t)) ^ (16 * odd)
-                    a = row * s2 + (g & 3) + ((8 * dt) ^ b_x)
-                    chunk = (8 * dt + g) // 4  # the logical column's chunk, stored at chunk ^ chunk_xor(row)
-                    assert a == row * s2 + 4 * (chunk ^ tb.chunk_xor(row)) + (8 * dt + g) % 4
-                    swz.append(a)
-                assert wavefronts(swz, 1) == 1, (n, dt, odd)
-                old = [(8 * n + 2 * t + odd) * (head_dim + 8) + 8 * dt + g for g, t in lanes]
-                assert wavefronts(old, 1) == 2
+        tb.build("dq", 128, 32, 128, False, dq_splits=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,16 +229,15 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
     out = []
     builds = {"dkdv-atomic": 0, "dkdv-splits": 1, "dkdv-splits-first": 2}  # the dQ-in-dkdv builds: dq_splits
     for (hd, causal), cfg in sorted(TF32_BWD_TABLE.items()):
-        runs = [("dkdv", grads) for grads in cfg.get("dkdv_passes", ("dkdv",))] + [("dq", "dkdv")]
-        runs += [(name, "dkdv") for name in builds if "dkdv_atomic" in cfg]
-        for kernel, grads in runs:
+        runs = ["dkdv", "dq"] + [name for name in builds if "dkdv_atomic" in cfg]
+        for kernel in runs:
             if kernel in builds:
                 own, streamed = cfg["dkdv_atomic"]
-                src = tb.kernel_source("dkdv", own, streamed, hd, causal, atomic_dq=True, dq_splits=builds[kernel])
+                src = tb.source("dkdv", own, streamed, hd, causal, atomic_dq=True, dq_splits=builds[kernel])
                 sig = tb.kernel_signature("dkdv", True, builds[kernel] > 0)
             else:
                 own, streamed = cfg[kernel]
-                src = tb.kernel_source(kernel, own, streamed, hd, causal, grads)
+                src = tb.source(kernel, own, streamed, hd, causal)
                 sig = tb.kernel_signature(kernel)
             ptx, _ = cuda.compile_ptx(src, sig, cc=(9, 0))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -301,7 +246,7 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
                                text=True)
             rep = r.stderr + r.stdout
             m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
-            out.append(dict(hd=hd, kernel=kernel, grads=grads, causal=causal, own=own, streamed=streamed,
+            out.append(dict(hd=hd, kernel=kernel, causal=causal, own=own, streamed=streamed,
                             rc=r.returncode,
                             stack=int(m.group(1)), spills=int(m.group(2)) + int(m.group(3)),
                             registers=int(re.search(r"Used (\\d+) registers", rep).group(1)),
@@ -319,8 +264,7 @@ def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
     configs.TF32_BWD_SPILL_OK, a block's registers within the 64K file, shared memory within 227 KiB."""
     reports = run_compile_child(CHILD, [], tmp_path)
     print(json.dumps(reports, indent=0))
-    assert len(reports) == sum(1 + len(c.get("dkdv_passes", ("dkdv",))) + 3 * ("dkdv_atomic" in c)
-                               for c in TF32_BWD_TABLE.values())
+    assert len(reports) == sum(2 + 3 * ("dkdv_atomic" in c) for c in TF32_BWD_TABLE.values())
     for rep in reports:
         where = json.dumps(rep)
         allowed = TF32_BWD_SPILL_OK.get((rep["kernel"], rep["own"], rep["streamed"], rep["hd"], rep["causal"]), 0)
@@ -344,7 +288,7 @@ def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
 def test_backward_tf32x3_public_sim(monkeypatch):
     """numba_flash.backward(kernel='tf32x3'): NumPy in and out, GQA causal. One-warp tiles: the shipped
     64-row ones take minutes in the simulator (the compile test covers those)."""
-    monkeypatch.setattr(tb, "config_for", lambda d, causal: dict(dkdv=(16, 8), dq=(16, 8), head_dim=32))
+    monkeypatch.setattr(backward_plan, "tf32_config", lambda d, causal: dict(dkdv=(16, 8), dq=(16, 8), head_dim=32))
     vals, refs, scale = problem(1, 2, 1, 11, 19, 8, True, seed=3)
     grads = numba_flash.backward(*vals, causal=True, kernel="tf32x3")
     assert all(g.dtype == np.float32 for g in grads)
@@ -357,7 +301,7 @@ def test_explain_backward_tf32x3(rng):
     text = numba_flash.explain_backward(q, k, k, causal=True, kernel="tf32x3")
     assert text.startswith("tf32x3 backward: fp32 on tensor cores"), text
     bn, bm = TF32_BWD_TABLE[128, True]["dkdv"]
-    assert f"dkdv: {bn}-key tiles x {bm}-query tiles, {tb.threads_per_block(bn)} threads" in text, text
+    assert f"dkdv: {bn}-key tiles x {bm}-query tiles, {tb.threads(bn)} threads" in text, text
     assert "GQA" in text
     auto = numba_flash.explain_backward(q, q, q)
     if config.ENABLE_CUDASIM:  # auto keeps fp32 on SIMT in the simulator and names the option
@@ -381,7 +325,7 @@ def test_auto_backward_fp32_is_tf32x3_off_the_simulator(rng, monkeypatch):
     for d in (24, 64, 128):
         q = rng.standard_normal((1, 2, 8, d)).astype(np.float32)
         family, cfg, reasons = bw.choose_backward(api.validate(q, q, q))
-        assert family == "tf32x3" and cfg["head_dim"] == tb.head_dim_for(d), (d, reasons)
+        assert family == "tf32x3" and cfg["head_dim"] == head_dim_for(d), (d, reasons)
     q = rng.standard_normal((1, 2, 8, 130)).astype(np.float32)
     family, _, reasons = bw.choose_backward(api.validate(q, q, q))
     assert family == "simt" and "head dim 130 > 128" in reasons[-1], reasons
@@ -408,4 +352,4 @@ def test_tf32x3_backward_refuses(rng):
 def test_tf32_backward_table_entries_can_be_built():
     for (hd, causal), cfg in TF32_BWD_TABLE.items():
         assert not tb.problems("dkdv", *cfg["dkdv"], hd) and not tb.problems("dq", *cfg["dq"], hd), (hd, causal)
-        assert set(cfg.get("dkdv_passes", ("dkdv",))) <= set(tb.GRADS)
+        assert not {"dkdv_passes", "swizzle"} & set(cfg), (hd, causal)  # layouts that did not ship

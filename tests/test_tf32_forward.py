@@ -161,7 +161,7 @@ SPLIT_PTX_CHILD = NO_GPU_PATCH + textwrap.dedent(
     for mode in tf.SPLIT_ROUNDS:
         fwd = cuda.compile_ptx(tf.kernel_source(32, 16, 32, False, SPLIT_ROUND=mode), tf.kernel_signature(),
                                cc=(9, 0))[0]
-        bwd = cuda.compile_ptx(tb.kernel_source("dq", 32, 16, 32, False, split_round=mode), tb.kernel_signature("dq"),
+        bwd = cuda.compile_ptx(tb.source("dq", 32, 16, 32, False, split_round=mode), tb.kernel_signature("dq"),
                                cc=(9, 0))[0]
         out[mode] = [[p.count("cvt.rn.tf32.f32"), p.count("cvt.rna.tf32.f32")] for p in (fwd, bwd)]
     print(json.dumps(out))
@@ -200,21 +200,23 @@ def spy_factories(monkeypatch, module, *names):
 def test_launchers_pick_rna_below_sm90(monkeypatch):
     """On a GPU older than sm_90 (cvt.rn.tf32 needs it) both launchers build the cvt.rna kernels: the split round
     reaches the factories (spied: they raise before compiling)."""
+    from numba_flash import backward_plan
+    from numba_flash.blocks import schedule
     from numba_flash.kernels import tf32_backward as tb
 
     monkeypatch.setattr(ptx, "current_sm90", lambda: False)
     seen = spy_factories(monkeypatch, tf, "make_forward_kernel")
-    seen_bwd = spy_factories(monkeypatch, tb, "make_kernel")
+    seen_bwd = spy_factories(monkeypatch, tb, "build")
     x = cuda.to_device(np.ones((1, 1, 16, 32), np.float32))
     lse = cuda.to_device(np.ones((1, 1, 16), np.float32))
     with pytest.raises(Built):
         tf.launch(x, x, x, cuda.device_array_like(x), lse, causal=False, softmax_scale=0.1)
     assert seen[-1][0][-1] == "rna", seen[-1]  # make_forward_kernel's last positional argument
-    rows = cuda.device_array((1, tb.padded_rows(16)), np.float32)
+    rows = cuda.device_array((1, schedule.padded_rows(16)), np.float32)
     for kernels in (("dkdv",), ("dq",)):
         with pytest.raises(Built):
-            tb.launch(x, x, x, x, x, lse, rows, rows, *(cuda.device_array_like(x) for _ in range(3)), causal=False,
-                      softmax_scale=0.1, d=32, kernels=kernels)
+            backward_plan.launch_tf32(x, x, x, x, x, lse, rows, rows, *(cuda.device_array_like(x) for _ in range(3)),
+                                      causal=False, softmax_scale=0.1, d=32, kernels=kernels)
         assert seen_bwd[-1][1].get("split_round") == "rna", seen_bwd[-1]
     monkeypatch.setattr(ptx, "current_sm90", lambda: True)
     with pytest.raises(Built):
@@ -255,7 +257,7 @@ def test_split_round_by_device(monkeypatch):
     from numba_flash.kernels import tf32_backward as tb
 
     with pytest.raises(ValueError, match="split_round='rz'"):
-        tb.make_kernel("dq", 32, 16, 32, False, split_round="rz")
+        tb.build("dq", 32, 16, 32, False, split_round="rz")
 
 
 @in_simulator

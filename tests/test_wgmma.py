@@ -8,7 +8,7 @@ from numba import cuda, float32, uint16
 
 from numba_flash import ptx
 from numba_flash.ptx import WGMMA_ALIGN
-from numba_flash.kernels.wgmma_backward import atom_offset
+from numba_flash.blocks.copies import atom_offset
 from test_ptx import NO_GPU_PATCH, in_simulator, rand16, run_compile_child
 
 KR, QR, TR = 128, 64, 128  # rows of the three tiles: K-like (128 x 128), Q-like (64 x 128), dSᵀ-like (128 x 64)
@@ -112,7 +112,7 @@ def test_wgmma_forms_sim(dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# The wgmma dK/dV/dQ kernel (kernels/wgmma_backward.py) through mma_backward.launch
+# The wgmma dK/dV/dQ kernel (kernels/wgmma_backward.py) through backward_plan.launch_mma
 # --------------------------------------------------------------------------------------------
 def wgmma_config(head_dim, **change):
     """The shipped sm_90 config (MMA_BWD_TABLE with MMA_BWD_WGMMA's overrides), with ``change``."""
@@ -151,12 +151,13 @@ WGMMA_COMPILE = NO_GPU_PATCH + """
 import json, re, subprocess, sys, tempfile
 from numba import cuda
 from numba_flash.configs import MMA_BWD_WGMMA
-from numba_flash.kernels import mma_backward, wgmma_backward
+from numba_flash.blocks.entry import kernel_signature
+from numba_flash.kernels import wgmma_backward
 out = {}
 for hd, causal, splits in [(128, False, 0), (128, True, 2), (128, False, 1), (64, True, 1)]:
     defer = ("splits" if splits else "atomic") in MMA_BWD_WGMMA[hd]["dkdv_wgmma_defer_dq"]  # as launch() builds
-    src = wgmma_backward.dkdv_source(hd, causal, "float16", False, splits, DEFER_DQ=defer)
-    ptx, _ = cuda.compile_ptx(src, mma_backward.kernel_signature("dkdv", True, bool(splits)), cc=(9, 0, "a"))
+    src = wgmma_backward.source(hd, causal, "float16", False, splits, DEFER_DQ=defer)
+    ptx, _ = cuda.compile_ptx(src, kernel_signature("dkdv", True, bool(splits)), cc=(9, 0, "a"))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     r = subprocess.run([sys.argv[-1], "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
@@ -191,25 +192,27 @@ def test_wgmma_dkdv_builds_for_sm90a(tmp_path):
 @pytest.mark.parametrize("head_dim,splits,want_defer", [(128, None, True), (128, 2, False), (64, None, True),
                                                          (64, 2, True)])
 def test_shipped_defer_dq_per_scheme(monkeypatch, head_dim, splits, want_defer):
-    """mma_backward.launch builds the wgmma dkdv with DEFER_DQ for the schemes MMA_BWD_WGMMA lists (timed
+    """backward_plan.launch_mma builds the wgmma dkdv with DEFER_DQ for the schemes MMA_BWD_WGMMA lists (timed
     faster there) and without it for the others (d128's splits), with the matching shared memory."""
-    from numba_flash.kernels import mma_backward, wgmma_backward
+    from numba_flash import backward_plan
+    from numba_flash.blocks import entry, schedule
+    from numba_flash.kernels import wgmma_backward
 
     from test_mma_backward import problem
 
     built, launched = [], []
-    monkeypatch.setattr(wgmma_backward, "make_kernel", lambda *a: built.append(a) or "kernel")
-    monkeypatch.setattr(mma_backward, "launch_kernel", lambda kernel, grid, threads, stream, smem, *args:
+    monkeypatch.setattr(wgmma_backward, "build", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(entry, "launch_kernel", lambda kernel, grid, threads, stream, smem, *args:
                         launched.append((kernel, smem)))
     _, stored = problem(1, 1, 1, 1, 70, 300, head_dim, False, "float16")
     q, k, v, o, lse, do = (cuda.to_device(x) for x in stored)
-    rows = (1, mma_backward.padded_rows(70))
+    rows = (1, schedule.padded_rows(70))
     l2, dd = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
     dq_acc = cuda.device_array(((splits or 1) * rows[0], rows[1], head_dim), np.float32)
     grads = [cuda.device_array_like(x) for x in (q, k, v)]
-    mma_backward.launch(q, k, v, o, do, lse, l2, dd, *grads, causal=False, softmax_scale=0.1, dtype="float16",
-                        d=head_dim, config=wgmma_config(head_dim), kernels=("dkdv",), dq_acc=dq_acc,
-                        dq_splits=splits)
+    backward_plan.launch_mma(q, k, v, o, do, lse, l2, dd, *grads, causal=False, softmax_scale=0.1,
+                             dtype="float16", d=head_dim, config=wgmma_config(head_dim), kernels=("dkdv",),
+                             dq_acc=dq_acc, dq_splits=splits)
     assert built and all(a[-1] is want_defer for a in built), built
     assert {s for kern, s in launched if kern == "kernel"} == {wgmma_backward.smem_bytes(head_dim, want_defer)}
 

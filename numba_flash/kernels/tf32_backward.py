@@ -1,6 +1,6 @@
 """fp32 FlashAttention-2 backward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 (auto for fp32).
 
-Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt from the saved L:
+Maths: kernels/mma_dkdv.py's (reference/backward.py, section 3.6.7), with P rebuilt from the saved L:
 
     L2 = L·log2(e)   (+inf for a row that sees no key: its P = exp2(… − inf) = 0)
     P  = exp2(S·scale·log2(e) − L2),   D = rowsum(dO ∘ O)
@@ -8,12 +8,13 @@ Maths: mma_backward's (reference/backward.py, section 3.6.7), with P rebuilt fro
 
 Every product is formed as in tf32_forward: each fp32 operand split x = hi + lo (tf32 parts), three
 tf32 products lo·hi + hi·lo + hi·hi per fp32 product, small terms first. Kernels on one stream, in
-mma_backward's schemes: prep, dkdv and the separate dq kernel below (7 tile products, no atomics), or
-prep and dkdv built with ATOMIC_DQ (dkdv_source, atomic_dq_phase: the dkdv kernel also forms dQ_i +=
-dS_i K_j, 5 tile products, into fp32 planes: one with atomic adds for deterministic=False, or the
-deterministic splits) and mma_backward's convert (dq = scale · the planes summed in order):
+the 16-bit backward's schemes (numba_flash/backward_plan.py runs them): prep, dkdv and the separate dq
+kernel below (7 tile products, no atomics), or prep and dkdv built with ATOMIC_DQ (dkdv_source,
+atomic_dq_phase: the dkdv kernel also forms dQ_i += dS_i K_j, 5 tile products, into fp32 planes: one with
+atomic adds for deterministic=False, or the deterministic splits) and convert (dq = scale · the planes
+summed in order):
 
-1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (mma_backward's prep on fp32, by 16-byte loads where the rows allow).
+1. prep: D and L2 into fp32 scratch (B·H, NQ_PAD) (kernels/bwd_prep.py on fp32, by 16-byte loads where the rows allow).
 2. dkdv: one block per (BLOCK_N keys, batch · kv head), warp w owning keys 16w..16w+15; the block
    streams (query head of the group, Q tile) steps, so the GQA sum needs no atomics:
 
@@ -39,12 +40,9 @@ Shared memory (fp32 words): tiles read only by pattern 1 have rows padded to S1 
 conflict-free 16-byte loads). No row padding serves both patterns (pattern 1 wants rows == 16 mod
 32, pattern 2 rows == 4 mod 16): tiles read both ways (Q, dO in dkdv; K in dq) use S2 = HEAD_DIM + 8,
 two-way conflicts in each pattern instead of four-way in one (ncu on an H200: 43 % of the d = 128
-dkdv's shared wavefronts and 32 % of dq's are bank conflicts). The variant ``swizzle=True`` (a
-config key; the sweep's --layouts) stores them unpadded with 16-byte chunks XOR-swizzled by
-``chunk_xor(row)``, conflict-free in both patterns (ncu: 0.6 M conflicts of 1.4 G wavefronts), but
-the XOR offsets cost registers: timed kernel by kernel it was slower in dkdv (d128 35.0 vs 30.8 ms,
-72 B of spills where the padded kernel has none; d64 16.6 vs 14.5) and 2-3 % faster in dq (d128
-23.9 vs 24.6 ms, one run), so the padded layout ships (benchmarks/NOTES.md, eighth session).
+dkdv's shared wavefronts and 32 % of dq's are bank conflicts). Unpadded rows with 16-byte chunks
+XOR-swizzled were conflict-free in both patterns but slower (the XOR offsets cost registers; the
+verdict is in benchmarks/DESIGN.md's variants that did not ship).
 Tiles arrive by cp.async with zero fill past the sequence and d; the streamed ones (Q, dO, L2, D
 in dkdv; K, V in dq) are double-buffered: at the top of step i one barrier says tile i has landed
 and every warp has left step i − 1, whose buffer then receives tile i + 1 while step i computes.
@@ -58,50 +56,37 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, types
 
 from .. import ptx
-from ..configs import SMEM_PER_BLOCK_MAX, TF32_BWD_TABLE
+from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..ptx import bits_from_f32
 from ..ptx import ld_shared_f32x4 as ld4  # 16-byte shared load
-from . import mma_backward
-from ..blocks.numerics import LOG2E
-from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device
+from ..blocks.entry import dkdv_entry, kernel_signature as _signature, launch_dq_in_dkdv
+from ..blocks.schedule import ROW_PAD
+from ..blocks.tf32 import SPLIT_ROUNDS, products
 
 KERNELS = ("dkdv", "dq")
-GRADS = ("dkdv", "dv", "dk")  # what one dkdv launch accumulates (dkdv_source)
-ROW_PAD = mma_backward.ROW_PAD  # scratch rows padded to 128: every Q tile's L2, D are inside
-padded_rows = mma_backward.padded_rows
 
 
 # --------------------------------------------------------------------------------------------
 # Shapes of a specialisation
 # --------------------------------------------------------------------------------------------
-def strides(HEAD_DIM, swizzle=False):
-    """(S1, S2): row lengths in words of tiles read by pattern 1 only (padded), and by both patterns
-    (padded by 8, shipped; swizzle=True: unpadded, chunks swizzled by chunk_xor, the sweep's variant)."""
-    return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM if swizzle else HEAD_DIM + 8
+def strides(HEAD_DIM):
+    """(S1, S2): row lengths in words of tiles read by pattern 1 only, and by both patterns (padded by 8)."""
+    return HEAD_DIM + (16 if HEAD_DIM % 32 == 0 else 0), HEAD_DIM + 8
 
 
-@inline_device  # register_jitable: callable from the kernels and from Python (tests) alike
-def chunk_xor(row):
-    """The 16-byte chunk swizzle of a both-patterns tile: chunk c of row r is stored at c ^ chunk_xor(r).
-
-    Pattern 1 (16-byte loads, rows 2j and 2j+1 in one 8-lane phase, chunks 4cc + t) needs bit 2 to
-    differ between rows 2j and 2j + 1; pattern 2 (rows 2t, or 2t + 1, at word g of chunk 2dt + g // 4)
-    needs bits 1-2 distinct over t. (r & 6) ^ 4 (r & 1) gives both; only r % 8 matters."""
-    return (row & 6) ^ ((row & 1) << 2)
-
-
-def threads_per_block(block_own):
+def threads(block_own):
+    """One warp per 16 rows of the block's own tile (keys in dkdv, queries in dq)."""
     return 32 * (block_own // 16)
 
 
-def stage_words(kernel, block_streamed, HEAD_DIM, swizzle=False):
+def stage_words(kernel, block_streamed, HEAD_DIM):
     """One buffer of the streamed tiles: dkdv Q, dO (S2) | L2, D; dq K (S2) | V (S1)."""
-    s1, s2 = strides(HEAD_DIM, swizzle)
+    s1, s2 = strides(HEAD_DIM)
     if kernel == "dkdv":
         return 2 * block_streamed * s2 + 2 * block_streamed
     return block_streamed * (s1 + s2)
@@ -113,11 +98,11 @@ def ds_in_stage(block_n, HEAD_DIM):
     return block_n <= strides(HEAD_DIM)[1]
 
 
-def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, swizzle=False, atomic_dq=False):
+def smem_bytes(kernel, block_own, block_streamed, HEAD_DIM, atomic_dq=False):
     """The own tiles once (dkdv: K, V; dq: Q, dO; rows of S1), the streamed ones twice (double buffer);
     with atomic_dq (dkdv), dS's own region where it does not fit the stage (ds_in_stage)."""
     ds = 2 * block_streamed * block_own if atomic_dq and not ds_in_stage(block_own, HEAD_DIM) else 0
-    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM, swizzle)
+    return 4 * (2 * block_own * strides(HEAD_DIM)[0] + 2 * stage_words(kernel, block_streamed, HEAD_DIM)
                 + ds)
 
 
@@ -130,7 +115,7 @@ def problems(kernel, block_own, block_streamed, HEAD_DIM):
         out.append(f"own tile of {block_own} rows: one warp per 16 rows, 1..8 warps")
     if block_streamed not in (8, 16, 32, 64):
         out.append(f"streamed tile of {block_streamed} rows: 8, 16, 32 or 64 (n-tiles of 8, divides {ROW_PAD})")
-    elif kernel == "dkdv" and block_streamed // 2 > threads_per_block(block_own or 16):
+    elif kernel == "dkdv" and block_streamed // 2 > threads(block_own or 16):
         out.append(f"{block_streamed} queries' L2 and D need {block_streamed // 2} copying threads")
     if kernel == "dq" and ROW_PAD % max(block_own, 1):
         out.append(f"dq tile of {block_own} rows does not divide the scratch padding {ROW_PAD}")
@@ -146,21 +131,14 @@ def problems(kernel, block_own, block_streamed, HEAD_DIM):
 # Kernel sources
 # --------------------------------------------------------------------------------------------
 def kernel_signature(kernel, atomic_dq=False, dq_splits=False):
-    """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...),
-    fp32 arrays; dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) when dkdv also adds up dQ (mma_backward's layout)."""
-    io = types.Array(types.float32, 4, "A")
-    rows = types.Array(types.float32, 2, "A")
-    grads = (io, io) if kernel == "dkdv" else (io,)
-    if atomic_dq:
-        grads += (types.Array(types.float32, 3, "A"),)
-    tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
-    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
+    """blocks.entry.kernel_signature on fp32 arrays."""
+    return _signature(kernel, atomic_dq, dq_splits, types.float32)
 
 
-def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
+def _helpers(THREADS, HEAD_DIM, SPLIT_ROUND):
     """Device functions both kernels share: tile copies, the split, 3xTF32 mma, the two patterns.
-    SWIZZLE: the layout of the both-patterns tiles (strides); SPLIT_ROUND: tf32_forward.SPLIT_ROUNDS."""
-    S2 = strides(HEAD_DIM, SWIZZLE)[1]
+    SPLIT_ROUND: blocks.tf32.SPLIT_ROUNDS."""
+    S2 = strides(HEAD_DIM)[1]
     CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
     PAIRS = HEAD_DIM // 16  # pairs of k-steps over d (pattern 1)
     O_TILES = HEAD_DIM // 8  # n-tiles over d (pattern 2)
@@ -170,9 +148,8 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
     split, mma3 = products(3, SPLIT_ROUND)
 
     @inline_device
-    def load_tile(smem, tile0, STRIDE, SWIZZLED, src, b, h, row0, n_rows, d, ROWS):
-        """cp.async rows row0.. of src[b, h] into the tile at word tile0 (zero fill past n_rows and d);
-        SWIZZLED (0 or 1): chunks at chunk ^ chunk_xor(row) (a both-patterns tile)."""
+    def load_tile(smem, tile0, STRIDE, src, b, h, row0, n_rows, d, ROWS):
+        """cp.async rows row0.. of src[b, h] into the tile at word tile0 (zero fill past n_rows and d)."""
         rs = src.strides[2] // 4
         base = b * (src.strides[0] // 4) + h * (src.strides[1] // 4)
         for i in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
@@ -185,19 +162,14 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
                 nbytes = min(max(d - col, 0), 4) * 4 if row < n_rows else 0
                 # a zero-byte copy still names an address inside the array: row 0 of the tile's rows, column 0
                 src_off = base + (row * rs + col if nbytes > 0 else min(row0, n_rows - 1) * rs)
-                cp_async(smem, tile0 + r * STRIDE + ((chunk ^ (SWIZZLED * chunk_xor(r))) << 2), src, src_off, nbytes)
+                cp_async(smem, tile0 + r * STRIDE + (chunk << 2), src, src_off, nbytes)
 
     @inline_device
-    def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, b_x, B_SWZ, N_TILES):
+    def pattern1(out, smem, a_lane, A_STRIDE, b_lane, B_STRIDE, N_TILES):
         """out[nt] = A_w · Bᵀ for n-tiles nt < N_TILES over all of d: lane (g, t) brings columns
-        16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane: the row's start,
-        its chunk 4c + t at words (16c) ^ b_x with b_x = 4 (t ^ chunk_xor(g)) if swizzled; unswizzled
-        b_lane is at column 4t and b_x = 0);
-        each pair of k-steps starts from zero and is added by an FADD. B_SWZ (0 or 1, constant):
-        whether B is swizzled. (16c) ^ b_x is formed as 32 (c >> 1) + (b_x or b_x ^ 16): two lane
-        registers and immediates, not one per c (ptxas spilled hundreds of bytes at d = 128 when
-        each c had its own XOR); unswizzled, b_lane + 16c: an immediate on one register."""
-        b_x1 = b_x ^ 16
+        16c + 4t .. +3 of A rows g, g + 8 (a_lane) and of B row 8nt + g (b_lane: the row's column 4t);
+        each pair of k-steps starts from zero and is added by an FADD. b_lane + 16c: an immediate on one
+        register."""
         c = cuda.local.array((1, 4), float32)
         for nt in range(N_TILES):
             for r in range(4):
@@ -214,10 +186,7 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
             yh2, yl2 = split(y2)
             yh3, yl3 = split(y3)
             for nt in range(N_TILES):
-                if B_SWZ:
-                    z0, z1, z2, z3 = ld4(smem, b_lane + nt * 8 * B_STRIDE + 32 * (cc >> 1) + (b_x1 if cc & 1 else b_x))
-                else:
-                    z0, z1, z2, z3 = ld4(smem, b_lane + b_x + nt * 8 * B_STRIDE + 16 * cc)
+                z0, z1, z2, z3 = ld4(smem, b_lane + nt * 8 * B_STRIDE + 16 * cc)
                 zh0, zl0 = split(z0)
                 zh1, zl1 = split(z1)
                 zh2, zl2 = split(z2)
@@ -231,55 +200,43 @@ def _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND):
                     out[nt, r] += c[0, r]
 
     @inline_device
-    def pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, dt, K_STEPS):
+    def pattern2_tile(acc, ah, al, smem, b_lane, dt, K_STEPS):
         """acc[dt] += A · B[:, 8dt:8dt+8] in fresh registers, A = the accumulators ah + al (columns
-        8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g
-        of a swizzled tile: b_lane = row 2t's start + g % 4, and with b_x = 4 ((g // 4) ^ chunk_xor(2t))
-        the column's words are (8dt) ^ b_x = 32 (dt >> 2) + o[dt & 3], o[m] = (8m) ^ b_x (pattern2
-        forms o0..o3 once); row 2t + 1's chunk differs in bit 2: words ^ 16, i.e. o[m ^ 2].
-        Padded tiles (SWIZZLE off): b_lane = row 2t's start + g, the o's unused."""
-        m = dt & 3
+        8n + 2t, 8n + 2t + 1 as k-indices t, t + 4 of k-step n), B rows 8n + 2t (+1) at column 8dt + g:
+        b_lane = row 2t's start + g."""
         c = cuda.local.array((1, 4), float32)
         for r in range(4):
             c[0, r] = ZERO
         for n in range(K_STEPS):
-            if SWIZZLE:
-                x0 = o0 if m == 0 else (o1 if m == 1 else (o2 if m == 2 else o3))
-                x1 = o2 if m == 0 else (o3 if m == 1 else (o0 if m == 2 else o1))
-                row = b_lane + n * 8 * S2 + 32 * (dt >> 2)
-                bh0, bl0 = split(smem[row + x0])
-                bh1, bl1 = split(smem[row + S2 + x1])
-            else:  # padded rows: b_lane at column g (b_x = 0), 8dt + g of both rows, immediates on one register
-                off = b_lane + n * 8 * S2 + dt * 8
-                bh0, bl0 = split(smem[off])
-                bh1, bl1 = split(smem[off + S2])
+            off = b_lane + n * 8 * S2 + dt * 8  # 8dt + g of both rows: immediates on one register
+            bh0, bl0 = split(smem[off])
+            bh1, bl1 = split(smem[off + S2])
             mma3(c, 0, ah[n, 0], ah[n, 2], ah[n, 1], ah[n, 3], al[n, 0], al[n, 2], al[n, 1], al[n, 3],
                  bh0, bh1, bl0, bl1)
         for r in range(4):
             acc[dt, r] += c[0, r]
 
     @inline_device
-    def pattern2(acc, ah, al, smem, b_lane, b_x, K_STEPS):
+    def pattern2(acc, ah, al, smem, b_lane, K_STEPS):
         """Every n-tile of acc (16 x HEAD_DIM) += A · B, one call per n-tile (constant indices: registers)."""
-        o0, o1, o2, o3 = b_x, b_x ^ 8, b_x ^ 16, b_x ^ 24
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 0, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 1, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 2, K_STEPS)
-        pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 3, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 0, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 1, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 2, K_STEPS)
+        pattern2_tile(acc, ah, al, smem, b_lane, 3, K_STEPS)
         if O_TILES > 4:
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 4, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 5, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 6, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 7, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 4, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 5, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 6, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 7, K_STEPS)
         if O_TILES > 8:
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 8, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 9, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 10, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 11, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 12, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 13, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 14, K_STEPS)
-            pattern2_tile(acc, ah, al, smem, b_lane, o0, o1, o2, o3, 15, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 8, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 9, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 10, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 11, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 12, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 13, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 14, K_STEPS)
+            pattern2_tile(acc, ah, al, smem, b_lane, 15, K_STEPS)
 
     @inline_device
     def split_all(x, lo, N):
@@ -330,7 +287,7 @@ def atomic_problems(block_n, block_m, head_dim):
 
 
 def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True, SPLIT_ROUND="rn"):
-    """The atomic dQ phase of the dK/dV kernel (dkdv_source with ATOMIC_DQ; mma_backward's FA2 scheme in
+    """The atomic dQ phase of the dK/dV kernel (dkdv_source with ATOMIC_DQ; mma_dkdv's FA2 scheme in
     3xTF32): dQ_i += dS_i K_j over the block's BLOCK_N keys, added to fp32 scratch.
 
     (store_ds, add_dq). store_ds: each warp writes its dSᵀ (hi and lo parts, split once for dK) to shared
@@ -438,41 +395,31 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED=True, SPLIT_R
     return store_ds, add_dq
 
 
-def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False, ATOMIC_DQ=False, DQ_SPLITS=0,
-                VECTOR_RED=True, SPLIT_ROUND="rn"):
+def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, ATOMIC_DQ=False, DQ_SPLITS=0, VECTOR_RED=True, SPLIT_ROUND="rn"):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-query tiles streamed.
 
-    GRADS: "dkdv" (both), or "dv" / "dk" alone: a dV pass (Sᵀ and dV only) and a dK pass (the four
-    other products), recomputing Sᵀ once more, for tiles where dK and dV together (2 x HEAD_DIM/2
-    accumulator registers per lane) would spill. Timed slower than one pass wherever swept
-    (configs.TF32_BWD_TABLE): no shipped tile uses it.
-
-    ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_backward's dQ-in-dkdv): after dV and dK, dSᵀ into
+    ATOMIC_DQ: the kernel also forms dQ (FA2's scheme, mma_dkdv's dQ-in-dkdv): after dV and dK, dSᵀ into
     shared memory (atomic_dq_phase), a barrier, then dQ_i += dS_i K_j added to fp32 scratch dq_acc. dS goes
     over this step's dO (hi parts) and Q (lo) buffers where it fits (ds_in_stage: d128, no room for more),
     after a barrier that says every warp has read them; else into a region of its own after the stages
     (the barrier at the top of the next step keeps it until every warp has read it). Without DQ_SPLITS
     every block adds into one zeroed plane, atomics in any order (deterministic=False). DQ_SPLITS:
-    mma_backward's deterministic splits: 1 = block x adds into plane x (a view of dq_acc from row
+    the deterministic splits (blocks.entry.dkdv_entry): 1 = block x adds into plane x (a view of dq_acc from row
     x·plane_rows), key block kb0 + x; 2 = the same, storing (the first launch, into planes nobody zeroed)."""
-    DV, DK = GRADS in ("dkdv", "dv"), GRADS in ("dkdv", "dk")
-    if ATOMIC_DQ and (GRADS != "dkdv" or SWIZZLE):
-        raise ValueError("the atomic dQ phase is built into the one-pass, padded dkdv kernel only")
     FIRST_STORES = DQ_SPLITS == 2  # a compile-time constant: the other builds' stores are pruned
-    THREADS = threads_per_block(BLOCK_N)
+    THREADS = threads(BLOCK_N)
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ = k-steps of dV, dK
-    S1, S2 = strides(HEAD_DIM, SWIZZLE)
-    SWZ = 1 if SWIZZLE else 0
+    S1, S2 = strides(HEAD_DIM)
     SK, SV = 0, BLOCK_N * S1
-    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM, SWIZZLE)  # two buffers of:
+    STAGE0, STAGE = 2 * BLOCK_N * S1, stage_words("dkdv", BLOCK_M, HEAD_DIM)  # two buffers of:
     SQ = STAGE0
     SDO = SQ + BLOCK_M * S2
     SL = SDO + BLOCK_M * S2  # L2 of the tile's queries, then D
     SD = SL + BLOCK_M
     CAUSAL = bool(CAUSAL)
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies of a tile's L2 (or D)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SPLIT_ROUND)
     if ATOMIC_DQ:
         store_ds, add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, SK, S1, VECTOR_RED, SPLIT_ROUND)
     DS_IN_STAGE = ds_in_stage(BLOCK_N, HEAD_DIM)
@@ -490,8 +437,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
         i0 = (qt0 + step - hh * per_head) * BLOCK_M
         h = h_kv * group + hh
         st = (step & 1) * STAGE
-        load_tile(smem, SQ + st, S2, SWZ, q, b, h, i0, n_q, d, BLOCK_M)
-        load_tile(smem, SDO + st, S2, SWZ, dout, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SQ + st, S2, q, b, h, i0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO + st, S2, dout, b, h, i0, n_q, d, BLOCK_M)
         tid = cuda.threadIdx.x
         row = (b * (group * n_kv_heads) + h) * (l2.strides[0] // 4) + i0  # padded: i0 + BLOCK_M <= NQ_PAD
         if tid < ROW_CHUNKS:
@@ -522,39 +469,30 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
         per_head = n_qt - qt0
         steps = group * per_head
 
-        load_tile(smem, SK, S1, 0, k, b, h_kv, k0, n_k, d, BLOCK_N)
-        load_tile(smem, SV, S1, 0, v, b, h_kv, k0, n_k, d, BLOCK_N)
+        load_tile(smem, SK, S1, k, b, h_kv, k0, n_k, d, BLOCK_N)
+        load_tile(smem, SV, S1, v, b, h_kv, k0, n_k, d, BLOCK_N)
         if steps > 0:
             load_stage(smem, 0, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d)
         cp_commit()
 
         # Lane offsets: K, V rows g (+8) of the warp and Q, dO rows g of each n-tile at columns 4t
-        # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2). Q and dO are swizzled.
+        # (pattern 1); Q, dO rows 2t (+1) at column g (pattern 2).
         k_lane = SK + (warp * 16 + g) * S1 + 4 * t
         v_lane = SV + (warp * 16 + g) * S1 + 4 * t
-        q_lane = SQ + g * S2 + (0 if SWIZZLE else 4 * t)  # padded: columns 4t here (the old code exactly)
-        do_lane = SDO + g * S2 + (0 if SWIZZLE else 4 * t)
-        row_x = 4 * (t ^ chunk_xor(g)) if SWIZZLE else 0  # pattern 1's chunk swizzle of rows g
-        if SWIZZLE:  # pattern 2's lane offsets: word g % 4 here, the chunk (g // 4, swizzled) in col_x
-            q_t = SQ + 2 * t * S2 + (g & 3)
-            do_t = SDO + 2 * t * S2 + (g & 3)
-            col_x = 4 * ((g >> 2) ^ chunk_xor(2 * t))
-        else:  # padded rows: column g directly (the seventh session's code, instruction for instruction)
-            q_t = SQ + 2 * t * S2 + g
-            do_t = SDO + 2 * t * S2 + g
-            col_x = 0
+        q_lane = SQ + g * S2 + 4 * t
+        do_lane = SDO + g * S2 + 4 * t
+        q_t = SQ + 2 * t * S2 + g
+        do_t = SDO + 2 * t * S2 + g
 
-        acc_k = cuda.local.array((O_TILES if DK else 1, 4), float32)
-        acc_v = cuda.local.array((O_TILES if DV else 1, 4), float32)
+        acc_k = cuda.local.array((O_TILES, 4), float32)
+        acc_v = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ (hi)
         dp = cuda.local.array((M_TILES, 4), float32)  # dPᵀ, then dSᵀ (hi)
         lo = cuda.local.array((M_TILES, 4), float32)  # Pᵀ's, then dSᵀ's lo parts
         for dt in range(O_TILES):
             for r in range(4):
-                if DK:
-                    acc_k[dt, r] = ZERO
-                if DV:
-                    acc_v[dt, r] = ZERO
+                acc_k[dt, r] = ZERO
+                acc_v[dt, r] = ZERO
 
         for step in range(steps):
             hh = step // per_head
@@ -566,9 +504,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
             cp_commit()
             st = (step & 1) * STAGE
 
-            pattern1(s, smem, k_lane, S1, q_lane + st, S2, row_x, SWZ, M_TILES)  # Sᵀ = K_w Q_iᵀ
-            if DK:
-                pattern1(dp, smem, v_lane, S1, do_lane + st, S2, row_x, SWZ, M_TILES)  # dPᵀ = V_w dO_iᵀ
+            pattern1(s, smem, k_lane, S1, q_lane + st, S2, M_TILES)  # Sᵀ = K_w Q_iᵀ
+            pattern1(dp, smem, v_lane, S1, do_lane + st, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
 
             # Pᵀ = exp2(Sᵀ·c − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries have L2 = +inf.
             needs_mask = CAUSAL and kw + 15 > i0 + shift
@@ -580,15 +517,12 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
                         x = NEG_INF
                     p = ex2(x)
                     s[nt, r] = p
-                    if DK:
-                        dp[nt, r] = p * (dp[nt, r] - smem[SD + st + col])
+                    dp[nt, r] = p * (dp[nt, r] - smem[SD + st + col])
 
-            if DV:
-                split_all(s, lo, M_TILES)
-                pattern2(acc_v, s, lo, smem, do_t + st, col_x, M_TILES)  # dV_w += Pᵀ dO_i
-            if DK:
-                split_all(dp, lo, M_TILES)
-                pattern2(acc_k, dp, lo, smem, q_t + st, col_x, M_TILES)  # dK_w += dSᵀ Q_i
+            split_all(s, lo, M_TILES)
+            pattern2(acc_v, s, lo, smem, do_t + st, M_TILES)  # dV_w += Pᵀ dO_i
+            split_all(dp, lo, M_TILES)
+            pattern2(acc_k, dp, lo, smem, q_t + st, M_TILES)  # dK_w += dSᵀ Q_i
             if ATOMIC_DQ:
                 if DS_IN_STAGE:
                     s_hi, s_lo = SDO + st, SQ + st
@@ -601,48 +535,30 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, GRADS="dkdv", SWIZZLE=False,
                 add_dq(smem, s_hi, s_lo, dq_acc, row0, warp, lane, g, t, FIRST_STORES)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
-        if DV:
-            store_rows(dv, acc_v, b, h_kv, kw, g, t, n_k, d, float32(1.0))
-        if DK:
-            store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
+        store_rows(dv, acc_v, b, h_kv, kw, g, t, n_k, d, float32(1.0))
+        store_rows(dk, acc_k, b, h_kv, kw, g, t, n_k, d, scale)
 
-    if ATOMIC_DQ and DQ_SPLITS:
-        def tf32_backward_dkdv_splits(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale,
-                                      kb0, plane_rows):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
-                      scale_log2, scale, kb0 + cuda.blockIdx.x)
-        return tf32_backward_dkdv_splits
-    if ATOMIC_DQ:
-        def tf32_backward_dkdv_atomic(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2,
-                                      scale):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale,
-                      cuda.blockIdx.x)
-        return tf32_backward_dkdv_atomic
-
-    def tf32_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
-        dkdv_body(q, k, v, dout, l2, dd, dk, dv, dk, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x)
-    return tf32_backward_dkdv
+    return dkdv_entry(dkdv_body, globals(), "tf32_dkdv", ATOMIC_DQ, DQ_SPLITS, first=False, stand_in="dk")
 
 
-def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn"):
+def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SPLIT_ROUND="rn"):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-key K/V tiles streamed."""
-    THREADS = threads_per_block(BLOCK_M)
+    THREADS = threads(BLOCK_M)
     O_TILES = HEAD_DIM // 8
     N_TILES = BLOCK_N // 8  # n-tiles of S / dP = k-steps of dQ
-    S1, S2 = strides(HEAD_DIM, SWIZZLE)
-    SWZ = 1 if SWIZZLE else 0
+    S1, S2 = strides(HEAD_DIM)
     SQ, SDO = 0, BLOCK_M * S1
-    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM, SWIZZLE)  # two buffers of K_j | V_j
+    STAGE = stage_words("dq", BLOCK_N, HEAD_DIM)  # two buffers of K_j | V_j
     SK = 2 * BLOCK_M * S1
     SV = SK + BLOCK_N * S2
     CAUSAL = bool(CAUSAL)
-    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SWIZZLE, SPLIT_ROUND)
+    load_tile, pattern1, pattern2, split_all, store_rows = _helpers(THREADS, HEAD_DIM, SPLIT_ROUND)
     ex2 = ptx.ex2_approx
     cp_commit, cp_wait = ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    def tf32_backward_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+    def tf32_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
         smem = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -663,11 +579,11 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
             visible = min(q0 + BLOCK_M, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_N - 1) // BLOCK_N)
 
-        load_tile(smem, SQ, S1, 0, q, b, h, q0, n_q, d, BLOCK_M)
-        load_tile(smem, SDO, S1, 0, dout, b, h, q0, n_q, d, BLOCK_M)
+        load_tile(smem, SQ, S1, q, b, h, q0, n_q, d, BLOCK_M)
+        load_tile(smem, SDO, S1, dout, b, h, q0, n_q, d, BLOCK_M)
         if n_tiles > 0:
-            load_tile(smem, SK, S2, SWZ, k, b, h_kv, 0, n_k, d, BLOCK_N)
-            load_tile(smem, SV, S1, 0, v, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SK, S2, k, b, h_kv, 0, n_k, d, BLOCK_N)
+            load_tile(smem, SV, S1, v, b, h_kv, 0, n_k, d, BLOCK_N)
         cp_commit()
 
         # L2 and D of rows g, g + 8 (padded scratch: always inside)
@@ -679,15 +595,9 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
 
         q_lane = SQ + (warp * 16 + g) * S1 + 4 * t
         do_lane = SDO + (warp * 16 + g) * S1 + 4 * t
-        k_lane = SK + g * S2 + (0 if SWIZZLE else 4 * t)  # K may be swizzled (read by both patterns), V is not
-        row_x = 4 * (t ^ chunk_xor(g)) if SWIZZLE else 0
+        k_lane = SK + g * S2 + 4 * t
         v_lane = SV + g * S1 + 4 * t
-        if SWIZZLE:
-            k_t = SK + 2 * t * S2 + (g & 3)
-            col_x = 4 * ((g >> 2) ^ chunk_xor(2 * t))
-        else:
-            k_t = SK + 2 * t * S2 + g
-            col_x = 0
+        k_t = SK + 2 * t * S2 + g
 
         acc = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((N_TILES, 4), float32)  # S
@@ -703,13 +613,13 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
             cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1, whose buffer ...
             if j + 1 < n_tiles:  # ... now receives tile j + 1 while this one computes
                 nxt = ((j + 1) & 1) * STAGE
-                load_tile(smem, SK + nxt, S2, SWZ, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
-                load_tile(smem, SV + nxt, S1, 0, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SK + nxt, S2, k, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
+                load_tile(smem, SV + nxt, S1, v, b, h_kv, k0 + BLOCK_N, n_k, d, BLOCK_N)
             cp_commit()
             st = (j & 1) * STAGE
 
-            pattern1(s, smem, q_lane, S1, k_lane + st, S2, row_x, SWZ, N_TILES)  # S = Q_w K_jᵀ
-            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, 0, 0, N_TILES)  # dP = dO_w V_jᵀ
+            pattern1(s, smem, q_lane, S1, k_lane + st, S2, N_TILES)  # S = Q_w K_jᵀ
+            pattern1(dp, smem, do_lane, S1, v_lane + st, S1, N_TILES)  # dP = dO_w V_jᵀ
 
             # dS = exp2(S·c − L2[row]) ∘ (dP − D[row]); mask keys past n_k and past the diagonal.
             needs_mask = k0 + BLOCK_N > n_k
@@ -726,43 +636,38 @@ def dq_source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, SWIZZLE=False, SPLIT_ROUND="rn
                     dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
 
             split_all(dp, lo, N_TILES)
-            pattern2(acc, dp, lo, smem, k_t + st, col_x, N_TILES)  # dQ_w += dS K_j
+            pattern2(acc, dp, lo, smem, k_t + st, N_TILES)  # dQ_w += dS K_j
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
         store_rows(dq, acc, b, h, qw, g, t, n_q, d, scale)
 
-    return tf32_backward_dq
+    return tf32_dq
 
 
-def kernel_source(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", swizzle=False, atomic_dq=False,
-                  dq_splits=0, vector_red=True, split_round="rn"):
-    """The Python kernel of one specialisation (before cuda.jit; the compile test uses it);
-    grads: dkdv_source's GRADS (dkdv only); swizzle=True: the swizzled variant (sweep only);
-    atomic_dq, dq_splits, vector_red: dkdv_source's ATOMIC_DQ, DQ_SPLITS, VECTOR_RED; split_round: how
-    operands are split (tf32_forward.SPLIT_ROUNDS; "rn" needs sm_90)."""
+def source(kernel, block_own, block_streamed, HEAD_DIM, causal, atomic_dq=False, dq_splits=0, vector_red=True,
+           split_round="rn"):
+    """The Python kernel of one specialisation (before cuda.jit; the compile test uses it); atomic_dq,
+    dq_splits, vector_red: dkdv_source's ATOMIC_DQ, DQ_SPLITS, VECTOR_RED; split_round: how operands are
+    split (blocks.tf32.SPLIT_ROUNDS; "rn" needs sm_90)."""
     if kernel == "dkdv":
-        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, grads, swizzle, atomic_dq, dq_splits,
-                           vector_red, split_round)
-    return dq_source(block_own, block_streamed, HEAD_DIM, causal, swizzle, split_round)
+        return dkdv_source(block_own, block_streamed, HEAD_DIM, causal, atomic_dq, dq_splits, vector_red, split_round)
+    return dq_source(block_own, block_streamed, HEAD_DIM, causal, split_round)
 
 
 # --------------------------------------------------------------------------------------------
 # Kernel factories
 # --------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
-def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv", max_registers=None,
-                swizzle=False, atomic_dq=False, dq_splits=0, vector_red=True, split_round="rn"):
+def build(kernel, block_own, block_streamed, HEAD_DIM, causal, max_registers=None, atomic_dq=False, dq_splits=0,
+          vector_red=True, split_round="rn"):
     """The compiled dkdv or dq kernel of one specialisation; cached so each compiles once.
     atomic_dq (dkdv only): the kernel also adds dQ into fp32 scratch (red.global.add.v4.f32 with
     vector_red, sm_90+, else scalar adds); dq_splits: 1 / 2, the deterministic splits' builds (adds /
-    the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS); split_round: kernel_source's,
+    the first launch's stores), passed only when on (dkdv_source's DQ_SPLITS); split_round: source's,
     passed only when not "rn" (launch: "rna" below sm_90)."""
     bad = problems(kernel, block_own, block_streamed, HEAD_DIM)
-    if grads not in GRADS or (grads != "dkdv" and kernel != "dkdv"):
-        bad.append(f"grads={grads!r}: one of {GRADS}, and only the dkdv kernel splits")
-    if atomic_dq and (kernel != "dkdv" or grads != "dkdv" or swizzle):
-        bad.append(f"atomic dQ is built into the one-pass padded dkdv kernel only, not {kernel} grads={grads!r} "
-                   f"swizzle={swizzle}")
+    if atomic_dq and kernel != "dkdv":
+        bad.append(f"atomic dQ is built into the dkdv kernel only, not {kernel}")
     elif atomic_dq and not bad:
         bad += atomic_problems(block_own, block_streamed, HEAD_DIM)
     if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
@@ -773,76 +678,37 @@ def make_kernel(kernel, block_own, block_streamed, HEAD_DIM, causal, grads="dkdv
         raise ValueError(f"tf32 backward {kernel} ({block_own}, {block_streamed}, {HEAD_DIM}) cannot be built: "
                          f"{'; '.join(bad)}")
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    source = kernel_source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), grads, bool(swizzle),
-                           bool(atomic_dq), int(dq_splits), bool(vector_red), split_round)
-    return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(source)
+    fn = source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), bool(atomic_dq), int(dq_splits),
+                bool(vector_red), split_round)
+    return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(fn)
 
 
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def config_for(d, causal):
-    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_passes": ("dv",
-    "dk")][, "swizzle": False][, "dkdv_atomic": (BLOCK_N, BLOCK_M), "deterministic_dq": "splits" | "kernel"]}
-    (configs.TF32_BWD_TABLE); dkdv_passes: separate dkdv launches per gradient (default one, "dkdv");
-    swizzle=True: the swizzled variant of the both-patterns tiles (sweep A/B); dkdv_atomic: the tile of the
-    dkdv kernel that also forms dQ (launch's dq_acc), deterministic_dq: backward.dq_scheme's table choice."""
-    head_dim = head_dim_for(d)
-    return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
-
-
-def launch(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,
-           kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None, split_round=None):
-    """Run prep, dkdv and dq on float32 device arrays; the caller has validated the problem and layout.
-
-    q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d); q, k, v, dout with unit last
-    stride, other strides multiples of 16 B and 16-byte aligned data (cp.async); lse (B, H, Nq) fp32;
-    l2, dd: C-contiguous fp32 scratch (B·H, padded_rows(Nq)). config: as config_for(d, causal) returns it
-    (default). Nq, Nk > 0. kernels: which of the three run (dkdv and dq read prep's scratch).
-    dq_acc, dq_splits: as mma_backward.launch (the dkdv tile config["dkdv_atomic"] then forms dQ: one
-    zeroed plane with atomics, or dq_splits planes, and a convert kernel replaces the dq kernel).
-    split_round: tf32_forward.SPLIT_ROUNDS (default: "rn" on sm_90+, "rna" below it)."""
-    B, H, n_q, _ = q.shape
+def launch(kernel, args, scalars, *, tile, head_dim, causal, stream=0, split_round="rn", dq_acc=None,
+           dq_splits=None):
+    """One kernel over its grid: args = (q, k, v, dout, l2, dd, dk, dv) for dkdv or (..., dd, dq) for dq, fp32
+    arrays (l2, dd: prep's scratch rows), scalars (n_q, n_k, d, group, scale·log2 e, scale). dkdv with dq_acc:
+    the build that also forms dQ, one zeroed plane with atomic adds (dq_splits None) or dq_splits planes
+    (blocks.entry.launch_dq_in_dkdv)."""
+    q, k = args[0], args[1]
+    B, H, n_q = q.shape[0], q.shape[1], q.shape[2]
     Hkv, n_k = k.shape[1], k.shape[2]
-    config = config_for(d, causal) if config is None else config
-    head_dim = config["head_dim"]
-    if d > head_dim:
-        raise ValueError(f"head dim {d} > HEAD_DIM={head_dim}")
-    scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
-    swz = bool(config.get("swizzle", False))
-    split_round = split_round_for_device(split_round)
     rnd = {} if split_round == "rn" else {"split_round": split_round}  # passed only when not the default (cache key)
-    atomic = dq_acc is not None
-    if "prep" in kernels:  # 16-byte loads where every chunk is all data (d % 4 == 0) and the rows are aligned
-        vec = d % 4 == 0 and mma_backward.rows16(out) and mma_backward.rows16(dout)
-        mma_backward.launch_prep("float32", head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)
-    if atomic:
-        if "dkdv_atomic" not in config:
-            raise ValueError(f"dq_acc given but the config has no dkdv_atomic tile: {config}")
-        bn, bm = config["dkdv_atomic"]
-        n_kb = (n_k + bn - 1) // bn
-        mma_backward.check_dq_acc(dq_acc, dq_splits, B * H, l2.shape[1], head_dim, n_kb)
-    elif dq_splits is not None:
-        raise ValueError(f"dq_splits={dq_splits} needs dq_acc")
-    if "dkdv" in kernels and atomic:
+    if kernel == "dkdv" and dq_acc is not None:
+        bn, bm = tile
         red = {} if ptx.current_sm90() else {"vector_red": False}  # passed only when off (cache key)
-        mma_backward.launch_dq_in_dkdv(
-            lambda splits: make_kernel("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **red, **rnd,
-                                       **({"dq_splits": splits} if splits else {})),
-            B * Hkv, threads_per_block(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True), stream,
-            (q, k, v, dout, l2, dd, dk, dv, dq_acc), scalars, n_kb, dq_splits, B * H)
-    elif "dkdv" in kernels:
-        bn, bm = config["dkdv"]
-        for grads in config.get("dkdv_passes", ("dkdv",)):
-            launch_kernel(make_kernel("dkdv", bn, bm, head_dim, bool(causal), grads, swizzle=swz, **rnd),
-                          ((n_k + bn - 1) // bn, B * Hkv), threads_per_block(bn), stream,
-                          smem_bytes("dkdv", bn, bm, head_dim, swz),
-                          q, k, v, dout, l2, dd, dk, dv, *scalars)
-    if "dq" in kernels and atomic:
-        mma_backward.launch_convert("float32", d % 8 == 0 and mma_backward.rows16(dq), dq_acc, dq, n_q, d,
-                                    softmax_scale, n_k, bn, bm, causal, B * H, stream)
-    elif "dq" in kernels:
-        bm, bn = config["dq"]
-        launch_kernel(make_kernel("dq", bm, bn, head_dim, bool(causal), swizzle=swz, **rnd),
-                      ((n_q + bm - 1) // bm, B * H), threads_per_block(bm), stream,
-                      smem_bytes("dq", bm, bn, head_dim, swz), q, k, v, dout, l2, dd, dq, *scalars)
+        launch_dq_in_dkdv(
+            lambda splits: build("dkdv", bn, bm, head_dim, bool(causal), atomic_dq=True, **red, **rnd,
+                                 **({"dq_splits": splits} if splits else {})),
+            B * Hkv, threads(bn), smem_bytes("dkdv", bn, bm, head_dim, atomic_dq=True), stream, (*args, dq_acc),
+            scalars, (n_k + bn - 1) // bn, dq_splits, B * H)
+    elif kernel == "dkdv":
+        bn, bm = tile
+        launch_kernel(build("dkdv", bn, bm, head_dim, bool(causal), **rnd), ((n_k + bn - 1) // bn, B * Hkv),
+                      threads(bn), stream, smem_bytes("dkdv", bn, bm, head_dim), *args, *scalars)
+    else:
+        bm, bn = tile
+        launch_kernel(build("dq", bm, bn, head_dim, bool(causal), **rnd), ((n_q + bm - 1) // bm, B * H),
+                      threads(bm), stream, smem_bytes("dq", bm, bn, head_dim), *args, *scalars)

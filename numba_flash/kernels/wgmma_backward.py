@@ -1,7 +1,7 @@
 """The dK/dV/dQ kernel of the tensor-core backward on sm_90's warpgroup MMA (wgmma.mma_async).
 
-The maths and the schedule are mma_backward's FA2 scheme with dQ formed in the dK/dV kernel
-(``dkdv_source`` with ATOMIC_DQ; read its docstring first): one block per (128 keys, batch · kv head),
+The maths and the schedule are kernels/mma_dkdv.py's FA2 scheme with dQ formed in the dK/dV kernel
+(``source`` with ATOMIC_DQ there; read its docstring first): one block per (128 keys, batch · kv head),
 the Q / dO tiles of 64 query rows streamed through a double buffer, and per step
 
     Sᵀ  = K_j Q_iᵀ,  dPᵀ = V_j dO_iᵀ                       (64 keys x 64 queries per warpgroup)
@@ -10,22 +10,23 @@ the Q / dO tiles of 64 query rows streamed through a double buffer, and per step
     dQ_i += dS_i K_j                                        (64 queries x d/2 per warpgroup, added to
                                                               fp32 scratch: one plane, or the splits' planes)
 
-What changes is who multiplies. mma.sync needs every fragment in registers, loaded by ldmatrix, and the
-tenth session's profiles found those kernels waiting on ldmatrix → mma latency with 2 warps per scheduler.
+What changes is who multiplies. mma.sync needs every fragment in registers, loaded by ldmatrix, and
+profiles found those kernels waiting on ldmatrix → mma latency with 2 warps per scheduler.
 wgmma reads its B operand (and A, where it is not in registers) straight from shared memory through a
 descriptor and runs asynchronously: a warpgroup (4 warps) issues a whole 64 x N x 16 product at once and
 overlaps the softmax of Sᵀ with the tensor cores' work on dPᵀ. The 8 warps are 2 warpgroups, warpgroup wg
 owning keys 64 wg .. 64 wg + 63 (so warp w still owns keys 16 w .. 16 w + 15, and the accumulator layout
-per warp is mma.sync's m16n8 C fragment: the softmax and the epilogue are dkdv_source's).
+per warp is mma.sync's m16n8 C fragment: the softmax and the epilogue are mma_dkdv's, the skeleton is
+blocks/dkdv.py's).
 
-Operands (ptx.py's wgmma section has the layout rules):
+Operands (ptx/warpgroup.py has the layout rules):
     Sᵀ, dPᵀ: A = K, V rows (K-major), B = Q, dO rows (K-major): m64n64k16, HEAD_DIM / 16 k-steps
     dV, dK:  A = Pᵀ, dSᵀ from registers (the accumulators of n-tiles 2kk, 2kk+1 re-packed: k-step kk),
              B = dO, Q (MN-major): m64n{HEAD_DIM}k16, 4 k-steps
     dQ:      A = dS, the stored dSᵀ tile (MN-major), B = K (MN-major), columns HEAD_DIM/2 · wg ..:
              m64n{HEAD_DIM/2}k16, 8 k-steps
 Every 16-bit tile is stored in wgmma's 128-byte-swizzled column atoms (``atom_offset``), at a multiple of
-1024 bytes; cp.async fills them (mma_forward.tile_copies with ATOM_ROWS), and after the writes land a
+1024 bytes; cp.async fills them (blocks.copies.tile_copies with ATOM_ROWS), and after the writes land a
 ``fence.proxy.async`` makes them visible to wgmma's (async-proxy) reads before the barrier.
 """
 from __future__ import annotations
@@ -38,10 +39,17 @@ from numba import cuda, float32, uint16, uint32
 from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
+from ..blocks.dkdv import dkdv_common
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
 
 BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
 THREADS = 256
 HEAD_DIMS = (64, 128)
+
+
+def threads() -> int:
+    """Two warpgroups."""
+    return THREADS
 
 
 def smem_bytes(head_dim: int, defer_dq: bool = False) -> int:
@@ -60,17 +68,15 @@ def problems(head_dim: int, dtype: str) -> list[str]:
     return out
 
 
-def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=False):
-    """The kernel (before cuda.jit) of mma_backward.kernel_signature("dkdv", atomic_dq=True,
-    dq_splits=bool(DQ_SPLITS)). DQ_SPLITS as dkdv_source's: 0 one plane of adds (deterministic=False),
+def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=False):
+    """The kernel (before cuda.jit) of blocks.entry.kernel_signature("dkdv", atomic_dq=True,
+    dq_splits=bool(DQ_SPLITS)). DQ_SPLITS as mma_dkdv.source's: 0 one plane of adds (deterministic=False),
     1 the splits' adding launches, 2 the first launch's (stores).
 
     DEFER_DQ: step i's dQ product is left in flight through the next step's barrier and prefetch, and added
     before that step issues Sᵀ and dPᵀ (reading its accumulators inside their wgmma stage instead made ptxas
     serialize every wgmma); dSᵀ is double-buffered by step parity, since a warpgroup may still read step i's
     while the other writes step i + 1's."""
-    from .mma_backward import _dkdv_common  # the shared plan, copies, schedule and epilogue
-
     bad = problems(HEAD_DIM, DTYPE)
     if bad:
         raise ValueError("; ".join(bad))
@@ -83,7 +89,7 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER
     DQ_TILES = DQ_N // 8
     CAUSAL = bool(CAUSAL)
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), _, prologue, schedule, step_tile, prefetch, _, store_grads, _ = \
-        _dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES, PARTIAL_CHUNK, ATOMS=True)
+        dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES, PARTIAL_CHUNK, ATOMS=True)
     mma_s = ptx.wgmma(BLOCK_M, DTYPE)
     mma_o = ptx.wgmma(HEAD_DIM, DTYPE, trans_b=True, a_regs=True)
     mma_q = ptx.wgmma(DQ_N, DTYPE, trans_a=True, trans_b=True)
@@ -273,28 +279,25 @@ def dkdv_source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER
         hold_o(acc_v)
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
-    FIRST_STORES = DQ_SPLITS == 2
-    if DQ_SPLITS:
-        def wgmma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb0,
-                                plane_rows):
-            # key block kb0 + blockIdx.x, dQ into plane blockIdx.x (mma_backward.dkdv_source's splits)
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
-                      scale_log2, scale, kb0 + cuda.blockIdx.x, FIRST_STORES)
-    else:
-        def wgmma_backward_dkdv(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
-            dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
-                      False)
-
-    return wgmma_backward_dkdv
+    return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS)
 
 
 @lru_cache(maxsize=None)
-def make_kernel(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, dq_splits: int = 0,
-                defer_dq: bool = False):
+def build(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, dq_splits: int = 0,
+          defer_dq: bool = False):
     """The compiled wgmma dkdv of one specialisation (sm_90 only: wgmma is an sm_90a instruction)."""
-    from .mma_backward import kernel_signature
-
     if dq_splits not in (0, 1, 2):
         raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores)")
-    source = dkdv_source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq))
-    return cuda.jit(kernel_signature("dkdv", True, bool(dq_splits)))(source)
+    kernel = source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq))
+    return cuda.jit(kernel_signature("dkdv", True, bool(dq_splits)))(kernel)
+
+
+def launch(q, k, v, dout, l2, dd, dk, dv, dq_acc, scalars, *, head_dim, causal, dtype, stream=0,
+           partial_chunk=False, dq_splits=None, defer_dq=False):
+    """The dK/dV kernel that also forms dQ over every key block (BLOCK_N keys): arguments as
+    mma_dkdv.launch's with dq_acc; defer_dq: the DEFER_DQ build."""
+    B, H = q.shape[0], q.shape[1]
+    Hkv, n_k = k.shape[1], k.shape[2]
+    launch_dq_in_dkdv(lambda splits: build(head_dim, bool(causal), dtype, bool(partial_chunk), splits, defer_dq),
+                      B * Hkv, THREADS, smem_bytes(head_dim, defer_dq), stream, (q, k, v, dout, l2, dd, dk, dv, dq_acc),
+                      scalars, (n_k + BLOCK_N - 1) // BLOCK_N, dq_splits, B * H)

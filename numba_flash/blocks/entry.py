@@ -1,0 +1,111 @@
+"""Entry points of the backward's dK/dV kernels, and the host side of the dQ-in-dkdv launches.
+
+Every dK/dV family (mma.sync, wgmma, 3xTF32) writes one ``dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc,
+n_q, n_k, d, group, scale_log2, scale, kb[, first])`` for key block ``kb`` and gets its kernels from
+``dkdv_entry``: the plain build (no dQ), the atomic grid's (every block adds into one plane) and the
+deterministic splits' (key block kb0 + blockIdx.x into plane blockIdx.x). ``kernel_signature`` types them,
+``launch_dq_in_dkdv`` launches the last two.
+"""
+from __future__ import annotations
+
+import types as pytypes
+
+from numba import cuda, float32, int32, types
+
+from ..launch import address
+from ..launch import launch as launch_kernel
+
+
+def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = False, io=types.uint16):
+    """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...):
+    io elements (16-bit words, or float32 for the 3xTF32 kernels); dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) fp32
+    when dkdv also adds up dQ (atomic_dq)."""
+    io = types.Array(io, 4, "A")
+    rows = types.Array(types.float32, 2, "A")
+    grads = (io, io) if kernel == "dkdv" else (io,)
+    if atomic_dq:
+        grads += (types.Array(types.float32, 3, "A"),)
+    tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
+    return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
+
+
+def _at_home(fn, home: dict, name: str):
+    """fn with the kernel module's globals: the simulator swaps ``cuda`` in the globals of the kernel it runs,
+    and the body it calls reads ``cuda`` from its own module's."""
+    out = pytypes.FunctionType(fn.__code__, home, name, fn.__defaults__, fn.__closure__)
+    out.__qualname__ = name
+    return out
+
+
+def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0, first: bool = True,
+               stand_in: str = "l2"):
+    """The kernel (before cuda.jit) that runs ``body`` for its block, named ``name`` in module ``home``
+    (the caller's globals()). atomic_dq False: dq_acc is never touched and ``stand_in`` ("l2" or "dk") takes
+    its place. atomic_dq with dq_splits 0: every block adds into one plane (the order of the adds, hence the
+    last bits, vary). dq_splits 1 / 2: the deterministic splits' builds taking kb0 and plane_rows after scale:
+    key block kb0 + blockIdx.x, dQ into plane blockIdx.x (plane_rows = B·H rows of dq_acc each); 2 is the first
+    launch's build, which stores (nobody zeroes the planes; as a runtime branch the choice cost 24 instructions
+    per step). A launch's blocks own one plane each and the launches follow each other on one stream, so each dQ
+    element of a plane gets its adds from one lane, launch after launch: the same sums every run. The plane is
+    a view (its own base address): as a row offset it cost 40 B of spills. first: whether body takes the
+    store-or-add flag as its last argument."""
+    FIRST_STORES = dq_splits == 2  # a compile-time constant: the other build's stores are pruned
+    if atomic_dq and dq_splits and first:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb0, plane_rows):
+            body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
+                 scale_log2, scale, kb0 + cuda.blockIdx.x, FIRST_STORES)
+    elif atomic_dq and dq_splits:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb0, plane_rows):
+            body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
+                 scale_log2, scale, kb0 + cuda.blockIdx.x)
+    elif atomic_dq and first:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
+            body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
+                 False)
+    elif atomic_dq:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale):
+            body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x)
+    elif first and stand_in == "l2":
+        def kernel(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+            body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x, False)
+    elif stand_in == "dk" and not first:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale):
+            body(q, k, v, dout, l2, dd, dk, dv, dk, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x)
+    else:
+        raise ValueError(f"no plain dkdv entry with first={first}, stand_in={stand_in!r}")
+    return _at_home(kernel, home, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+def rows16(x) -> bool:
+    """Unit-stride rows, other strides multiples of 16 B, 16-byte aligned data: 16-byte vector access."""
+    return x.strides[-1] == x.dtype.itemsize and all(st % 16 == 0 for st in x.strides[:-1]) and address(x) % 16 == 0
+
+
+def check_dq_acc(dq_acc, dq_splits, n_bh, nq_pad, head_dim, n_kb):
+    """ValueError unless dq_acc is the C-contiguous fp32 scratch of (dq_splits or 1) planes of n_bh heads,
+    nq_pad rows and head_dim columns, and 1 <= dq_splits <= n_kb key blocks (or None)."""
+    planes = dq_splits or 1
+    if (tuple(dq_acc.shape) != (planes * n_bh, nq_pad, head_dim)
+            or tuple(dq_acc.strides) != (nq_pad * head_dim * 4, head_dim * 4, 4)):
+        raise ValueError(f"dq_acc has shape {tuple(dq_acc.shape)}, strides {tuple(dq_acc.strides)}; dq_splits="
+                         f"{dq_splits} needs a C-contiguous fp32 array of shape ({planes * n_bh}, {nq_pad}, "
+                         f"{head_dim}) (planes of B·H = {n_bh} heads, padded rows, HEAD_DIM)")
+    if dq_splits is not None and not 1 <= dq_splits <= n_kb:
+        raise ValueError(f"dq_splits={dq_splits}: 1 <= dq_splits <= {n_kb} key blocks")
+
+
+def launch_dq_in_dkdv(build, grid_y, threads, smem, stream, args, scalars, n_kb, dq_splits, plane_rows):
+    """The launches of a dkdv kernel that also forms dQ; build(splits) -> its kernel (0: the atomic grid's
+    build; 1 / 2: the deterministic splits' adding / storing builds). dq_splits None: one launch of every key
+    block, all adding into one plane. Else a launch per dq_splits key blocks, block x of each into plane x:
+    stream order orders the adds; the first launch stores, since nobody zeroed the planes."""
+    if dq_splits is None:
+        launch_kernel(build(0), (n_kb, grid_y), threads, stream, smem, *args, *scalars)
+        return
+    for kb0 in range(0, n_kb, dq_splits):
+        launch_kernel(build(2 if kb0 == 0 else 1), (min(dq_splits, n_kb - kb0), grid_y), threads, stream, smem,
+                      *args, *scalars, kb0, plane_rows)
+

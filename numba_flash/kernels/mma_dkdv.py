@@ -1,0 +1,366 @@
+"""The dK/dV kernel of the tensor-core backward on mma.sync m16n8k16 (fp16 / bf16 in, fp32 accumulation),
+with or without FA2's dQ phase. Maths (reference/backward.py, section 3.6.7), with S = Q Kᵀ and P rebuilt
+from the forward's saved logsumexp as L2 = L·log2(e) (kernels/bwd_prep.py):
+
+    P  = exp2(S·scale·log2(e) − L2),  D = rowsum(dO ∘ O)
+    dP = dO Vᵀ,   dS = P ∘ (dP − D)
+    dV = Pᵀ dO,   dK = scale · dSᵀ Q,   dQ = scale · dS K
+
+One block per (K/V tile of BLOCK_N keys, batch · kv head), warp w owning keys 16w..16w+15: the forward's
+structure with the roles of Q and K/V exchanged (the transposed orientation; blocks/dkdv.py has the
+skeleton). K_j and V_j stay in shared memory; dK_j and dV_j accumulate in registers while the block streams
+the Q / dO tiles of every query head of its group (so the GQA sum needs no atomics):
+
+    Sᵀ  (16 x BLOCK_M) = K_w · Q_iᵀ        A = K rows (ldmatrix), B = Q rows (ldmatrix)
+    dPᵀ (16 x BLOCK_M) = V_w · dO_iᵀ       A = V rows, B = dO rows
+    Pᵀ = exp2(Sᵀ·scale·log2 e − L2[col]),  dSᵀ = Pᵀ ∘ (dPᵀ − D[col])
+    dV_w (16 x d) += Pᵀ · dO_i             A = Pᵀ re-packed in registers, B = dO by ldmatrix.trans
+    dK_w (16 x d) += dSᵀ · Q_i             A = dSᵀ re-packed in registers, B = Q by ldmatrix.trans
+
+The Sᵀ accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk (as P in the forward's
+P·V), so no fragment passes through shared memory.
+
+Built with ATOMIC_DQ (FA2's schemes) it also writes dSᵀ to shared memory, computes dQ_i += dS K_j for 16
+query rows per warp (dS by ldmatrix.trans of the stored dSᵀ) and adds it to fp32 scratch with
+``red.global.add``; kernels/bwd_prep.py's convert then writes dq = scale · scratch. deterministic=False: one
+launch, every block adding into one zeroed plane (the order of the adds varies). The deterministic splits
+(DQ_SPLITS builds, blocks/schedule.py): S planes, ceil(key blocks / S) launches on the stream, block x of
+each owning plane x (the first launch stores, the others add), and convert sums the planes in order:
+bitwise repeatable with 5 tile products instead of the dq kernel's 7. The dQ phase runs after a second
+barrier, with every warp of the block's only resident block in it at once: per product it is slower than
+the dq kernel (benchmarks/DESIGN.md).
+
+Shared memory: 16-bit tiles with rows of HEAD_DIM, 16-byte chunks XOR-swizzled by row % 8 (the forward's
+layout: every ldmatrix phase hits 8 distinct bank groups). The streamed tiles (Q, dO, L2, D) are
+double-buffered: at the top of step i one barrier says tile i has landed and that every warp has left step
+i−1, whose buffer then receives tile i+1 by cp.async while step i computes. Each thread's copy plan (source
+offset, byte count and swizzled destination of its 16-byte chunks, blocks.copies.tile_copies) is computed
+once before the loop. Out-of-range rows and head-dim columns are zero-filled by cp.async's ignore-src
+predicate, or by its src-size operand when d % 8 != 0 (PARTIAL_CHUNK: a chunk of data and zeros).
+
+Causal (bottom-right, query i sees key j iff j <= i + Nk − Nq): a block starts at the first Q tile that sees
+its keys; only tiles that cross the diagonal pay for the mask.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from numba import cuda, float32, uint16
+
+from .. import ptx
+from ..configs import SMEM_PER_BLOCK_MAX
+from ..launch import launch as launch_kernel
+from ..ptx import SMEM_ALIGN, inline_device
+from ..blocks.dkdv import dkdv_common, stage_words, two_products
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
+from ..blocks.schedule import ROW_PAD
+
+DTYPES = ("float16", "bfloat16")
+DQ_COLS = 32  # columns of dQ_i a warp forms per pass of the dQ phase (16 accumulators per lane)
+
+
+def threads(block_n: int) -> int:
+    """One warp per 16 keys."""
+    return 32 * (block_n // 16)
+
+
+def smem_bytes(block_n: int, block_m: int, head_dim: int, atomic_dq: bool = False) -> int:
+    """K and V once, two stages of [Q | dO | L2 | D] (double buffer); with atomic_dq the 16-bit dSᵀ tile."""
+    return 2 * (2 * block_n * head_dim + 2 * stage_words(block_m, head_dim) + (block_n * block_m if atomic_dq else 0))
+
+
+def problems(block_n: int, block_m: int, head_dim: int, dtype: str) -> list[str]:
+    """Why a specialisation cannot be built (empty when it can)."""
+    out = []
+    if block_n % 16 or not 16 <= block_n <= 256:
+        out.append(f"own tile of {block_n} rows: one warp per 16 rows, 1..16 warps")
+    if block_m % 16 or not 16 <= block_m <= ROW_PAD:
+        out.append(f"streamed tile of {block_m} rows: a multiple of 16 (the k of m16n8k16), <= {ROW_PAD}")
+    if head_dim not in (64, 128):
+        out.append(f"HEAD_DIM={head_dim}: 64 or 128 (the 8-chunk XOR swizzle, the unrolled k-steps)")
+    if dtype not in DTYPES:
+        out.append(f"dtype={dtype!r} not in {DTYPES}")
+    n_threads = threads(block_n) if block_n % 16 == 0 and block_n >= 16 else 32
+    for name, rows in (("own", block_n), ("streamed", block_m)):
+        if (rows * head_dim // 8) % n_threads:
+            out.append(f"{name} tile of {rows}x{head_dim} is not a whole number of 16-byte copies per thread")
+    if block_m // 2 > n_threads:
+        out.append(f"{block_m} query rows of L2 and D need {block_m // 2} copying threads, have {n_threads}")
+    nbytes = smem_bytes(block_n, block_m, head_dim)
+    if nbytes > SMEM_PER_BLOCK_MAX:
+        out.append(f"{nbytes} B of shared memory > {SMEM_PER_BLOCK_MAX}")
+    return out
+
+
+def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, PARTIAL_CHUNK=False,
+           DQ_SPLITS=0):
+    """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
+    PARTIAL_CHUNK (every kernel here; launch() sets it when d % 8 != 0): the copies' source bytes per
+    16-byte chunk (mma_forward.kernel_source's flag of that name).
+
+    ATOMIC_DQ (FA2's scheme, not bitwise repeatable): the block also computes its keys' share of
+    dQ_i = dS_i K_j each step and adds it to fp32 dq_acc with atomic adds, so no dQ kernel has to
+    recompute S and dP (5 tile GEMMs in all instead of 7). dSᵀ goes through shared memory (16-bit,
+    swizzled) to change orientation: warp w then owns query rows 16(w mod 4).. of dQ_i (BLOCK_M = 64)
+    and, with 8 warps (BLOCK_N = 128, FA2's d = 128 layout: half the atomics per product), half of
+    its columns. The adds leave as red.global.add.v2.f32: a fragment's two adjacent columns at once
+    (VECTOR_RED, sm_90+; below it two scalar red.global.add.f32).
+
+    DQ_SPLITS (with ATOMIC_DQ; backward(deterministic=True)'s splits, FA2's deterministic scheme): the kernel
+    takes kb0 and plane_rows after scale and runs key block kb0 + blockIdx.x into plane blockIdx.x of dq_acc
+    (rows blockIdx.x · plane_rows ..); launch() runs a launch per gridDim.x key blocks. 1: adds; 2: the first
+    launch's build, which stores (blocks.entry.dkdv_entry). Builds of their own so that deterministic=False's
+    kernel stays as it was (its PTX is pinned in the tests)."""
+    WARPS = BLOCK_N // 16
+    THREADS = 32 * WARPS
+    Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
+    M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
+    O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
+    CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
+    (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, prologue, schedule, step_tile, prefetch, \
+        swizzle_m, store_grads, dv_dk_step = dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES,
+                                                              PARTIAL_CHUNK)
+    # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
+    if ATOMIC_DQ and not (BLOCK_M == 64 and BLOCK_N in (64, 128)):
+        raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 64 or 128 keys (4 or 8 warps "
+                         f"over dQ_i); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    unrolled = two_products(HEAD_DIM, Q_TILES, mma)
+    # the dQ phase (built only with ATOMIC_DQ: its warp layout needs 4 or 8 warps)
+    add_dq = atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m,
+                             VECTOR_RED) if ATOMIC_DQ else None
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    st_b32 = ptx.st_shared_b32
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    @inline_device
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first):
+        """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc (the plane this
+        block adds into: the splits pass a view from its first row), stored instead of added where first."""
+        smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
+        smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        bh = cuda.blockIdx.y
+        n_kv_heads = k.shape[1]
+        b = bh // n_kv_heads
+        h_kv = bh - b * n_kv_heads
+        k0 = kb * BLOCK_N
+        kw = k0 + warp * 16  # this warp's first key
+        shift = n_k - n_q  # query i sees key j iff j <= i + shift
+        nq_pad = l2.shape[1]
+        dq_h0 = bh * group  # dq_acc row block of the group's first query head
+
+        qt0, per_head, steps = schedule(k0, n_q, shift, group)
+
+        # ldmatrix lane addresses (matrix lane >> 3 of the x4 takes its row from lanes 8j..8j+7).
+        mat = lane >> 3
+        a_row = warp * 16 + (lane & 15)  # A (K, V rows): quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+        a_x = (lane >> 4) ^ (a_row & 7)
+        b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (Q, dO rows): (rows, d 0-7 | 8-15)
+        b_x = (mat & 1) ^ (b_row & 7)
+        t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (dO, Q as k x n): (rows 0-7 | 8-15) per d pair
+        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
+        ds_lane = swizzle_m(warp * 16 + g, 0) + 2 * t  # dSᵀ pair (key 16w + g, queries 8 nt + 2t): ^ (nt << 3)
+
+        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
+
+        acc_k = cuda.local.array((O_TILES, 4), float32)
+        acc_v = cuda.local.array((O_TILES, 4), float32)
+        s = cuda.local.array((Q_TILES, 4), float32)  # Sᵀ, then Pᵀ
+        dp = cuda.local.array((Q_TILES, 4), float32)  # dPᵀ, then dSᵀ
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc_k[dt, r] = ZERO
+                acc_v[dt, r] = ZERO
+
+        for step in range(steps):
+            cp_wait(0)  # this step's tiles (the only group in flight) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left the previous step
+            prefetch(smem, step, steps, qt0, per_head, q, dout, l2, dd, plan, b, h_kv, group, n_q, nq_pad)
+            cp_commit()
+            hh, i0 = step_tile(step, qt0, per_head, group)
+            st = STAGE0 + (step & 1) * STAGE
+
+            # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ
+            unrolled(s, dp, smem, SK, SV, st + SQ, st + SDO, a_row, a_x, b_row, b_x)
+
+            # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries
+            # have L2 = +inf. Mask only where this warp's keys cross the tile's diagonal.
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
+            l2_s = (st + SL) >> 1
+            d_s = (st + SD) >> 1
+            for nt in range(Q_TILES):
+                for r in range(4):
+                    col = nt * 8 + 2 * t + (r & 1)
+                    x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
+                        x = NEG_INF
+                    p = ex2(x)
+                    s[nt, r] = p
+                    dp[nt, r] = p * (dp[nt, r] - smem_f[d_s + col])
+
+            if ATOMIC_DQ:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
+                for nt in range(Q_TILES):
+                    for half in range(2):
+                        st_b32(smem, SDS + (ds_lane ^ (nt << 3)) + half * 8 * BLOCK_M,
+                               pack(dp[nt, 2 * half], dp[nt, 2 * half + 1]))
+
+            # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i: accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk.
+            for kk in range(M_STEPS):
+                nt = 2 * kk
+                p0 = pack(s[nt, 0], s[nt, 1])
+                p1 = pack(s[nt, 2], s[nt, 3])
+                p2 = pack(s[nt + 1, 0], s[nt + 1, 1])
+                p3 = pack(s[nt + 1, 2], s[nt + 1, 3])
+                d0 = pack(dp[nt, 0], dp[nt, 1])
+                d1 = pack(dp[nt, 2], dp[nt, 3])
+                d2 = pack(dp[nt + 1, 0], dp[nt + 1, 1])
+                d3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
+                for dp2 in range(O_TILES // 2):
+                    dt = 2 * dp2
+                    t_off = ((st + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM
+                    dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
+
+            if ATOMIC_DQ:
+                cuda.syncthreads()  # every warp's dSᵀ is in shared memory
+                add_dq(smem, SDS, dq_acc, dq_h0 + hh, i0, warp, lane, g, t, first)
+
+        cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
+
+        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
+
+    return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS)
+
+def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True):
+    """The atomic dQ phase of the dK/dV kernel (source with ATOMIC_DQ): from the dSᵀ tile in shared
+    memory, dQ_i[16 rw.., cw..] += dS_i K_j, added to fp32 scratch with atomics. Warps 4 down dQ_i's 64
+    rows (rw = w mod 4) x WARPS / 4 across its columns (cw), DQ_COLS columns per pass (DQ_COLS / 2
+    accumulators per lane), each pass added atomically."""
+    DQ_TILES = DQ_COLS // 8
+    ROW_GROUPS = BLOCK_M // 16  # warps down dQ_i's rows ...
+    COL_GROUPS = max(WARPS // ROW_GROUPS, 1)  # ... and across its columns
+    WARP_COLS = HEAD_DIM // COL_GROUPS
+    if WARPS % ROW_GROUPS or WARP_COLS % DQ_COLS:
+        raise ValueError(f"{WARPS} warps over {ROW_GROUPS} row groups of dQ_i ({WARP_COLS} columns a warp): "
+                         f"the warps must fill whole row groups, DQ_COLS={DQ_COLS} columns a pass "
+                         f"(BLOCK_N={BLOCK_N}, HEAD_DIM={HEAD_DIM})")
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    ldsm_t = ptx.ldmatrix_x4_trans
+    red_add2 = ptx.red_add_v2_f32
+    red_add = ptx.red_add_f32
+    st2 = ptx.st_global_v2_f32
+    st1 = ptx.st_global_f32
+    ZERO = float32(0.0)
+
+    PASSES = WARP_COLS // DQ_COLS
+
+    @inline_device
+    def dq_pass(smem, ds_lane, dq_acc, acc_q, row0, pc, t_row, t_chunk, t, first):
+        """One DQ_COLS-column chunk pc of this warp's dQ_i rows: acc_q = dS_i K_j[:, chunk], then the adds
+        (stores where ``first``: the deterministic splits' first launch, into planes nobody zeroed)."""
+        for nt in range(DQ_TILES):
+            for r in range(4):
+                acc_q[nt, r] = ZERO
+        k_lane = SK + swizzle(t_row, pc * DQ_TILES + t_chunk)  # d pair dp2, k-step kk: ^ (dp2 << 4), + kk·16 rows
+        for kk in range(BLOCK_N // 16):
+            a0, a1, a2, a3 = ldsm_t(smem, ds_lane + kk * 16 * BLOCK_M)
+            for dp2 in range(DQ_COLS // 16):
+                nt = 2 * dp2
+                b0, b1, b2, b3 = ldsm_t(smem, (k_lane ^ (dp2 << 4)) + kk * 16 * HEAD_DIM)
+                acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3] = mma(
+                    a0, a1, a2, a3, b0, b1, acc_q[nt, 0], acc_q[nt, 1], acc_q[nt, 2], acc_q[nt, 3])
+                acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3] = mma(
+                    a0, a1, a2, a3, b2, b3, acc_q[nt + 1, 0], acc_q[nt + 1, 1], acc_q[nt + 1, 2], acc_q[nt + 1, 3])
+        for nt in range(DQ_TILES):
+            col = pc * DQ_COLS + nt * 8 + 2 * t
+            for half in range(2):  # scratch rows and columns are padded: no bounds checks
+                off = row0 + 8 * half * HEAD_DIM + col
+                if first and VECTOR_RED:
+                    st2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                elif first:
+                    st1(dq_acc, off, acc_q[nt, 2 * half])
+                    st1(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+                elif VECTOR_RED:
+                    red_add2(dq_acc, off, acc_q[nt, 2 * half], acc_q[nt, 2 * half + 1])
+                else:
+                    red_add(dq_acc, off, acc_q[nt, 2 * half])
+                    red_add(dq_acc, off + 1, acc_q[nt, 2 * half + 1])
+
+    @inline_device
+    def add_dq(smem, sds, dq_acc, bh, i0, warp, lane, g, t, first=False):
+        """dQ_i[16 rw.., cw..] += dS_i K_j for this warp's 16 query rows (rw = w mod ROW_GROUPS) and
+        WARP_COLS columns (cw), DQ_COLS per pass: A = dS by ldmatrix.trans of the stored dSᵀ, B = K by
+        ldmatrix.trans, then atomic adds. The passes go in pairs, written out with an accumulator array
+        each (the shipped tiles have one pair, or one pass): as a rolled loop (NVVM kept it rolled) the
+        second pass's first ldmatrix reused registers that the first pass's red instructions were still
+        reading (long-scoreboard stalls in ncu)."""
+        rw = warp % ROW_GROUPS
+        cw = warp // ROW_GROUPS
+        mat = lane >> 3
+        a_key = (mat >> 1) * 8 + (lane & 7)  # A (queries x keys) from dSᵀ rows (keys): transposed quarters
+        ds_lane = sds + swizzle_m(a_key, 2 * rw + (mat & 1))  # ... of k-step kk: + kk·16 rows
+        t_row = (mat & 1) * 8 + (lane & 7)
+        t_chunk = mat >> 1
+        row0 = (bh * dq_acc.shape[1] + i0 + rw * 16 + g) * HEAD_DIM  # flat offset of row g (contiguous)
+        acc_a = cuda.local.array((DQ_TILES, 4), float32)
+        acc_b = cuda.local.array((DQ_TILES, 4), float32)
+        for wc in range(0, PASSES, 2):  # one trip for the shipped tiles (2 passes, or 1)
+            pc = cw * PASSES + wc  # this pass's DQ_COLS-column chunk of dQ_i
+            dq_pass(smem, ds_lane, dq_acc, acc_a, row0, pc, t_row, t_chunk, t, first)
+            if PASSES > 1:
+                dq_pass(smem, ds_lane, dq_acc, acc_b, row0, pc + 1, t_row, t_chunk, t, first)
+
+    return add_dq
+
+@lru_cache(maxsize=None)
+def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, max_registers: int | None = None,
+          atomic_dq: bool = False, vector_red: bool = True, partial_chunk: bool = False, dq_splits: int = 0):
+    """The compiled kernel of one specialisation; cached so each compiles once. atomic_dq: the kernel also
+    adds dQ into fp32 scratch (FA2's scheme), as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
+    partial_chunk: d % 8 != 0. dq_splits (atomic only): the deterministic splits' builds, 1 (adds) or 2 (the
+    first launch: stores)."""
+    bad = problems(block_n, block_m, head_dim, dtype)
+    if atomic_dq and not (block_n in (64, 128) and block_m == 64):
+        bad.append(f"atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query tiles only, not "
+                   f"dkdv {block_n}x{block_m}")
+    if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
+        bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True)")
+    if bad:
+        raise ValueError(f"mma backward dkdv ({block_n}, {block_m}, {head_dim}, {dtype}) cannot be built: "
+                         f"{'; '.join(bad)}")
+    kernel = source(block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
+                    bool(partial_chunk), int(dq_splits))
+    cap = {"max_registers": int(max_registers)} if max_registers else {}
+    return cuda.jit(kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits)), **cap)(kernel)
+
+
+def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dtype, stream=0,
+           partial_chunk=False, dq_acc=None, dq_splits=None):
+    """The dK/dV kernel over every key block: q, k, v, dout, dk, dv as 16-bit words, l2 and dd prep's
+    scratch rows, scalars (n_q, n_k, d, group, scale·log2 e, scale). dq_acc: the kernel also forms dQ into it,
+    one zeroed plane with atomic adds (dq_splits None) or dq_splits planes (blocks.entry.launch_dq_in_dkdv)."""
+    bn, bm = tile
+    B, H = q.shape[0], q.shape[1]
+    Hkv, n_k = k.shape[1], k.shape[2]
+    n_kb = (n_k + bn - 1) // bn
+    partial = {"partial_chunk": True} if partial_chunk else {}  # passed only when on: the others' cache key
+    args = (q, k, v, dout, l2, dd, dk, dv)
+    if dq_acc is None:
+        launch_kernel(build(bn, bm, head_dim, bool(causal), dtype, **partial), (n_kb, B * Hkv), threads(bn), stream,
+                      smem_bytes(bn, bm, head_dim), *args, *scalars)
+        return
+    # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
+    red = {} if ptx.current_sm90() else {"vector_red": False}
+    launch_dq_in_dkdv(lambda splits: build(bn, bm, head_dim, bool(causal), dtype, atomic_dq=True, **red, **partial,
+                                           **({"dq_splits": splits} if splits else {})),
+                      B * Hkv, threads(bn), smem_bytes(bn, bm, head_dim, True), stream, (*args, dq_acc), scalars,
+                      n_kb, dq_splits, B * H)

@@ -1,0 +1,232 @@
+"""The dQ kernel of the tensor-core backward on mma.sync m16n8k16 (fp16 / bf16 in, fp32 accumulation): the
+deterministic scheme without scratch, where the dK/dV kernel does not form dQ (kernels/mma_dkdv.py).
+
+One block per (Q tile of BLOCK_M rows, batch · head), warp w owning rows 16w..16w+15: the forward's loop with
+a second GEMM and no online softmax (L is known, L2 = L·log2 e from kernels/bwd_prep.py):
+
+    S = Q_w K_jᵀ,  dP = dO_w V_jᵀ         A = Q / dO rows, B = K / V rows (ldmatrix)
+    dS = exp2(S·scale·log2 e − L2[row]) ∘ (dP − D[row])
+    dQ_w += dS · K_j                       A = dS re-packed, B = K by ldmatrix.trans
+
+This repeats the two products of the dK/dV kernel (7 tile GEMMs instead of FA2's 5) in exchange for no
+atomic adds and a bitwise repeatable dQ. K and V are streamed through a double buffer in the swizzled layout
+of blocks/copies.py; causal (bottom-right) stops after the last K/V tile the block's rows see, and only
+tiles that cross the diagonal or the end of the keys pay for the mask.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from numba import cuda, float32, int32, uint16
+
+from .. import ptx
+from ..configs import SMEM_PER_BLOCK_MAX
+from ..launch import launch as launch_kernel
+from ..ptx import SMEM_ALIGN
+from ..blocks.copies import tile_copies
+from ..blocks.dkdv import two_products
+from ..blocks.entry import kernel_signature
+from ..blocks.schedule import ROW_PAD
+
+DTYPES = ("float16", "bfloat16")
+
+
+def threads(block_m: int) -> int:
+    """One warp per 16 query rows."""
+    return 32 * (block_m // 16)
+
+
+def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
+    """Q and dO once, two stages of [K | V] (double buffer)."""
+    return 2 * (2 * block_m * head_dim + 2 * 2 * block_n * head_dim)
+
+
+def problems(block_m: int, block_n: int, head_dim: int, dtype: str) -> list[str]:
+    """Why a specialisation cannot be built (empty when it can)."""
+    out = []
+    if block_m % 16 or not 16 <= block_m <= 256:
+        out.append(f"own tile of {block_m} rows: one warp per 16 rows, 1..16 warps")
+    if block_m > ROW_PAD:  # its rows' L2 and D are read from rows padded to ROW_PAD
+        out.append(f"dq tile of {block_m} query rows > {ROW_PAD}, the scratch rows' padding")
+    if block_n % 16 or not 16 <= block_n <= ROW_PAD:
+        out.append(f"streamed tile of {block_n} rows: a multiple of 16 (the k of m16n8k16), <= {ROW_PAD}")
+    if head_dim not in (64, 128):
+        out.append(f"HEAD_DIM={head_dim}: 64 or 128 (the 8-chunk XOR swizzle, the unrolled k-steps)")
+    if dtype not in DTYPES:
+        out.append(f"dtype={dtype!r} not in {DTYPES}")
+    n_threads = threads(block_m) if block_m % 16 == 0 and block_m >= 16 else 32
+    for name, rows in (("own", block_m), ("streamed", block_n)):
+        if (rows * head_dim // 8) % n_threads:
+            out.append(f"{name} tile of {rows}x{head_dim} is not a whole number of 16-byte copies per thread")
+    nbytes = smem_bytes(block_m, block_n, head_dim)
+    if nbytes > SMEM_PER_BLOCK_MAX:
+        out.append(f"{nbytes} B of shared memory > {SMEM_PER_BLOCK_MAX}")
+    return out
+
+
+def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
+    """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed."""
+    WARPS = BLOCK_M // 16
+    THREADS = 32 * WARPS
+    CHUNKS = HEAD_DIM // 8
+    Q_COPIES = BLOCK_M * CHUNKS // THREADS
+    KV_COPIES = BLOCK_N * CHUNKS // THREADS
+    K_TILES = BLOCK_N // 8  # n-tiles of S / dP (key columns)
+    N_STEPS = BLOCK_N // 16  # k-steps of dQ (over the keys)
+    O_TILES = HEAD_DIM // 8  # n-tiles of dQ
+    SQ, SDO = 0, BLOCK_M * HEAD_DIM  # word offsets: Q and dO once, then two stages of [K | V]
+    STAGE0 = 2 * BLOCK_M * HEAD_DIM
+    STAGE = 2 * BLOCK_N * HEAD_DIM
+    SK, SV = 0, BLOCK_N * HEAD_DIM
+    CAUSAL = bool(CAUSAL)
+    swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
+    mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
+    unrolled = two_products(HEAD_DIM, K_TILES, mma)
+    pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
+    ex2 = ptx.ex2_approx
+    cp_commit = ptx.cp_async_commit
+    cp_wait = ptx.cp_async_wait
+    ldsm_t = ptx.ldmatrix_x4_trans
+    NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
+
+    def mma_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+        smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        # Heaviest causal tiles first: they start while the light ones fill the tail.
+        q0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M
+        bh = cuda.blockIdx.y
+        n_heads = q.shape[1]
+        b = bh // n_heads
+        h = bh - b * n_heads
+        h_kv = h // group
+        qw = q0 + warp * 16  # this warp's first query row
+        shift = n_k - n_q
+
+        n_tiles = (n_k + BLOCK_N - 1) // BLOCK_N
+        if CAUSAL:
+            visible = min(q0 + BLOCK_M, n_q) + shift  # keys the tile's last row can see
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_N - 1) // BLOCK_N)
+
+        mat = lane >> 3
+        a_row = warp * 16 + (lane & 15)  # A (Q, dO rows)
+        a_x = (lane >> 4) ^ (a_row & 7)
+        b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (K, V rows)
+        b_x = (mat & 1) ^ (b_row & 7)
+        t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (K as k x n)
+        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
+
+        # This thread's copy plans (offsets, source bytes per copy, shared offset); K's and V's offsets
+        # step by a tile per K/V tile.
+        q_off, q_rs, col_bytes, dst0 = copy_plan(q, b, h, d)
+        do_off, do_rs, _, _ = copy_plan(dout, b, h, d)
+        k_next, k_rs, _, _ = copy_plan(k, b, h_kv, d)
+        v_next, v_rs, _, _ = copy_plan(v, b, h_kv, d)
+        load_tile_fast(smem, SQ, q, q_off + q0 * q_rs, q_rs, col_bytes, dst0, q0, n_q, Q_COPIES)
+        load_tile_fast(smem, SDO, dout, do_off + q0 * do_rs, do_rs, col_bytes, dst0, q0, n_q, Q_COPIES)
+        if n_tiles > 0:
+            load_tile_fast(smem, STAGE0 + SK, k, k_next, k_rs, col_bytes, dst0, int32(0), n_k, KV_COPIES)
+            load_tile_fast(smem, STAGE0 + SV, v, v_next, v_rs, col_bytes, dst0, int32(0), n_k, KV_COPIES)
+        cp_commit()
+
+        # L2 and D of this lane's rows g and g + 8 (padded scratch: always inside).
+        l2_r = cuda.local.array(2, float32)
+        d_r = cuda.local.array(2, float32)
+        for half in range(2):
+            l2_r[half] = l2[bh, qw + g + 8 * half]
+            d_r[half] = dd[bh, qw + g + 8 * half]
+
+        acc = cuda.local.array((O_TILES, 4), float32)
+        s = cuda.local.array((K_TILES, 4), float32)  # S, then P
+        dp = cuda.local.array((K_TILES, 4), float32)  # dP, then dS
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc[dt, r] = ZERO
+
+        for j in range(int32(n_tiles)):  # 32-bit: the loop's arithmetic
+            k0 = j * BLOCK_N
+            cp_wait(0)  # K_j, V_j (the only group in flight) ...
+            cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1
+            if j + 1 < n_tiles:  # K_{j+1}, V_{j+1} into the buffer tile j - 1 used
+                nxt = STAGE0 + ((j + 1) & 1) * STAGE
+                k_next += BLOCK_N * k_rs
+                v_next += BLOCK_N * v_rs
+                load_tile_fast(smem, nxt + SK, k, k_next, k_rs, col_bytes, dst0, k0 + BLOCK_N, n_k, KV_COPIES)
+                load_tile_fast(smem, nxt + SV, v, v_next, v_rs, col_bytes, dst0, k0 + BLOCK_N, n_k, KV_COPIES)
+            cp_commit()
+            st = STAGE0 + (j & 1) * STAGE
+
+            # S = Q_w K_jᵀ and dP = dO_w V_jᵀ
+            unrolled(s, dp, smem, SQ, SDO, st + SK, st + SV, a_row, a_x, b_row, b_x)
+
+            # dS = exp2(S·scale·log2 e − L2[row]) ∘ (dP − D[row]); mask keys past n_k and the diagonal.
+            needs_mask = k0 + BLOCK_N > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k0 + BLOCK_N - 1 > qw + shift)
+            for nt in range(K_TILES):
+                for r in range(4):
+                    half = r >> 1
+                    x = s[nt, r] * scale_log2 - l2_r[half]
+                    if needs_mask:
+                        col = k0 + nt * 8 + 2 * t + (r & 1)
+                        if col >= n_k or (CAUSAL and col > qw + g + 8 * half + shift):
+                            x = NEG_INF
+                    dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
+
+            # dQ_w += dS K_j: dS accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk; K by .trans.
+            for kk in range(N_STEPS):
+                nt = 2 * kk
+                a0 = pack(dp[nt, 0], dp[nt, 1])
+                a1 = pack(dp[nt, 2], dp[nt, 3])
+                a2 = pack(dp[nt + 1, 0], dp[nt + 1, 1])
+                a3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
+                for dp2 in range(O_TILES // 2):
+                    dt = 2 * dp2
+                    b0, b1, b2, b3 = ldsm_t(smem, ((st + SK + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM)
+                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
+                        a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                    acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
+
+        cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
+
+        for half in range(2):
+            row = qw + g + 8 * half
+            if row < n_q:
+                for dt in range(O_TILES):
+                    col = dt * 8 + 2 * t
+                    bits = pack(acc[dt, 2 * half] * scale, acc[dt, 2 * half + 1] * scale)
+                    if col < d:
+                        dq[b, h, row, col] = uint16(bits & 0xFFFF)
+                    if col + 1 < d:
+                        dq[b, h, row, col + 1] = uint16(bits >> 16)
+
+    return mma_dq
+
+
+@lru_cache(maxsize=None)
+def build(block_m: int, block_n: int, head_dim: int, causal: bool, dtype: str, max_registers: int | None = None,
+          partial_chunk: bool = False):
+    """The compiled kernel of one specialisation; cached so each compiles once. partial_chunk: d % 8 != 0."""
+    bad = problems(block_m, block_n, head_dim, dtype)
+    if bad:
+        raise ValueError(f"mma backward dq ({block_m}, {block_n}, {head_dim}, {dtype}) cannot be built: "
+                         f"{'; '.join(bad)}")
+    kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk))
+    cap = {"max_registers": int(max_registers)} if max_registers else {}
+    return cuda.jit(kernel_signature("dq"), **cap)(kernel)
+
+
+def launch(q, k, v, dout, l2, dd, dq, scalars, *, tile, head_dim, causal, dtype, stream=0, partial_chunk=False):
+    """The dQ kernel over every query tile: q, k, v, dout, dq as 16-bit words, l2 and dd prep's scratch rows,
+    scalars (n_q, n_k, d, group, scale·log2 e, scale)."""
+    bm, bn = tile
+    B, H, n_q = q.shape[0], q.shape[1], q.shape[2]
+    partial = {"partial_chunk": True} if partial_chunk else {}  # passed only when on: the others' cache key
+    launch_kernel(build(bm, bn, head_dim, bool(causal), dtype, **partial), ((n_q + bm - 1) // bm, B * H),
+                  threads(bm), stream, smem_bytes(bm, bn, head_dim), q, k, v, dout, l2, dd, dq, *scalars)
