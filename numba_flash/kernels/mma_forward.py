@@ -64,10 +64,10 @@ from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.copies import atom_offset, tile_copies  # noqa: F401  (atom_offset: wgmma_backward's import)
+from ..blocks.copies import tile_copies
 from ..blocks.mask import fragment_mask, mask_kind, mask_rules
-from ..blocks.numerics import LN2, LOG2E  # noqa: F401  (LN2: the epilogue's; LOG2E: the launch's)
-from ..blocks.softmax import RESCALE_LOG2, fragment_softmax, row_lse  # noqa: F401
+from ..blocks.numerics import LOG2E
+from ..blocks.softmax import fragment_softmax, row_lse
 
 DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
 FLAGS = ("grid_bh_x", "smem_epilogue", "warp_skip")
@@ -341,7 +341,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             if needs_mask(k1, q0 + warp * ROWS_W, n_k, shift):
                 mask_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, g, t)
 
-            # Online softmax on the fragments, M moved only past M + RESCALE_LOG2.
+            # Online softmax on the fragments, M moved only past M + RESCALE_LOG2 (blocks/softmax.py).
             m_nw = cuda.local.array(ROWS_L, float32)
             softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
 

@@ -42,7 +42,7 @@ from numba.cuda.extending import intrinsic
 
 from .. import ptx
 from ..blocks.mask import mask_kind, mask_rules
-from ..blocks.numerics import FASTMATH, LN2, LOG2E, STORAGE  # noqa: F401 (LN2 re-exported)
+from ..blocks.numerics import FASTMATH, LOG2E, STORAGE
 from ..blocks.softmax import row_lse, tile_softmax
 from ..configs import SimtConfig
 from ..launch import launch as launch_kernel
@@ -265,7 +265,7 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             for j in range(N):
                 acc[i, j] = cuda.fma(a[i], b[j], acc[i, j])
 
-    kv_tiles, needs_mask, hidden = mask_rules(mask_kind(CAUSAL), BLOCK_K)
+    _, needs_mask, hidden = mask_rules(mask_kind(CAUSAL), BLOCK_K)
     softmax_row = tile_softmax(S_COLS, O_COLS)
 
     def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
