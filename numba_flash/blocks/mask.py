@@ -8,10 +8,12 @@ A mask kind answers three questions, each a device function of ``mask_rules(kind
                                        the mask for rows row0 and below (only such tiles pay for it)
     hidden(row, col, n_k, shift)       whether score (row, col) is masked, i.e. becomes -inf
 
-shift = n_k - n_q. Kinds today: "none" (only keys past the sequence end, col >= n_k, are masked) and
-"causal" (also col > row + shift: the diagonal aligned to the bottom right). A coming mask or score mod
+shift = n_k - n_q. ``fragment_mask`` applies the per-score rule to mma.sync accumulator fragments (the m16n8 C
+layout); mma_forward and tf32_forward call it. They still spell the trip count and the edge test out in these
+forms: with the calls to kv_tiles / needs_mask / hidden their causal PTX changed (which call, not bisected).
+Kinds today: "none" (only keys past the sequence end, col >= n_k, are masked) and "causal" (also
+col > row + shift: the diagonal aligned to the bottom right). A coming mask or score mod
 (sliding window, ALiBi, softcap) is one more kind here: its tile range, its edge test, its per-score rule.
-``fragment_mask`` applies ``hidden`` to mma.sync accumulator fragments (the m16n8 C layout).
 """
 import math
 
@@ -57,7 +59,8 @@ def mask_rules(kind: str, BLOCK_K: int):
 def fragment_mask(kind: str, BLOCK_K: int, M_TILES: int):
     """mask_tile(s, k0, row0, n_k, shift, g, t): -inf into the masked scores of a warp's S fragments, M_TILES
     m-tiles of 16 rows from row0 (s[mt·S_TILES + nt] holds rows row0 + 16 mt + g (+8), keys k0 + 8 nt + 2t (+1))."""
-    _, _, hidden = mask_rules(kind, BLOCK_K)
+    mask_rules(kind, BLOCK_K)  # (the kind's check)
+    CAUSAL = kind == "causal"
     S_TILES = BLOCK_K // 8
     NEG_INF = float32(-math.inf)
 
@@ -68,7 +71,7 @@ def fragment_mask(kind: str, BLOCK_K: int, M_TILES: int):
             for nt in range(S_TILES):
                 for r in range(4):
                     col = k0 + nt * 8 + 2 * t + (r & 1)
-                    if hidden(row_g + 8 * (r >> 1), col, n_k, shift):
+                    if col >= n_k or (CAUSAL and col > row_g + 8 * (r >> 1) + shift):  # hidden(), spelled out: its PTX
                         s[mt * S_TILES + nt, r] = NEG_INF
 
     return mask_tile

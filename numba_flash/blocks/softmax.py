@@ -15,9 +15,9 @@ Lazy rescaling (FA4's conditional rescaling, ``fragment_softmax``'s step_lazy): 
 maximum exceeds it by more than RESCALE_LOG2, so p <= 2^RESCALE_LOG2 and acc, l_i keep their scale on almost
 every tile; the result is the same softmax, as O and L use one M throughout.
 
-Two layouts: ``fragment_softmax`` for mma.sync accumulator fragments (rows g and g + 8 of each 16-row m-tile,
-a row's columns spread over the 4 lanes of a quad), ``tile_softmax`` for the SIMT kernel's register tile
-(its row maxima already combined across threads).
+``fragment_softmax`` works on mma.sync accumulator fragments (rows g and g + 8 of each 16-row m-tile, a row's
+columns spread over the 4 lanes of a quad): mma_forward takes its lazy step, tf32_forward its eager one. The
+SIMT forward still spells its register-tile step out (through these helpers its PTX changed).
 """
 import math
 
@@ -135,24 +135,3 @@ def fragment_softmax(S_TILES: int, O_TILES: int, M_TILES: int = 1):
             l_i[mr] += exp_row(s, mr, m_or_zero(m_i[mr]), scale_log2)
 
     return tile_row_max, exp_row, quad_row_sum, step, step_lazy
-
-
-def tile_softmax(S_COLS: int, O_COLS: int):
-    """step_row(s, acc, m_i, l_i, i, m_new): the eager step for row i of a register tile whose scores s[i, :]
-    are already scaled (and masked), m_new being the row's new maximum over the whole tile."""
-
-    @inline_device
-    def step_row(s, acc, m_i, l_i, i, m_new):
-        m_use = m_or_zero(m_new)
-        alpha = math.exp2(m_i[i] - m_use)
-        row_sum = ZERO
-        for jj in range(S_COLS):
-            p = math.exp2(s[i, jj] - m_use)
-            s[i, jj] = p
-            row_sum += p
-        l_i[i] = alpha * l_i[i] + row_sum
-        for c in range(O_COLS):
-            acc[i, c] *= alpha
-        m_i[i] = m_new
-
-    return step_row

@@ -65,7 +65,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
 from ..blocks.copies import tile_copies
-from ..blocks.mask import fragment_mask, mask_kind, mask_rules
+from ..blocks.mask import fragment_mask, mask_kind
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 
@@ -162,7 +162,6 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     ZERO = float32(0.0)
 
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, bool(partial_chunk))
-    kv_tiles, needs_mask, _ = mask_rules(mask_kind(CAUSAL), BLOCK_K)
     mask_tile = fragment_mask(mask_kind(CAUSAL), BLOCK_K, M_TILES)
     _, _, quad_row_sum, _, softmax_step = fragment_softmax(S_TILES, O_TILES, M_TILES)
 
@@ -231,7 +230,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         h_kv = h // group
         q0 = q_tile * BLOCK_Q
         shift = n_k - n_q  # bottom-right causal alignment: query i sees key j iff j <= i + shift
-        n_tiles = kv_tiles(q0, min(q0 + BLOCK_Q, n_q), n_k, shift)
+        n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
+        if CAUSAL:
+            visible = min(q0 + BLOCK_Q, n_q) + shift  # keys the tile's last row can see
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
 
         # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
         mat = lane >> 3
@@ -338,7 +340,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                 qk_step(s, q_frag, smem, 15, q_at, k_at, kv_bytes)
 
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
-            if needs_mask(k1, q0 + warp * ROWS_W, n_k, shift):
+            needs_mask = k1 > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k1 - 1 > q0 + warp * ROWS_W + shift)
+            if needs_mask:
                 mask_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, g, t)
 
             # Online softmax on the fragments, M moved only past M + RESCALE_LOG2 (blocks/softmax.py).

@@ -41,9 +41,7 @@ from llvmlite import ir
 from numba.cuda.extending import intrinsic
 
 from .. import ptx
-from ..blocks.mask import mask_kind, mask_rules
-from ..blocks.numerics import FASTMATH, LOG2E, STORAGE
-from ..blocks.softmax import row_lse, tile_softmax
+from ..blocks.numerics import FASTMATH, LN2, LOG2E, STORAGE
 from ..configs import SimtConfig
 from ..launch import launch as launch_kernel
 from ..vec import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
@@ -265,9 +263,6 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             for j in range(N):
                 acc[i, j] = cuda.fma(a[i], b[j], acc[i, j])
 
-    _, needs_mask, hidden = mask_rules(mask_kind(CAUSAL), BLOCK_K)
-    softmax_row = tile_softmax(S_COLS, O_COLS)
-
     def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
         smem = cuda.shared.array(0, float32)
         tid = cuda.threadIdx.x
@@ -342,15 +337,17 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                     outer_fma(s, a_frag, k_frag, ROWS, S_COLS)
 
             # Mask only where the tile crosses the end of the keys or the causal diagonal.
-            masked = needs_mask(k0 + BLOCK_K, q0, n_k, shift)
+            needs_mask = k0 + BLOCK_K > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + shift)
             for i in range(ROWS):
                 r = (i // 4) * ROW_STEP + 4 * tr + i % 4
                 row_max = NEG_INF
                 for jj in range(S_COLS):
                     x = s[i, jj] * scale_log2
-                    if masked:
+                    if needs_mask:
                         col = k0 + (jj // 4) * COL_STEP + 4 * tc + jj % 4
-                        if hidden(q0 + r, col, n_k, shift):
+                        if col >= n_k or (CAUSAL and col > q0 + r + shift):
                             x = NEG_INF
                     s[i, jj] = x
                     row_max = max(row_max, x)
@@ -371,7 +368,18 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                 m_new = m_i[i]
                 for t in range(COL_THREADS):
                     m_new = max(m_new, smem[U(RED_OFF + r * COL_THREADS + t)])
-                softmax_row(s, acc, m_i, l_i, i, m_new)
+                # A row with nothing visible yet keeps m = -inf; subtract 0 so exp gives 0, not nan.
+                m_use = ZERO if m_new == NEG_INF else m_new
+                alpha = math.exp2(m_i[i] - m_use)
+                row_sum = ZERO
+                for jj in range(S_COLS):
+                    p = math.exp2(s[i, jj] - m_use)
+                    s[i, jj] = p
+                    row_sum += p
+                l_i[i] = alpha * l_i[i] + row_sum
+                for c in range(O_COLS):
+                    acc[i, c] *= alpha
+                m_i[i] = m_new
             # P^T to shared memory: for each of this thread's columns, its 4 rows in one store.
             for g in range(ROW_GROUPS):
                 for jj in range(S_COLS):
@@ -407,7 +415,7 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             if row < n_q:
                 if tc == 0:
                     if l_row > ZERO:
-                        lse[U(b), U(h), U(row)] = row_lse(m_i[i], l_row)
+                        lse[U(b), U(h), U(row)] = (m_i[i] + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[U(b), U(h), U(row)] = NEG_INF
                 for c in range(O_COLS):

@@ -54,7 +54,7 @@ from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.mask import fragment_mask, mask_kind, mask_rules
+from ..blocks.mask import fragment_mask, mask_kind
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device  # noqa: F401 (re-exported)
@@ -165,7 +165,6 @@ def kernel_source(tile: Tile, causal: bool, passes: int = 3, split_round: str = 
     ZERO = float32(0.0)
 
     split, mma3 = products(passes, split_round)
-    kv_tiles, needs_mask, _ = mask_rules(mask_kind(CAUSAL), BLOCK_K)
     mask_tile = fragment_mask(mask_kind(CAUSAL), BLOCK_K, 1)
     _, _, quad_row_sum, softmax_step, _ = fragment_softmax(S_TILES, O_TILES)
 
@@ -283,7 +282,10 @@ def kernel_source(tile: Tile, causal: bool, passes: int = 3, split_round: str = 
         q0 = q_tile * BLOCK_Q
         shift = n_k - n_q  # query i sees key j iff j <= i + shift
 
-        n_tiles = kv_tiles(q0, min(q0 + BLOCK_Q, n_q), n_k, shift)
+        n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
+        if CAUSAL:
+            visible = min(q0 + BLOCK_Q, n_q) + shift
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
 
         q_src, q_stride, col_bytes, qk_dst = copy_plan(q, b, h, d, QK_STRIDE)
         k_src, k_stride, _, _ = copy_plan(k, b, h_kv, d, QK_STRIDE)
@@ -343,7 +345,10 @@ def kernel_source(tile: Tile, causal: bool, passes: int = 3, split_round: str = 
                             yh0, yh1, yh2, yh3, yl0, yl1, yl2, yl3)
 
             # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
-            if needs_mask(k0 + BLOCK_K, q0 + warp * 16, n_k, shift):
+            needs_mask = k0 + BLOCK_K > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * 16 + shift)
+            if needs_mask:
                 mask_tile(s, k0, q0 + warp * 16, n_k, shift, g, t)
 
             # Online softmax on the fragments (quad-wide row maxima), p in place of s; alpha goes into P·V_j.
