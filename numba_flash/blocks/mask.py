@@ -9,8 +9,8 @@ A mask kind answers three questions, each a device function of ``mask_rules(kind
     hidden(row, col, n_k, shift)       whether score (row, col) is masked, i.e. becomes -inf
 
 shift = n_k - n_q. ``fragment_mask`` applies the per-score rule to mma.sync accumulator fragments (the m16n8 C
-layout); mma_forward and tf32_forward call it. They still spell the trip count and the edge test out in these
-forms: with the calls to kv_tiles / needs_mask / hidden their causal PTX changed (which call, not bisected).
+layout); mma_forward calls it. The kernels still spell the trip count and the edge test out in these forms
+(and tf32 / simt the per-score rule): with the calls their PTX changed (which call, not bisected).
 Kinds today: "none" (only keys past the sequence end, col >= n_k, are masked) and "causal" (also
 col > row + shift: the diagonal aligned to the bottom right). A coming mask or score mod
 (sliding window, ALiBi, softcap) is one more kind here: its tile range, its edge test, its per-score rule.

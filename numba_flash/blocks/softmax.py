@@ -16,8 +16,9 @@ maximum exceeds it by more than RESCALE_LOG2, so p <= 2^RESCALE_LOG2 and acc, l_
 every tile; the result is the same softmax, as O and L use one M throughout.
 
 ``fragment_softmax`` works on mma.sync accumulator fragments (rows g and g + 8 of each 16-row m-tile, a row's
-columns spread over the 4 lanes of a quad): mma_forward takes its lazy step, tf32_forward its eager one. The
-SIMT forward still spells its register-tile step out (through these helpers its PTX changed).
+columns spread over the 4 lanes of a quad): mma_forward takes its lazy step and tf32_forward its quad sums.
+tf32_forward (eager, alpha folded into P·V's FFMA) and simt_forward still spell their steps out: through
+these helpers their PTX changed (tf32x1 d64: P·V's FFMAs scheduled elsewhere; simt: every build).
 """
 import math
 
@@ -59,8 +60,7 @@ def fragment_softmax(S_TILES: int, O_TILES: int, M_TILES: int = 1):
     """Device functions of the online softmax on a warp's mma.sync fragments: s[mt·S_TILES + nt] (S, then P in
     place), acc[mt·O_TILES + dt] (O), m_i and l_i of rows mr = 2 mt + half (row g + 8·half of m-tile mt; l_i is
     this lane's partial sum, quad_row_sum adds the quad's). Returns (tile_row_max, exp_row, quad_row_sum,
-    step, step_lazy): step is the eager update and returns nothing, leaving alpha per row in ``alpha`` for the
-    caller to fold into its P·V; step_lazy rescales acc itself, and only when some row's M moved."""
+    step_lazy): step_lazy rescales acc itself, and only when some row's M moved."""
     ROWS_L = 2 * M_TILES
     ex2 = ptx.ex2_approx
     shfl_xor = ptx.shfl_xor_sync
@@ -99,17 +99,6 @@ def fragment_softmax(S_TILES: int, O_TILES: int, M_TILES: int = 1):
         return l_row + shfl_xor(FULL, l_row, 2)
 
     @inline_device
-    def step(s, m_i, l_i, alpha, scale_log2):
-        """The eager step: M follows every tile's maximum; alpha[mr] = 2^(M_old − M_new) (exactly 1 while the
-        maximum holds: M is kept scaled, so no FMA contraction can leave it at 1 ± 2^-23)."""
-        for mr in range(ROWS_L):
-            m_new = max(m_i[mr], tile_row_max(s, mr) * scale_log2)
-            alpha[mr] = ZERO if m_new == NEG_INF else ex2(m_i[mr] - m_new)
-            row_sum = exp_row(s, mr, m_or_zero(m_new), scale_log2)
-            l_i[mr] = alpha[mr] * l_i[mr] + row_sum
-            m_i[mr] = m_new
-
-    @inline_device
     def step_lazy(s, acc, m_i, l_i, m_nw, scale_log2):
         """The lazy step: a row's M moves only past M + RESCALE_LOG2; the rescale of acc (O_TILES/2 FMUL per
         row, on the path into P·V's mma) then costs one branch per lane on almost every tile. m_nw: the
@@ -134,4 +123,4 @@ def fragment_softmax(S_TILES: int, O_TILES: int, M_TILES: int = 1):
         for mr in range(ROWS_L):
             l_i[mr] += exp_row(s, mr, m_or_zero(m_i[mr]), scale_log2)
 
-    return tile_row_max, exp_row, quad_row_sum, step, step_lazy
+    return tile_row_max, exp_row, quad_row_sum, step_lazy

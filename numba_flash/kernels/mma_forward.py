@@ -163,7 +163,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, bool(partial_chunk))
     mask_tile = fragment_mask(mask_kind(CAUSAL), BLOCK_K, M_TILES)
-    _, _, quad_row_sum, _, softmax_step = fragment_softmax(S_TILES, O_TILES, M_TILES)
+    _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, M_TILES)
 
     @inline_device
     def lane_rows(addr, smem_b, row, chunk):

@@ -1,6 +1,6 @@
 """fp32 FlashAttention-2 forward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 for fp32 accuracy.
 
-Maths: the online softmax of section 3.6.4 (blocks/softmax.py's eager step: m_i in base-2 units of the
+Maths: the online softmax of section 3.6.4 (eager, blocks/softmax.py's maths: m_i in base-2 units of the
 scaled scores, softmax_scale·log2(e) folded into one FFMA + ex2 per element, L = (m_i + log2 l_i)·ln 2).
 What differs is how the two products are formed from fp32 operands.
 
@@ -54,7 +54,6 @@ from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.mask import fragment_mask, mask_kind
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device  # noqa: F401 (re-exported)
@@ -165,8 +164,10 @@ def kernel_source(tile: Tile, causal: bool, passes: int = 3, split_round: str = 
     ZERO = float32(0.0)
 
     split, mma3 = products(passes, split_round)
-    mask_tile = fragment_mask(mask_kind(CAUSAL), BLOCK_K, 1)
-    _, _, quad_row_sum, softmax_step, _ = fragment_softmax(S_TILES, O_TILES)
+    _, _, quad_row_sum, _ = fragment_softmax(S_TILES, O_TILES)
+    ex2 = ptx.ex2_approx
+    shfl_xor = ptx.shfl_xor_sync
+    FULL = ptx.FULL_MASK
 
     @inline_device
     def split_chunks(smem, tile0, lo0, STRIDE, dst0):
@@ -349,10 +350,37 @@ def kernel_source(tile: Tile, causal: bool, passes: int = 3, split_round: str = 
             if CAUSAL:
                 needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + warp * 16 + shift)
             if needs_mask:
-                mask_tile(s, k0, q0 + warp * 16, n_k, shift, g, t)
+                row_g = q0 + warp * 16 + g
+                for nt in range(S_TILES):
+                    for r in range(4):
+                        col = k0 + nt * 8 + 2 * t + (r & 1)
+                        if col >= n_k or (CAUSAL and col > row_g + 8 * (r >> 1) + shift):
+                            s[nt, r] = NEG_INF
 
-            # Online softmax on the fragments (quad-wide row maxima), p in place of s; alpha goes into P·V_j.
-            softmax_step(s, m_i, l_i, alpha_r, scale_log2)
+            # Online softmax on the fragments (quad-wide row maxima), p in place of s.
+            for half in range(2):
+                m_tile = NEG_INF
+                for nt in range(S_TILES):
+                    m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+                # m_i is kept scaled (M = m·scale·log2 e, rounded once): p = 2^(s·c − M) by one FFMA, and
+                # alpha = 2^(M_old − M_new) is then exactly the factor that moves the earlier p's to the new
+                # M (1 while the maximum holds). Unscaled m with alpha from m_old·c − m_new·c was contracted
+                # by NVVM to an FMA that left alpha = 1 ± 2^-23 on every tile: L drifted by 4e-5 at Nk 16384.
+                # A row with nothing visible yet keeps M = -inf; subtract 0 so ex2 gives 0, not nan.
+                m_new = max(m_i[half], m_tile * scale_log2)
+                alpha = ZERO if m_new == NEG_INF else ex2(m_i[half] - m_new)
+                m_scaled = ZERO if m_new == NEG_INF else m_new
+                row_sum = ZERO
+                for nt in range(S_TILES):
+                    for e in range(2):
+                        p = ex2(cuda.fma(s[nt, 2 * half + e], scale_log2, -m_scaled))
+                        s[nt, 2 * half + e] = p
+                        row_sum += p
+                l_i[half] = alpha * l_i[half] + row_sum
+                m_i[half] = m_new
+                alpha_r[half] = alpha  # applied with P·V_j below
 
             cp_wait(0)  # V_j
             if PRESPLIT:  # every warp left P·V_{j-1}, which read V lo (the barrier at the top of this tile)
