@@ -125,7 +125,7 @@ def tile_of(d, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None, PRESPLIT=False, GRID_BH_X=
 
 def launch_tf32(q, k, v, out, lse, causal, softmax_scale, PASSES_=3, SPLIT_ROUND=None, **config):
     """tf32_forward.launch with the tile of tile_of(d, **config)."""
-    tf.launch(q, k, v, out, lse, tile_of(q.shape[-1], **config), causal=causal, softmax_scale=softmax_scale,
+    tf.launch(q, k, v, out, lse, tile_of(q.shape[3], **config), causal=causal, softmax_scale=softmax_scale,
               passes=PASSES_, split_round=SPLIT_ROUND)
 
 
@@ -169,6 +169,7 @@ SPLIT_PTX_CHILD = NO_GPU_PATCH + textwrap.dedent(
     import json
     from numba import cuda
     from numba_flash.kernels import tf32_backward as tb, tf32_forward as tf
+    from numba_flash.tiles import Tile
 
     out = {}
     for mode in tf.SPLIT_ROUNDS:
