@@ -179,29 +179,24 @@ def _tf32_blockers(p: Problem, views=None) -> list[str]:
     return out
 
 
-def tf32_config(d: int, causal: bool, passes: int = 3) -> dict:
-    """fp32 tensor-core tile config and variants (configs.TF32_TABLE): keywords of tf32_forward.launch."""
-    head_dim = tf32_forward.head_dim_for(d)
-    bq, bk, variants = TF32_TABLE[head_dim, bool(causal)]
-    return {"BLOCK_Q": bq, "BLOCK_K": bk, "HEAD_DIM": head_dim, "PASSES_": passes, **variants}
+def tf32_config(d: int, causal: bool):
+    """fp32 tensor-core tile (configs.TF32_TABLE): the Tile tf32_forward.launch takes."""
+    return TF32_TABLE[tf32_forward.head_dim_for(d), bool(causal)]
 
 
-def mma_config(d: int, causal: bool) -> dict:
-    """Tensor-core tile config and kernel variants (configs.MMA_TABLE, from the H200 sweeps in
-    benchmarks/mma_ladder.md): keyword arguments of mma_forward.launch."""
-    head_dim = 64 if d <= 64 else 128
-    bq, bk, m_tiles, variants = MMA_TABLE[head_dim, bool(causal)]
-    return {"BLOCK_Q": bq, "BLOCK_K": bk, "M_TILES": m_tiles, "HEAD_DIM": head_dim, **variants}
+def mma_config(d: int, causal: bool):
+    """Tensor-core tile (configs.MMA_TABLE, from the H200 sweeps): the Tile mma_forward.launch takes."""
+    return MMA_TABLE[64 if d <= 64 else 128, bool(causal)]
 
 
-_TF32_VARIANT_WORDS = {"PRESPLIT": "K/V split into tf32 hi/lo once per tile, not per warp",
-                       "GRID_BH_X": "heaviest causal Q tiles of every head first"}
-_VARIANT_WORDS = {"SMEM_EPILOGUE": "O stored through shared memory (16-byte stores)",
-                  "GRID_BH_X": "heaviest causal Q tiles of every head first",
-                  "PROLOGUE_V": "Q and K_0 copied as one group",
-                  "KV_STAGES": "double-buffered K/V", "WARP_SKIP": "warps skip tiles their rows cannot see",
-                  "LAZY_RESCALE": "running max moved only when a tile exceeds it by 2^8 (O rescaled rarely)",
-                  "SPLIT_TAIL": "the last wave's Q tiles split over every block slot and merged"}
+_TF32_VARIANT_WORDS = {"presplit": "K/V split into tf32 hi/lo once per tile, not per warp",
+                       "grid_bh_x": "heaviest causal Q tiles of every head first"}
+# the mma kernel's flags (None: what every mma tile does, no flag selects it), in the order explain says them
+_VARIANT_WORDS = {"smem_epilogue": "O stored through shared memory (16-byte stores)",
+                  "grid_bh_x": "heaviest causal Q tiles of every head first",
+                  "stages": "double-buffered K/V", "warp_skip": "warps skip tiles their rows cannot see",
+                  "lazy_rescale": "running max moved only when a tile exceeds it by 2^8 (O rescaled rarely)"}
+_MMA_ALWAYS = ("stages", "lazy_rescale")
 
 
 def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
@@ -220,35 +215,32 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
             raise ValueError(f"kernel={kernel!r} cannot run this problem: " + "; ".join(tf32_blockers))
         if not tf32_blockers:
             passes = TF32_KERNELS.get(kernel, 3)
-            cfg = tf32_config(p.d, p.causal, passes)
+            cfg = tf32_config(p.d, p.causal)
             how = ("each fp32 product as 3 tf32 products (hi·hi + hi·lo + lo·hi): fp32-level accuracy, as PyTorch "
                    "SDPA's memory-efficient kernel does for fp32" if passes == 3 else
                    "inputs rounded to tf32 (10-bit mantissa): about 1e-3 relative error, like torch's allow_tf32")
             reasons = [f"{'tf32x3' if passes == 3 else 'tf32'}: fp32 on tensor cores (mma.sync m16n8k8 tf32, fp32 "
-                       f"accumulate), {how}; {cfg['BLOCK_Q']}x{cfg['BLOCK_K']} tiles, {cfg['BLOCK_Q'] // 16} warps x 16 "
-                       f"rows, head dim {cfg['HEAD_DIM']}"]
+                       f"accumulate), {how}; {cfg.block_q}x{cfg.block_k} tiles, {cfg.block_q // 16} warps x 16 "
+                       f"rows, head dim {cfg.head_dim}"]
             variants = [words for key, words in _TF32_VARIANT_WORDS.items()
-                        if cfg.get(key) and not (key == "PRESPLIT" and passes == 1)]  # one pass has no lo to split
+                        if cfg.has(key) and not (key == "presplit" and passes == 1)]  # one pass has no lo to split
             if variants:
                 reasons.append("variants: " + "; ".join(variants))
-            if cfg["HEAD_DIM"] != p.d:
-                reasons.append(f"head dim {p.d} is zero-padded to {cfg['HEAD_DIM']} inside the kernel")
+            if cfg.head_dim != p.d:
+                reasons.append(f"head dim {p.d} is zero-padded to {cfg.head_dim} inside the kernel")
             return ("tf32x3" if passes == 3 else "tf32"), cfg, reasons
     blockers = _mma_blockers(p, views)
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
         cfg = mma_config(p.d, p.causal)
-        head_dim, m_tiles = cfg["HEAD_DIM"], cfg.get("M_TILES", 1)
-        warps = mma_forward.threads_per_block(cfg["BLOCK_Q"], m_tiles) // 32
+        head_dim, m_tiles = cfg.head_dim, mma_forward.m_tiles(cfg)
         reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
-                   f"{cfg['BLOCK_Q']}x{cfg['BLOCK_K']} tiles, {warps} warps x {16 * m_tiles} rows, "
+                   f"{cfg.block_q}x{cfg.block_k} tiles, {cfg.warps} warps x {16 * m_tiles} rows, "
                    f"head dim {head_dim}"]
-        variants = [words for key, words in _VARIANT_WORDS.items()
-                    if (cfg.get(key, 1) > 1 if key == "KV_STAGES" else cfg.get(key, False) is True)]
-        if variants:
-            reasons.append("variants: " + "; ".join(variants))
-        if cfg.get("SMEM_EPILOGUE") and p.d % 8:  # out is ours, contiguous: rows of 2·d bytes
+        variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
+        reasons.append("variants: " + "; ".join(variants))
+        if cfg.has("smem_epilogue") and p.d % 8:  # out is ours, contiguous: rows of 2·d bytes
             reasons.append(f"O rows of {p.d} x 2 B are not 16-byte aligned: O is stored from the fragments, "
                            "not through shared memory")
         if head_dim != p.d:
@@ -351,14 +343,11 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
                 plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
             out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":
-                # SPLIT_TAIL's fp32 scratch comes from q's framework (and a plan's replay allocates it again)
-                alloc = ((lambda shape, dt: arrays.empty_like_kind(p.kind, q, shape, dt, stream)[1])
-                         if cfg.get("SPLIT_TAIL") else None)
-                mma_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
-                                   stream=stream, layout_checked=True, alloc=alloc, **cfg)
+                mma_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.causal, softmax_scale=p.softmax_scale,
+                                   stream=stream, layout_checked=True)
             elif family in TF32_KERNELS:
-                tf32_forward.launch(qd, kd, vd, out4, lse3, causal=p.causal, softmax_scale=p.softmax_scale,
-                                    stream=stream, layout_checked=True, **cfg)
+                tf32_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.causal, softmax_scale=p.softmax_scale,
+                                    passes=TF32_KERNELS[family], stream=stream, layout_checked=True)
             else:
                 simt_forward.launch(cfg, qd, kd, vd, out4, lse3, causal=p.causal,
                                     softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream)

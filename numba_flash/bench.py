@@ -122,8 +122,6 @@ def annotate(row: dict) -> dict:
 def kernel_of(q, k, v, causal) -> dict:
     """Which numba_flash kernel and tiles ran for these arrays (validation only, nothing launched)."""
     family, cfg, _ = numba_flash.api.choose_kernel(numba_flash.api.validate(q, k, v, causal=causal))
-    if isinstance(cfg, dict):  # the tensor-core family's config: {"BLOCK_Q": .., "BLOCK_K": .., ...}
-        return {"kernel": family, "block_q": cfg.get("BLOCK_Q"), "block_k": cfg.get("BLOCK_K")}
     return {"kernel": family, "block_q": getattr(cfg, "block_q", None), "block_k": getattr(cfg, "block_k", None)}
 
 

@@ -230,28 +230,22 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
     if family == "mma":
         from numba_flash.kernels import mma_forward as m
 
-        bq, bk, hd, mt = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], cfg.get("M_TILES", 1)
-        extra = m.config_variant_kwargs(cfg)  # the shipped variants, as launch builds
-        # the same key as mma_forward.launch, so a GPU run reuses its compiled kernel
-        return KernelFacts(bq, bk, m.threads_per_block(bq, mt), m.smem_bytes(bq, bk, hd, extra.get("KV_STAGES", 1)),
+        # the same key as mma_forward.launch (contiguous out: rows 16-byte aligned when d % 8 == 0), so a GPU
+        # run reuses its compiled kernel
+        return KernelFacts(cfg.block_q, cfg.block_k, m.threads(cfg), m.smem_bytes(cfg),
                            "bf16" if dtype == "bfloat16" else "fp16",
-                           jit=lambda: m.make_forward_kernel(bq, bk, hd, bool(causal), dtype, None, True, True, None,
-                                                             int(mt), True, **extra),
-                           source=lambda: (m.kernel_source(bq, bk, hd, causal, dtype, M_TILES=mt, **extra),
-                                           m.kernel_signature(), None))
+                           jit=lambda: m.build(cfg, bool(causal), dtype),
+                           source=lambda: (m.kernel_source(cfg, causal, dtype), m.kernel_signature(), None))
     if family in ("tf32x3", "tf32"):
         from numba_flash.kernels import tf32_forward as m
 
-        bq, bk, hd, passes = cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], cfg["PASSES_"]
-        pre, grid = bool(cfg.get("PRESPLIT")) and passes == 3, bool(cfg.get("GRID_BH_X"))
-        # the same positional key as tf32_forward.launch (the device's split rounding included), so a GPU run
-        # reuses its compiled kernel; the source is for ptxas's sm_90, whose split is cvt.rn
-        return KernelFacts(bq, bk, m.threads_per_block(bq), m.smem_bytes(bq, bk, hd, pre), family,
-                           jit=lambda: m.make_forward_kernel(bq, bk, hd, bool(causal), passes, None, True, True, pre,
-                                                             grid, m.split_round_for_device()),
-                           source=lambda: (m.kernel_source(bq, bk, hd, causal, passes, PRESPLIT=pre, GRID_BH_X=grid,
-                                                           SPLIT_ROUND="rn"),
-                                           m.kernel_signature(), None))
+        passes = 3 if family == "tf32x3" else 1
+        tile = cfg if passes == 3 else cfg.with_(flags=cfg.flags - {"presplit"})  # as launch builds it
+        # the same key as tf32_forward.launch (the device's split rounding included), so a GPU run reuses its
+        # compiled kernel; the source is for ptxas's sm_90, whose split is cvt.rn
+        return KernelFacts(tile.block_q, tile.block_k, m.threads(tile), m.smem_bytes(tile, passes), family,
+                           jit=lambda: m.build(tile, bool(causal), passes, m.split_round_for_device()),
+                           source=lambda: (m.kernel_source(tile, causal, passes, "rn"), m.kernel_signature(), None))
     return KernelFacts(128, 128, None, None, "fp16" if dtype != "float32" else "fp32")  # a family explain predates
 
 
@@ -310,6 +304,10 @@ def parse_ptxas(report: str) -> dict:
 
 
 def _config_line(cfg) -> str:
+    from numba_flash.tiles import Tile
+
+    if isinstance(cfg, Tile):
+        return str(cfg)
     if is_dataclass(cfg):
         return ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in fields(cfg))
     if isinstance(cfg, dict):

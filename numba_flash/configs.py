@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tiles import Tile
+
 MAX_HEAD_DIM = 256
 SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_80 / sm_90 opt-in maximum of dynamic shared memory per block
 SMEM_STATIC_MAX = 48 * 1024      # above this a kernel must opt in (cuFuncSetAttribute)
@@ -139,56 +141,41 @@ _SIMT_TABLE = {
 }
 
 
-# Tensor-core forward, (head dim, causal): (BLOCK_Q, BLOCK_K, M_TILES, variants of mma_forward.kernel_source).
-# H200 sweep v6 (results/sweep-mma-2026-11-29-v6.txt): FA2's 128x64 tile with 4 warps x 32 rows, in 64 KiB
-# of dynamic shared memory at d = 128: 307.8 TFLOP/s vs 274.5 (64x32) non-causal, 251.0 vs 232.4 (64x64)
-# causal, 344.5 vs 297.3 bf16 N16384, although ptxas spills 64-80 B of it at 255 registers (MMA_SPILL_OK).
-# Variants by sweep v7 (results/sweep-mma-2026-11-29-v7.txt, fp16 B4 H16 N4096, kernel launches, one run):
-# SMEM_EPILOGUE (O through shared memory, 16-byte stores), GRID_BH_X (every head's heaviest causal tile
-# first), PROLOGUE_V (Q and K_0 in one copy group, V_0 behind), KV_STAGES=2 (double-buffered K/V),
-# WARP_SKIP (a warp skips the products of tiles its rows cannot see):
-#   d128 epi 314.5 vs 301.6; d128 causal grid+epi+pro 286.0 vs 256.8; d64 kv2 282.1 vs 267.3;
-#   d64 causal 128x64 grid+skip+epi+pro 229.0 vs the 64x64 tile shipped before, 169.5.
-# LAZY_RESCALE (ninth session; FA4's conditional rescaling: a row's max moves only when a tile beats it by more
-# than 2^8), scripts/ab_mma.py, 4 interleaved rounds, results/ab-mma-2026-12-01-lazy.txt: d128 327.4 vs 322.9,
-# causal 295.8 vs 292.1, bf16 N16384 344.7 vs 338.2 (spills 88 -> 64 B); d64 276.5 vs 281.4 (kv2) and causal
-# 215.3 vs 216.2: not shipped at d64. d64 kv2 + SMEM_EPILOGUE (never timed together before), 6 rounds,
-# results/ab-mma-2026-12-01-d64-epi.txt: 291.6 vs 287.2 (kv2 + epi + lazy 285.1, kv2 + lazy 280.0): shipped.
-# Eleventh session, the leaner K/V loop (every kernel bitwise as before), 5 interleaved rounds against the tenth
-# session's kernels (results/ab-mma-2026-12-01-eleventh.txt): d128 kv2 + epi + lazy 346.1 (it spilled 64-168 B
-# before and timed 290.6; now none) vs epi + lazy 338.0 (was 320.3), bf16 N16384 390.2 vs 382.7 (was 359.4);
-# d64 kv2 + epi + lazy 302.4 (was 290.6) vs kv2 + epi 287.3 (287.2): both non-causal rows now take kv2 + lazy.
-# Causal, one run of 5 rounds (results/ab-mma-2026-12-01-eleventh-b.txt): d128 grid + kv2 + epi + lazy 332.8 vs
-# grid + epi + pro + lazy 322.1; d64 grid + skip + kv2 + epi + lazy 261.2 vs grid + skip + epi + pro 234.7 (+ lazy
-# 240.5); SDPA FA2 293.2 / 247.5: every row now double-buffers K/V and rescales lazily.
+# Tensor-core forward (kernels/mma_forward.py), (head dim, causal): Tile. H200 sweep v6
+# (results/sweep-mma-2026-11-29-v6.txt): FA2's 128x64 tile with 4 warps x 32 rows, in 64 KiB of dynamic shared
+# memory at d = 128: 307.8 TFLOP/s vs 274.5 (64x32) non-causal, 251.0 vs 232.4 (64x64) causal, 344.5 vs 297.3
+# bf16 N16384. Flags by sweep v7 (results/sweep-mma-2026-11-29-v7.txt, fp16 B4 H16 N4096, kernel launches, one
+# run): smem_epilogue (O through shared memory, 16-byte stores) d128 314.5 vs 301.6; grid_bh_x (every head's
+# heaviest causal tile first) and warp_skip (a warp skips the products of tiles its rows cannot see): d64 causal
+# 128x64 grid+skip+epi 229.0 vs the 64x64 tile before, 169.5. Double-buffered K/V (stages=2) and lazy rescaling
+# (blocks/softmax.py) on every row, by scripts/ab_mma.py, 5 interleaved rounds (the A/B results of def24ef and
+# its parent, git show def24ef): d128 kv2 + epi + lazy 346.1 vs epi + lazy 338.0, bf16 N16384 390.2
+# vs 382.7; d64 kv2 + epi + lazy 302.4 vs kv2 + epi 287.3; causal d128 grid + kv2 + epi + lazy 332.8 vs grid +
+# epi + prologue + lazy 322.1; d64 grid + skip + kv2 + epi + lazy 261.2 vs 240.5 (SDPA FA2 293.2 / 247.5).
 MMA_TABLE = {
-    (64, False): (128, 64, 2, {"KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
-    (64, True): (128, 64, 2, {"GRID_BH_X": True, "WARP_SKIP": True, "KV_STAGES": 2, "SMEM_EPILOGUE": True,
-                              "LAZY_RESCALE": True}),
-    (128, False): (128, 64, 2, {"KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
-    (128, True): (128, 64, 2, {"GRID_BH_X": True, "KV_STAGES": 2, "SMEM_EPILOGUE": True, "LAZY_RESCALE": True}),
+    (64, False): Tile(128, 64, 64, warps=4, stages=2, flags={"smem_epilogue"}),
+    (64, True): Tile(128, 64, 64, warps=4, stages=2, flags={"grid_bh_x", "warp_skip", "smem_epilogue"}),
+    (128, False): Tile(128, 64, 128, warps=4, stages=2, flags={"smem_epilogue"}),
+    (128, True): Tile(128, 64, 128, warps=4, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
 }
-# (BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 / bf16) of a
-# shipped config measured faster anyway; d128 was 64-80 B, the fifth session's softmax (scaled row maxima) made
-# it 84-92 B and d64 causal 20/36 B (fp16 speed re-measured after it: benchmarks/mma_ladder.md); LAZY_RESCALE
-# (ninth session) brought d128 to 64 (non-causal) / 72 B (causal). Eleventh session (ldmatrix byte addresses,
-# copy offsets stepped per tile, every row kv2 + lazy): d128 non-causal and d64 spill nothing, d128 causal 24 B
-# (stored and loaded, f16 and bf16); the allowance is now exactly that.
+# (block_q, block_k, head_dim, m-tiles per warp): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 /
+# bf16) of a shipped tile measured faster anyway: d128 causal 24 B (stored and loaded, f16 and bf16); the
+# others spill nothing. The allowance is exactly that.
 MMA_SPILL_OK = {(128, 64, 128, 2): 24}
 
-# fp32 on tensor cores (kernels/tf32_forward.py, 3xTF32), (head dim, causal): (BLOCK_Q, BLOCK_K, variants).
-# H200 sweeps (results/sweep-tf32-2026-11-29*.txt, fp32 B4 H16 N4096, kernel launches): d128 128x64 with K/V split
-# once per tile (PRESPLIT) 54.2 TFLOP/s vs 45.5 for 64x64 re-splitting per warp (SDPA memory-efficient 44.8, SIMT
-# 30.6 in the same run); causal 128x32 PRESPLIT + GRID_BH_X 42.2 (SDPA 43.0), re-run 37.8 (SDPA 44.2) with 128x64 at
-# 37.7 (results/sweep-tf32-2026-11-29-causal-recheck.json): the causal choice is within the spread; d64 128x64 PRESPLIT 51.0 (SDPA 34.8),
-# causal + GRID_BH_X 49.1 (SDPA 31.6). Head dim 32 takes d64's tiles (not swept).
+# fp32 on tensor cores (kernels/tf32_forward.py, 3xTF32), (head dim, causal): Tile. H200 sweeps
+# (results/sweep-tf32-2026-11-29*.txt, fp32 B4 H16 N4096, kernel launches): d128 128x64 with K/V split once per
+# tile (presplit) 54.2 TFLOP/s vs 45.5 for 64x64 re-splitting per warp (SDPA memory-efficient 44.8, SIMT 30.6 in
+# the same run); causal 128x32 presplit + grid_bh_x 42.2 (SDPA 43.0), re-run 37.8 (SDPA 44.2) with 128x64 at
+# 37.7 (results/sweep-tf32-2026-11-29-causal-recheck.json): the causal choice is within the spread; d64 128x64
+# presplit 51.0 (SDPA 34.8), causal + grid_bh_x 49.1 (SDPA 31.6). Head dim 32 takes d64's tiles (not swept).
 TF32_TABLE = {
-    (32, False): (128, 64, {"PRESPLIT": True}),
-    (32, True): (128, 64, {"PRESPLIT": True, "GRID_BH_X": True}),
-    (64, False): (128, 64, {"PRESPLIT": True}),
-    (64, True): (128, 64, {"PRESPLIT": True, "GRID_BH_X": True}),
-    (128, False): (128, 64, {"PRESPLIT": True}),
-    (128, True): (128, 32, {"PRESPLIT": True, "GRID_BH_X": True}),
+    (32, False): Tile(128, 64, 32, warps=8, flags={"presplit"}),
+    (32, True): Tile(128, 64, 32, warps=8, flags={"presplit", "grid_bh_x"}),
+    (64, False): Tile(128, 64, 64, warps=8, flags={"presplit"}),
+    (64, True): Tile(128, 64, 64, warps=8, flags={"presplit", "grid_bh_x"}),
+    (128, False): Tile(128, 64, 128, warps=8, flags={"presplit"}),
+    (128, True): Tile(128, 32, 128, warps=8, flags={"presplit", "grid_bh_x"}),
 }
 
 # Tensor-core backward, head dim: {"dkdv": (BLOCK_N keys own, BLOCK_M queries streamed),

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sweep_mma import (SHAPES, VARIANTS, kernel_for, kernel_info, launch_and_check,  # noqa: E402
-                       scratch_allocator, shape_inputs, time_ms)
+                       shape_inputs, time_ms)
 
 from numba_flash.kernels import mma_forward  # noqa: E402
 
@@ -58,16 +58,15 @@ def main(argv=None):
         names = [n for n in args.variants if n in table]
         (q, k, v, out, lse), (qn, kn, vn, on, ln), scale, flops = shape_inputs(B, H, N, d, dtype, causal)
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
-        calls, info, scratch = {}, {}, scratch_allocator()
+        calls, info = {}, {}
         for name in names:
             cfg = table[name]
-            err, ok = launch_and_check((qn, kn, vn, on, ln), out, ref, dtype, causal, scale, cfg, scratch)
+            err, ok = launch_and_check((qn, kn, vn, on, ln), out, ref, dtype, causal, scale, cfg)
             info[name] = dict(max_abs_err=err, ok=ok, **kernel_info(kernel_for(cfg, hd, causal, dtype), cfg, hd))
-            calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
-                                                              alloc=scratch, **cfg))
+            calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, cfg, causal=causal, softmax_scale=scale))
             if old is not None:
-                calls[f"old:{name}"] = (lambda cfg=cfg: old.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
-                                                                   alloc=scratch, **cfg))
+                calls[f"old:{name}"] = (lambda cfg=cfg: old.launch(qn, kn, vn, on, ln, cfg, causal=causal,
+                                                                   softmax_scale=scale))
                 same = []
                 for fn in (calls[name], calls[f"old:{name}"]):
                     out.zero_()

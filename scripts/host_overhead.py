@@ -94,14 +94,11 @@ def measure(label: str) -> dict:
             lse = torch.empty(B, H, N, device="cuda")
             ov, lv = arrays.to_device_view(out, 0).view("uint16"), arrays.to_device_view(lse, 0, ndim=3)
             cfg = api.mma_config(d, False)
-            variants = {key: cfg[key] for key in ("GRID_BH_X", "SMEM_EPILOGUE", "PROLOGUE_V", "KV_STAGES", "WARP_SKIP")
-                        if key in cfg}
-            kern = mma_forward.make_forward_kernel(cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], False, "float16",
-                                                   None, True, True, None, cfg.get("M_TILES", 1), True, **variants)
-            q_tiles = (N + cfg["BLOCK_Q"] - 1) // cfg["BLOCK_Q"]
-            grid = (B * H, q_tiles) if variants.get("GRID_BH_X") else (q_tiles, B * H)
-            threads = mma_forward.threads_per_block(cfg["BLOCK_Q"], cfg.get("M_TILES", 1))
-            smem = mma_forward.smem_bytes(cfg["BLOCK_Q"], cfg["BLOCK_K"], cfg["HEAD_DIM"], variants.get("KV_STAGES", 1))
+            kern = mma_forward.build(cfg, False, "float16", d % 8 != 0)
+            q_tiles = (N + cfg.block_q - 1) // cfg.block_q
+            grid = (B * H, q_tiles) if cfg.has("grid_bh_x") else (q_tiles, B * H)
+            threads = mma_forward.threads(cfg)
+            smem = mma_forward.smem_bytes(cfg)
             sl2 = p.softmax_scale * mma_forward.LOG2E
             res["single_call_ms"][f"kernel only {key}"] = event_ms(
                 lambda: launch(kern, grid, threads, 0, smem, *views, ov, lv, N, N, d, 1, sl2))

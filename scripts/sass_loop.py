@@ -135,9 +135,12 @@ def kernel_ptx(kind, args, extra):
     if kind == "forward":
         from numba_flash.kernels import mma_forward as m
 
+        from numba_flash.tiles import Tile
+
         bq, bk, d, causal, dtype = int(args[0]), int(args[1]), int(args[2]), args[3] == "True", args[4]
-        fn = m.kernel_source(bq, bk, d, causal, dtype, **extra)
-        return cuda.compile_ptx(fn, m.kernel_signature(extra.get("SPLIT_TAIL", False)), cc=(9, 0))[0]
+        mt = int(extra.pop("M_TILES", 1))  # the other keys: the tile's flags (mma_forward.FLAGS), e.g. grid_bh_x=True
+        tile = Tile(bq, bk, d, warps=bq // (16 * mt), stages=m.STAGES, flags={k.lower() for k, on in extra.items() if on})
+        return cuda.compile_ptx(m.kernel_source(tile, causal, dtype), m.kernel_signature(), cc=(9, 0))[0]
     from numba_flash.blocks.entry import kernel_signature
     from numba_flash.kernels import mma_dkdv, mma_dq, tf32_backward
 

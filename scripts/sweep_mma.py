@@ -35,85 +35,56 @@ from numba import cuda, float32  # noqa: E402
 import numba_flash  # noqa: E402
 from numba_flash import bench  # noqa: E402
 from numba_flash.kernels import mma_forward  # noqa: E402
+from numba_flash.tiles import Tile  # noqa: E402
 
-# (name, config for mma_forward.launch); order = priority (a deadline skips the tail).
-# "mt2" = M_TILES=2 (32 query rows per warp, warps = BQ / 32); "8w" = 8 warps of 16 rows; rNNN = MAX_REGS;
-# "qreg" = Q_IN_REGS=True (Q fragments loaded once; the d=128 default re-reads them every k-step),
-# "qsmem" = Q_IN_REGS=False (d=64 re-reads Q per k-step, as FA2 does).
-# Issue #4 variants (mma_forward.kernel_source): "grid" = GRID_BH_X (B·H on grid x: every head's heaviest
-# causal Q tile dispatched first), "epi" = SMEM_EPILOGUE (O through shared memory, 16-byte stores),
-# "pro" = PROLOGUE_V (Q + K_0 one cp.async group, V_0 right behind, no Q-only barrier), "kv2" = KV_STAGES=2
-# (double-buffered K/V, one barrier per tile), "skip" = WARP_SKIP (causal: a warp skips a tile none of its
-# rows sees), "lazy" = LAZY_RESCALE (a row's max moves only when a tile beats it by > 2^8: the O rescale is
-# skipped on almost every tile), "split" = SPLIT_TAIL (the last wave's Q tiles shared by every block slot,
-# merged by a second kernel). They come first: the shipped config, then its variants.
-# An optional third element names the only shapes (a label or a tuple of labels) a variant runs on.
+# (name, Tile for mma_forward.launch[, the only shapes: a label or a tuple of labels]); order = priority (a
+# deadline skips the tail). Every tile double-buffers K/V and rescales lazily. "mt2" = 2 m-tiles per warp (32
+# query rows per warp, warps = BQ / 32); "8w" = 8 warps of 16 rows; flags (mma_forward's docstring): "grid" =
+# grid_bh_x, "epi" = smem_epilogue, "skip" = warp_skip. The shipped tile comes first, then its variants. The
+# variants that did not ship and are gone (MAX_REGS, Q_IN_REGS, PROLOGUE_V, one K/V stage, eager rescale,
+# SPLIT_TAIL): benchmarks/DESIGN.md.
 D128_FIRST = "f16 B4H16 N4096 d128"
 D128C = "f16 B4H16 N4096 d128 causal"
 D64 = "f16 B4H16 N4096 d64"
 D64C = "f16 B4H16 N4096 d64 causal"
 BF16 = "bf16 B1H16 N16384 d128"
-MT2_128 = dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)  # the tile of every shipped config (d 64 and 128, causal and not)
-EPI, PRO, GRID, KV2 = dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V=True), dict(GRID_BH_X=True), dict(KV_STAGES=2)
-SKIP = dict(WARP_SKIP=True)
-LAZY = dict(LAZY_RESCALE=True)
-SPLIT = dict(SPLIT_TAIL=True)
+WORDS = {"grid": "grid_bh_x", "epi": "smem_epilogue", "skip": "warp_skip"}
+
+
+def tile(hd, bq, bk, mt=1, flags=""):
+    """The Tile of bq x bk at head dim hd, mt m-tiles per warp, flags by their short names ("grid+epi")."""
+    return Tile(bq, bk, hd, warps=bq // (16 * mt), stages=mma_forward.STAGES,
+                flags={WORDS[f] for f in flags.split("+") if f})
+
+
 VARIANTS = {
     128: [
-        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped
-        ("128x64 mt2 grid+kv2+epi lazy", {**MT2_128, **GRID, **KV2, **EPI, **LAZY}, D128C),  # shipped causal
-        ("128x64 mt2 grid+epi+pro lazy", {**MT2_128, **GRID, **EPI, **PRO, **LAZY}, D128C),  # ... before
-        ("128x64 mt2 epi lazy", {**MT2_128, **EPI, **LAZY}, (D128_FIRST, BF16)),  # shipped before the address changes
-        ("128x64 mt2 epi lazy split", {**MT2_128, **EPI, **LAZY, **SPLIT}, (D128_FIRST, BF16)),
-        ("128x64 mt2", MT2_128),  # FA2's d=128 tile; 64 KiB dynamic smem
-        ("128x64 mt2 epi", {**MT2_128, **EPI}),
-        ("128x64 mt2 pro", {**MT2_128, **PRO}),
-        ("128x64 mt2 epi+pro", {**MT2_128, **EPI, **PRO}),
-        ("128x64 mt2 grid", {**MT2_128, **GRID}, (D128C, D128_FIRST)),
-        ("128x64 mt2 grid+epi+pro", {**MT2_128, **GRID, **EPI, **PRO}, D128C),
-        ("128x64 mt2 skip", {**MT2_128, **SKIP}, D128C),
-        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D128C),
-        ("128x64 mt2 kv2", {**MT2_128, **KV2}),
-        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}),
-        ("64x32 mt2", dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)),  # v4 default, non-causal
-        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # v4 default, causal
-        ("128x64 8w", dict(BLOCK_Q=128, BLOCK_K=64)),
-        ("128x32 mt2", dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)),
-        ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
-        ("128x128 8w", dict(BLOCK_Q=128, BLOCK_K=128), D128_FIRST),
-        ("64x32 qreg r168", dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True, MAX_REGS=168), D128_FIRST),
-        ("64x32", dict(BLOCK_Q=64, BLOCK_K=32), D128_FIRST),
+        ("128x64 mt2 epi", tile(128, 128, 64, 2, "epi"), (D128_FIRST, BF16)),  # shipped
+        ("128x64 mt2 grid+epi", tile(128, 128, 64, 2, "grid+epi"), D128C),  # shipped causal
+        ("128x64 mt2", tile(128, 128, 64, 2)),
+        ("128x64 mt2 grid", tile(128, 128, 64, 2, "grid"), (D128C, D128_FIRST)),
+        ("128x64 mt2 skip", tile(128, 128, 64, 2, "skip"), D128C),
+        ("128x64 mt2 grid+skip+epi", tile(128, 128, 64, 2, "grid+skip+epi"), D128C),
+        ("64x32 mt2", tile(128, 64, 32, 2)),
+        ("64x64", tile(128, 64, 64)),
+        ("128x64 8w", tile(128, 128, 64)),
+        ("128x32 mt2", tile(128, 128, 32, 2)),
+        ("64x64 mt2", tile(128, 64, 64, 2)),
+        ("64x32", tile(128, 64, 32), D128_FIRST),
     ],
     64: [
-        ("128x64 mt2 kv2+epi lazy", {**MT2_128, **KV2, **EPI, **LAZY}, D64),  # shipped non-causal
-        ("128x64 mt2 grid+skip+kv2+epi lazy", {**MT2_128, **GRID, **SKIP, **KV2, **EPI, **LAZY}, D64C),  # shipped causal
-        ("128x64 mt2 grid+skip+epi+pro", {**MT2_128, **GRID, **SKIP, **EPI, **PRO}, D64C),  # ... before
-        ("128x64 mt2 kv2+epi", {**MT2_128, **KV2, **EPI}, D64),  # shipped before the address changes
-        ("128x64 mt2 kv2 split", {**MT2_128, **KV2, **SPLIT}, D64),
-        ("128x64 mt2 kv2 lazy", {**MT2_128, **KV2, **LAZY}, D64),
-        ("128x64 mt2 grid+skip+epi+pro lazy", {**MT2_128, **GRID, **SKIP, **EPI, **PRO, **LAZY}, D64C),
-        ("128x64 mt2", MT2_128),  # never timed causal
-        ("64x64", dict(BLOCK_Q=64, BLOCK_K=64)),  # d64 causal before v7 (170 registers causal: 2 blocks/SM)
-        ("128x64 mt2 epi", {**MT2_128, **EPI}),
-        ("128x64 mt2 pro", {**MT2_128, **PRO}),
-        ("128x64 mt2 epi+pro", {**MT2_128, **EPI, **PRO}),
-        ("128x64 mt2 grid", {**MT2_128, **GRID}, D64C),
-        ("64x64 r168", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168), D64C),  # 3 blocks/SM instead of 2
-        ("64x64 kv2", dict(BLOCK_Q=64, BLOCK_K=64, **KV2)),  # 161-167 registers: 3 blocks/SM
-        ("64x64 grid", dict(BLOCK_Q=64, BLOCK_K=64, **GRID), D64C),
-        ("128x64 mt2 kv2", {**MT2_128, **KV2}),
-        ("128x128 mt2 qsmem", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2, Q_IN_REGS=False)),  # FA2's d=64 tile
-        ("128x64 mt2 qsmem", {**MT2_128, "Q_IN_REGS": False}),
-        ("128x64 mt2 grid+epi+pro", {**MT2_128, **GRID, **EPI, **PRO}, D64C),
-        ("128x64 mt2 skip", {**MT2_128, **SKIP}, D64C),
-        ("128x128 mt2", dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2)),
-        ("256x64 mt2", dict(BLOCK_Q=256, BLOCK_K=64, M_TILES=2)),
-        ("64x64 mt2", dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
-        ("128x64 8w", dict(BLOCK_Q=128, BLOCK_K=64)),
-        ("128x128 8w", dict(BLOCK_Q=128, BLOCK_K=128)),
-        ("64x128", dict(BLOCK_Q=64, BLOCK_K=128)),
-        ("64x64 r128", dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=128)),
-        ("128x64 8w r128", dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128)),
+        ("128x64 mt2 epi", tile(64, 128, 64, 2, "epi"), D64),  # shipped non-causal
+        ("128x64 mt2 grid+skip+epi", tile(64, 128, 64, 2, "grid+skip+epi"), D64C),  # shipped causal
+        ("128x64 mt2", tile(64, 128, 64, 2)),
+        ("64x64", tile(64, 64, 64)),
+        ("128x64 mt2 grid", tile(64, 128, 64, 2, "grid"), D64C),
+        ("64x64 grid", tile(64, 64, 64, 1, "grid"), D64C),
+        ("128x64 mt2 skip", tile(64, 128, 64, 2, "skip"), D64C),
+        ("128x128 mt2", tile(64, 128, 128, 2)),
+        ("256x64 mt2", tile(64, 256, 64, 2)),
+        ("64x64 mt2", tile(64, 64, 64, 2)),
+        ("128x64 8w", tile(64, 128, 64)),
+        ("64x128", tile(64, 64, 128)),
     ],
 }
 
@@ -130,15 +101,8 @@ OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
 
 
 def kernel_for(cfg, head_dim, causal, dtype):
-    """The compiled kernel launch() uses for cfg (the same key as launch's call, so the lru_cache hits)."""
-    extra = mma_forward.config_variant_kwargs(cfg)
-    if cfg.get("SPLIT_TAIL") and not causal:
-        extra["SPLIT_TAIL"] = True
-    return mma_forward.make_forward_kernel(
-        cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim, bool(causal),
-        "bfloat16" if dtype == torch.bfloat16 else "float16", cfg.get("Q_IN_REGS"),
-        bool(cfg.get("FAST_LOADS", True)), bool(cfg.get("UNROLL_QK", True)), cfg.get("MAX_REGS"),
-        int(cfg.get("M_TILES", 1)), bool(cfg.get("TWO_SYNCS", True)), **extra)
+    """The compiled kernel launch() uses for the tile cfg (the same key as launch's call, so the lru_cache hits)."""
+    return mma_forward.build(cfg, bool(causal), "bfloat16" if dtype == torch.bfloat16 else "float16")
 
 
 def as_numba(t):
@@ -159,22 +123,10 @@ def shape_inputs(B, H, N, d, dtype, causal):
         4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
 
 
-def scratch_allocator():
-    """``alloc`` for mma_forward.launch: SPLIT_TAIL's fp32 scratch, allocated once per shape (as torch's
-    caching allocator would), not by cuda.device_array inside every timed call."""
-    buffers = {}
-
-    def alloc(shape, dt):
-        if shape not in buffers:
-            buffers[shape] = as_numba(torch.empty(shape, device="cuda", dtype=getattr(torch, dt)))
-        return buffers[shape]
-    return alloc
-
-
-def launch_and_check(views, out, ref, dtype, causal, scale, cfg, alloc):
+def launch_and_check(views, out, ref, dtype, causal, scale, cfg):
     """One launch of cfg into out (views: Numba q, k, v, out, lse); (max |O - ref|, within tolerance)."""
     out.zero_()
-    mma_forward.launch(*views, causal=causal, softmax_scale=scale, alloc=alloc, **cfg)
+    mma_forward.launch(*views, cfg, causal=causal, softmax_scale=scale)
     torch.cuda.synchronize()
     err = (out.float() - ref).abs().max().item()
     return err, bool(math.isfinite(err) and err < (2e-2 if dtype == torch.float16 else 6e-2))
@@ -197,9 +149,8 @@ def kernel_info(kernel, cfg, head_dim):
     local = one(lambda: kernel.get_local_mem_per_thread())
     smem = one(lambda: kernel.get_shared_mem_per_block())
     # the tiles live in dynamic shared memory, which the getter does not count
-    smem = (smem or 0) + mma_forward.smem_bytes(cfg.get("BLOCK_Q", 64), cfg.get("BLOCK_K", 64), head_dim,
-                                                 cfg.get("KV_STAGES", 1))
-    warps = cfg.get("BLOCK_Q", 64) // (16 * cfg.get("M_TILES", 1))
+    smem = (smem or 0) + mma_forward.smem_bytes(cfg)
+    warps = cfg.warps
     blocks = None
     if regs:
         per_warp = math.ceil(regs * 32 / 256) * 256
@@ -230,7 +181,6 @@ def main(argv=None):
         if args.shapes and not re.search(args.shapes, label):
             continue
         (q, k, v, out, lse), (qn, kn, vn, on, ln), scale, flops = shape_inputs(B, H, N, d, dtype, causal)
-        scratch = scratch_allocator()
         ref = None
         if label not in OVERHEAD_ONLY:
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
@@ -241,16 +191,16 @@ def main(argv=None):
             print(f"{label:34s} {'torch SDPA':18s} {t_sdpa:8.3f} ms {flops / t_sdpa / 1e9:7.1f} TFLOP/s", flush=True)
 
         # Host overhead of the default config: direct kernel call vs launch vs numba_flash.forward.
-        cfg0 = dict(BLOCK_Q=64, BLOCK_K=64)
         try:
             hd = 64 if d <= 64 else 128
+            cfg0 = tile(hd, 64, 64)
             kern = kernel_for(cfg0, hd, causal, dtype)
             grid = ((N + 63) // 64, B * H)
             words = [x if x.dtype == np.uint16 else x.view(np.uint16) for x in (qn, kn, vn, on)]
             sl2 = float32(scale * mma_forward.LOG2E)
-            t_kernel = time_ms(lambda: kern[grid, 128, 0, mma_forward.smem_bytes(64, 64, hd)](*words, ln, N, N, d, 1, sl2), args.warmup, args.iters)
-            t_launch = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
-                                                          **cfg0), args.warmup, args.iters)
+            t_kernel = time_ms(lambda: kern[grid, 128, 0, mma_forward.smem_bytes(cfg0)](*words, ln, N, N, d, 1, sl2), args.warmup, args.iters)
+            t_launch = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, cfg0, causal=causal, softmax_scale=scale),
+                               args.warmup, args.iters)
             t_fwd = time_ms(lambda: numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale),
                             args.warmup, args.iters)
             overhead.append(dict(shape=label, kernel_ms=t_kernel, launch_ms=t_launch, forward_ms=t_fwd,
@@ -270,17 +220,16 @@ def main(argv=None):
             if args.variants and not re.search(args.variants, name):
                 continue
             if time.time() - t_start > args.max_seconds:
-                rows.append(dict(shape=label, variant=name, config=cfg, skipped="deadline"))
+                rows.append(dict(shape=label, variant=name, config=str(cfg), skipped="deadline"))
                 print(f"{label:34s} {name:18s} skipped (deadline)", flush=True)
                 continue
-            row = dict(shape=label, variant=name, config=cfg)
+            row = dict(shape=label, variant=name, config=str(cfg))
             try:
                 t0 = time.time()
-                err, row["ok"] = launch_and_check((qn, kn, vn, on, ln), out, ref, dtype, causal, scale, cfg, scratch)
+                err, row["ok"] = launch_and_check((qn, kn, vn, on, ln), out, ref, dtype, causal, scale, cfg)
                 row["compile_s"] = time.time() - t0
                 row["max_abs_err"] = err
-                ms = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, causal=causal, softmax_scale=scale,
-                                                        alloc=scratch, **cfg), args.warmup, args.iters)
+                ms = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, cfg, causal=causal, softmax_scale=scale), args.warmup, args.iters)
                 row.update(ms=ms, tflops=flops / ms / 1e9)
                 kern = kernel_for(cfg, 64 if d <= 64 else 128, causal, dtype)
                 row.update(kernel_info(kern, cfg, 64 if d <= 64 else 128))

@@ -21,12 +21,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 # (label, d, causal, N, variants); a variant is tf32_forward.launch keywords. First = baseline.
-OLD = dict(ACC_PER_TILE=False, QK_FRESH=False)  # the first version: one mma chain per accumulator
-NOFRESH = dict(QK_FRESH=False)
 PRE = dict(PRESPLIT=True)
 SHAPES = [
     ("fp32 B4H16 N4096 d128", 128, False, 4096, [
-        dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=64, **NOFRESH), dict(BLOCK_Q=64, BLOCK_K=64, **OLD),
+        dict(BLOCK_Q=64, BLOCK_K=64), 
         dict(BLOCK_Q=64, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=32, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, **PRE),
         dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=64, BLOCK_K=32),
         dict(BLOCK_Q=64, BLOCK_K=64, PASSES_=1),
@@ -39,30 +37,37 @@ SHAPES = [
         dict(BLOCK_Q=128, BLOCK_K=32, GRID_BH_X=True), dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True),
         dict(BLOCK_Q=128, BLOCK_K=32, GRID_BH_X=True, SPLIT_ROUND="rna", **PRE)]),
     ("fp32 B4H16 N4096 d64", 64, False, 4096, [
-        dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128), dict(BLOCK_Q=64, BLOCK_K=64),
+        dict(BLOCK_Q=64, BLOCK_K=64),
         dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, **PRE),
-        dict(BLOCK_Q=128, BLOCK_K=64, MAX_REGS=128, **PRE), dict(BLOCK_Q=64, BLOCK_K=32, **PRE),
+        dict(BLOCK_Q=64, BLOCK_K=32, **PRE),
         dict(BLOCK_Q=128, BLOCK_K=64)]),
     ("fp32 B4H16 N4096 d64 causal", 64, True, 4096, [
         dict(BLOCK_Q=64, BLOCK_K=64, **PRE), dict(BLOCK_Q=64, BLOCK_K=64, GRID_BH_X=True, **PRE),
         dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True, **PRE), dict(BLOCK_Q=128, BLOCK_K=64, GRID_BH_X=True)]),
     ("fp32 B4H16 N1024 d128", 128, False, 1024, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
-    ("fp32 B1H16 N16384 d128", 128, False, 16384, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=64, **NOFRESH),
-                                                   dict(BLOCK_Q=64, BLOCK_K=64, **OLD), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
+    ("fp32 B1H16 N16384 d128", 128, False, 16384, [dict(BLOCK_Q=64, BLOCK_K=64), dict(BLOCK_Q=64, BLOCK_K=32, **PRE)]),
 ]
 B, H = 4, 16  # N16384: B = 1
+
+
+def tile_of(v, hd):
+    """The Tile of a variant dict (BLOCK_Q, BLOCK_K, PRESPLIT, GRID_BH_X; its PASSES_ and SPLIT_ROUND are launch's)."""
+    from numba_flash.tiles import Tile
+
+    return Tile(v["BLOCK_Q"], v["BLOCK_K"], hd, flags={f.lower() for f in ("PRESPLIT", "GRID_BH_X") if v.get(f)})
+
+
+def launch_variant(v, hd, *arrays, causal, softmax_scale):
+    from numba_flash.kernels import tf32_forward as tf
+
+    tf.launch(*arrays, tile_of(v, hd), causal=causal, softmax_scale=softmax_scale, passes=v.get("PASSES_", 3),
+              split_round=v.get("SPLIT_ROUND"))
 
 
 def name_of(v):
     s = f"{v['BLOCK_Q']}x{v['BLOCK_K']}"
     if v.get("PASSES_", 3) == 1:
         s += " tf32x1"
-    if v.get("MAX_REGS"):
-        s += f" r{v['MAX_REGS']}"
-    if v.get("ACC_PER_TILE", True) is False:
-        s += " chain"
-    if v.get("QK_FRESH", True) is False:
-        s += " s-chain"
     if v.get("SPLIT_ROUND"):
         s += f" {v['SPLIT_ROUND']}"
     if v.get("PRESPLIT"):
@@ -84,15 +89,12 @@ def ptxas_report():
     for label, d, causal, _, variants in SHAPES:
         for v in variants:
             hd = tf.head_dim_for(d)
-            ptx, _ = cuda.compile_ptx(tf.kernel_source(v["BLOCK_Q"], v["BLOCK_K"], hd, causal, v.get("PASSES_", 3),
-                                                       v.get("ACC_PER_TILE", True), v.get("QK_FRESH", True),
-                                                       v.get("PRESPLIT", False), v.get("GRID_BH_X", False),
+            ptx, _ = cuda.compile_ptx(tf.kernel_source(tile_of(v, hd), causal, v.get("PASSES_", 3),
                                                        v.get("SPLIT_ROUND", "rn")),
                                       tf.kernel_signature(), cc=(9, 0))
-            flags = [f"-maxrregcount={v['MAX_REGS']}"] if v.get("MAX_REGS") else []
-            rep = ptxas_v(ptx, ptxas, flags)
+            rep = ptxas_v(ptx, ptxas, [])
             regs = rep["registers"]
-            smem = tf.smem_bytes(v["BLOCK_Q"], v["BLOCK_K"], hd, v.get("PRESPLIT", False))
+            smem = tf.smem_bytes(tile_of(v, hd), v.get("PASSES_", 3))
             blocks = blocks_per_sm(regs, v["BLOCK_Q"] // 16 * 32, smem)
             row = dict(shape=label, variant=name_of(v), regs=regs, spill_stores=rep["spill_stores"],
                        spill_loads=rep["spill_loads"], smem=smem, blocks_per_sm=blocks, mma=ptx.count("mma.sync"))
@@ -127,10 +129,12 @@ def accuracy_study(d=128, H=2):
             out, lse = torch.empty_like(q), torch.empty(1, H, N, device="cuda")
             qd, kd, vd, od, ld = (cuda.as_cuda_array(t, sync=False) for t in (q, k, v, out, lse))
             runs = {
-                "3xtf32 128x64 presplit": lambda: tf.launch(qd, kd, vd, od, ld, causal=False, softmax_scale=d ** -0.5,
-                                                            BLOCK_Q=128, BLOCK_K=64, PRESPLIT=True),
-                "3xtf32 64x64": lambda: tf.launch(qd, kd, vd, od, ld, causal=False, softmax_scale=d ** -0.5),
-                "tf32 64x64": lambda: tf.launch(qd, kd, vd, od, ld, causal=False, softmax_scale=d ** -0.5, PASSES_=1),
+                "3xtf32 128x64 presplit": lambda: launch_variant(dict(BLOCK_Q=128, BLOCK_K=64, PRESPLIT=True), d, qd, kd,
+                                                                 vd, od, ld, causal=False, softmax_scale=d ** -0.5),
+                "3xtf32 64x64": lambda: launch_variant(dict(BLOCK_Q=64, BLOCK_K=64), d, qd, kd, vd, od, ld, causal=False,
+                                                       softmax_scale=d ** -0.5),
+                "tf32 64x64": lambda: launch_variant(dict(BLOCK_Q=64, BLOCK_K=64, PASSES_=1), d, qd, kd, vd, od, ld,
+                                                     causal=False, softmax_scale=d ** -0.5),
                 "simt": lambda: simt_forward.launch(simt_config(d), qd, kd, vd, od, ld, causal=False,
                                                     softmax_scale=d ** -0.5, dtype="float32", d=d),
             }
@@ -234,8 +238,8 @@ def main(argv=None):
 
         for var in variants:
             hd = tf.head_dim_for(d)
-            measure("tf32 " + name_of(var), lambda var=var, hd=hd: tf.launch(
-                qd, kd, vd, od, ld, causal=causal, softmax_scale=d ** -0.5, HEAD_DIM=hd, **var))
+            measure("tf32 " + name_of(var), lambda var=var, hd=hd: launch_variant(
+                var, hd, qd, kd, vd, od, ld, causal=causal, softmax_scale=d ** -0.5))
         measure("numba_flash.forward (auto)", lambda: numba_flash.forward(q, k, v, causal=causal), result=lambda r: r[0])
         cfg = simt_config(d)
         measure("simt (shipped)", lambda: simt_forward.launch(cfg, qd, kd, vd, od, ld, causal=causal,

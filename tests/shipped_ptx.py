@@ -92,8 +92,8 @@ def cases() -> dict:
 
                     view, q, k, v = qkv(dtype, d)
                     out_, lse = view(q.shape, storage[dtype]), view(q.shape[:3], "float32")
-                    mma_forward.launch(q, k, v, out_, lse, causal=causal, softmax_scale=0.1, layout_checked=True,
-                                       **api.mma_config(d, causal))
+                    mma_forward.launch(q, k, v, out_, lse, api.mma_config(d, causal), causal=causal,
+                                       softmax_scale=0.1, layout_checked=True)
                 out[f"fwd-mma/d{hd}/{'causal' if causal else 'full'}/{dtype}/d{d}"] = call
 
     # --- forward: tf32x3 and tf32 (fp32 on tensor cores) ------------------------------------
@@ -106,8 +106,8 @@ def cases() -> dict:
 
                     view, q, k, v = qkv("float32", hd)
                     out_, lse = view(q.shape, "float32"), view(q.shape[:3], "float32")
-                    tf32_forward.launch(q, k, v, out_, lse, causal=causal, softmax_scale=0.1, layout_checked=True,
-                                        SPLIT_ROUND=rnd, **api.tf32_config(hd, causal, passes))
+                    tf32_forward.launch(q, k, v, out_, lse, api.tf32_config(hd, causal), causal=causal,
+                                        softmax_scale=0.1, layout_checked=True, passes=passes, split_round=rnd)
                 out[f"fwd-tf32x{passes}/d{hd}/{'causal' if causal else 'full'}/float32/{rnd}"] = call
 
     # --- forward: SIMT (fp32 FMA; fp16 / bf16 widened) ------------------------------------------

@@ -114,12 +114,10 @@ def test_explain_names_kernel_config_and_costs(tmp_path, dtype):
         from numba_flash.configs import MMA_TABLE
         from numba_flash.kernels import mma_forward
 
-        bq, bk, _, variants = MMA_TABLE[128, False]
-        assert facts.smem_bytes == mma_forward.smem_bytes(bq, bk, 128, variants.get("KV_STAGES", 1))
+        assert facts.smem_bytes == mma_forward.smem_bytes(MMA_TABLE[128, False])
     assert f"grid: {-(-4096 // facts.block_q)} Q tiles × 16" in out
     # one warp per 16·M_TILES query rows (the SIMT block is its thread grid)
-    threads = (32 * cfg["BLOCK_Q"] // (16 * cfg["M_TILES"]) if family == "mma" else
-               32 * cfg["BLOCK_Q"] // 16 if family == "tf32x3" else cfg.threads)
+    threads = (32 * cfg.warps if family == "mma" else 32 * cfg.block_q // 16 if family == "tf32x3" else cfg.threads)
     assert f"thread blocks of {threads} threads" in out
     assert "registers: " in out
     if dtype == "float32":

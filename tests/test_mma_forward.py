@@ -16,6 +16,7 @@ import pytest
 from numba import cuda
 
 from numba_flash.kernels import mma_forward
+from numba_flash.tiles import Tile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,9 +63,17 @@ def from_bits(o, dtype):
     return (o.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def tile_of(d, HEAD_DIM=None, BLOCK_Q=64, BLOCK_K=64, M_TILES=1, flags=()):
+    """The mma Tile of these sizes (HEAD_DIM: 64 for d <= 64, else 128) and flags."""
+    return Tile(BLOCK_Q, BLOCK_K, HEAD_DIM or (64 if d <= 64 else 128), warps=BLOCK_Q // (16 * M_TILES),
+                stages=mma_forward.STAGES, flags=flags)
+
+
 def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, scale=None, pad_to=None, big=1.0,
-                k_ramp=None, **config):
+                k_ramp=None, tile=None, **config):
     """mma_forward.launch on device arrays; returns (O, L) as float64 and the float64 reference.
+
+    tile: the Tile to launch (default: tile_of(d, HEAD_DIM, **config)).
 
     pad_to: q, k, v are views of rows of pad_to elements (strided, only d used), the padding NaN bits, so a
     kernel that copies a byte past column d - 1 into its tiles gets NaNs in S. k_ramp: key j is
@@ -90,7 +99,8 @@ def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, sc
         values.append(vals)
     out = cuda.to_device(np.zeros((B, H, n_q, d), device[0].dtype))
     lse = cuda.to_device(np.zeros((B, H, n_q), np.float32))
-    mma_forward.launch(*device, out, lse, causal=causal, softmax_scale=scale, HEAD_DIM=HEAD_DIM, **config)
+    tile = tile or tile_of(d, HEAD_DIM, **config)
+    mma_forward.launch(*device, out, lse, tile, causal=causal, softmax_scale=scale)
     o_ref, lse_ref = attention_f64(*values, causal, scale)
     return from_bits(out.copy_to_host(), dtype), lse.copy_to_host().astype(np.float64), o_ref, lse_ref
 
@@ -151,16 +161,9 @@ def test_head_dim_128_sim():
 
 
 @in_simulator
-def test_head_dim_128_q_in_registers_sim():
-    """d = 128 with Q kept in registers (the 64x32 sweep candidate), ragged tiles, non-causal."""
-    r = run_forward(1, 1, 1, 70, 50, 128, False, "float16", seed=17, BLOCK_K=32, Q_IN_REGS=True)
-    assert_close(*r, "float16")
-
-
-@in_simulator
-def test_q_from_shared_and_small_tiles_sim():
-    """The other Q_IN_REGS choice for d = 64, and BLOCK_Q = 32 (2 warps), BLOCK_K = 32 (4 K tiles)."""
-    r = run_forward(1, 1, 1, 40, 100, 64, True, "float16", seed=6, Q_IN_REGS=False, BLOCK_Q=32, BLOCK_K=32)
+def test_small_tiles_sim():
+    """BLOCK_Q = 32 (2 warps), BLOCK_K = 32 (4 K/V tiles: both buffers of the pair used twice), causal."""
+    r = run_forward(1, 1, 1, 40, 100, 64, True, "float16", seed=6, BLOCK_Q=32, BLOCK_K=32)
     assert_close(*r, "float16")
 
 
@@ -170,14 +173,6 @@ def test_two_warps_head_dim_128_unfixed_swizzle_sim():
     (the fast load path's other branch); a tail K/V tile and a tail Q tile."""
     r = run_forward(1, 1, 1, 37, 75, 128, False, "float16", seed=12, BLOCK_Q=32, BLOCK_K=32)
     assert_close(*r, "float16")
-
-
-@in_simulator
-@pytest.mark.parametrize("config", [dict(FAST_LOADS=False), dict(UNROLL_QK=False), dict(TWO_SYNCS=False)])
-def test_older_code_paths_sim(config):
-    """The v3 loads and the rolled k-step loop (kept for the sweep) still compute the same thing."""
-    r = run_forward(1, 2, 1, 40, 90, 64, True, "bfloat16", seed=13, **config)
-    assert_close(*r, "bfloat16")
 
 
 @in_simulator
@@ -213,37 +208,43 @@ def test_large_logits_sim():
 
 
 def test_shipped_configs_are_valid():
+    from numba_flash.configs import MMA_TABLE
+
+    for tile in MMA_TABLE.values():
+        assert mma_forward.problems(tile, "float16") == [], tile  # 128 x 64 at d = 128: 96 KiB, dynamic smem
     for head_dim in (64, 128):
-        assert mma_forward.problems(64, 64, head_dim, "float16") == []
-    assert mma_forward.problems(128, 64, 128, "float16", M_TILES=2) == []  # 64 KiB: dynamic smem
-    assert "shared memory" in " ".join(mma_forward.problems(256, 512, 128, "float16"))  # 320 KiB > 227
-    with pytest.raises(ValueError, match="HEAD_DIM=96"):
-        mma_forward.make_forward_kernel(64, 64, 96, False, "float16")
+        assert mma_forward.problems(tile_of(head_dim), "bfloat16") == []
+    assert "shared memory" in " ".join(mma_forward.problems(tile_of(128, BLOCK_Q=256, BLOCK_K=256), "float16"))
+    assert "stages" in " ".join(mma_forward.problems(tile_of(64).with_(stages=1), "float16"))
+    assert "flags" in " ".join(mma_forward.problems(tile_of(64, flags={"split_tail"}), "float16"))
+    with pytest.raises(ValueError, match="head_dim=96"):
+        mma_forward.build(tile_of(64, HEAD_DIM=96), False, "float16")
 
 
 # --------------------------------------------------------------------------------------------
 # sm_90 build: every shipped config compiles, uses tensor cores, and ptxas reports no spills
 # --------------------------------------------------------------------------------------------
-COMPILE_SOURCE = """
+COMPILE_SOURCE_MT = """
 from numba_flash.kernels import mma_forward
-mma_forward_kernel = mma_forward.kernel_source({BQ}, {BK}, {D}, {CAUSAL}, {DTYPE!r})
+from numba_flash.tiles import Tile
+mma_forward_kernel = mma_forward.kernel_source(Tile({BQ}, {BK}, {D}, warps={BQ} // (16 * {MT}), stages=2,
+                                                    flags={FLAGS!r}), {CAUSAL}, {DTYPE!r})
 SIG = mma_forward.kernel_signature()
 """
+
+
+def compile_source(BQ, BK, D, CAUSAL, DTYPE, MT=1, FLAGS=()):
+    return COMPILE_SOURCE_MT.format(BQ=BQ, BK=BK, D=D, CAUSAL=CAUSAL, DTYPE=DTYPE, MT=MT, FLAGS=sorted(FLAGS))
 
 
 SWEEP_CONFIGS = [(64, 32, 128, 1), (128, 32, 128, 1), (128, 64, 64, 1), (128, 128, 64, 1), (64, 128, 64, 1),
                  (128, 32, 128, 2), (128, 64, 64, 2), (64, 64, 64, 2)]
-COMPILE_SOURCE_MT = """
-from numba_flash.kernels import mma_forward
-mma_forward_kernel = mma_forward.kernel_source({BQ}, {BK}, {D}, {CAUSAL}, {DTYPE!r}, M_TILES={MT})
-SIG = mma_forward.kernel_signature()
-"""
 
 
 @pytest.mark.parametrize("BQ,BK,D,MT", SWEEP_CONFIGS)
 def test_sweep_configs_compile_without_spills(BQ, BK, D, MT, tmp_path):
     """The configs scripts/sweep_mma.py times (uncapped registers): no spills, fragments in registers."""
-    source = COMPILE_SOURCE_MT.format(BQ=BQ, BK=BK, D=D, CAUSAL=True, DTYPE="float16", MT=MT)
+    source = compile_source(BQ, BK, D, True, "float16", MT)
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     assert "ld.local" not in text and "st.local" not in text
     report = ptxas_report(text, tmp_path)
@@ -251,27 +252,15 @@ def test_sweep_configs_compile_without_spills(BQ, BK, D, MT, tmp_path):
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
-# Sweep configs that spill a few bytes at 255 registers since the fifth session's softmax (row maxima kept
-# scaled, alpha = 2^(M_old - M_new)): ptxas sm_90 13.0 gave 8/12 B; they were 0 before.
+# Sweep configs that spill a few bytes at 255 registers since the softmax keeps row maxima scaled
+# (alpha = 2^(M_old - M_new)): ptxas sm_90 13.0 gave 8/12 B; they were 0 before.
 SWEEP_SPILL_OK = {(128, 64, 64, 2): 16, (64, 64, 64, 2): 16}
-
-
-@pytest.mark.parametrize("BK", [32, 64])
-def test_head_dim_128_q_in_registers_compiles_without_spills(BK, tmp_path):
-    """v4 freed enough registers to keep Q's d = 128 fragments: 64x32 in 168 (3 blocks/SM)."""
-    source = COMPILE_SOURCE.format(BQ=64, BK=BK, D=128, CAUSAL=True, DTYPE="float16").replace(
-        "'float16')", "'float16', Q_IN_REGS=True)")
-    assert "Q_IN_REGS=True" in source
-    text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
-    assert "ld.local" not in text and "st.local" not in text
-    report = ptxas_report(text, tmp_path)
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
 
 
 def test_head_dim_128_register_budget(tmp_path):
     """v4's copy plans and unrolled k-steps: 64x64x128 took 240 registers in v3, 174 in v4, 209 with
     one dynamic shared buffer (v6; ptxas's choice, no spills)."""
-    source = COMPILE_SOURCE.format(BQ=64, BK=64, D=128, CAUSAL=False, DTYPE="float16")
+    source = compile_source(64, 64, 128, False, "float16")
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     assert text.count("mma.sync.aligned") == 2 * 64  # both GEMMs fully unrolled (8x8 + 4x16)
     report = ptxas_report(text, tmp_path)
@@ -286,10 +275,9 @@ def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
     spills beyond the few bytes MMA_SPILL_OK records for a config the sweep measured faster."""
     from numba_flash.configs import MMA_SPILL_OK, MMA_TABLE
 
-    bq, bk, mt, variants = MMA_TABLE[head_dim, causal]
-    source = COMPILE_SOURCE_MT.format(BQ=bq, BK=bk, D=head_dim, CAUSAL=causal, DTYPE=dtype, MT=mt).replace(
-        f"M_TILES={mt})", f"M_TILES={mt}, **{variants!r})")
-    assert repr(variants) in source
+    tile = MMA_TABLE[head_dim, causal]
+    bq, bk, mt = tile.block_q, tile.block_k, mma_forward.m_tiles(tile)
+    source = compile_source(bq, bk, head_dim, causal, dtype, mt, tile.flags)
     text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.{0}.{0}.f32".format("f16" if dtype == "float16" else "bf16")
     assert mma in text and "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
@@ -321,8 +309,7 @@ def test_gpu_matches_float64(shape, d, causal, dtype):
     assert_close(*r, dtype)
 
 
-@pytest.mark.parametrize("config", [dict(Q_IN_REGS=True), dict(Q_IN_REGS=False), dict(BLOCK_K=32),
-                                    dict(BLOCK_Q=128), dict(BLOCK_Q=32, BLOCK_K=128)])
+@pytest.mark.parametrize("config", [dict(BLOCK_K=32), dict(BLOCK_Q=128), dict(BLOCK_Q=32, BLOCK_K=128)])
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_other_configs(config):
@@ -331,24 +318,15 @@ def test_gpu_other_configs(config):
 
 
 SWEEP_GPU_CONFIGS = [
-    (128, dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)), (128, dict(BLOCK_Q=64, BLOCK_K=32, Q_IN_REGS=True, MAX_REGS=168)),
-    (128, dict(BLOCK_Q=64, BLOCK_K=64, Q_IN_REGS=True)), (128, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
-    (128, dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)), (128, dict(BLOCK_Q=64, BLOCK_K=64, TWO_SYNCS=False)),
-    (128, dict(BLOCK_Q=64, BLOCK_K=64, FAST_LOADS=False)), (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)),
-    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, Q_IN_REGS=False)), (64, dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
-    (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=128)),
-    # issue #4 variants (grid order, shared-memory epilogue, prologue, two K/V stages)
-    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, GRID_BH_X=True, SMEM_EPILOGUE=True, PROLOGUE_V=True)),
-    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, KV_STAGES=2)),
-    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, KV_STAGES=2, SMEM_EPILOGUE=True)),
-    (64, dict(BLOCK_Q=64, BLOCK_K=64, KV_STAGES=2, GRID_BH_X=True)), (64, dict(BLOCK_Q=64, BLOCK_K=64, MAX_REGS=168)),
-    (64, dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2, Q_IN_REGS=False)),
-    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, WARP_SKIP=True)),
-    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, WARP_SKIP=True, GRID_BH_X=True)),
-    # ninth session: the d = 128 configs shipped with LAZY_RESCALE
-    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, SMEM_EPILOGUE=True, LAZY_RESCALE=True)),
-    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, GRID_BH_X=True, SMEM_EPILOGUE=True, PROLOGUE_V=True,
-               LAZY_RESCALE=True)),
+    (128, dict(BLOCK_Q=128, BLOCK_K=32, M_TILES=2)), (128, dict(BLOCK_Q=64, BLOCK_K=32, M_TILES=2)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2)), (64, dict(BLOCK_Q=64, BLOCK_K=64, M_TILES=2)),
+    (64, dict(BLOCK_Q=128, BLOCK_K=128, M_TILES=2)),
+    # the flags (grid order, shared-memory epilogue, warp skip), alone and as shipped
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, flags={"grid_bh_x", "smem_epilogue"})),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, flags={"smem_epilogue"})),
+    (64, dict(BLOCK_Q=64, BLOCK_K=64, flags={"grid_bh_x"})),
+    (128, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, flags={"warp_skip"})),
+    (64, dict(BLOCK_Q=128, BLOCK_K=64, M_TILES=2, flags={"warp_skip", "grid_bh_x"})),
 ]
 
 
@@ -364,36 +342,16 @@ def test_gpu_sweep_configs(head_dim, config, causal):
         assert_close(*r, "bfloat16")
 
 
-@pytest.mark.variant
-@pytest.mark.parametrize("slots", [None, 5])
-@pytest.mark.parametrize("head_dim,config", [(64, dict(KV_STAGES=2)), (128, dict(SMEM_EPILOGUE=True, LAZY_RESCALE=True))])
-@pytest.mark.gpu
-@needs_gpu
-def test_gpu_split_tail(head_dim, config, slots):
-    """SPLIT_TAIL on the GPU: 12 Q tiles of 128 rows x 18 K/V tiles; the device's own slot count (fewer
-    tiles than slots: all shared among 54 blocks) and 5 slots (10 whole, 2 shared among 5 blocks); ragged
-    Nq and Nk, GQA, d = head_dim - 8; the same bits twice (the merge adds in a fixed order)."""
-    kw = dict(HEAD_DIM=head_dim, BLOCK_Q=128, BLOCK_K=64, M_TILES=2, SPLIT_TAIL=True, split_slots=slots, **config)
-    r = run_forward(1, 4, 2, 333, 1100, head_dim - 8, False, "bfloat16", seed=30, **kw)
-    assert_close(*r, "bfloat16")
-    again = run_forward(1, 4, 2, 333, 1100, head_dim - 8, False, "bfloat16", seed=30, **kw)
-    np.testing.assert_array_equal(r[0], again[0])
-    np.testing.assert_array_equal(r[1], again[1])
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_lazy_rescale_moving_max(dtype, causal):
-    """The shipped d = 128 configs (LAZY_RESCALE) where row maxima keep climbing: keys grow along the sequence
+    """The shipped d = 128 tiles (lazy rescaling) where row maxima keep climbing: keys grow along the sequence
     and q is 4x, so M moves past 2^8 on many tiles (and stays behind on others) over 33 K/V tiles."""
     from numba_flash.configs import MMA_TABLE
 
-    bq, bk, mt, variants = MMA_TABLE[128, causal]
-    assert variants.get("LAZY_RESCALE")
-    r = run_forward(1, 2, 1, 300, 2100, 128, causal, dtype, seed=31, big=4.0, k_ramp=3.0, BLOCK_Q=bq, BLOCK_K=bk,
-                    M_TILES=mt, **variants)
+    r = run_forward(1, 2, 1, 300, 2100, 128, causal, dtype, seed=31, big=4.0, k_ramp=3.0, tile=MMA_TABLE[128, causal])
     assert np.isfinite(r[0]).all()
     assert_close(*r, dtype)
 
@@ -429,121 +387,72 @@ def test_gpu_long_sequence_spot_check():
 
 
 # --------------------------------------------------------------------------------------------
-# Sweep variants of issue #4 (grid order, epilogue through shared memory, prologue, two K/V
-# stages): simulator correctness, and the default kernels' PTX unchanged by their existence
+# The flags (grid order, epilogue through shared memory, warp skip): simulator correctness
 # --------------------------------------------------------------------------------------------
-VARIANT_FLAGS = [dict(GRID_BH_X=True), dict(SMEM_EPILOGUE=True), dict(PROLOGUE_V=True), dict(KV_STAGES=2),
-                 dict(WARP_SKIP=True), dict(GRID_BH_X=True, SMEM_EPILOGUE=True, KV_STAGES=2, WARP_SKIP=True)]
+VARIANT_FLAGS = [{"grid_bh_x"}, {"smem_epilogue"}, {"warp_skip"}, {"grid_bh_x", "smem_epilogue", "warp_skip"}]
 
 
-# Each variant where it acts (the grid order and the warp skip only change causal runs) and the
+# Each flag where it acts (the grid order and the warp skip only change causal runs) and the
 # combination both ways: the simulator runs a 64-thread block in ~10 s per K/V tile, so CI keeps
 # these few and small.
 VARIANT_CASES = [(flags, causal) for flags in VARIANT_FLAGS[:-1]
-                 for causal in ((True,) if "GRID_BH_X" in flags or "WARP_SKIP" in flags else (False,))]
+                 for causal in ((True,) if flags & {"grid_bh_x", "warp_skip"} else (False,))]
 VARIANT_CASES += [(VARIANT_FLAGS[-1], False), (VARIANT_FLAGS[-1], True)]
 
 
 @in_simulator
 @pytest.mark.parametrize("flags,causal", VARIANT_CASES,
-                         ids=lambda x: "+".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
+                         ids=lambda x: "+".join(sorted(x)) if isinstance(x, set) else str(x))
 def test_variants_sim(flags, causal):
     """2 warps x 32 rows (M_TILES = 2) over Nq = 40 (a ragged Q tile), Nk = 70 (three K/V tiles, the
     last ragged: two-stage buffers alternate and wrap), GQA 2 (the grid order's b·h over 2 heads)."""
-    r = run_forward(1, 2, 1, 40, 70, 64, causal, "float16", seed=21, BLOCK_Q=64, BLOCK_K=32, M_TILES=2, **flags)
+    r = run_forward(1, 2, 1, 40, 70, 64, causal, "float16", seed=21, BLOCK_Q=64, BLOCK_K=32, M_TILES=2, flags=flags)
     assert_close(*r, "float16")
 
 
 @in_simulator
-@pytest.mark.parametrize("flags", [dict(SMEM_EPILOGUE=True, PROLOGUE_V=True), dict(KV_STAGES=2, SMEM_EPILOGUE=True)])
+@pytest.mark.parametrize("flags", [(), ("smem_epilogue",)])
 def test_variants_head_dim_128_and_odd_d_sim(flags):
     """d = 120 in HEAD_DIM = 128 (Q re-read from shared memory; the epilogue's last 16-byte chunk is
     dropped, a padded column), Nq > Nk causal (whole rows masked), bf16, 4 warps x 16 rows."""
-    r = run_forward(1, 1, 1, 40, 23, 120, True, "bfloat16", seed=22, HEAD_DIM=128, BLOCK_Q=64, BLOCK_K=16, **flags)
+    r = run_forward(1, 1, 1, 40, 23, 120, True, "bfloat16", seed=22, HEAD_DIM=128, BLOCK_Q=64, BLOCK_K=16, flags=flags)
     assert_close(*r, "bfloat16")
 
 
 @in_simulator
 @pytest.mark.parametrize("big,k_ramp,causal", [(4.0, 3.0, False), (4.0, 3.0, True), (1.0, 0.0, False)])
 def test_lazy_rescale_sim(big, k_ramp, causal):
-    """LAZY_RESCALE: with keys that grow along the sequence and large scores (4x q), row maxima climb
+    """Lazy rescaling: with keys that grow along the sequence and large scores (4x q), row maxima climb
     by more than 2^8 from tile to tile for some rows (M moves: acc, l_i rescaled) and by less for
     others (M stays behind, p up to 2^8); with plain N(0, 1) data M settles after the first tile.
     2 warps x 32 rows, 16-key tiles (5 of them, the last ragged), GQA 2, bf16 too (P packed at up to 256)."""
     r = run_forward(1, 2, 1, 40, 70, 64, causal, "float16", seed=26, big=big, k_ramp=k_ramp, BLOCK_Q=64,
-                    BLOCK_K=16, M_TILES=2, LAZY_RESCALE=True)
+                    BLOCK_K=16, M_TILES=2)
     assert np.isfinite(r[0]).all()
     assert_close(*r, "float16")
     if causal:
         r = run_forward(1, 1, 1, 40, 23, 120, True, "bfloat16", seed=27, big=big, k_ramp=k_ramp, HEAD_DIM=128,
-                        BLOCK_Q=64, BLOCK_K=16, LAZY_RESCALE=True, SMEM_EPILOGUE=True)
+                        BLOCK_Q=64, BLOCK_K=16, flags={"smem_epilogue"})
         assert_close(*r, "bfloat16")
-
-
-def test_split_tail_plan():
-    """The last wave is split only when it is worth it: a tail, not nearly full, rows of >= 8 K/V tiles;
-    the sharing blocks outnumber the tail tiles (each block's range is at most a tile: <= 2 parts)."""
-    plan = mma_forward.split_tail_plan
-    assert plan(2048, 64, 264) == (1848, 264)  # the H200 benchmark: 200 tiles over 264 blocks
-    assert plan(8192, 256, 264) == (8184, 264)  # bf16 N16384: 8 tiles of 256 units
-    assert plan(2112, 64, 264) == (2112, 0)  # whole waves
-    assert plan(2100, 64, 264) == (2100, 0)  # last wave 250 / 264 full
-    assert plan(100, 64, 264) == (0, 264)  # less than a wave: all of it shared
-    assert plan(2048, 7, 264) == (2048, 0)  # short rows
-    assert plan(10, 8, 0) == (10, 0)  # the simulator without split_slots
-    for n_tiles, n_kv, slots in [(2048, 64, 264), (100, 64, 264), (6, 8, 4), (6, 8, 16), (37, 9, 5), (8, 8, 9)]:
-        n_dp, n_sk = plan(n_tiles, n_kv, slots)
-        if n_sk:
-            tail = (n_tiles - n_dp) * n_kv
-            ranges = [((c * tail) // n_sk, ((c + 1) * tail) // n_sk) for c in range(n_sk)]
-            assert all(SPLIT_MIN <= e - b <= n_kv for b, e in ranges), ranges
-
-
-SPLIT_MIN = mma_forward.SPLIT_MIN_UNITS
-
-
-@pytest.mark.variant
-@in_simulator
-@pytest.mark.parametrize("slots,flags", [(5, dict(M_TILES=2, KV_STAGES=2)),
-                                         (16, dict(M_TILES=2, LAZY_RESCALE=True, SMEM_EPILOGUE=True))])
-def test_split_tail_sim(slots, flags):
-    """SPLIT_TAIL over 9 Q tiles (3 heads sharing one K/V head x 3 tiles of 64 rows, the last ragged) of 8
-    K/V tiles each: 5 slots run 5 tiles whole and share the last 4 (32 units) among 5 blocks whose ranges
-    cross the ends of tiles (6, 12, 19, 25: every shared tile has 2 parts); 16 slots share all 9 tiles among
-    16 blocks. The merge writes O and L of every shared tile."""
-    r = run_forward(1, 3, 1, 170, 128, 64, False, "float16", seed=28, BLOCK_Q=64, BLOCK_K=16,
-                    SPLIT_TAIL=True, split_slots=slots, **flags)
-    assert_close(*r, "float16")
-
-
-@pytest.mark.variant
-@in_simulator
-def test_split_tail_head_dim_128_bf16_sim():
-    """The shipped d = 128 flags with SPLIT_TAIL: bf16, d = 120 in HEAD_DIM 128, Nk = 130 (ragged last K/V
-    tile inside a shared range), 3 slots over 8 Q tiles (2 heads x 4): 6 run whole, the last 2 shared by 3 blocks of 6 units."""
-    r = run_forward(1, 2, 2, 100, 130, 120, False, "bfloat16", seed=29, HEAD_DIM=128, BLOCK_Q=32, BLOCK_K=16,
-                    M_TILES=2, SMEM_EPILOGUE=True, LAZY_RESCALE=True, SPLIT_TAIL=True, split_slots=3)
-    assert_close(*r, "bfloat16")
 
 
 @in_simulator
 @pytest.mark.parametrize("n_q,n_k", [(128, 128), (100, 60), (50, 130)])
 def test_warp_skip_sim(n_q, n_k):
-    """WARP_SKIP, causal, 2 warps x 32 rows, 16-key tiles: each Q tile's last tiles lie wholly above the
+    """warp_skip, causal, 2 warps x 32 rows, 16-key tiles: each Q tile's last tiles lie wholly above the
     diagonal for warp 0 (and, with Nq > Nk, whole warps see nothing at all)."""
     r = run_forward(1, 1, 1, n_q, n_k, 64, True, "float16", seed=24, BLOCK_Q=64, BLOCK_K=16, M_TILES=2,
-                    WARP_SKIP=True, PROLOGUE_V=True)
+                    flags={"warp_skip"})
     assert_close(*r, "float16")
 
 
 @in_simulator
-@pytest.mark.parametrize("flags", [dict(PROLOGUE_V=True), dict(KV_STAGES=2)])
-def test_smem_epilogue_block_without_key_tiles_sim(flags):
+def test_smem_epilogue_block_without_key_tiles_sim():
     """Nq = 80 > Nk = 10, causal, 32-row Q tiles at d = 128 (Q in shared memory, no prologue
     barrier): the first Q tiles see no key at all, so O = 0 goes into Q's rows after the block's
     only barrier (the one EPI_SYNC adds)."""
     r = run_forward(1, 1, 1, 80, 10, 128, True, "float16", seed=25, BLOCK_Q=32, BLOCK_K=16,
-                    SMEM_EPILOGUE=True, **flags)
+                    flags={"smem_epilogue"})
     assert (r[1][0, 0, :70] == -np.inf).all() and (r[0][0, 0, :70] == 0).all()
     assert_close(*r, "float16")
 
@@ -552,31 +461,11 @@ def test_smem_epilogue_block_without_key_tiles_sim(flags):
 def test_smem_epilogue_unaligned_out_falls_back_sim():
     """d = 44: out's rows (88 bytes) are not 16-byte aligned, so launch quietly uses the fragment
     stores (q, k, v are rows of a 48-element buffer, as cp.async needs)."""
-    r = run_forward(1, 1, 1, 20, 33, 44, False, "float16", seed=23, pad_to=48, SMEM_EPILOGUE=True)
+    r = run_forward(1, 1, 1, 20, 33, 44, False, "float16", seed=23, pad_to=48, flags={"smem_epilogue"})
     assert_close(*r, "float16")
 
 
-# sha256 of each config shipped at 613ab89 (MMA_TABLE's tiles then, f16 and bf16): their sm_90 PTX with
-# every variant off, as 613ab89 built it before the variants existed plus the one later change to the
-# shared maths (fifth session: row maxima kept scaled, alpha = ex2(M_old - M_new), exactly 1 while the
-# row maximum holds), normalised only for what differs between two compiles of the same code
-# in one process (Numba's function-version and shared-array counters, the order of the NumbaEnv
-# declarations). Recorded with numba 0.68.1, numba-cuda 0.30.4, NVVM 2.0; other versions skip. Re-recorded in
-# the ninth session when the normalisation started dropping Numba's environment declarations: the new
-# normalisation gives the same hashes for the code before and after the body became a device function.
-# Re-recorded in the eleventh session for a change to the shared loop (copy offsets stepped per tile, int32
-# tile counter, ignore-src zero fill, ldmatrix byte addresses): with every variant off the kernels still share
-# one body, and these hashes pin it.
-SHIPPED_PTX_SHA256 = {
-    "128-False-bfloat16": "499bda05355598780056588b8f4b1d0395aa8c0b6467f6058e9ce3d8cdb987e2",
-    "128-False-float16": "4b61d795e90a593ce9b17f9cd3bb42fd852ddce2fa653f7504a2cff3e475b597",
-    "128-True-bfloat16": "402466fab6a2f21c4250933252577630ac7f96de1bb6f0aec935a5ad10efe49e",
-    "128-True-float16": "9b418bd54a9fccb455ef78c7adf7fcf76615fc6272f23babfb197405d54c89c0",
-    "64-False-bfloat16": "925586368e410508bc8d8d11e7547fd2b2e4f1256dd385b3ad9e01e78ee56b78",
-    "64-False-float16": "b6fa0b7cecf239d95044d21e2de1675ad8dfb59460d750b6cb78179d8ba924fa",
-    "64-True-bfloat16": "77dcb1385b007ac33475c5edea6c049d17d3fbc24324c77ed42f4ffe38b07382",
-    "64-True-float16": "94eedd645662f923d440c1833653bb5ff1b82a3235dc18e9b6d90fea94f6be82",
-}
+# The numba, numba-cuda and NVVM versions the hashes below were recorded with (test_mma_backward's too).
 SHIPPED_PTX_VERSIONS = ("0.68.1", "0.30.4", (2, 0))
 
 
@@ -587,18 +476,14 @@ def normalised_ptx_sha256(text):
 
     text = re.sub(r"B\d+v\d+B", "BvB", text)  # Numba's per-process function version counters
     text = re.sub(r"_cudapy_smem_\d+", "_cudapy_smem", text)  # ... and shared-array counter
-    # Numba's environment globals (one declaration per Numba function, never read by these kernels): the
-    # ninth session's split of the body into a device function added one and changed no instruction (and
-    # a helper's new argument renames one: the dkdv hashes of test_mma_backward use this too).
+    # Numba's environment globals (one declaration per Numba function, never read by these kernels): moving
+    # code into a device function adds one and changes no instruction (and a helper's new argument renames
+    # one: the dkdv hashes of test_mma_backward use this too).
     lines = [x for x in text.splitlines(True) if not (x.startswith(".common .global") and "NumbaEnv" in x)]
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-BASE_TILES_613AB89 = {(64, False): (128, 64, 2), (64, True): (64, 64, 1), (128, False): (128, 64, 2),
-                      (128, True): (128, 64, 2)}
-
-
-# A child compiles the forward kernels a JSON list names, [key, kernel_source's positional args, its keywords],
+# A child compiles the forward kernels a JSON list names, [key, Tile's arguments, causal, dtype, partial_chunk],
 # and prints their normalised PTX hashes (empty with other Numba / NVVM versions than the recorded ones).
 PINNED_PTX_CHILD = """
 import json, sys
@@ -611,8 +496,11 @@ from test_mma_forward import normalised_ptx_sha256
 versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
 out = {}
 if versions == [numba.__version__, "0.30.4", [2, 0]]:
-    for key, args, kw in json.loads(sys.argv[1]):
-        ptx, _ = cuda.compile_ptx(mma_forward.kernel_source(*args, **kw), mma_forward.kernel_signature(), cc=(9, 0))
+    from numba_flash.tiles import Tile
+    for key, (bq, bk, hd, warps, flags), causal, dtype, partial in json.loads(sys.argv[1]):
+        tile = Tile(bq, bk, hd, warps=warps, stages=2, flags=flags)
+        ptx, _ = cuda.compile_ptx(mma_forward.kernel_source(tile, causal, dtype, partial), mma_forward.kernel_signature(),
+                                  cc=(9, 0))
         out[key] = normalised_ptx_sha256(ptx)
 print(json.dumps(dict(versions=versions, hashes=out)))
 """
@@ -629,19 +517,9 @@ def assert_pinned_ptx(tmp_path, kernels, expected):
     assert got["hashes"] == expected, json.dumps(got["hashes"], indent=1)
 
 
-def test_variants_off_ptx_unchanged(tmp_path):
-    """With every variant off (kernel_source's defaults), the tiles shipped at 613ab89 compile to the
-    recorded PTX (613ab89's until the eleventh session's loop change): the variants are confined to their flags."""
-    kernels = [[f"{d}-{causal}-{dtype}", [bq, bk, d, causal, dtype], dict(M_TILES=mt)]
-               for (d, causal), (bq, bk, mt) in sorted(BASE_TILES_613AB89.items())
-               for dtype in ("float16", "bfloat16")]
-    assert_pinned_ptx(tmp_path, kernels, SHIPPED_PTX_SHA256)
-
-
 # sha256 of the normalised sm_90 PTX of every configs.MMA_TABLE kernel (f16 and bf16, with and without
-# PARTIAL_CHUNK) at 95cc43d, whose PARTIAL_CHUNK=False builds the H200 validated in the eleventh session (the
-# half-precision forward grid, 101 passed; the A/Bs of benchmarks/results/ab-mma-2026-12-01-eleventh*). The
-# PARTIAL_CHUNK builds (d % 8 != 0) have run only in the simulator: no GPU test has such a head dim yet. A change
+# partial_chunk) at 95cc43d, whose builds without it the H200 validated at def24ef (the half-precision forward
+# grid, 101 passed; the A/Bs of def24ef and its parent). The partial_chunk builds (d % 8 != 0) have run only in the simulator: no GPU test has such a head dim yet. A change
 # to a shipped kernel's instructions must re-record these, which says it needs the GPU again.
 SHIPPED_TABLE_PTX_SHA256 = {
     "64-False-float16-False": "bf26e34a6f926f90be14b19f4e81f28181b0c1a61cbd7d47ad9b03d9732d0341",
@@ -666,25 +544,26 @@ SHIPPED_TABLE_PTX_SHA256 = {
 def test_shipped_table_ptx_is_what_the_gpu_validated(tmp_path):
     from numba_flash.configs import MMA_TABLE
 
-    kernels = [[f"{d}-{causal}-{dtype}-{partial}", [bq, bk, d, causal, dtype],
-                dict(variants, M_TILES=mt, **({"PARTIAL_CHUNK": True} if partial else {}))]
-               for (d, causal), (bq, bk, mt, variants) in sorted(MMA_TABLE.items())
+    kernels = [[f"{d}-{causal}-{dtype}-{partial}", [t.block_q, t.block_k, t.head_dim, t.warps, sorted(t.flags)], causal,
+                dtype, partial]
+               for (d, causal), t in sorted(MMA_TABLE.items())
                for dtype in ("float16", "bfloat16") for partial in (False, True)]
     assert_pinned_ptx(tmp_path, kernels, SHIPPED_TABLE_PTX_SHA256)
 
 
 def test_explain_names_the_shipped_variants(rng):
-    """explain lists each variant configs.MMA_TABLE ships for the shape (and none it does not)."""
+    """explain lists each flag configs.MMA_TABLE ships for the shape (and none it does not), and what every
+    mma tile does."""
     import numba_flash
-    from numba_flash.api import _VARIANT_WORDS
+    from numba_flash.api import _MMA_ALWAYS, _VARIANT_WORDS
     from numba_flash.configs import MMA_TABLE
 
-    for (d, causal), (_, _, _, variants) in MMA_TABLE.items():
+    for (d, causal), tile in MMA_TABLE.items():
         q = rng.standard_normal((1, 2, 64, d)).astype(np.float16)
         text = numba_flash.explain(q, q, q, causal=causal)
         assert text.startswith("mma:"), text
         for key, words in _VARIANT_WORDS.items():
-            on = variants.get(key, 1) > 1 if key == "KV_STAGES" else variants.get(key, False) is True
+            on = key in _MMA_ALWAYS or tile.has(key)
             assert (words in text) == on, (d, causal, key, text)
 
 

@@ -19,6 +19,7 @@ import numba_flash
 from numba_flash import ptx
 from numba_flash.configs import TF32_TABLE
 from numba_flash.kernels import tf32_forward as tf
+from numba_flash.tiles import Tile
 from test_mma_forward import attention_f64
 from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
 
@@ -116,6 +117,18 @@ def test_fragment_coords_cover_the_tiles():
 # --------------------------------------------------------------------------------------------
 # The kernel on small tiles (2 warps), every option
 # --------------------------------------------------------------------------------------------
+def tile_of(d, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None, PRESPLIT=False, GRID_BH_X=False):
+    """The tf32 Tile of these sizes (HEAD_DIM: head_dim_for(d)) and flags."""
+    flags = {"presplit"} if PRESPLIT else set()
+    return Tile(BLOCK_Q, BLOCK_K, HEAD_DIM or tf.head_dim_for(d), flags=flags | ({"grid_bh_x"} if GRID_BH_X else set()))
+
+
+def launch_tf32(q, k, v, out, lse, causal, softmax_scale, PASSES_=3, SPLIT_ROUND=None, **config):
+    """tf32_forward.launch with the tile of tile_of(d, **config)."""
+    tf.launch(q, k, v, out, lse, tile_of(q.shape[3], **config), causal=causal, softmax_scale=softmax_scale,
+              passes=PASSES_, split_round=SPLIT_ROUND)
+
+
 def run_tf32(B, H, Hkv, n_q, n_k, d, causal, seed=0, scale=None, **config):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, H, n_q, d)).astype(np.float32)
@@ -124,7 +137,7 @@ def run_tf32(B, H, Hkv, n_q, n_k, d, causal, seed=0, scale=None, **config):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
     lse = cuda.to_device(np.full(q.shape[:-1], np.nan, np.float32))
-    tf.launch(*(cuda.to_device(x) for x in (q, k, v)), out, lse, causal=causal, softmax_scale=scale, **config)
+    launch_tf32(*(cuda.to_device(x) for x in (q, k, v)), out, lse, causal, scale, **config)
     ref_o, ref_l = attention_f64(q, k, v, causal, scale)
     return out.copy_to_host(), lse.copy_to_host(), ref_o, ref_l
 
@@ -137,7 +150,7 @@ SMALL = dict(BLOCK_Q=32, BLOCK_K=16, HEAD_DIM=32)
     (1, 2, 1, 37, 45, 24, False, {}),                                      # GQA, d 24 -> 32, ragged tiles
     (1, 1, 1, 40, 29, 32, True, dict(PRESPLIT=True)),                      # Nq > Nk causal: 11 rows see nothing
     (2, 2, 2, 1, 70, 20, False, dict(PRESPLIT=True, GRID_BH_X=True)),      # one query, 5 K/V tiles
-    (1, 1, 1, 33, 40, 32, True, dict(ACC_PER_TILE=False, QK_FRESH=False, GRID_BH_X=True)),  # the chained sums
+    (1, 1, 1, 33, 40, 32, True, dict(GRID_BH_X=True)),                    # the grid order, splitting per warp
     (1, 1, 1, 20, 36, 52, False, dict(BLOCK_Q=16, BLOCK_K=8, HEAD_DIM=64, PRESPLIT=True)),  # 1 warp, d 52 -> 64
     (1, 1, 1, 25, 33, 32, True, dict(SPLIT_ROUND="rna", PRESPLIT=True)),   # the split below sm_90 (cvt.rna)
     (1, 1, 1, 21, 27, 28, False, dict(SPLIT_ROUND="rn_raw")),             # lo left to the tensor core
@@ -156,10 +169,11 @@ SPLIT_PTX_CHILD = NO_GPU_PATCH + textwrap.dedent(
     import json
     from numba import cuda
     from numba_flash.kernels import tf32_backward as tb, tf32_forward as tf
+    from numba_flash.tiles import Tile
 
     out = {}
     for mode in tf.SPLIT_ROUNDS:
-        fwd = cuda.compile_ptx(tf.kernel_source(32, 16, 32, False, SPLIT_ROUND=mode), tf.kernel_signature(),
+        fwd = cuda.compile_ptx(tf.kernel_source(Tile(32, 16, 32), False, 3, mode), tf.kernel_signature(),
                                cc=(9, 0))[0]
         bwd = cuda.compile_ptx(tb.source("dq", 32, 16, 32, False, split_round=mode), tb.kernel_signature("dq"),
                                cc=(9, 0))[0]
@@ -205,13 +219,13 @@ def test_launchers_pick_rna_below_sm90(monkeypatch):
     from numba_flash.kernels import tf32_backward as tb
 
     monkeypatch.setattr(ptx, "current_sm90", lambda: False)
-    seen = spy_factories(monkeypatch, tf, "make_forward_kernel")
+    seen = spy_factories(monkeypatch, tf, "build")
     seen_bwd = spy_factories(monkeypatch, tb, "build")
     x = cuda.to_device(np.ones((1, 1, 16, 32), np.float32))
     lse = cuda.to_device(np.ones((1, 1, 16), np.float32))
     with pytest.raises(Built):
-        tf.launch(x, x, x, cuda.device_array_like(x), lse, causal=False, softmax_scale=0.1)
-    assert seen[-1][0][-1] == "rna", seen[-1]  # make_forward_kernel's last positional argument
+        launch_tf32(x, x, x, cuda.device_array_like(x), lse, False, 0.1)
+    assert seen[-1][0][-1] == "rna", seen[-1]  # build's last positional argument
     rows = cuda.device_array((1, schedule.padded_rows(16)), np.float32)
     for kernels in (("dkdv",), ("dq",)):
         with pytest.raises(Built):
@@ -220,7 +234,7 @@ def test_launchers_pick_rna_below_sm90(monkeypatch):
         assert seen_bwd[-1][1].get("split_round") == "rna", seen_bwd[-1]
     monkeypatch.setattr(ptx, "current_sm90", lambda: True)
     with pytest.raises(Built):
-        tf.launch(x, x, x, cuda.device_array_like(x), lse, causal=False, softmax_scale=0.1)
+        launch_tf32(x, x, x, cuda.device_array_like(x), lse, False, 0.1)
     assert seen[-1][0][-1] == "rn"
 
 
@@ -232,14 +246,14 @@ def test_explain_builds_the_launched_forward(monkeypatch, sm90):
     from numba_flash import api, cli
 
     monkeypatch.setattr(ptx, "current_sm90", lambda: sm90)
-    seen = spy_factories(monkeypatch, tf, "make_forward_kernel")
+    seen = spy_factories(monkeypatch, tf, "build")
     cfg = api.tf32_config(128, True)
     with pytest.raises(Built):
         cli.kernel_facts("tf32x3", cfg, True, "float32").jit()
     x = cuda.to_device(np.ones((1, 1, 16, 128), np.float32))
     with pytest.raises(Built):
-        tf.launch(x, x, x, cuda.device_array_like(x), cuda.device_array((1, 1, 16), np.float32), causal=True,
-                  softmax_scale=0.1, **cfg)
+        tf.launch(x, x, x, cuda.device_array_like(x), cuda.device_array((1, 1, 16), np.float32), cfg, causal=True,
+                  softmax_scale=0.1)
     assert seen[0] == seen[1] and seen[0][0][-1] == ("rn" if sm90 else "rna"), seen
 
 
@@ -311,8 +325,9 @@ def test_explain_auto_fp32_in_simulator_says_why(rng):
 
 
 def test_table_entries_can_be_built():
-    for (hd, causal), (bq, bk, variants) in TF32_TABLE.items():
-        assert not tf.problems(bq, bk, hd, 3, variants.get("PRESPLIT", False)), (hd, causal)
+    for (hd, causal), tile in TF32_TABLE.items():
+        assert tile.head_dim == hd and not tf.problems(tile, 3) and not tf.problems(tile, 1), (hd, causal)
+    assert "flags" in " ".join(tf.problems(Tile(128, 64, 64, flags={"acc_per_tile"})))
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,10 +342,10 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
 
     ptxas = sys.argv[-1]
     out = []
-    for (hd, causal), (bq, bk, variants) in sorted(TF32_TABLE.items()):
+    for (hd, causal), tile in sorted(TF32_TABLE.items()):
+        bq = tile.block_q
         for passes in (3, 1):
-            src = tf.kernel_source(bq, bk, hd, causal, passes, PRESPLIT=variants.get("PRESPLIT", False),
-                                   GRID_BH_X=variants.get("GRID_BH_X", False))
+            src = tf.kernel_source(tile, causal, passes)
             ptx, _ = cuda.compile_ptx(src, tf.kernel_signature(), cc=(9, 0))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(ptx)
@@ -355,7 +370,7 @@ def test_shipped_tf32_configs_fit_sm90(tmp_path):
         where = json.dumps(rep)
         assert rep["rc"] == 0 and rep["stack"] == 0 and rep["spills"] == 0 and rep["local"] == 0, where
         assert rep["registers"] * 32 * (rep["bq"] // 16) <= 65536, where  # one block per SM at least
-        hd, bk = rep["hd"], TF32_TABLE[rep["hd"], rep["causal"]][1]
+        hd, bk = rep["hd"], TF32_TABLE[rep["hd"], rep["causal"]].block_k
         # P·V (bk/8 x hd/8 mma, 3 tf32 products each, 1 for plain TF32) is unrolled; S's loop over pairs
         # of k-steps may stay rolled (one pair's bk/8 x 2 in the PTX)
         assert rep["passes"] * (hd // 8) * (bk // 8) < rep["mma"] <= rep["passes"] * 2 * (hd // 8) * (bk // 8), where

@@ -1,6 +1,6 @@
 """fp32 FlashAttention-2 forward on tensor cores: mma.sync m16n8k8 tf32, split 3xTF32 for fp32 accuracy.
 
-Maths: the online softmax of section 3.6.4, exactly as in mma_forward (m_i in base-2 units of the
+Maths: the online softmax of section 3.6.4 (eager, blocks/softmax.py's maths: m_i in base-2 units of the
 scaled scores, softmax_scale·log2(e) folded into one FFMA + ex2 per element, L = (m_i + log2 l_i)·ln 2).
 What differs is how the two products are formed from fp32 operands.
 
@@ -35,7 +35,7 @@ Shared memory (fp32 words): Q and K rows padded to QK_STRIDE (== 16 mod 32 words
 16-byte loads of rows g, g + 1 cover all 32 banks), V rows to V_STRIDE (== 4 mod 16: the 4-byte
 loads of keys 2t at column g hit 32 different banks). Tiles arrive by cp.async, 16 bytes per copy
 (rows past the sequence and columns past d zero-filled); V_j streams in during S = Q·K_jᵀ and the
-softmax, K_{j+1} during P·V_j (mma_forward's two-barrier pipeline).
+softmax, K_{j+1} during P·V_j (two barriers per tile).
 
 Causal masking aligns to the bottom right (query i sees key j iff j <= i + Nk - Nq); tiles wholly
 above the diagonal are never loaded; a row that sees no key gets O = 0 and L = -inf.
@@ -53,12 +53,15 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
-from ..blocks.numerics import LN2, LOG2E
-from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device
+from ..tiles import Tile
+from ..blocks.numerics import LOG2E
+from ..blocks.softmax import fragment_softmax, row_lse
+from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device  # noqa: F401 (re-exported)
 from ..ptx import ld_shared_f32x4, st_shared_f32x4
 
 F32 = np.dtype(np.float32)
 PASSES = (1, 3)  # tf32 products per fp32 product: 1 (plain TF32) or 3 (3xTF32, fp32 accuracy)
+FLAGS = ("presplit", "grid_bh_x")
 
 
 def kernel_signature():
@@ -74,64 +77,75 @@ def strides(HEAD_DIM):
     return qk, HEAD_DIM + 4
 
 
-def smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, PRESPLIT=False):
-    """Q, K, V tiles (and PRESPLIT's K lo, V lo), fp32 words of padded rows."""
-    qk, v = strides(HEAD_DIM)
-    kv = 2 if PRESPLIT else 1
-    return 4 * ((BLOCK_Q + kv * BLOCK_K) * qk + kv * BLOCK_K * v)
+def smem_bytes(tile: Tile, passes: int = 3) -> int:
+    """Q, K, V tiles (and presplit's K lo, V lo), fp32 words of padded rows."""
+    qk, v = strides(tile.head_dim)
+    kv = 2 if presplit(tile, passes) else 1
+    return 4 * ((tile.block_q + kv * tile.block_k) * qk + kv * tile.block_k * v)
 
 
-def threads_per_block(BLOCK_Q):
-    return 32 * (BLOCK_Q // 16)
+def threads(tile: Tile) -> int:
+    """One warp per 16 query rows."""
+    return 32 * (tile.block_q // 16)
 
 
-def problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_=3, PRESPLIT=False):
+def presplit(tile: Tile, passes: int) -> bool:
+    """presplit acts only with a lo part to split (3 passes)."""
+    return tile.has("presplit") and passes == 3
+
+
+def problems(tile: Tile, passes: int = 3) -> list:
     """Why a specialisation cannot be built (empty when it can)."""
     out = []
+    BLOCK_Q, BLOCK_K, HEAD_DIM = tile.block_q, tile.block_k, tile.head_dim
     if BLOCK_Q % 16 or not 16 <= BLOCK_Q <= 256:
-        out.append(f"BLOCK_Q={BLOCK_Q}: one warp per 16 query rows, 1..16 warps")
+        out.append(f"block_q={BLOCK_Q}: one warp per 16 query rows, 1..16 warps")
+    elif tile.warps not in (0, BLOCK_Q // 16):
+        out.append(f"{tile.warps} warps: one per 16 of {BLOCK_Q} rows")
     if BLOCK_K not in (8, 16, 24, 32, 64, 96, 128):
-        out.append(f"BLOCK_K={BLOCK_K}: 8, 16, 24, 32, 64, 96 or 128 (k-steps of P·V are unrolled in 1, 2, 3, 4 or "
+        out.append(f"block_k={BLOCK_K}: 8, 16, 24, 32, 64, 96 or 128 (k-steps of P·V are unrolled in 1, 2, 3, 4 or "
                    "groups of 4)")
     if HEAD_DIM not in (16, 32, 64, 96, 128):
-        out.append(f"HEAD_DIM={HEAD_DIM}: 16, 32, 64, 96 or 128 (pairs of k-steps; n-tiles of O unrolled in 2, 4 or "
+        out.append(f"head_dim={HEAD_DIM}: 16, 32, 64, 96 or 128 (pairs of k-steps; n-tiles of O unrolled in 2, 4 or "
                    "groups of 4)")
-    if PASSES_ not in PASSES:
-        out.append(f"PASSES={PASSES_}: 1 (TF32) or 3 (3xTF32)")
+    if passes not in PASSES:
+        out.append(f"passes={passes}: 1 (TF32) or 3 (3xTF32)")
+    if tile.stages != 1:
+        out.append(f"stages={tile.stages}: one K and one V buffer")
+    unknown = sorted(tile.flags - set(FLAGS))
+    if unknown:
+        out.append(f"flags {unknown}: not among {FLAGS}")
     if not out:
-        threads, chunks = threads_per_block(BLOCK_Q), HEAD_DIM // 4
-        if threads % chunks or (BLOCK_Q * chunks) % threads or (BLOCK_K * chunks) % threads:
+        n_threads, chunks = threads(tile), HEAD_DIM // 4
+        if n_threads % chunks or (BLOCK_Q * chunks) % n_threads or (BLOCK_K * chunks) % n_threads:
             out.append(f"tiles of {BLOCK_Q}/{BLOCK_K} rows x {HEAD_DIM} are not whole 16-byte copies per thread "
-                       f"({threads} threads)")
-        if smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, PRESPLIT) > SMEM_PER_BLOCK_MAX:
-            out.append(f"{smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, PRESPLIT)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
+                       f"({n_threads} threads)")
+        if smem_bytes(tile, passes) > SMEM_PER_BLOCK_MAX:
+            out.append(f"{smem_bytes(tile, passes)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out
 
 
-def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=True, QK_FRESH=True, PRESPLIT=False,
-                  GRID_BH_X=False, SPLIT_ROUND="rn"):
+def kernel_source(tile: Tile, causal: bool, passes: int = 3, split_round: str = "rn"):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
 
-    Accuracy options. The tensor core adds the products of an mma into its fp32 accumulator with
-    truncation, so a long chain of mma on one accumulator drifts (H200, fp32 d128, first version:
-    max |O - fp64| grew with the keys, 2.9e-6 at N1024, 6.3e-6 at N4096, 9.1e-6 at N16384, against
-    3.9e-7 to 4.9e-7 for the SIMT kernel; benchmarks/NOTES.md).
-    ACC_PER_TILE (default): each n-tile of P·V_j goes into fresh registers and is added to acc by a
-    rounded FFMA that also applies alpha (acc = alpha·acc + P·V_j): chains of BLOCK_K/8 k-steps, not
-    Nk/8 (H200: 5.0e-7 at N4096). QK_FRESH (default): likewise each pair of k-steps of S = Q·Kᵀ
-    (6 mma) starts from zero and is added to S by an FADD, instead of one 3·HEAD_DIM/8 chain per tile.
+    The tensor core adds the products of an mma into its fp32 accumulator with truncation, so a long chain
+    of mma on one accumulator drifts (H200, fp32 d128: max |O - fp64| 6.3e-6 at N4096 with one chain per
+    row, against 3.9e-7 to 4.9e-7 for the SIMT kernel). So each n-tile of P·V_j goes into fresh registers
+    and is added to acc by a rounded FFMA that also applies alpha (acc = alpha·acc + P·V_j): chains of
+    BLOCK_K/8 k-steps, not Nk/8 (5.0e-7 at N4096); likewise each pair of k-steps of S = Q·Kᵀ (6 mma) starts
+    from zero and is added to S by an FADD.
 
-    PRESPLIT (speed): each thread splits the K and V chunks it copied into hi (in place) and lo (a
-    second buffer) once per tile, between the cp.async wait and the barrier that already follows
-    it, so the warps read hi and lo instead of each re-splitting the whole tile (4x less cvt work at
-    4 warps), for twice the K/V shared memory.
+    presplit (speed): each thread splits the K and V chunks it copied into hi (in place) and lo (a second
+    buffer) once per tile, between the cp.async wait and the barrier that already follows it, so the warps
+    read hi and lo instead of each re-splitting the whole tile (4x less cvt work at 4 warps), for twice the
+    K/V shared memory. grid_bh_x: the grid is (B·H, Q tiles), Q tiles reversed on y, so every head's
+    heaviest causal tile is dispatched before any lighter one (mma_forward's flag of that name).
 
-    GRID_BH_X: the grid is (B·H, Q tiles), Q tiles reversed on y, so every head's heaviest causal
-    tile is dispatched before any lighter one (mma_forward's variant of the same name).
-
-    SPLIT_ROUND: how operands are split (SPLIT_ROUNDS; "rn" needs sm_90, launch picks by device)."""
-    CAUSAL, SPLIT = bool(CAUSAL), PASSES_ == 3
-    ACC_PER_TILE, QK_FRESH, PRESPLIT = bool(ACC_PER_TILE), bool(QK_FRESH), bool(PRESPLIT and SPLIT)
+    passes: 3 (3xTF32) or 1 (TF32); split_round: how operands are split (SPLIT_ROUNDS; "rn" needs sm_90,
+    launch picks by device)."""
+    BLOCK_Q, BLOCK_K, HEAD_DIM = tile.block_q, tile.block_k, tile.head_dim
+    CAUSAL = bool(causal)
+    PRESPLIT, GRID_BH_X = presplit(tile, passes), tile.has("grid_bh_x")
     WARPS = BLOCK_Q // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 4  # 16-byte copies per row
@@ -141,22 +155,23 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
     S_TILES = BLOCK_K // 8  # n-tiles of S = k-steps of P V
     O_TILES = HEAD_DIM // 8  # n-tiles of O
     QK_STRIDE, V_STRIDE = strides(HEAD_DIM)
-    # Word offsets of the tiles: Q | K | V (| K lo | V lo with PRESPLIT)
+    # Word offsets of the tiles: Q | K | V (| K lo | V lo with presplit)
     SQ, SK, SV = 0, BLOCK_Q * QK_STRIDE, (BLOCK_Q + BLOCK_K) * QK_STRIDE
     SKL = SV + BLOCK_K * V_STRIDE
     SVL = SKL + BLOCK_K * QK_STRIDE
-    ex2 = ptx.ex2_approx
-    shfl_xor = ptx.shfl_xor_sync
     cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
-    FULL = ptx.FULL_MASK
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    split, mma3 = products(PASSES_, SPLIT_ROUND)
+    split, mma3 = products(passes, split_round)
+    _, _, quad_row_sum, _ = fragment_softmax(S_TILES, O_TILES)
+    ex2 = ptx.ex2_approx
+    shfl_xor = ptx.shfl_xor_sync
+    FULL = ptx.FULL_MASK
 
     @inline_device
     def split_chunks(smem, tile0, lo0, STRIDE, dst0):
-        """PRESPLIT: this thread's copied chunks of a tile -> hi in place, lo at the same offset of lo0."""
+        """presplit: this thread's copied chunks of a tile -> hi in place, lo at the same offset of lo0."""
         for i in range(KV_COPIES):
             off = dst0 + i * (ROW_STEP * STRIDE)
             x0, x1, x2, x3 = ld_shared_f32x4(smem, tile0 + off)
@@ -224,33 +239,16 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
         zh0, zh1, zh2, zh3, zl0, zl1, zl2, zl3 = k_split(smem, k_off)
         c = cuda.local.array((1, 4), float32)
         # a0..a3 = A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4]; b0, b1 = B[t, g], B[t+4, g]
-        if QK_FRESH:  # a chain of 6 mma from zero, then one rounded add
-            for r in range(4):
-                c[0, r] = ZERO
-            mma3(c, 0, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
-            mma3(c, 0, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
-            for r in range(4):
-                s[nt, r] += c[0, r]
-        else:
-            mma3(s, nt, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
-            mma3(s, nt, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
-
-    @inline_device
-    def pv_step(acc, s, smem, n, v_lane):
-        """ACC_PER_TILE=False: k-step n of O += P V_j, s[n] = P[g, 8n+2t (+1)], P[g+8, ...] as A fragment."""
-        ph0, pl0 = split(s[n, 0])
-        ph1, pl1 = split(s[n, 1])
-        ph2, pl2 = split(s[n, 2])
-        ph3, pl3 = split(s[n, 3])
-        v_row = v_lane + n * 8 * V_STRIDE
-        for dt in range(O_TILES):
-            vh0, vl0 = v_split(smem, v_row + dt * 8)  # V[8n + 2t, 8dt + g]
-            vh1, vl1 = v_split(smem, v_row + V_STRIDE + dt * 8)  # V[8n + 2t + 1, 8dt + g]
-            mma3(acc, dt, ph0, ph2, ph1, ph3, pl0, pl2, pl1, pl3, vh0, vh1, vl0, vl1)
+        for r in range(4):  # a chain of 6 mma from zero, then one rounded add
+            c[0, r] = ZERO
+        mma3(c, 0, xh0, yh0, xh1, yh1, xl0, yl0, xl1, yl1, zh0, zh1, zl0, zl1)
+        mma3(c, 0, xh2, yh2, xh3, yh3, xl2, yl2, xl3, yl3, zh2, zh3, zl2, zl3)
+        for r in range(4):
+            s[nt, r] += c[0, r]
 
     @inline_device
     def pv_col(acc, ph, pl, smem, dt, v_lane, alpha):
-        """ACC_PER_TILE: n-tile dt of O, acc[dt] = alpha·acc[dt] + P·V_j[:, 8dt:8dt+8], P·V_j in fresh registers."""
+        """n-tile dt of O, acc[dt] = alpha·acc[dt] + P·V_j[:, 8dt:8dt+8], P·V_j in fresh registers."""
         c = cuda.local.array((1, 4), float32)
         for r in range(4):
             c[0, r] = ZERO
@@ -307,9 +305,9 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
 
         s = cuda.local.array((S_TILES, 4), float32)
         acc = cuda.local.array((O_TILES, 4), float32)
-        alpha_r = cuda.local.array(2, float32)  # this tile's rescale of rows g, g + 8 (ACC_PER_TILE)
-        ph = cuda.local.array((S_TILES if ACC_PER_TILE else 1, 4), float32)  # P = ph + pl, split once
-        pl = cuda.local.array((S_TILES if ACC_PER_TILE else 1, 4), float32)
+        alpha_r = cuda.local.array(2, float32)  # this tile's rescale of rows g, g + 8, applied with P·V_j
+        ph = cuda.local.array((S_TILES, 4), float32)  # P = ph + pl, split once
+        pl = cuda.local.array((S_TILES, 4), float32)
         m_i = cuda.local.array(2, float32)  # rows g and g + 8
         l_i = cuda.local.array(2, float32)  # this lane's partial sums; the quad adds them at the end
         for dt in range(O_TILES):
@@ -382,12 +380,7 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
                         row_sum += p
                 l_i[half] = alpha * l_i[half] + row_sum
                 m_i[half] = m_new
-                if ACC_PER_TILE:  # applied with P·V_j below
-                    alpha_r[half] = alpha
-                else:
-                    for dt in range(O_TILES):
-                        acc[dt, 2 * half] *= alpha
-                        acc[dt, 2 * half + 1] *= alpha
+                alpha_r[half] = alpha  # applied with P·V_j below
 
             cp_wait(0)  # V_j
             if PRESPLIT:  # every warp left P·V_{j-1}, which read V lo (the barrier at the top of this tile)
@@ -397,67 +390,42 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
                 load_tile(smem, SK, QK_STRIDE, k, k_src, k_stride, col_bytes, qk_dst, k0 + BLOCK_K, n_k, KV_COPIES)
             cp_commit()
 
-            if ACC_PER_TILE:  # acc = alpha·acc + P·V_j, one call per n-tile of O (constant indices: registers)
-                for n in range(S_TILES):
-                    for r in range(4):
-                        ph[n, r], pl[n, r] = split(s[n, r])
-                pv_col(acc, ph, pl, smem, 0, v_lane, alpha_r)
-                pv_col(acc, ph, pl, smem, 1, v_lane, alpha_r)
-                if O_TILES > 2:
-                    pv_col(acc, ph, pl, smem, 2, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 3, v_lane, alpha_r)
-                if O_TILES > 4:
-                    pv_col(acc, ph, pl, smem, 4, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 5, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 6, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 7, v_lane, alpha_r)
-                if O_TILES > 8:
-                    pv_col(acc, ph, pl, smem, 8, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 9, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 10, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 11, v_lane, alpha_r)
-                if O_TILES > 12:
-                    pv_col(acc, ph, pl, smem, 12, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 13, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 14, v_lane, alpha_r)
-                    pv_col(acc, ph, pl, smem, 15, v_lane, alpha_r)
-            else:  # O += P V_j, one call per k-step (a rolled loop would index s at run time: local memory)
-                pv_step(acc, s, smem, 0, v_lane)
-                if S_TILES > 1:
-                    pv_step(acc, s, smem, 1, v_lane)
-                if S_TILES > 2:
-                    pv_step(acc, s, smem, 2, v_lane)
-                if S_TILES > 3:
-                    pv_step(acc, s, smem, 3, v_lane)
-                if S_TILES > 4:
-                    pv_step(acc, s, smem, 4, v_lane)
-                    pv_step(acc, s, smem, 5, v_lane)
-                    pv_step(acc, s, smem, 6, v_lane)
-                    pv_step(acc, s, smem, 7, v_lane)
-                if S_TILES > 8:
-                    pv_step(acc, s, smem, 8, v_lane)
-                    pv_step(acc, s, smem, 9, v_lane)
-                    pv_step(acc, s, smem, 10, v_lane)
-                    pv_step(acc, s, smem, 11, v_lane)
-                if S_TILES > 12:
-                    pv_step(acc, s, smem, 12, v_lane)
-                    pv_step(acc, s, smem, 13, v_lane)
-                    pv_step(acc, s, smem, 14, v_lane)
-                    pv_step(acc, s, smem, 15, v_lane)
+            # acc = alpha·acc + P·V_j, one call per n-tile of O (constant indices: registers)
+            for n in range(S_TILES):
+                for r in range(4):
+                    ph[n, r], pl[n, r] = split(s[n, r])
+            pv_col(acc, ph, pl, smem, 0, v_lane, alpha_r)
+            pv_col(acc, ph, pl, smem, 1, v_lane, alpha_r)
+            if O_TILES > 2:
+                pv_col(acc, ph, pl, smem, 2, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 3, v_lane, alpha_r)
+            if O_TILES > 4:
+                pv_col(acc, ph, pl, smem, 4, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 5, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 6, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 7, v_lane, alpha_r)
+            if O_TILES > 8:
+                pv_col(acc, ph, pl, smem, 8, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 9, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 10, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 11, v_lane, alpha_r)
+            if O_TILES > 12:
+                pv_col(acc, ph, pl, smem, 12, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 13, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 14, v_lane, alpha_r)
+                pv_col(acc, ph, pl, smem, 15, v_lane, alpha_r)
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 included)
 
         # Epilogue: the quad's partial sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
         for half in range(2):
-            l_row = l_i[half]
-            l_row += shfl_xor(FULL, l_row, 1)
-            l_row += shfl_xor(FULL, l_row, 2)
+            l_row = quad_row_sum(l_i, half)
             row = q0 + warp * 16 + 8 * half + g
             inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
             if row < n_q:
                 if t == 0:
                     if l_row > ZERO:
-                        lse[b, h, row] = (m_i[half] + math.log2(l_row)) * float32(LN2)
+                        lse[b, h, row] = row_lse(m_i[half], l_row)
                     else:
                         lse[b, h, row] = NEG_INF
                 for dt in range(O_TILES):
@@ -471,52 +439,45 @@ def kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, ACC_PER_TILE=Tr
 
 
 @lru_cache(maxsize=None)
-def make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, CAUSAL, PASSES_=3, MAX_REGS=None, ACC_PER_TILE=True,
-                        QK_FRESH=True, PRESPLIT=False, GRID_BH_X=False, SPLIT_ROUND="rn"):
+def build(tile: Tile, causal: bool, passes: int = 3, split_round: str = "rn"):
     """The compiled kernel for one specialisation; cached so each compiles once."""
-    bad = problems(BLOCK_Q, BLOCK_K, HEAD_DIM, PASSES_, PRESPLIT)
+    bad = problems(tile, passes)
     if bad:
-        raise ValueError(f"tf32 forward ({BLOCK_Q}, {BLOCK_K}, {HEAD_DIM}, PASSES={PASSES_}) cannot be built: "
-                         f"{'; '.join(bad)}")
-    source = kernel_source(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(CAUSAL), int(PASSES_), bool(ACC_PER_TILE), bool(QK_FRESH),
-                           bool(PRESPLIT), bool(GRID_BH_X), SPLIT_ROUND)
-    opts = {"max_registers": int(MAX_REGS)} if MAX_REGS else {}
-    return cuda.jit(kernel_signature(), **opts)(source)
+        raise ValueError(f"tf32 forward ({tile}, passes={passes}) cannot be built: {'; '.join(bad)}")
+    return cuda.jit(kernel_signature())(kernel_source(tile, bool(causal), int(passes), split_round))
 
 
-def launch(q, k, v, out, lse, *, causal, softmax_scale, stream=0, BLOCK_Q=64, BLOCK_K=64, HEAD_DIM=None,
-           PASSES_=3, MAX_REGS=None, ACC_PER_TILE=True, QK_FRESH=True, PRESPLIT=False, GRID_BH_X=False,
-           SPLIT_ROUND=None, layout_checked=False):
+def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, passes=3, stream=0, split_round=None,
+           layout_checked=False):
     """Run the tf32 tensor-core forward on float32 device arrays; the caller has validated the problem.
 
     q, out (B, H, Nq, d); k, v (B, Hkv, Nk, d), H % Hkv == 0; lse (B, H, Nq) float32 receives the
-    natural-log logsumexp of the scaled scores (-inf for a row that sees no key). d <= HEAD_DIM
-    (default: head_dim_for(d)); the kernel zero-pads. Strides: unit last dim, every other stride of
-    q, k, v a multiple of 4 elements and 16-byte aligned bases (cp.async). PASSES_ 3 (3xTF32, default)
-    or 1 (TF32); ACC_PER_TILE, QK_FRESH, PRESPLIT, GRID_BH_X: kernel_source's options; SPLIT_ROUND: one of
-    SPLIT_ROUNDS (default: split_round_for_device); MAX_REGS: ptxas's cap.
+    natural-log logsumexp of the scaled scores (-inf for a row that sees no key). tile: the specialisation
+    (configs.TF32_TABLE's); d <= tile.head_dim, the kernel zero-pads. Strides: unit last dim, every other
+    stride of q, k, v a multiple of 4 elements and 16-byte aligned bases (cp.async). passes 3 (3xTF32,
+    default) or 1 (TF32); split_round: one of SPLIT_ROUNDS (default: split_round_for_device).
     Shapes of k vs v and of out / lse are the caller's to match (numba_flash.forward validates them)."""
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
-    if HEAD_DIM is None:
-        HEAD_DIM = head_dim_for(d)
     if not layout_checked:
-        _check_layout(q, k, v, out, lse, d, HEAD_DIM)
+        _check_layout(q, k, v, out, lse, d, tile.head_dim)
     if B * H * n_q == 0:
         return
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    q_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
-    if GRID_BH_X and q_tiles > 65535 >= B * H:
-        GRID_BH_X = False  # the y axis holds 65535 Q tiles; the (Q tiles, B·H) grid runs the same maths
-    if (q_tiles if GRID_BH_X else B * H) > 65535:
-        raise ValueError(f"{'Q tiles' if GRID_BH_X else 'B*H'} = {q_tiles if GRID_BH_X else B * H} exceeds the "
+    q_tiles = (n_q + tile.block_q - 1) // tile.block_q
+    grid_bh_x = tile.has("grid_bh_x")
+    if grid_bh_x and q_tiles > 65535 >= B * H:  # the y axis holds 65535 Q tiles; the other grid runs the same maths
+        grid_bh_x = False
+        tile = tile.with_(flags=tile.flags - {"grid_bh_x"})
+    if (q_tiles if grid_bh_x else B * H) > 65535:
+        raise ValueError(f"{'Q tiles' if grid_bh_x else 'B*H'} = {q_tiles if grid_bh_x else B * H} exceeds the "
                          "grid's y limit of 65535")
-    presplit = bool(PRESPLIT and PASSES_ == 3)
-    kernel = make_forward_kernel(BLOCK_Q, BLOCK_K, HEAD_DIM, bool(causal), int(PASSES_), MAX_REGS, bool(ACC_PER_TILE),
-                                 bool(QK_FRESH), presplit, bool(GRID_BH_X), split_round_for_device(SPLIT_ROUND))
-    grid = (B * H, q_tiles) if GRID_BH_X else (q_tiles, B * H)
-    launch_kernel(kernel, grid, threads_per_block(BLOCK_Q), stream, smem_bytes(BLOCK_Q, BLOCK_K, HEAD_DIM, presplit),
+    if tile.has("presplit") and passes != 3:
+        tile = tile.with_(flags=tile.flags - {"presplit"})  # one pass has no lo to split: one build for both keys
+    kernel = build(tile, bool(causal), int(passes), split_round_for_device(split_round))
+    grid = (B * H, q_tiles) if grid_bh_x else (q_tiles, B * H)
+    launch_kernel(kernel, grid, threads(tile), stream, smem_bytes(tile, passes),
                   q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
 
 

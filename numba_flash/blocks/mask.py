@@ -1,0 +1,77 @@
+"""The masking step: which keys each query row sees, written once for every forward family.
+
+A mask kind answers three questions, each a device function of ``mask_rules(kind, BLOCK_K)``:
+
+    kv_tiles(q0, q_end, n_k, shift)    K/V tiles of BLOCK_K keys that rows q0 .. q_end - 1 see at all
+                                       (the loop's trip count: tiles past it are never loaded)
+    needs_mask(k1, row0, n_k, shift)   whether the tile of keys k1 - BLOCK_K .. k1 - 1 crosses an edge of
+                                       the mask for rows row0 and below (only such tiles pay for it)
+    hidden(row, col, n_k, shift)       whether score (row, col) is masked, i.e. becomes -inf
+
+shift = n_k - n_q. ``fragment_mask`` applies the per-score rule to mma.sync accumulator fragments (the m16n8 C
+layout); mma_forward calls it. The kernels still spell the trip count and the edge test out in these forms
+(and tf32 / simt the per-score rule): with the calls their PTX changed (which call, not bisected).
+Kinds today: "none" (only keys past the sequence end, col >= n_k, are masked) and "causal" (also
+col > row + shift: the diagonal aligned to the bottom right). A coming mask or score mod
+(sliding window, ALiBi, softcap) is one more kind here: its tile range, its edge test, its per-score rule.
+"""
+import math
+
+from numba import float32
+
+from ..ptx import inline_device
+
+MASKS = ("none", "causal")
+
+
+def mask_kind(causal: bool) -> str:
+    return "causal" if causal else "none"
+
+
+def mask_rules(kind: str, BLOCK_K: int):
+    """(kv_tiles, needs_mask, hidden) of mask ``kind`` for tiles of BLOCK_K keys (module docstring)."""
+    if kind not in MASKS:
+        raise ValueError(f"mask {kind!r}: one of {MASKS}")
+    CAUSAL = kind == "causal"  # one boolean, so Numba prunes the other kind's branches before typing
+
+    @inline_device
+    def kv_tiles(q0, q_end, n_k, shift):
+        n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
+        if CAUSAL:
+            visible = q_end + shift  # keys the last row can see
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
+        return n_tiles
+
+    @inline_device
+    def needs_mask(k1, row0, n_k, shift):
+        edge = k1 > n_k
+        if CAUSAL:
+            edge = edge or (k1 - 1 > row0 + shift)
+        return edge
+
+    @inline_device
+    def hidden(row, col, n_k, shift):
+        return col >= n_k or (CAUSAL and col > row + shift)
+
+    return kv_tiles, needs_mask, hidden
+
+
+def fragment_mask(kind: str, BLOCK_K: int, M_TILES: int):
+    """mask_tile(s, k0, row0, n_k, shift, g, t): -inf into the masked scores of a warp's S fragments, M_TILES
+    m-tiles of 16 rows from row0 (s[mt·S_TILES + nt] holds rows row0 + 16 mt + g (+8), keys k0 + 8 nt + 2t (+1))."""
+    mask_rules(kind, BLOCK_K)  # (the kind's check)
+    CAUSAL = kind == "causal"
+    S_TILES = BLOCK_K // 8
+    NEG_INF = float32(-math.inf)
+
+    @inline_device
+    def mask_tile(s, k0, row0, n_k, shift, g, t):
+        for mt in range(M_TILES):
+            row_g = row0 + 16 * mt + g
+            for nt in range(S_TILES):
+                for r in range(4):
+                    col = k0 + nt * 8 + 2 * t + (r & 1)
+                    if col >= n_k or (CAUSAL and col > row_g + 8 * (r >> 1) + shift):  # hidden(), spelled out: its PTX
+                        s[mt * S_TILES + nt, r] = NEG_INF
+
+    return mask_tile
