@@ -164,7 +164,7 @@ MMA_TABLE = {
 MMA_SPILL_OK = {(128, 64, 128, 2): 24}
 
 # fp32 on tensor cores (kernels/tf32_forward.py, 3xTF32), (head dim, causal): Tile. H200 sweeps
-# (results/sweep-tf32-2026-11-29*.txt, fp32 B4 H16 N4096, kernel launches): d128 128x64 with K/V split once per
+# (results/sweep-tf32-2026-11-29-*.json, fp32 B4 H16 N4096, kernel launches): d128 128x64 with K/V split once per
 # tile (presplit) 54.2 TFLOP/s vs 45.5 for 64x64 re-splitting per warp (SDPA memory-efficient 44.8, SIMT 30.6 in
 # the same run); causal 128x32 presplit + grid_bh_x 42.2 (SDPA 43.0), re-run 37.8 (SDPA 44.2) with 128x64 at
 # 37.7 (results/sweep-tf32-2026-11-29-causal-recheck.json): the causal choice is within the spread; d64 128x64
@@ -184,10 +184,10 @@ TF32_TABLE = {
 # H200 sweep (results/backward-2026-11-29-mma-sweep.md, fp16 B4 H16 N4096, each kernel alone): d = 128
 # dkdv 64x64 257.0 vs 64x32 244.6 TFLOP/s (causal 205.9 vs 192.8) although ptxas spills 92 B of it,
 # dq 64x64 269.3 (next 128x64 264.6); d = 64 64x64 best for both (242.5, 249.1). Re-swept at d128 non-causal
-# after the tenth session's whole-tile copies (results/backward-2026-12-01-sweep-copies.md): the same tiles win
+# after the streamed tiles became whole-tile copies (results/backward-2026-12-01-sweep-copies.md): the same tiles win
 # (dkdv 64x64 3.630 ms vs 64x32 3.927; dq 64x64 2.647 vs 128x64 2.895; atomic 128x64 5.770 vs 64x64 6.451).
-# "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32; fourth
-# session, results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
+# "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32;
+# results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
 # (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.
 # (head_dim, causal) -> tf32x3 backward tiles (kernels.tf32_backward): dkdv (keys, queries), dq (queries,
 # keys). H200 sweeps (scripts/sweep_tf32_backward.py, results/sweep-tf32-backward-2026-12-01*.txt; fp32
@@ -196,11 +196,9 @@ TF32_TABLE = {
 #         dq 128x32 24.4 (causal 13.7) vs 64x64 30.2 (15.9)
 #   d64:  dkdv 128x64 14.3 (causal 8.2) vs 64x32 16.9 (9.5); dq 64x32 11.9, but causal 128x64 5.7 vs 6.9
 #   d32:  dkdv 128x64 7.8 vs 64x64 8.4, causal 64x32 4.5 vs 5.0; dq 128x32 5.4 (causal 3.3) vs 64x64 5.4 (3.8)
-# "dkdv_passes": run dkdv as separate launches per gradient (("dv", "dk")): slower wherever timed; kept
-# for the sweep.
-# "dkdv_atomic" / "deterministic_dq" (thirteenth session): dQ formed in the dkdv kernel (the dkdv tile, plus the
+# "dkdv_atomic" / "deterministic_dq": dQ formed in the dkdv kernel (the dkdv tile, plus the
 # dQ phase), as MMA_BWD_TABLE's; the dq kernel then does not run. Direct calls vs the dkdv + dq kernels
-# (results/ab-backward-2026-12-01-thirteenth-fp32*.txt; deterministic splits / atomic grid, ms): d128 39.4 /
+# (results/ab-backward-2026-12-01-tf32-dq-in-dkdv*.txt; deterministic splits / atomic grid, ms): d128 39.4 /
 # 39.3 vs 55.0 (causal 22.0 / 21.9 vs 30.5), d64 19.9 / 19.5 vs 26.4 (causal 11.3 / 11.0 vs 14.2), d32 12.9 /
 # 12.8 vs 13.4 (causal 6.0 / 5.7 vs 8.0).
 TF32_BWD_TABLE = {
@@ -212,19 +210,19 @@ TF32_BWD_TABLE = {
     (128, True): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
 }
 # (kernel, own, streamed, HEAD_DIM, causal): spill bytes (ptxas 13.0, sm_90) of a shipped tf32x3 config
-# the sweeps measured fastest anyway (seventh session, cvt.rna builds): d64 dkdv 128x64 14.3 ms vs 128x32 15.9
+# the sweeps measured fastest anyway (measured on the cvt.rna builds): d64 dkdv 128x64 14.3 ms vs 128x32 15.9
 # (unspilled); d128 causal dkdv 128x32 16.6 ms vs 128x16 19.4 (56 B) (without the mask the same tile did not
-# spill then). Fourteenth session: the sm_90 builds split operands by cvt.rn (one F2FP) instead of cvt.rna
+# spill then). Since then the sm_90 builds split operands by cvt.rn (one F2FP) instead of cvt.rna
 # (four instructions), and ptxas allocates anew: the figures below are the cvt.rn builds' (cvt.rna's were
 # dkdv d64 80 / 32, d128 0 / 216; dkdv-atomic d64 24 / 68, d128 32 / 104; splits d64 24 / 124, d128 24 / 116,
 # non-causal / causal). Timed cvt.rn against cvt.rna, B4 H16 N4096 (the splits builds at d32-d128, the dkdv + dq
 # plan at d128, whose dkdv spills 272 B: 55.6 -> 43.3 ms), cvt.rn was faster in every case:
-# results/ab-split-round-2026-12-0{1,2}-fourteenth*. The atomic builds (deterministic=False) were not timed.
+# results/ab-split-round-2026-12-0{1,2}-cvt-rn*. The atomic builds (deterministic=False) were not timed.
 TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 56, ("dkdv", 128, 64, 64, True): 56,
                      ("dkdv", 128, 32, 128, False): 272, ("dkdv", 128, 32, 128, True): 256,
-                     # the dQ-in-dkdv builds (thirteenth session): atomic grid, later splits, first split (stores);
-                     # timed faster than the dkdv + dq kernels they replace (results/ab-backward-2026-12-01-
-                     # thirteenth-fp32*.txt), spills and all
+                     # the dQ-in-dkdv builds: atomic grid, later splits, first split (stores); timed faster
+                     # than the dkdv + dq kernels they replace (results/ab-backward-2026-12-01-tf32-dq-in-dkdv*.txt),
+                     # spills and all
                      ("dkdv-atomic", 128, 64, 64, False): 36, ("dkdv-splits", 128, 64, 64, False): 36,
                      ("dkdv-splits-first", 128, 64, 64, False): 36,
                      ("dkdv-atomic", 128, 64, 64, True): 80, ("dkdv-splits", 128, 64, 64, True): 88,
@@ -234,24 +232,24 @@ TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 56, ("dkdv", 128, 64, 64, Tru
                      ("dkdv-splits-first", 128, 32, 128, True): 120}
 # "deterministic_dq": how backward(deterministic=True) forms dQ: "splits" (the dkdv_atomic kernel adding into
 # per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back to the dq kernel where too few
-# blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5). Twelfth session, direct
-# calls, fp16 B4 H16 N4096 (results/ab-backward-2026-12-01-twelfth*.txt): d128 splits 5.80 ms vs the dq kernel
-# 6.31 (with the old prep: the dq kernel with this session's prep was not timed non-causal; the prep gained the
-# dq-kernel path 0.10-0.14 ms at d64 and d128 causal), causal 3.41 vs 3.47 (both with the new prep; a 1.7 %
-# margin, within the spread between runs); d64 splits (the 64-key atomic dkdv, 4 splits) 4.84 vs 3.50
-# (results/ab-backward-2026-12-01-twelfth-loop.txt, an earlier build): "kernel".
+# blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5). Direct calls, fp16
+# B4 H16 N4096 (results/ab-backward-2026-12-01-dq-splits*.txt): d128 splits 5.80 ms vs the dq kernel 6.31 (that
+# dq-kernel figure predates the vectorised prep, which later gained the dq-kernel path 0.10-0.14 ms at d64 and
+# d128 causal; not re-timed non-causal), causal 3.41 vs 3.47 (both with the vectorised prep; a 1.7 % margin,
+# within the spread between runs); d64 splits (the 64-key atomic dkdv, 4 splits) 4.84 vs 3.50
+# (results/ab-backward-2026-12-01-dq-splits-kernel-loop.txt, an earlier build): "kernel".
 MMA_BWD_TABLE = {
     64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64), "deterministic_dq": "kernel"},
     128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
 }
 # sm_90 (H100 / H200) overrides MMA_BWD_TABLE with these: the dQ-in-dkdv kernel on warpgroup MMA
 # (kernels/wgmma_backward.py; wgmma is sm_90a only), 128 keys x 64 queries, and the deterministic splits at
-# d = 64 too. Fifteenth session, A/B against the mma.sync kernels in one run (B4 H16 N4096 fp16, direct calls,
+# d = 64 too. A/B against the mma.sync kernels in one run (B4 H16 N4096 fp16, direct calls,
 # deterministic / deterministic=False, ms): d128 5.78 / 5.55 -> 4.63 / 3.79, causal 3.40 / 3.28 -> 2.74 / 2.35,
-# d64 3.32 / 3.16 -> 2.57 / 2.46, causal 1.91 / 1.99 -> 1.61 / 1.56 (results/ab-backward-2026-12-02-fifteenth.txt).
+# d64 3.32 / 3.16 -> 2.57 / 2.46, causal 1.91 / 1.99 -> 1.61 / 1.56 (results/ab-backward-2026-12-02-wgmma.txt).
 # dkdv_wgmma_defer_dq: the dQ schemes ("atomic": deterministic=False's grid, "splits") whose builds leave each
 # step's dQ product in flight through the next step's barrier (wgmma_backward's DEFER_DQ). A/B against the
-# builds without it (results/ab-backward-2026-12-02-fifteenth-defer.txt, ms): atomic d128 3.96 -> 3.72, causal
+# builds without it (results/ab-backward-2026-12-02-wgmma-defer-dq.txt, ms): atomic d128 3.96 -> 3.72, causal
 # 2.36 -> 2.21, d64 2.41 -> 2.28; splits d128 4.75 -> 4.84 (slower: off there), causal 2.74 -> 2.77, d64
 # 2.51 -> 2.46.
 MMA_BWD_WGMMA = {
@@ -261,18 +259,18 @@ MMA_BWD_WGMMA = {
           "dkdv_wgmma_defer_dq": ("atomic",)},
 }
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
-# shipped config the sweep measured fastest anyway; the build test allows exactly these. Tenth session:
-# the streamed tiles' whole-tile copies freed registers (dkdv d128 104 -> 100, the atomic 128-key dkdv
+# shipped config the sweep measured fastest anyway; the build test allows exactly these. The streamed
+# tiles' whole-tile copies freed registers (dkdv d128 104 -> 100, the atomic 128-key dkdv
 # 56 -> 0) except in the causal dq at d128 (48 -> 56); re-swept: results/backward-2026-12-01-sweep-copies.md.
 # Then the atomic dQ phase's two passes were written out: 0 -> 16 B (44 causal), and 4.8 % faster
 # non-causal, equal causal (results/ab-backward-2026-12-01-dq-passes.txt).
 MMA_BWD_SPILL_OK = {("dkdv", 64, 64, 128): 100, ("dq", 64, 64, 128): 56,
                     # the atomic-dQ dkdv of backward(deterministic=False) with red.v2 adds, 64 or 128 keys
-                    # (worst of causal / not; timed in benchmarks/NOTES.md)
+                    # (worst of causal / not; timed in results/backward-2026-11-29-atomic-v2.md)
                     ("dkdv-atomic", 64, 64, 64): 44, ("dkdv-atomic", 64, 64, 128): 100,
                     ("dkdv-atomic", 128, 64, 64): 40, ("dkdv-atomic", 128, 64, 128): 44,
-                    # the deterministic splits' builds (twelfth session; worst of causal / not, adds / stores:
-                    # the first launch's store build, non-causal; results/sass-loop-2026-12-01-twelfth.txt)
+                    # the deterministic splits' builds (worst of causal / not, adds / stores: the first
+                    # launch's store build, non-causal; results/sass-loop-2026-12-01-dq-splits.txt)
                     ("dkdv-splits", 128, 64, 128): 36}
 
 
