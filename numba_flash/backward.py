@@ -332,7 +332,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             False: FA2's atomic scheme on the tensor-core paths: every dK/dV block adds dQ into one
             fp32 buffer with atomic adds (summation order, hence the last bits of dq, vary run to
             run); fp16 B4 H16 N4096 d128 on an H200: 329 vs 273 TFLOP/s through autograd
-            (benchmarks/NOTES.md). Where the device lacks the shared memory, both take the dQ
+            (benchmarks/DESIGN.md). Where the device lacks the shared memory, both take the dQ
             kernel. The SIMT path is deterministic either way.
 
     Returns:

@@ -4,7 +4,7 @@ Numba's dispatcher wraps every device argument in a ``DeviceNDArray`` (for objec
 ``__cuda_array_interface__`` that is a driver query, a memory-pointer object and a finalizer
 each), types it, then flattens it into the kernel's parameter list. With five to nine array
 arguments per launch that Python work was 0.3-0.6 ms per ``forward`` call on the H200
-(benchmarks/NOTES.md), longer than the kernel itself at N = 1024.
+(benchmarks/DESIGN.md), longer than the kernel itself at N = 1024.
 
 Every kernel here is compiled eagerly for one signature, so the types are known in advance.
 ``DeviceView`` holds what the kernel needs of an array (pointer, shape, byte strides, dtype),

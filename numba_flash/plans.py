@@ -1,4 +1,4 @@
-"""Plans: a repeated call skips validation and planning (host time per call, benchmarks/NOTES.md).
+"""Plans: a repeated call skips validation and planning (host time per call, benchmarks/DESIGN.md).
 
 ``forward``, ``decode`` and ``backward`` check their inputs, choose a kernel and a tile config,
 allocate the outputs, view the arrays and pack ~100 kernel parameters: 45-75 us of Python per call

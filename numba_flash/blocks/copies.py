@@ -66,7 +66,7 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
             cp_async(smem, tile0 + swizzle(r, chunk), src, base + src_row * row_stride + src_col, nbytes)
 
     # cuda.jit, not inline_device: the simulator then runs it with this module's fake ``cuda`` when a kernel
-    # of another module (mma_backward) calls the helpers below.
+    # of another module (mma_dkdv, mma_dq, ...) calls the helpers below.
     @cuda.jit(device=True, inline=True)
     def thread_x():
         """cuda.threadIdx.x for the inline_device helpers below."""

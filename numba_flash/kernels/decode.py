@@ -42,7 +42,7 @@ Work per tile, from shared memory (rows of the K/V tiles are padded by 16 bytes)
 Per 64-key tile that is 2 block barriers, a softmax run by ceil(rows / warps) warps while the
 others wait (for one row: 1 of 4 warps, 10 shuffles in a chain), and 16 cp.async per thread, each
 with its own bounds and 64-bit address arithmetic: the H200 sweep found it bound by this chain,
-not by bytes in flight (NOTES.md, decode).
+not by bytes in flight (benchmarks/DESIGN.md, decode).
 
 Bulk copies (DecodeConfig.bulk, block-wide kernel, sm_90): a (batch, kv head)'s cache rows are
 back to back when its last two dims are contiguous and d = head_dim, so keys [k0, k0 + block_n) of
