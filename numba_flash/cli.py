@@ -281,7 +281,7 @@ def kernel_resources(facts: KernelFacts) -> dict | str:
 
 class _compile_for_sm90_without_gpu:
     """Numba asks the current device for its compute capability while compiling device functions,
-    even for compile_ptx(cc=...); with no GPU, answer sm_90, the target (as tests/test_ptx.py does)."""
+    even for compile_ptx(cc=...); with no GPU, answer sm_90, the target (as tests/kernels/test_ptx.py does)."""
 
     def __enter__(self):
         import numba.cuda.dispatcher as dispatcher

@@ -1,4 +1,4 @@
-"""Plans vs the ordinary path, launch by launch, on a CPU: run by tests/test_plans.py in a subprocess.
+"""Plans vs the ordinary path, launch by launch, on a CPU: run by tests/api/test_plans.py in a subprocess.
 
 numba_flash runs in GPU mode with the driver and PyTorch stubbed (scripts/host_overhead.py
 ``install_stubs``: kernels are not compiled, ``torch.empty`` hands out fake pointers). Every

@@ -24,7 +24,7 @@
 #             (AB_MMA_SHAPE: a regex on sweep_mma's shape labels, default 'N4096 d128$')
 #   abapi     A/B of forward, backward and decode through the public API against AB_OLD / AB_COMMIT (as ab):
 #             scripts/ab_api.py --old DIR --rounds AB_ROUNDS (bitwise comparison of the outputs, SDPA beside)
-#   ptx       the PTX intrinsic GPU tests (tests/test_gpu_ptx.py)
+#   ptx       the PTX intrinsic GPU tests (tests/kernels/test_gpu_ptx.py)
 #   host      host time per call (scripts/host_overhead.py)
 #
 # Each step's time limit (seconds) can be overridden by LIMIT_<step>=N, e.g. LIMIT_tests=400.
@@ -126,7 +126,7 @@ step_ab() {
   fi
 }
 
-step_ptx() { run ptx "$(limit ptx 120)" $P tests/test_gpu_ptx.py -rfE; }
+step_ptx() { run ptx "$(limit ptx 120)" $P tests/kernels/test_gpu_ptx.py -rfE; }
 
 step_host() { run host "$(limit host 100)" python3 scripts/host_overhead.py --json "$res/host_overhead.json"; }
 

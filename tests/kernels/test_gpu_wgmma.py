@@ -1,6 +1,6 @@
-"""numba_flash.ptx.wgmma on an sm_90 GPU: the simulator test's check (tests/test_wgmma.py) on the hardware.
+"""numba_flash.ptx.wgmma on an sm_90 GPU: the simulator test's check (tests/kernels/test_wgmma.py) on the hardware.
 
-    python -m pytest -m gpu tests/test_gpu_wgmma.py
+    python -m pytest -m gpu tests/kernels/test_gpu_wgmma.py
 """
 import pytest
 

@@ -419,7 +419,7 @@ from numba import cuda
 from numba.cuda.cudadrv import nvvm
 from numba_flash.blocks.entry import kernel_signature
 from numba_flash.kernels import mma_dkdv
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests/kernels", "tests"]
 from test_mma_backward import DKDV_PTX_CASES
 from shipped_ptx import sha
 versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
@@ -440,7 +440,7 @@ print(json.dumps(dict(versions=versions, hashes=out)))
 
 
 # --------------------------------------------------------------------------------------------
-# Real GPU (marked gpu; skipped without one): python -m pytest -m gpu tests/test_mma_backward.py
+# Real GPU (marked gpu; skipped without one): python -m pytest -m gpu tests/kernels/test_mma_backward.py
 # --------------------------------------------------------------------------------------------
 from gpu_helpers import needs_gpu  # noqa: E402
 

@@ -4,7 +4,7 @@ How these tests run anywhere:
 
 * ``check_*`` functions jit a small kernel, launch it on host arrays and compare with NumPy. They
   run unchanged on the CUDA simulator (here, via ``in_simulator``) and on a real GPU
-  (tests/test_gpu_ptx.py imports them).
+  (tests/kernels/test_gpu_ptx.py imports them).
 * ``in_simulator``: when this pytest process already has ``NUMBA_ENABLE_CUDASIM=1`` the test runs
   in-process; otherwise it re-runs its own node id in a subprocess with the simulator on
   (NUMBA_ENABLE_CUDASIM must be set before numba is imported, so it cannot be switched here).
@@ -29,7 +29,7 @@ from numba import config, cuda
 from numba_flash import ptx
 from numba_flash.ptx import SMEM_ALIGN
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def test_bit_conversions_round_to_nearest_even():
 
 
 # --------------------------------------------------------------------------------------------
-# check_* : one kernel each, shared with tests/test_gpu_ptx.py
+# check_* : one kernel each, shared with tests/kernels/test_gpu_ptx.py
 # --------------------------------------------------------------------------------------------
 def check_mma_from_registers(dtype, seed=0):
     """mma with fragments built by each lane from global memory (explicit g/t indexing) + pack."""

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("sass_loop", ROOT / "scripts" / "sass_loop.py")
 sass_loop = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sass_loop)

@@ -2,7 +2,7 @@
 
 The simulator runs the fragment indexing of both patterns through the twins of mma.m16n8k8.tf32
 and cvt.rn / cvt.rna.tf32 on small tiles; the tensor core's truncating accumulation is covered on the GPU
-(tests/test_gpu_backward.py::test_tf32x3_backward_as_accurate_as_simt).
+(tests/kernels/test_gpu_backward.py::test_tf32x3_backward_as_accurate_as_simt).
 """
 from __future__ import annotations
 

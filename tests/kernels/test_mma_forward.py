@@ -4,7 +4,7 @@ The simulator runs the kernel's fragment indexing through numba_flash.ptx's twin
 cp.async, shuffles), so a wrong lane mapping fails here without a GPU. Shapes stay small: each
 simulated thread is a Python thread (128 per block). Simulator tests re-run themselves in a child
 process with NUMBA_ENABLE_CUDASIM=1 when this process does not have it; compile tests always run
-in a child without it (see tests/test_ptx.py).
+in a child without it (see tests/kernels/test_ptx.py).
 """
 import json
 import math
@@ -18,7 +18,7 @@ from numba import cuda
 from numba_flash.kernels import mma_forward
 from numba_flash.tiles import Tile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_ptx import compile_in_subprocess, in_simulator, ptxas_report  # noqa: E402
 
@@ -290,7 +290,7 @@ def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Real GPU (marked gpu; skipped without one): python -m pytest -m gpu tests/test_mma_forward.py
+# Real GPU (marked gpu; skipped without one): python -m pytest -m gpu tests/kernels/test_mma_forward.py
 # --------------------------------------------------------------------------------------------
 from gpu_helpers import needs_gpu  # noqa: E402
 
@@ -491,7 +491,7 @@ import numba, numba_cuda
 from numba import cuda
 from numba.cuda.cudadrv import nvvm
 from numba_flash.kernels import mma_forward
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests/kernels", "tests"]
 from test_mma_forward import normalised_ptx_sha256
 versions = [numba.__version__, numba_cuda.__version__, list(nvvm.NVVM().get_version())]
 out = {}

@@ -3,7 +3,7 @@ import csv
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("ncu_sass_summary", ROOT / "scripts" / "ncu_sass_summary.py")
 summary_mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summary_mod)

@@ -4,7 +4,7 @@ Reference: float64 attention on the GPU (torch) over each sequence's valid prefi
 causal. fp32: relative error. fp16 / bf16: the flash-attention rule, err(ours vs fp64) <= 2 ·
 err(naive same-dtype vs fp64) + small, both errors printed on failure.
 
-    pytest -m gpu tests/test_gpu_decode.py -q
+    pytest -m gpu tests/kernels/test_gpu_decode.py -q
 """
 from __future__ import annotations
 

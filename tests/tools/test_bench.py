@@ -14,7 +14,7 @@ import pytest
 from numba_flash import bench, plots
 from reference import causal_mask, costs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib not installed (the plot extra)")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

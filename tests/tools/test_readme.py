@@ -11,7 +11,7 @@ from pathlib import Path
 
 from numba import config as nb_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 

@@ -41,7 +41,7 @@ from numba_flash.kernels.simt_backward import BACKWARD_CONFIGS, BackwardConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_ptx import NO_GPU_PATCH, run_compile_child  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EPS32 = float(np.finfo(np.float32).eps)
 ATOL = 1e-30  # fp32 underflow of tiny P (module docstring)
 
@@ -386,6 +386,6 @@ def test_torch_module_without_torch_says_what_to_install():
     import importlib.util
 
     if importlib.util.find_spec("torch") is not None:
-        pytest.skip("PyTorch is installed: tests/test_gpu_backward.py runs numba_flash.torch")
+        pytest.skip("PyTorch is installed: tests/kernels/test_gpu_backward.py runs numba_flash.torch")
     with pytest.raises(ImportError, match="numba_flash.torch needs PyTorch"):
         import numba_flash.torch  # noqa: F401

@@ -1,5 +1,5 @@
 """wgmma.mma_async intrinsics (numba_flash.ptx.wgmma): the twin in the simulator and the instruction on an
-sm_90 GPU (tests/test_gpu_wgmma.py runs the same check) against NumPy, for the three operand forms the
+sm_90 GPU (tests/kernels/test_gpu_wgmma.py runs the same check) against NumPy, for the three operand forms the
 wgmma backward uses: both operands K-major (Sᵀ = K Qᵀ), A from registers with B MN-major (dV = Pᵀ dO) and
 both MN-major (dQ = dS K from the stored dSᵀ)."""
 import numpy as np

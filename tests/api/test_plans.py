@@ -3,7 +3,7 @@
 Plans exist only in GPU mode, so the comparisons run in a subprocess with the driver and PyTorch
 stubbed (tests/plans_stub_check.py): every launch of a call through a plan (its first call and a
 hit) must equal, byte for byte, the launch of the same call with plans off; errors and warnings
-too. On the GPU, tests/test_launch.py::test_launch_matches_dispatcher_bitwise compares the bits of
+too. On the GPU, tests/api/test_launch.py::test_launch_matches_dispatcher_bitwise compares the bits of
 the results of replayed calls with Numba's dispatcher.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import numba_flash
 from numba_flash import plans
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stub_check(*names, env=None):

@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA GPU (sm_80 or newer) and the simulator off:
 
-    python -m pytest -m gpu tests/test_gpu_ptx.py
+    python -m pytest -m gpu tests/kernels/test_gpu_ptx.py
 """
 import pytest
 

@@ -5,7 +5,7 @@ tiles, head dim 16) that exercises the same code paths as the shipped ones: the 
 quad-lane Q·Kᵀ with shuffles, one warp per softmax row, key groups summed at the end, row chunks
 when G·Nq exceeds the config's rows, direct write (one split) or scratch + merge. One case runs
 the shipped d = 64 config as it is. Tests re-run themselves in a child process with
-NUMBA_ENABLE_CUDASIM=1 when this process does not have it (tests/test_ptx.py); the resource test
+NUMBA_ENABLE_CUDASIM=1 when this process does not have it (tests/kernels/test_ptx.py); the resource test
 compiles the shipped kernels for sm_90 in one child without it and reads ptxas -v.
 """
 import ast
@@ -27,7 +27,7 @@ from numba_flash.kernels import decode as dk  # noqa: E402
 from numba_flash.kernels.decode import DecodeConfig  # noqa: E402
 from reference.decode import decode_attention  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small(dtype, rows, stages=2):

@@ -21,7 +21,7 @@ from numba_flash import api, cli
 from numba_flash.configs import simt_config
 from reference import costs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NO_DRIVER = not any(os.path.exists(p) for p in cli.DEVICE_FILES)
 
 

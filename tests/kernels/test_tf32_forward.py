@@ -3,7 +3,7 @@
 The simulator runs the kernel's fragment indexing through the twins of mma.m16n8k8.tf32 and
 cvt.rn / cvt.rna.tf32 (numba_flash.ptx), so a wrong lane mapping or k-order fails here without a GPU; small
 tiles (2 warps) keep each case to seconds. What the twins cannot show, the tensor core's truncating
-accumulation, is covered on the GPU (tests/test_gpu_forward.py::test_tf32x3_as_accurate_as_simt).
+accumulation, is covered on the GPU (tests/kernels/test_gpu_forward.py::test_tf32x3_as_accurate_as_simt).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
 
 
 # --------------------------------------------------------------------------------------------
-# Intrinsics (check_* run in the simulator here and on a GPU in tests/test_gpu_ptx.py)
+# Intrinsics (check_* run in the simulator here and on a GPU in tests/kernels/test_gpu_ptx.py)
 # --------------------------------------------------------------------------------------------
 def tf32_rna_numpy(x):
     """Round float32 to tf32 (10 mantissa bits), ties away from zero; inf/nan unchanged."""
