@@ -29,6 +29,7 @@ from numba_flash.blocks import entry, schedule
 from numba_flash.kernels import mma_dkdv, mma_dq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_backward_sim import gradient_bounds  # noqa: E402
 from test_ptx import compile_in_subprocess, in_simulator, ptxas_report  # noqa: E402
 
 
@@ -214,6 +215,46 @@ def test_dq_splits_sim(n_q, n_k, splits):
                                    err_msg=f"plane {plane}")
         assert np.all(want[:, :, :first] == 0)  # ... and nothing was to be added there
         assert np.all(planes[0][plane][:, :, first:n_q, d:] == 0)  # padded head-dim columns: zeros stored
+
+
+@in_simulator
+@pytest.mark.parametrize("d,n,dtype,big,scheme", [
+    (16, 1, "float16", (5.0, 3.0), "atomic"),   # flash-attention's test_flash_attn_bwd_overflow: q·5, k·3
+    (128, 5, "float16", (5.0, 3.0), "atomic"),  # 128-key blocks (8 warps), 123 of them past n_k
+    (128, 5, "float16", (5.0, 3.0), "splits"),  # the deterministic splits' build (its first launch stores)
+    (64, 2, "bfloat16", (20.0, 20.0), "atomic"),  # |S| ~ 400: exp2 overflows fp32 itself where L < -89
+])
+def test_keys_past_the_end_with_large_logits_sim(d, n, dtype, big, scheme):
+    """The dK/dV block that also forms dQ (dQ += dS K) holds keys past n_k: K rows there are zero-filled, so
+    their scores are 0 and P = exp(0 - L) overflows (to inf in fp16 where L < -11, in fp32 where L < -89);
+    inf · 0 in dS K made dQ NaN. Those keys must be masked like every other hidden score."""
+    qk, v_big = big
+    to16 = (lambda x: x.astype(np.float16)) if dtype == "float16" else _bf16_bits
+    value = (lambda x: x.astype(np.float64)) if dtype == "float16" else (lambda b: _bf16_value(b).astype(np.float64))
+    overflow = -12 if dtype == "float16" else -90  # L below it: exp(0 - L) past fp16's (fp32's) largest value
+    rng = np.random.default_rng(d + n)
+    x32 = [rng.standard_normal((1, 2, n, d)).astype(np.float32) * s for s in (qk, qk, v_big, 1.0)]
+    k_mean = x32[1][0, 0].mean(0)
+    x32[0][0, 0, 0] = -qk * math.sqrt(d) * k_mean / np.linalg.norm(k_mean)  # a row whose every score is very negative
+    store = [to16(x) for x in x32]
+    q, k, v, do = (value(x) for x in store)
+    o, lse = reference.standard_attention(q, k, v)
+    assert lse.min() < overflow, lse.min()
+    o_store = to16(o.astype(np.float32))
+    vals = (q, k, v, value(o_store), lse.astype(np.float32), do)
+    stored = (store[0], store[1], store[2], o_store, lse.astype(np.float32), store[3])
+    head_dim = 64 if d <= 64 else 128
+    grads = run_backward(stored, d, False, dtype, shipped(head_dim), atomic=scheme == "atomic",
+                         splits=1 if scheme == "splits" else None)  # one key block: one plane
+    refs = reference.attention_backward(*vals)
+    # per entry: 16-bit rounding of P and dS (4 units of the dtype) times the sum of the terms' magnitudes;
+    # an unmasked or misplaced term is of the order of that sum
+    unit = 2.0**-11 if dtype == "float16" else 2.0**-8
+    bounds = gradient_bounds(*vals, False, 1 / math.sqrt(d))
+    for name, ours, ref, m in zip(("dq", "dk", "dv"), grads, refs, bounds):
+        assert np.all(np.isfinite(ours)), f"{name}: {np.count_nonzero(~np.isfinite(ours))} non-finite entries"
+        excess = np.abs(ours - ref) - (4 * unit * m + 1e-30)
+        assert excess.max() <= 0, f"{name}: error above the bound by {excess.max():.3e}"
 
 
 @pytest.mark.parametrize("n_kv_heads,slots,group,want_splits,fallback", [

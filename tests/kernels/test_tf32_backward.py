@@ -23,6 +23,7 @@ from numba_flash.blocks.tf32 import head_dim_for
 from numba_flash.kernels import tf32_backward as tb
 from test_mma_forward import attention_f64
 from gpu_helpers import needs_gpu
+from test_backward_sim import EPS32, gradient_bounds
 from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child
 
 
@@ -123,6 +124,32 @@ def test_tf32x3_dq_in_dkdv_sim(B, H, Hkv, n_q, n_k, d, causal, tile, splits):
     vals, refs, scale = problem(B, H, Hkv, n_q, n_k, d, causal, seed=n_k)
     config = {**SMALL, "dkdv_atomic": tile, "head_dim": head_dim_for(d)}
     dq_plane_check(vals, refs, scale, d, causal, config, splits)
+
+
+@in_simulator
+@pytest.mark.parametrize("n,splits", [(1, None), (3, 1)])
+def test_tf32x3_keys_past_the_end_with_large_logits_sim(n, splits):
+    """The dK/dV block that forms dQ holds keys past n_k, whose scores (Q against zero-filled K rows) are 0: where
+    a row's L < -89, P = exp2(0 - L·log2 e) overflows fp32 and inf · 0 in dS K made dQ NaN (deterministic=False
+    and the splits). Those keys are masked like every other hidden score."""
+    rng = np.random.default_rng(n)
+    d = 32
+    q, k, v, do = (rng.standard_normal((1, 2, n, d)).astype(np.float32) * s for s in (8, 8, 1, 1))
+    k_mean = k[0, 0].mean(0)
+    q[0, 0, 0] = -8 * math.sqrt(d) * k_mean / np.linalg.norm(k_mean)  # every score of this row is very negative
+    scale = 1 / math.sqrt(d)
+    o, lse = (x.astype(np.float32) for x in attention_f64(q, k, v, False, scale))
+    assert lse.min() < -89, lse.min()
+    vals = (q, k, v, o, lse, do)
+    refs = reference.attention_backward(*vals, softmax_scale=scale)
+    grads, _ = run_dq_in_dkdv(vals, d, False, scale, {**SMALL, "dkdv_atomic": (32, 16)}, splits)
+    # |S| ~ 1e2 here: fp32 rounding of the exponent and of dP - D (P one-hot: dS ~ 0) dwarfs max |ref|, so the
+    # bound is per entry, the fp32 worst case of test_backward_sim (tf32x3 splits its operands to fp32 level)
+    bounds = gradient_bounds(*vals, False, scale)
+    for name, ours, ref, m in zip(("dq", "dk", "dv"), grads, refs, bounds):
+        assert np.all(np.isfinite(ours)), f"{name}: {np.count_nonzero(~np.isfinite(ours))} non-finite entries"
+        excess = np.abs(ours - ref) - (4 * (2 * n + d) * EPS32 * m + 1e-30)
+        assert excess.max() <= 0, f"{name}: error above the bound by {excess.max():.3e}"
 
 
 def dq_plane_check(vals, refs, scale, d, causal, config, splits, tol=2e-6):
