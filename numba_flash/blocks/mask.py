@@ -14,6 +14,15 @@ layout); mma_forward calls it. The kernels still spell the trip count and the ed
 Kinds today: "none" (only keys past the sequence end, col >= n_k, are masked) and "causal" (also
 col > row + shift: the diagonal aligned to the bottom right). A coming mask or score mod
 (sliding window, ALiBi, softcap) is one more kind here: its tile range, its edge test, its per-score rule.
+
+The dK/dV kernels (Sᵀ: a warp's rows are 16 keys) hide keys past n_k without a compare: their K rows are
+zero-filled, so S = 0 there; causal hides them anyway (col >= n_k > row + shift), and without it
+``clamps_past_end`` says to take min(x, 0) of each exponent x = S·scale·log2 e − L2. Every visible P is at most
+1 (L ≥ the row's max), so the clamp changes no visible score beyond rounding, and it keeps the hidden keys' P
+at most 1 too, where exp2(−L2) would overflow for a very negative L (fp16 below −11, fp32 below −89) and
+inf · 0 in dQ = dS K would turn dQ into NaN (flash-attention's test_flash_attn_bwd_overflow). Those
+keys' dS then meet zero K rows, and their dK / dV rows are never stored. A per-key compare did the same with
+more registers: the sm_90 tf32x3 splits kernel spilled 100 bytes instead of 36.
 """
 import math
 
@@ -26,6 +35,13 @@ MASKS = ("none", "causal")
 
 def mask_kind(causal: bool) -> str:
     return "causal" if causal else "none"
+
+
+def clamps_past_end(kind: str, dq_in_dkdv: bool) -> bool:
+    """Whether a dK/dV kernel clamps its exponents at 0 to keep keys past n_k finite (module docstring): only
+    where it forms dQ (the only product their dS reaches) and the mask does not hide those keys already."""
+    mask_rules(kind, 16)  # (the kind's check)
+    return bool(dq_in_dkdv) and kind == "none"
 
 
 def mask_rules(kind: str, BLOCK_K: int):

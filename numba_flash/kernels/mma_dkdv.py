@@ -53,8 +53,8 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.dkdv import dkdv_common, stage_words, two_products
-from ..blocks.mask import mask_kind, mask_rules
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
+from ..blocks.mask import clamps_past_end, mask_kind
 from ..blocks.schedule import ROW_PAD
 
 DTYPES = ("float16", "bfloat16")
@@ -137,10 +137,8 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
-    # Sᵀ's rows are keys: keys past n_k are masked too, or their scores (Q against zero-filled K rows)
-    # overflow exp2 where L is very negative, and inf · 0 in dQ = dS K turns dQ into NaN
-    _, key_edge, hidden = mask_rules(mask_kind(CAUSAL), 16)
     ZERO = float32(0.0)
+    CLAMP_P = clamps_past_end(mask_kind(CAUSAL), ATOMIC_DQ)
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first):
@@ -199,14 +197,16 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries
             # have L2 = +inf. Mask only where this warp's keys cross the tile's diagonal.
-            needs_mask = key_edge(kw + 16, i0, n_k, shift)  # this warp's 16 keys cross the diagonal or n_k
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
             l2_s = (st + SL) >> 1
             d_s = (st + SD) >> 1
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
                     x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
-                    if needs_mask and hidden(i0 + col, kw + g + 8 * (r >> 1), n_k, shift):
+                    if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
+                        x = min(x, ZERO)
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     p = ex2(x)
                     s[nt, r] = p

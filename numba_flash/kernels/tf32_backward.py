@@ -64,8 +64,8 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..ptx import bits_from_f32
 from ..ptx import ld_shared_f32x4 as ld4  # 16-byte shared load
-from ..blocks.mask import mask_kind, mask_rules
 from ..blocks.entry import dkdv_entry, kernel_signature as _signature, launch_dq_in_dkdv
+from ..blocks.mask import clamps_past_end, mask_kind
 from ..blocks.schedule import ROW_PAD
 from ..blocks.tf32 import SPLIT_ROUNDS, products
 
@@ -428,10 +428,8 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, ATOMIC_DQ=False, DQ_SPLITS=0
     ex2 = ptx.ex2_approx
     cp_async, cp_commit, cp_wait = ptx.cp_async_16_zfill, ptx.cp_async_commit, ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
-    # Sᵀ's rows are keys: keys past n_k are masked too, or their scores (Q against zero-filled K rows)
-    # overflow exp2 where L is very negative, and inf · 0 in dQ = dS K turns dQ into NaN
-    _, key_edge, hidden = mask_rules(mask_kind(CAUSAL), 16)
     ZERO = float32(0.0)
+    CLAMP_P = clamps_past_end(mask_kind(CAUSAL), ATOMIC_DQ)
 
     @inline_device
     def load_stage(smem, step, q, dout, l2, dd, b, h_kv, group, n_kv_heads, qt0, per_head, n_q, d):
@@ -512,12 +510,14 @@ def dkdv_source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, ATOMIC_DQ=False, DQ_SPLITS=0
             pattern1(dp, smem, v_lane, S1, do_lane + st, S2, M_TILES)  # dPᵀ = V_w dO_iᵀ
 
             # Pᵀ = exp2(Sᵀ·c − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries have L2 = +inf.
-            needs_mask = key_edge(kw + 16, i0, n_k, shift)  # this warp's 16 keys cross the diagonal or n_k
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
             for nt in range(M_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
                     x = s[nt, r] * scale_log2 - smem[SL + st + col]
-                    if needs_mask and hidden(i0 + col, kw + g + 8 * (r >> 1), n_k, shift):
+                    if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
+                        x = min(x, ZERO)
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     p = ex2(x)
                     s[nt, r] = p

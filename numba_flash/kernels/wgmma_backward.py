@@ -40,8 +40,8 @@ from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common
-from ..blocks.mask import mask_kind, mask_rules
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
+from ..blocks.mask import clamps_past_end, mask_kind
 
 BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
 THREADS = 256
@@ -117,10 +117,8 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     cp_commit = ptx.cp_async_commit
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
-    # Sᵀ's rows are keys: keys past n_k are masked too, or their scores (Q against zero-filled K rows)
-    # overflow exp2 where L is very negative, and inf · 0 in dQ = dS K turns dQ into NaN
-    _, key_edge, hidden = mask_rules(mask_kind(CAUSAL), 16)
     ZERO = float32(0.0)
+    CLAMP_P = clamps_past_end(mask_kind(CAUSAL), True)  # this kernel always forms dQ
 
     @inline_device
     def product_s(smem, acc, a16, b16):
@@ -217,14 +215,16 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
             hold_s(s)
 
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]) while the tensor cores finish dPᵀ
-            needs_mask = key_edge(kw + 16, i0, n_k, shift)  # this warp's 16 keys cross the diagonal or n_k
+            needs_mask = CAUSAL and kw + 15 > i0 + shift
             l2_s = (st + SL) >> 1
             d_s = (st + SD) >> 1
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
                     x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
-                    if needs_mask and hidden(i0 + col, kw + g + 8 * (r >> 1), n_k, shift):
+                    if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
+                        x = min(x, ZERO)
+                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     s[nt, r] = ex2(x)
             wait0()

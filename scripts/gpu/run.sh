@@ -11,7 +11,7 @@
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #
 # Steps:
-#   tests     the GPU test suite (pytest -m gpu tests; PYTEST_K=expr narrows it with -k)
+#   tests     the GPU test suite (pytest -m gpu tests; PYTEST_K=expr narrows it with -k; PYTEST_N workers, default 8)
 #   bench     the backward (autograd, fp16 + fp32) and decode quick benchmarks, then the forward suite
 #             (numba-flash bench --quick: the registered suites, JSON and plots)
 #   forward   the full forward benchmark (scripts/bench_forward.py, fp32 and fp16, memory sweep) and its plots
@@ -74,7 +74,9 @@ limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
 
 step_tests() {
   local k=(); [ -n "${PYTEST_K:-}" ] && k=(-k "$PYTEST_K")
-  run tests "$(limit tests 560)" $P tests -rfE "${k[@]}"
+  # kernel compiles dominate the suite's time: spread them over PYTEST_N workers (xdist travels in .whl/)
+  local n=(); python3 -c "import xdist" 2> /dev/null && n=(-n "${PYTEST_N:-8}")
+  run tests "$(limit tests 560)" $P tests -rfE "${n[@]}" "${k[@]}"
 }
 
 step_bench() {

@@ -251,12 +251,15 @@ def test_short_sequences_large_logits(monkeypatch, scheme, dtype, d):
             naive = _autograd(lambda *x: attention_naive_same_dtype(*x, False), q, k, v, dout)
             torch.cuda.synchronize()
             ulp = torch.finfo(tdt).eps
+            # one scale for the three: at N = 1, dQ and dK are 0 (one key: P = 1, dS = P (dP - D) = 0), and what
+            # ours and naive give there is rounding in dP - D
+            mag = max(r.abs().max().item() for r in ref[1:])
             for name, gr, nv, r in zip(("dq", "dk", "dv"), ours[1:], naive[1:], ref[1:]):
                 bad = (~torch.isfinite(gr)).sum().item()
                 assert bad == 0, f"N={n} scale {big}: {name} has {bad} non-finite entries"
                 if not torch.isfinite(nv).all():  # the materialised same-dtype softmax itself overflowed
                     continue
-                err, naive_err, mag = _max_err(gr, r), _max_err(nv, r), r.abs().max().item()
+                err, naive_err = _max_err(gr, r), _max_err(nv, r)
                 slack = 1e-4 * mag if dtype == "float32" else ulp * mag
                 assert err <= 2 * naive_err + slack, \
-                    f"N={n} scale {big}: {name} ours {err:.3e} vs naive {dtype} {naive_err:.3e}, max |ref| {mag:.3e}"
+                    f"N={n} scale {big}: {name} ours {err:.3e} vs naive {dtype} {naive_err:.3e}, max |ref grads| {mag:.3e}"
