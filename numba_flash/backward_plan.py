@@ -19,6 +19,7 @@ from .blocks.entry import check_dq_acc, rows16
 from .blocks.numerics import LOG2E
 from .blocks.tf32 import head_dim_for, split_round_for_device
 from .configs import TF32_BWD_TABLE
+from .tiles import Tile
 from .kernels import bwd_prep, mma_dkdv, mma_dq, tf32_backward, wgmma_backward
 
 WORD = np.dtype(np.uint16)
@@ -92,12 +93,36 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
                       dtype=dtype, stream=stream, partial_chunk=partial)
 
 
+KERNELS = ("dkdv", "dq", "dkdv_atomic")  # the backward tables' kernel names (configs.py)
+
+
+def config_from_tiles(tiles: dict, head_dim: int) -> dict:
+    """The launches' config from a backward table's Tiles {kernel: Tile} (configs.py): {"dkdv": (BLOCK_N keys,
+    BLOCK_M queries), "dq": (BLOCK_M queries, BLOCK_N keys), "head_dim": HEAD_DIM[, "dkdv_atomic": (BLOCK_N,
+    BLOCK_M), "deterministic_dq": "splits" | "kernel"][, "dkdv_wgmma": True, "dkdv_wgmma_defer_dq": schemes]}:
+    the kernels' own (owned, streamed) order, as launch_mma / launch_tf32 and the sweeps take it."""
+    unknown = sorted(set(tiles) - set(KERNELS))
+    if unknown or not all(isinstance(t, Tile) for t in tiles.values()):
+        raise ValueError(f"backward tiles: {{kernel: Tile}} with kernels from {KERNELS}; got {tiles!r}")
+    cfg = {"dkdv": (tiles["dkdv"].block_k, tiles["dkdv"].block_q), "dq": (tiles["dq"].block_q, tiles["dq"].block_k),
+           "head_dim": head_dim}
+    atomic = tiles.get("dkdv_atomic")
+    if atomic is not None:
+        cfg["dkdv_atomic"] = (atomic.block_k, atomic.block_q)
+        cfg["deterministic_dq"] = "splits" if atomic.has("deterministic_splits") else "kernel"
+        if atomic.has("wgmma"):
+            cfg["dkdv_wgmma"] = True
+            cfg["dkdv_wgmma_defer_dq"] = tuple(s for s in ("atomic", "splits") if atomic.has(f"defer_dq_{s}"))
+    return cfg
+
+
 def tf32_config(d, causal):
-    """{"dkdv": (BLOCK_N, BLOCK_M), "dq": (BLOCK_M, BLOCK_N), "head_dim": HEAD_DIM[, "dkdv_atomic": (BLOCK_N,
-    BLOCK_M), "deterministic_dq": "splits" | "kernel"]} (configs.TF32_BWD_TABLE); dkdv_atomic: the tile of the
-    dkdv kernel that also forms dQ (launch_tf32's dq_acc), deterministic_dq: backward.dq_scheme's table choice."""
+    """config_from_tiles of configs.TF32_BWD_TABLE's entry for head dim d: dkdv_atomic, the tile of the dkdv
+    kernel that also forms dQ (launch_tf32's dq_acc); deterministic_dq, backward.dq_scheme's table choice."""
     head_dim = head_dim_for(d)
-    return dict(TF32_BWD_TABLE[head_dim, bool(causal)], head_dim=head_dim)
+    tiles = {kind: TF32_BWD_TABLE[kind, head_dim, bool(causal)] for kind in KERNELS
+             if (kind, head_dim, bool(causal)) in TF32_BWD_TABLE}
+    return config_from_tiles(tiles, head_dim)
 
 
 def launch_tf32(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,

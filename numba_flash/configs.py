@@ -178,9 +178,15 @@ TF32_TABLE = {
     (128, True): Tile(128, 32, 128, warps=8, flags={"presplit", "grid_bh_x"}),
 }
 
-# Tensor-core backward, head dim: {"dkdv": (BLOCK_N keys own, BLOCK_M queries streamed),
-# "dq": (BLOCK_M queries own, BLOCK_N keys streamed)}. dkdv holds dK and dV (2 x HEAD_DIM/2 fp32
-# per lane) plus Sᵀ and dPᵀ (2 x BLOCK_M/2).
+# The backward tables, (kernel, head dim[, causal]): Tile. The kernels: "dkdv" (dK, dV; the block owns block_k
+# keys and streams block_q-row query tiles), "dq" (owns block_q queries, streams block_k keys) and "dkdv_atomic"
+# (the dkdv kernel that also forms dQ: backward(deterministic=False)'s atomic grid, and the deterministic
+# splits where its flag "deterministic_splits" is set, else deterministic=True takes the dkdv and dq kernels).
+# sm_90's "dkdv_atomic" flags: "wgmma" (kernels/wgmma_backward.py), "defer_dq_atomic" / "defer_dq_splits" (its
+# DEFER_DQ in that dQ scheme). backward_plan.config_from_tiles turns an entry into the launches' plan.
+#
+# Tensor-core backward, fp16 / bf16. dkdv holds dK and dV (2 x HEAD_DIM/2 fp32 per lane) plus Sᵀ and dPᵀ
+# (2 x block_q/2).
 # H200 sweep (results/backward-2026-11-29-mma-sweep.md, fp16 B4 H16 N4096, each kernel alone): d = 128
 # dkdv 64x64 257.0 vs 64x32 244.6 TFLOP/s (causal 205.9 vs 192.8) although ptxas spills 92 B of it,
 # dq 64x64 269.3 (next 128x64 264.6); d = 64 64x64 best for both (242.5, 249.1). Re-swept at d128 non-causal
@@ -189,25 +195,31 @@ TF32_TABLE = {
 # "dkdv_atomic": the dkdv tile of backward(deterministic=False) (atomic dQ, red.global.add.v2.f32;
 # results/backward-2026-11-29-atomic-v2.md, kernel alone incl. the dq conversion): d = 128 128 keys
 # (8 warps, FA2's layout) 6.31 ms vs 64 keys 7.33 (causal 3.65 vs 4.08); d = 64 64 keys 3.41 vs 3.66.
-# (head_dim, causal) -> tf32x3 backward tiles (kernels.tf32_backward): dkdv (keys, queries), dq (queries,
-# keys). H200 sweeps (scripts/sweep_tf32_backward.py, results/sweep-tf32-backward-2026-12-01*.txt; fp32
+# 3xTF32 backward, fp32 (kernels/tf32_backward.py), (kernel, head dim, causal): Tile (keys x queries below
+# are dkdv's block_k x block_q, queries x keys dq's block_q x block_k). H200 sweeps (scripts/sweep_tf32_backward.py, results/sweep-tf32-backward-2026-12-01*.txt; fp32
 # B4 H16 N4096, each kernel alone, ms), best vs the first guess (the largest tiles that built unspilled):
 #   d128: dkdv 128x32 in one pass 30.2 (causal 16.6) vs 64x64 as a dV pass and a dK pass 73.3;
 #         dq 128x32 24.4 (causal 13.7) vs 64x64 30.2 (15.9)
 #   d64:  dkdv 128x64 14.3 (causal 8.2) vs 64x32 16.9 (9.5); dq 64x32 11.9, but causal 128x64 5.7 vs 6.9
 #   d32:  dkdv 128x64 7.8 vs 64x64 8.4, causal 64x32 4.5 vs 5.0; dq 128x32 5.4 (causal 3.3) vs 64x64 5.4 (3.8)
-# "dkdv_atomic" / "deterministic_dq": dQ formed in the dkdv kernel (the dkdv tile, plus the
-# dQ phase), as MMA_BWD_TABLE's; the dq kernel then does not run. Direct calls vs the dkdv + dq kernels
+# "dkdv_atomic" (every entry with "deterministic_splits"): dQ formed in the dkdv kernel (the dkdv tile, plus
+# the dQ phase), as MMA_BWD_TABLE's; the dq kernel then does not run. Direct calls vs the dkdv + dq kernels
 # (results/ab-backward-2026-12-01-tf32-dq-in-dkdv*.txt; deterministic splits / atomic grid, ms): d128 39.4 /
 # 39.3 vs 55.0 (causal 22.0 / 21.9 vs 30.5), d64 19.9 / 19.5 vs 26.4 (causal 11.3 / 11.0 vs 14.2), d32 12.9 /
 # 12.8 vs 13.4 (causal 6.0 / 5.7 vs 8.0).
 TF32_BWD_TABLE = {
-    (32, False): {"dkdv": (128, 64), "dq": (128, 32), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
-    (32, True): {"dkdv": (64, 32), "dq": (128, 32), "dkdv_atomic": (64, 32), "deterministic_dq": "splits"},
-    (64, False): {"dkdv": (128, 64), "dq": (64, 32), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
-    (64, True): {"dkdv": (128, 64), "dq": (128, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
-    (128, False): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
-    (128, True): {"dkdv": (128, 32), "dq": (128, 32), "dkdv_atomic": (128, 32), "deterministic_dq": "splits"},
+    ("dkdv", 32, False): Tile(64, 128, 32), ("dq", 32, False): Tile(128, 32, 32),
+    ("dkdv_atomic", 32, False): Tile(64, 128, 32, flags={"deterministic_splits"}),
+    ("dkdv", 32, True): Tile(32, 64, 32), ("dq", 32, True): Tile(128, 32, 32),
+    ("dkdv_atomic", 32, True): Tile(32, 64, 32, flags={"deterministic_splits"}),
+    ("dkdv", 64, False): Tile(64, 128, 64), ("dq", 64, False): Tile(64, 32, 64),
+    ("dkdv_atomic", 64, False): Tile(64, 128, 64, flags={"deterministic_splits"}),
+    ("dkdv", 64, True): Tile(64, 128, 64), ("dq", 64, True): Tile(128, 64, 64),
+    ("dkdv_atomic", 64, True): Tile(64, 128, 64, flags={"deterministic_splits"}),
+    ("dkdv", 128, False): Tile(32, 128, 128), ("dq", 128, False): Tile(128, 32, 128),
+    ("dkdv_atomic", 128, False): Tile(32, 128, 128, flags={"deterministic_splits"}),
+    ("dkdv", 128, True): Tile(32, 128, 128), ("dq", 128, True): Tile(128, 32, 128),
+    ("dkdv_atomic", 128, True): Tile(32, 128, 128, flags={"deterministic_splits"}),
 }
 # (kernel, own, streamed, HEAD_DIM, causal): spill bytes (ptxas 13.0, sm_90) of a shipped tf32x3 config
 # the sweeps measured fastest anyway (measured on the cvt.rna builds): d64 dkdv 128x64 14.3 ms vs 128x32 15.9
@@ -232,33 +244,34 @@ TF32_BWD_SPILL_OK = {("dkdv", 128, 64, 64, False): 56, ("dkdv", 128, 64, 64, Tru
                      ("dkdv-splits-first", 128, 32, 128, False): 28,
                      ("dkdv-atomic", 128, 32, 128, True): 120, ("dkdv-splits", 128, 32, 128, True): 120,
                      ("dkdv-splits-first", 128, 32, 128, True): 120}
-# "deterministic_dq": how backward(deterministic=True) forms dQ: "splits" (the dkdv_atomic kernel adding into
-# per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back to the dq kernel where too few
-# blocks would run) or "kernel" (the separate dq kernel, 7 tile products instead of 5). Direct calls, fp16
+# "deterministic_splits" (a "dkdv_atomic" flag): backward(deterministic=True) forms dQ by the splits (the
+# dkdv_atomic kernel adding into per-block fp32 planes, FA2's deterministic scheme; backward.dq_scheme falls back
+# to the dq kernel where too few blocks would run); without it, by the separate dq kernel (7 tile products
+# instead of 5). Direct calls, fp16
 # B4 H16 N4096 (results/ab-backward-2026-12-01-dq-splits*.txt): d128 splits 5.80 ms vs the dq kernel 6.31 (that
 # dq-kernel figure predates the vectorised prep, which later gained the dq-kernel path 0.10-0.14 ms at d64 and
 # d128 causal; not re-timed non-causal), causal 3.41 vs 3.47 (both with the vectorised prep; a 1.7 % margin,
 # within the spread between runs); d64 splits (the 64-key atomic dkdv, 4 splits) 4.84 vs 3.50
-# (results/ab-backward-2026-12-01-dq-splits-kernel-loop.txt, an earlier build): "kernel".
+# (results/ab-backward-2026-12-01-dq-splits-kernel-loop.txt, an earlier build): the dq kernel.
 MMA_BWD_TABLE = {
-    64: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (64, 64), "deterministic_dq": "kernel"},
-    128: {"dkdv": (64, 64), "dq": (64, 64), "dkdv_atomic": (128, 64), "deterministic_dq": "splits"},
+    ("dkdv", 64): Tile(64, 64, 64), ("dq", 64): Tile(64, 64, 64), ("dkdv_atomic", 64): Tile(64, 64, 64),
+    ("dkdv", 128): Tile(64, 64, 128), ("dq", 128): Tile(64, 64, 128),
+    ("dkdv_atomic", 128): Tile(64, 128, 128, flags={"deterministic_splits"}),
 }
-# sm_90 (H100 / H200) overrides MMA_BWD_TABLE with these: the dQ-in-dkdv kernel on warpgroup MMA
+# sm_90 (H100 / H200) overrides MMA_BWD_TABLE's entries with these: the dQ-in-dkdv kernel on warpgroup MMA
 # (kernels/wgmma_backward.py; wgmma is sm_90a only), 128 keys x 64 queries, and the deterministic splits at
 # d = 64 too. A/B against the mma.sync kernels in one run (B4 H16 N4096 fp16, direct calls,
 # deterministic / deterministic=False, ms): d128 5.78 / 5.55 -> 4.63 / 3.79, causal 3.40 / 3.28 -> 2.74 / 2.35,
 # d64 3.32 / 3.16 -> 2.57 / 2.46, causal 1.91 / 1.99 -> 1.61 / 1.56 (results/ab-backward-2026-12-02-wgmma.txt).
-# dkdv_wgmma_defer_dq: the dQ schemes ("atomic": deterministic=False's grid, "splits") whose builds leave each
-# step's dQ product in flight through the next step's barrier (wgmma_backward's DEFER_DQ). A/B against the
+# defer_dq_atomic / defer_dq_splits: the dQ schemes (deterministic=False's grid, the splits) whose builds leave
+# each step's dQ product in flight through the next step's barrier (wgmma_backward's DEFER_DQ). A/B against the
 # builds without it (results/ab-backward-2026-12-02-wgmma-defer-dq.txt, ms): atomic d128 3.96 -> 3.72, causal
 # 2.36 -> 2.21, d64 2.41 -> 2.28; splits d128 4.75 -> 4.84 (slower: off there), causal 2.74 -> 2.77, d64
 # 2.51 -> 2.46.
 MMA_BWD_WGMMA = {
-    64: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits",
-         "dkdv_wgmma_defer_dq": ("atomic", "splits")},
-    128: {"dkdv_wgmma": True, "dkdv_atomic": (128, 64), "deterministic_dq": "splits",
-          "dkdv_wgmma_defer_dq": ("atomic",)},
+    ("dkdv_atomic", 64): Tile(64, 128, 64, flags={"wgmma", "deterministic_splits", "defer_dq_atomic",
+                                                  "defer_dq_splits"}),
+    ("dkdv_atomic", 128): Tile(64, 128, 128, flags={"wgmma", "deterministic_splits", "defer_dq_atomic"}),
 }
 # (kernel, own, streamed, HEAD_DIM): spill bytes (ptxas 13.0, sm_90, worst of causal / not) of a
 # shipped config the sweep measured fastest anyway; the build test allows exactly these. The streamed

@@ -69,21 +69,23 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["deterministic", "atomic"], choices=["deterministic", "atomic"],
                     help="deterministic: backward(deterministic=True); atomic: deterministic=False")
     ap.add_argument("--after-dq", choices=["splits", "kernel"],
-                    help="set configs.MMA_BWD_TABLE's deterministic_dq of every head dim in the 'after' package: "
-                         "how its deterministic mode forms dQ (deterministic splits, or the dq kernel)")
+                    help="set or clear the deterministic_splits flag of every dkdv_atomic tile in the 'after' "
+                         "package's backward tables: how its deterministic mode forms dQ (splits, or the dq kernel)")
     ap.add_argument("--after-mma-sync", action="store_true",
                     help="the 'after' package runs the mma.sync kernels on sm_90 too (configs.MMA_BWD_WGMMA's "
                          "overrides emptied: what sm_80-89 run)")
     args = ap.parse_args(argv)
+    tables = numba_flash.configs
     if args.after_mma_sync:
-        for cfg in numba_flash.configs.MMA_BWD_WGMMA.values():
-            cfg.clear()
-    if args.after_dq:  # the dicts backward reads, mutated in place (fp32: entries with a dQ-in-dkdv tile; on sm_90
-        # fp16 / bf16 read MMA_BWD_WGMMA's entry over MMA_BWD_TABLE's, so both)
-        for cfg in [*numba_flash.configs.MMA_BWD_TABLE.values(),
-                    *(c for c in numba_flash.configs.MMA_BWD_WGMMA.values() if c),
-                    *(c for c in numba_flash.configs.TF32_BWD_TABLE.values() if "dkdv_atomic" in c)]:
-            cfg["deterministic_dq"] = args.after_dq
+        tables.MMA_BWD_WGMMA.clear()
+    if args.after_dq:  # the tables backward reads, edited in place (on sm_90 fp16 / bf16 read MMA_BWD_WGMMA's
+        # tiles over MMA_BWD_TABLE's, so both)
+        for table in (tables.MMA_BWD_TABLE, tables.MMA_BWD_WGMMA, tables.TF32_BWD_TABLE):
+            for key, tile in table.items():
+                if key[0] == "dkdv_atomic":
+                    flags = tile.flags - {"deterministic_splits"} | ({"deterministic_splits"} if args.after_dq == "splits"
+                                                                       else set())
+                    table[key] = tile.with_(flags=flags)
     old = load_old(args.old)
     versions = {"before": old.backward, "after": numba_flash.backward}
     torch.manual_seed(0)

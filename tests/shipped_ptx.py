@@ -137,7 +137,7 @@ def cases() -> dict:
         return q, k, v, arr
 
     for target in ("sm90", "sm80"):
-        for hd in sorted(configs.MMA_BWD_TABLE):
+        for hd in sorted({hd for _, hd in configs.MMA_BWD_TABLE}):
             for causal in (False, True):
                 for dtype in ("float16", "bfloat16"):
                     for d in (hd, hd - 4):
@@ -160,7 +160,7 @@ def cases() -> dict:
 
     # --- backward: tf32x3 (fp32 on tensor cores) ---------------------------------------------------
     for target in ("sm90", "sm80"):
-        for (hd, causal) in sorted(configs.TF32_BWD_TABLE):
+        for (hd, causal) in sorted({key[1:] for key in configs.TF32_BWD_TABLE}):
             for scheme in ("kernel", "splits", "atomic"):
                 def call(hd=hd, causal=causal, scheme=scheme, target=target):
                     from numba_flash import backward_plan

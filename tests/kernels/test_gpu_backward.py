@@ -191,7 +191,7 @@ def test_mma_sync_dq_in_dkdv_error_rule(monkeypatch, deterministic, dtype, d, ca
     from numba_flash import plans
     from numba_flash.kernels import wgmma_backward
 
-    monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_WGMMA", {64: {}, 128: {}})
+    monkeypatch.setattr(sys.modules["numba_flash.backward"], "MMA_BWD_WGMMA", {})
     plans.clear()  # a recorded plan would replay the wgmma kernels
     monkeypatch.setattr(plans, "_state", dict(plans._state, enabled=False))
     monkeypatch.setattr(wgmma_backward, "build", None)  # launching it would fail

@@ -24,6 +24,7 @@ from numba import cuda
 import reference
 from numba_flash.configs import MMA_BWD_SPILL_OK, MMA_BWD_TABLE
 from numba_flash import backward_plan
+from numba_flash.backward_plan import config_from_tiles
 from numba_flash.blocks import entry, schedule
 from numba_flash.kernels import mma_dkdv, mma_dq
 
@@ -113,7 +114,11 @@ def check_error_rule(grads, vals, causal, dtype, scale=None):
 
 
 def shipped(head_dim):
-    return dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim)
+    """The mma.sync plan at a compiled head dim (configs.MMA_BWD_TABLE, without sm_90's wgmma overrides)."""
+    return config_from_tiles({kind: t for (kind, hd), t in MMA_BWD_TABLE.items() if hd == head_dim}, head_dim)
+
+
+MMA_BWD_HEAD_DIMS = sorted({hd for _, hd in MMA_BWD_TABLE})
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,7 +319,8 @@ def test_tile_sizes_property_sim(dkdv, dq, n_q, n_k, causal, seed):
 
 
 def test_problems_and_configs():
-    for head_dim, cfg in MMA_BWD_TABLE.items():
+    for head_dim in MMA_BWD_HEAD_DIMS:
+        cfg = shipped(head_dim)
         assert mma_dkdv.problems(*cfg["dkdv"], head_dim, "float16") == []
         assert mma_dq.problems(*cfg["dq"], head_dim, "bfloat16") == []
         assert mma_dkdv.problems(*cfg["dkdv_atomic"], head_dim, "float16") == []
@@ -350,13 +356,13 @@ def expected_mma(kernel, own, streamed, head_dim):
     return first + second
 
 
-@pytest.mark.parametrize("head_dim", sorted(MMA_BWD_TABLE))
+@pytest.mark.parametrize("head_dim", MMA_BWD_HEAD_DIMS)
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     """Tensor cores, every GEMM unrolled, fragments in registers, and no spills beyond the bytes
     MMA_BWD_SPILL_OK records for a config the sweep measured fastest anyway."""
-    own, streamed = MMA_BWD_TABLE[head_dim][kernel]
+    own, streamed = shipped(head_dim)[kernel]
     source = COMPILE_SOURCE.format(K=kernel, O=own, S=streamed, D=head_dim, C=causal, DT="float16", A=False)
     text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
     assert "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
@@ -368,15 +374,14 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
-@pytest.mark.parametrize("head_dim", [hd for hd, cfg in sorted(MMA_BWD_TABLE.items())
-                                      if cfg.get("deterministic_dq") == "splits"])
+@pytest.mark.parametrize("head_dim", [hd for hd in MMA_BWD_HEAD_DIMS if shipped(hd).get("deterministic_dq") == "splits"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("build", [1, 2])
 def test_dq_splits_builds_compile(head_dim, causal, build, tmp_path):
     """The deterministic splits' dkdv builds (1: adds, 2: the first launch's stores): the dQ leaves by
     red.global.add.v2 or by st.global.v2 (never both: each build's other branch is pruned at compile time),
     and spills stay within MMA_BWD_SPILL_OK's entry."""
-    keys, queries = MMA_BWD_TABLE[head_dim]["dkdv_atomic"]
+    keys, queries = shipped(head_dim)["dkdv_atomic"]
     source = COMPILE_SOURCE.format(K="dkdv", O=keys, S=queries, D=head_dim, C=causal, DT="float16", A=True).replace(
         "atomic_dq=True)", f"atomic_dq=True, dq_splits={build})").replace(
         "kernel_signature('dkdv', True)", "kernel_signature('dkdv', True, True)")
@@ -518,7 +523,7 @@ def test_dq_scheme_falls_back_to_the_dq_kernel(monkeypatch):
         q = np.broadcast_to(np.float16(1), shape_q)  # no memory: only shapes and dtype are read
         kv = np.broadcast_to(np.float16(1), shape_kv)
         p = validate(q, kv, kv, causal=causal)
-        return bwd.dq_scheme(p, dict(MMA_BWD_TABLE[128], head_dim=128), True)
+        return bwd.dq_scheme(p, shipped(128), True)
 
     how, splits, why = scheme((4, 16, 4096, 128), (4, 16, 4096, 128))
     assert (how, splits) == ("splits", 2), why
@@ -526,7 +531,7 @@ def test_dq_scheme_falls_back_to_the_dq_kernel(monkeypatch):
     how, _, why = scheme((4, 16, 4096, 128), (4, 16, 4096, 128))
     assert how == "kernel" and "shared memory" in why, why
     p = validate(*(np.broadcast_to(np.float16(1), (1, 2, 64, 128)),) * 3)  # deterministic=False as well
-    assert bwd.dq_scheme(p, dict(MMA_BWD_TABLE[128], head_dim=128), False)[0] == "kernel"
+    assert bwd.dq_scheme(p, shipped(128), False)[0] == "kernel"
     monkeypatch.undo()
     how, _, why = scheme((1, 32, 131072, 128), (1, 8, 131072, 128), causal=True)  # 2 GiB per plane
     assert how == "kernel" and "scratch budget" in why, why

@@ -61,6 +61,8 @@ def check(grads, refs, tol=2e-6):
 
 
 SMALL = dict(dkdv=(32, 16), dq=(32, 16), head_dim=32)
+# (head dim, causal): the launches' plan of each configs.TF32_BWD_TABLE entry (backward_plan.config_from_tiles)
+TF32_PLANS = {(hd, causal): backward_plan.tf32_config(hd, causal) for _, hd, causal in TF32_BWD_TABLE}
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +222,7 @@ def test_tf32_dq_scheme(monkeypatch):
 
 def test_dq_in_dkdv_layouts():
     """atomic_dq_phase's warp split and where dS goes, for every shipped tile; and what cannot be built."""
-    for (hd, causal), cfg in TF32_BWD_TABLE.items():
+    for (hd, causal), cfg in TF32_PLANS.items():
         if "dkdv_atomic" not in cfg:
             continue
         bn, bm = cfg["dkdv_atomic"]
@@ -249,13 +251,14 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
     """
     import json, re, subprocess, sys, tempfile
     from numba import cuda
+    from numba_flash.backward_plan import tf32_config
     from numba_flash.configs import TF32_BWD_TABLE
     from numba_flash.kernels import tf32_backward as tb
 
     ptxas = sys.argv[-1]
     out = []
     builds = {"dkdv-atomic": 0, "dkdv-splits": 1, "dkdv-splits-first": 2}  # the dQ-in-dkdv builds: dq_splits
-    for (hd, causal), cfg in sorted(TF32_BWD_TABLE.items()):
+    for (hd, causal), cfg in sorted({(hd, c): tf32_config(hd, c) for _, hd, c in TF32_BWD_TABLE}.items()):
         runs = ["dkdv", "dq"] + [name for name in builds if "dkdv_atomic" in cfg]
         for kernel in runs:
             if kernel in builds:
@@ -291,7 +294,7 @@ def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
     configs.TF32_BWD_SPILL_OK, a block's registers within the 64K file, shared memory within 227 KiB."""
     reports = run_compile_child(CHILD, [], tmp_path)
     print(json.dumps(reports, indent=0))
-    assert len(reports) == sum(2 + 3 * ("dkdv_atomic" in c) for c in TF32_BWD_TABLE.values())
+    assert len(reports) == sum(2 + 3 * ("dkdv_atomic" in c) for c in TF32_PLANS.values())
     for rep in reports:
         where = json.dumps(rep)
         allowed = TF32_BWD_SPILL_OK.get((rep["kernel"], rep["own"], rep["streamed"], rep["hd"], rep["causal"]), 0)
@@ -327,7 +330,7 @@ def test_explain_backward_tf32x3(rng):
     k = q[:, :2].copy()
     text = numba_flash.explain_backward(q, k, k, causal=True, kernel="tf32x3")
     assert text.startswith("tf32x3 backward: fp32 on tensor cores"), text
-    bn, bm = TF32_BWD_TABLE[128, True]["dkdv"]
+    bn, bm = TF32_PLANS[128, True]["dkdv"]
     assert f"dkdv: {bn}-key tiles x {bm}-query tiles, {tb.threads(bn)} threads" in text, text
     assert "GQA" in text
     auto = numba_flash.explain_backward(q, q, q)
@@ -377,6 +380,6 @@ def test_tf32x3_backward_refuses(rng):
 
 
 def test_tf32_backward_table_entries_can_be_built():
-    for (hd, causal), cfg in TF32_BWD_TABLE.items():
+    for (hd, causal), cfg in TF32_PLANS.items():
         assert not tb.problems("dkdv", *cfg["dkdv"], hd) and not tb.problems("dq", *cfg["dq"], hd), (hd, causal)
         assert not {"dkdv_passes", "swizzle"} & set(cfg), (hd, causal)  # layouts that did not ship

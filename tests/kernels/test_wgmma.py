@@ -116,9 +116,11 @@ def test_wgmma_forms_sim(dtype):
 # --------------------------------------------------------------------------------------------
 def wgmma_config(head_dim, **change):
     """The shipped sm_90 config (MMA_BWD_TABLE with MMA_BWD_WGMMA's overrides), with ``change``."""
+    from numba_flash.backward_plan import config_from_tiles
     from numba_flash.configs import MMA_BWD_TABLE, MMA_BWD_WGMMA
 
-    return dict(MMA_BWD_TABLE[head_dim], head_dim=head_dim, **dict(MMA_BWD_WGMMA[head_dim], **change))
+    tiles = {kind: t for (kind, hd), t in [*MMA_BWD_TABLE.items(), *MMA_BWD_WGMMA.items()] if hd == head_dim}
+    return dict(config_from_tiles(tiles, head_dim), **change)
 
 
 @in_simulator
@@ -155,7 +157,7 @@ from numba_flash.blocks.entry import kernel_signature
 from numba_flash.kernels import wgmma_backward
 out = {}
 for hd, causal, splits in [(128, False, 0), (128, True, 2), (128, False, 1), (64, True, 1)]:
-    defer = ("splits" if splits else "atomic") in MMA_BWD_WGMMA[hd]["dkdv_wgmma_defer_dq"]  # as launch() builds
+    defer = MMA_BWD_WGMMA["dkdv_atomic", hd].has("defer_dq_" + ("splits" if splits else "atomic"))  # as launch() builds
     src = wgmma_backward.source(hd, causal, "float16", False, splits, DEFER_DQ=defer)
     ptx, _ = cuda.compile_ptx(src, kernel_signature("dkdv", True, bool(splits)), cc=(9, 0, "a"))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
