@@ -18,6 +18,10 @@ KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
 MMA_MAX_HEAD_DIM = 128
 TF32_KERNELS = {"tf32x3": 3, "tf32": 1}  # kernel name: tf32 products per fp32 product
 GRID_Y_MAX = 65535
+# The kernels form s·scale·log2(e) in fp32 (at most ~2**128): a scale <= 2**64 keeps it finite for every
+# score |s| < 2**63, which covers any fp16 input (|s| <= 256·65504² < 2**41). No lower bound is needed:
+# a scale·log2(e) that underflows to 0 gives uniform weights, the exact limit to fp32 precision.
+MAX_SOFTMAX_SCALE = 2.0**64
 
 
 class PerformanceWarning(UserWarning):
@@ -117,6 +121,10 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         scale = float(softmax_scale)
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+        if scale > MAX_SOFTMAX_SCALE:
+            raise ValueError(f"softmax_scale = {softmax_scale!r} is too large; accepted: finite, > 0 and at most "
+                             f"2**64 = {MAX_SOFTMAX_SCALE:.4g} (the kernels form score·scale·log2(e) in fp32, which "
+                             "a larger scale can overflow for scores of fp16 size)")
 
     devices = {n: arrays.device_of(x) for n, x in (("q", q), ("k", k), ("v", v))}
     known = {dv for dv in devices.values() if dv is not None}
@@ -293,7 +301,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
             Head dim 1 <= d <= 256, zero-padded inside the kernel to a multiple of 16.
         causal: mask aligned bottom-right as in flash-attention >= 2.1: query i sees key j iff
             j <= i + Nk - Nq. A row that sees no key gets O = 0 and L = -inf.
-        softmax_scale: default 1/sqrt(d) with the user's d; must be finite and > 0.
+        softmax_scale: default 1/sqrt(d) with the user's d; 0 < softmax_scale <= 2**64 (the kernels
+            form score·scale·log2(e) in fp32; see MAX_SOFTMAX_SCALE).
         kernel: "auto" (default), "mma", "tf32x3", "tf32" or "simt". Auto runs a tensor-core kernel
             for d <= 128 on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async):
             "mma" (mma.sync, fp32 accumulation) for float16/bfloat16, "tf32x3" for float32 (each

@@ -178,7 +178,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
             the same kind as q (on q's device); None means Nmax for every sequence. NumPy lengths
             are checked (0 <= length <= Nmax); device lengths are not (that needs a host copy and
             a sync) and the kernel clamps them to [0, Nmax].
-        softmax_scale: default 1/sqrt(d); must be finite and > 0.
+        softmax_scale: default 1/sqrt(d); 0 < softmax_scale <= 2**64, as ``forward``.
         num_splits: how many ranges the keys of each sequence are cut into (one thread block
             each, then a merge); None chooses from occupancy (see ``choose_num_splits``). Splits
             are whole 64-key (or 32-key) tiles, ceil(tiles / num_splits) each; splits past the

@@ -297,6 +297,8 @@ def test_validation_errors(rng, index, mutate, exc, words):
 def test_validation_scale_and_causal(rng):
     with pytest.raises(ValueError, match="softmax_scale"):
         backward(*_ok(rng), softmax_scale=-1.0)
+    with pytest.raises(ValueError, match=r"softmax_scale = 1e\+38 .*at most 2\*\*64"):
+        backward(*_ok(rng), softmax_scale=1e38)
     with pytest.raises(TypeError, match="causal must be a bool"):
         backward(*_ok(rng), causal="yes")
 

@@ -358,6 +358,7 @@ def _qkv(n_q=1, B=2, H=4, Hkv=2, n_max=8, d=16, dtype="float32"):
     (dict(num_splits=True), TypeError, r"num_splits must be an int >= 1 or None"),
     (dict(num_splits=2.0), TypeError, r"num_splits must be an int >= 1 or None"),
     (dict(softmax_scale=-1.0), ValueError, r"softmax_scale must be finite and > 0"),
+    (dict(softmax_scale=1e30), ValueError, r"softmax_scale = 1e\+30 .*at most 2\*\*64"),
     (dict(config=DecodeConfig(16, "float16", 1)), ValueError, r"dtype float16 is not the inputs' float32"),
     (dict(config="fast"), TypeError, r"config must be a numba_flash.kernels.decode.DecodeConfig"),
 ])

@@ -12,6 +12,7 @@ sizes here. An indexing or masking bug gives errors of order 1.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -257,6 +258,26 @@ def test_validation_head_dim(rng, d):
 def test_validation_softmax_scale(rng, scale, exc):
     with pytest.raises(exc, match="softmax_scale"):
         numba_flash.forward(*_ok(rng), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [2.0**64 * (1 + 2**-52), 1e30, 1e38, 1e300])
+def test_validation_softmax_scale_too_large(rng, scale):
+    """scale·log2(e)·s is formed in fp32: above 2**64 the kernels gave NaN O or L = -inf."""
+    with pytest.raises(ValueError, match=re.escape(f"softmax_scale = {scale!r}") + r".*at most 2\*\*64"):
+        numba_flash.forward(*_ok(rng), softmax_scale=scale)
+    with pytest.raises(ValueError, match=r"at most 2\*\*64"):
+        numba_flash.explain(*_ok(rng), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [2.0**64, 1e-30, 1e-300])
+def test_softmax_scale_extremes_accepted(rng, scale):
+    """The bound itself, and scales whose scale·log2(e) underflows fp32 (uniform weights: the exact limit)."""
+    q, k, v = _ok(rng)
+    out, lse = numba_flash.forward(q, k, v, softmax_scale=scale)
+    ref_o, ref_l = reference.standard_attention(q, k, v, softmax_scale=scale)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(out, ref_o, atol=F32_TOL)
+    np.testing.assert_allclose(lse, ref_l, rtol=1e-5)
 
 
 def test_validation_causal_and_kernel(rng):
