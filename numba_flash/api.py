@@ -113,6 +113,9 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
 
     if not isinstance(causal, (bool,)) and not (hasattr(causal, "dtype") and causal.dtype == bool):
         raise TypeError(f"causal must be a bool; got {causal!r}")
+    if getattr(causal, "size", 1) != 1:  # bool() of it would be numpy's 'truth value is ambiguous'
+        raise TypeError(f"causal must be a bool (a Python bool, or a NumPy bool scalar or one-element bool array); "
+                        f"got a bool array of shape {tuple(causal.shape)}")
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(d)  # from the user's d, not the padded one
     else:

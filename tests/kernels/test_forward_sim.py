@@ -287,6 +287,22 @@ def test_validation_causal_and_kernel(rng):
         numba_flash.forward(*_ok(rng), kernel="fast")
 
 
+@pytest.mark.parametrize("causal", [np.array([True, False]), np.array([], bool), np.ones((2, 1), bool)])
+def test_validation_causal_array(rng, causal):
+    """A bool array of any size was let through, then numpy's 'truth value is ambiguous'."""
+    with pytest.raises(TypeError, match=r"causal must be a bool \(a Python bool, or a NumPy bool scalar or "
+                                        r"one-element bool array\); got a bool array of shape"):
+        numba_flash.forward(*_ok(rng), causal=causal)
+
+
+def test_validation_causal_numpy_bools_accepted(rng):
+    """What worked before keeps working: NumPy bool scalars and one-element bool arrays."""
+    q, k, v = _ok(rng)
+    ref, _ = numba_flash.forward(q, k, v, causal=True)
+    for causal in (np.bool_(True), np.array(True), np.ones((1, 1), bool)):
+        np.testing.assert_array_equal(numba_flash.forward(q, k, v, causal=causal)[0], ref)
+
+
 def test_explain_names_config_and_padding(rng):
     q, k, v = _qkv(rng, 1, 1, 1, 4, 4, 72)
     text = numba_flash.explain(q, k, v)
