@@ -69,6 +69,7 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
             raise TypeError(f"{name} must be {_ACCEPTED_ARRAYS}; got {type(x).__module__}.{type(x).__name__}")
         if kind == arrays.TORCH and not x.is_cuda:
             raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor (or a NumPy array)")
+        arrays.refuse_unreadable(name, x, kind)
         kinds[name] = kind
     host = {n for n, kd in kinds.items() if kd == arrays.NUMPY}
     if host and len(host) != 3:

@@ -35,6 +35,19 @@ def kind_of(x: Any) -> str | None:
     return None
 
 
+def refuse_unreadable(name: str, x: Any, kind: str) -> None:
+    """TypeError for arrays the kernels would misread: NumPy masked arrays (the mask would be dropped)
+    and sparse PyTorch tensors (no strided data to view). Reads attributes only: torch is not imported."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a NumPy masked array; its mask would be ignored. Accepted: plain arrays "
+                        f"(np.ma.filled({name}, value) fills the masked entries, np.asarray({name}) drops the mask)")
+    if kind == TORCH:
+        layout = str(getattr(x, "layout", "torch.strided"))
+        if getattr(x, "is_sparse", False) or layout != "torch.strided":
+            raise TypeError(f"{name} is a PyTorch tensor with layout {layout}; accepted: dense (torch.strided) "
+                            f"tensors ({name}.to_dense())")
+
+
 def dtype_name(x: Any) -> str:
     """'float32', 'float16', 'bfloat16' or the foreign name, for any supported array kind."""
     dt = x.dtype

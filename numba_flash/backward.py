@@ -46,6 +46,7 @@ def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_s
             raise TypeError(f"{name} must be {_ACCEPTED_ARRAYS}; got {type(x).__module__}.{type(x).__name__}")
         if kind == arrays.TORCH and not x.is_cuda:
             raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor (or a NumPy array)")
+        arrays.refuse_unreadable(name, x, kind)
         if (kind == arrays.NUMPY) != (p.kind == arrays.NUMPY):
             raise TypeError(
                 f"{name} is a {kind} array but q is a {p.kind} array; all six must be on the GPU "

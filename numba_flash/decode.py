@@ -95,6 +95,7 @@ def _check_seqlens(cache_seqlens, p, n_max):
     if kind == arrays.TORCH and not cache_seqlens.is_cuda:
         raise TypeError(f"cache_seqlens is a PyTorch tensor on {cache_seqlens.device}; pass a CUDA tensor on "
                         f"q's device or a NumPy array")
+    arrays.refuse_unreadable("cache_seqlens", cache_seqlens, kind)
     if kind != arrays.NUMPY and kind != p.kind:
         raise TypeError(f"cache_seqlens is a {kind} array but q is a {p.kind} array; accepted: {_LENS_ACCEPTED}")
     dtype = arrays.dtype_name(cache_seqlens)

@@ -283,6 +283,8 @@ def _ok(rng):
         (4, lambda lse: lse.tolist(), TypeError, ["lse must be", "list"]),
         (2, lambda v: v[:, :, :3], ValueError, ["k and v must have the same shape"]),  # the forward's checks
         (0, lambda q: q.astype(np.float64), TypeError, ["float64"]),
+        (5, lambda do: np.ma.masked_array(do, mask=do > 0), TypeError, ["dout is a NumPy masked array"]),
+        (1, lambda k: np.ma.masked_array(k), TypeError, ["k is a NumPy masked array"]),
     ],
 )
 def test_validation_errors(rng, index, mutate, exc, words):

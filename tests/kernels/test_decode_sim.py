@@ -352,6 +352,8 @@ def _qkv(n_q=1, B=2, H=4, Hkv=2, n_max=8, d=16, dtype="float32"):
     (dict(cache_seqlens=np.array([1, 2, 3], np.int32)), ValueError, r"shape \(3,\); accepted: \(B,\) = \(2,\)"),
     (dict(cache_seqlens=np.array([1, 9], np.int32)), ValueError, r"cache_seqlens\[1\] = 9; accepted: 0 <= length <= Nmax = 8"),
     (dict(cache_seqlens=np.array([-1, 2], np.int32)), ValueError, r"cache_seqlens\[0\] = -1"),
+    (dict(cache_seqlens=np.ma.masked_array(np.array([1, 2], np.int32), mask=[0, 1])), TypeError,
+     r"cache_seqlens is a NumPy masked array; its mask would be ignored"),
     (dict(cache_seqlens=[1, 2]), TypeError, r"cache_seqlens must be an int32 or int64 array .*; got builtins.list"),
     (dict(num_splits=0), ValueError, r"num_splits must be an int in \[1, 8192\] or None"),
     (dict(num_splits=10**6), ValueError, r"num_splits must be an int in \[1, 8192\] or None"),

@@ -303,6 +303,34 @@ def test_validation_causal_numpy_bools_accepted(rng):
         np.testing.assert_array_equal(numba_flash.forward(q, k, v, causal=causal)[0], ref)
 
 
+class _FakeTorchTensor:
+    """What validate reads of a PyTorch CUDA tensor (torch is not needed to test the sparse check)."""
+
+    __module__ = "torch"
+    is_cuda = True
+    device = "cuda:0"
+
+    def __init__(self, x, layout, is_sparse):
+        self.shape, self.dtype, self.layout, self.is_sparse = x.shape, f"torch.{x.dtype}", layout, is_sparse
+
+
+@pytest.mark.parametrize("layout,is_sparse", [("torch.sparse_coo", True), ("torch.sparse_csr", False)])
+def test_validation_sparse_torch_tensor(rng, layout, is_sparse):
+    """A sparse CUDA tensor got as far as launch.py's RuntimeError; refused up front, without importing torch."""
+    q, k, v = _ok(rng)
+    with pytest.raises(TypeError, match=rf"k is a PyTorch tensor with layout {layout}; accepted: dense "
+                                        r"\(torch.strided\) tensors"):
+        numba_flash.forward(_FakeTorchTensor(q, "torch.strided", False), _FakeTorchTensor(k, layout, is_sparse),
+                            _FakeTorchTensor(v, "torch.strided", False))
+
+
+def test_validation_masked_array(rng):
+    """The mask of a NumPy masked array was silently dropped."""
+    q, k, v = _ok(rng)
+    with pytest.raises(TypeError, match=r"v is a NumPy masked array; its mask would be ignored"):
+        numba_flash.forward(q, k, np.ma.masked_array(v, mask=v > 0))
+
+
 def test_explain_names_config_and_padding(rng):
     q, k, v = _qkv(rng, 1, 1, 1, 4, 4, 72)
     text = numba_flash.explain(q, k, v)
