@@ -105,9 +105,10 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         raise ValueError(f"head dim mismatch: q has d={d}, k/v have d={dk} (v's head dim must equal q's)")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim d={d} is not supported; accepted: 1 <= d <= {MAX_HEAD_DIM}")
-    if Hkv < 1 or H % Hkv:
+    if (Hkv < 1 or H % Hkv) and not H == Hkv == 0:  # no heads at all: empty outputs, as forward's docstring says
         raise ValueError(
-            f"q has H={H} heads and k/v have Hkv={Hkv}; H must be a positive multiple of Hkv (GQA/MQA)"
+            f"q has H={H} heads and k/v have Hkv={Hkv}; H must be a multiple of Hkv >= 1 (GQA/MQA), "
+            f"or H = Hkv = 0 (empty outputs)"
         )
     if B * H > GRID_Y_MAX:
         raise ValueError(f"B*H = {B * H} (B={B}, H={H}); at most {GRID_Y_MAX} batch-heads per call")
@@ -323,7 +324,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
         out); lse is float32 of shape q.shape[:-1], the natural-log logsumexp of the scaled
         scores of each query row (L = m + log l).
 
-    Empty inputs: Nq = 0 (or B = 0, H = 0) gives empty outputs; Nk = 0 gives O = 0, L = -inf.
+    Empty inputs: Nq = 0 (or B = 0, or H = 0 with any Hkv) gives empty outputs; Nk = 0 gives O = 0, L = -inf.
 
     Stream: CuPy inputs run on CuPy's current stream, PyTorch inputs on PyTorch's current
     stream of their device, other device arrays on the default stream. Device inputs return

@@ -158,7 +158,7 @@ def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_spl
 
 def _tiles_and_splits(p, num_splits, config) -> tuple:
     """(config, num_splits, row chunks) of a validated problem; p.device (if known) must be current."""
-    group = p.H // p.Hkv
+    group = p.H // p.Hkv if p.Hkv else 1  # H = Hkv = 0: empty outputs, no kernel runs
     cfg = config or decode_config(p.d, p.dtype, group * max(p.n_q, 1))
     chunks = decode_kernels.n_row_chunks(cfg, group, max(p.n_q, 1))
     if num_splits is None:

@@ -193,6 +193,14 @@ def test_backward_empty_sequences(rng, n_q, n_k):
     assert not dq.any() and not dk.any() and not dv.any()
 
 
+def test_backward_no_heads():
+    """H = Hkv = 0: empty gradients, as forward's empty outputs."""
+    q, k = np.zeros((1, 0, 3, 8), np.float32), np.zeros((1, 0, 5, 8), np.float32)
+    dq, dk, dv = backward(q, k, k, q, np.zeros(q.shape[:-1], np.float32), q)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert explain_backward(q, k, k).startswith("simt backward:")
+
+
 # --------------------------------------------------------------------------------------------
 # Many tiles, tiny configs
 # --------------------------------------------------------------------------------------------

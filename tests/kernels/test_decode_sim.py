@@ -339,6 +339,13 @@ def test_empty_query_block():
     assert out.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0)
 
 
+def test_no_heads():
+    """H = Hkv = 0: empty outputs, as forward (the split rule's H // Hkv divided by zero)."""
+    out, lse = decode(np.zeros((2, 0, 1, 16), np.float32), np.zeros((2, 0, 5, 16), np.float32),
+                      np.zeros((2, 0, 5, 16), np.float32))
+    assert out.shape == (2, 0, 1, 16) and lse.shape == (2, 0, 1)
+
+
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
@@ -378,7 +385,7 @@ def test_shapes_refused():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"decode needs q of shape \(B, H, Nq, d\)"):
         decode(q[0], k[0], v[0])
-    with pytest.raises(ValueError, match="positive multiple of Hkv"):
+    with pytest.raises(ValueError, match="H must be a multiple of Hkv >= 1"):
         decode(np.zeros((2, 3, 1, 16), np.float32), k, v)
     with pytest.raises(TypeError, match="share one dtype"):
         decode(q, k.astype(np.float16), v)

@@ -112,6 +112,17 @@ def test_forward_empty_sequences(rng, n_q, n_k):
         assert np.all(out == 0) and np.all(lse == -np.inf)
 
 
+def test_forward_no_heads(rng):
+    """H = 0 with Hkv = 0 gives empty outputs, as the docstring says (the H % Hkv check refused it)."""
+    q, k, v = _qkv(rng, 2, 0, 0, 3, 5, 8)
+    out, lse = numba_flash.forward(q, k, v)
+    assert out.shape == (2, 0, 3, 8) and lse.shape == (2, 0, 3)
+    assert numba_flash.explain(q, k, v).startswith("simt:")
+    with pytest.raises(ValueError, match=r"H=2 heads and k/v have Hkv=0; H must be a multiple of Hkv >= 1 "
+                                         r"\(GQA/MQA\), or H = Hkv = 0"):
+        numba_flash.forward(*_qkv(rng, 1, 2, 0, 3, 5, 8))
+
+
 # ---- many tiles, small configs ---------------------------------------------------------------
 SMALL_CONFIGS = [  # (block_q, block_k, row_threads, col_threads, share_kv): few threads, many tiles
     (8, 8, 2, 2, False),
