@@ -349,7 +349,9 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
-        if p.B * p.H * p.n_q > 0:
+        if p.B * p.H * p.n_q == 0:  # no kernel runs, but a kernel that cannot take the inputs is refused all the same
+            choose_kernel(p, kernel)
+        else:
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
             family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
             # a tensor-core kernel exists for every dtype (the simulator's fp32 choice is not a slow path)

@@ -380,6 +380,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
     with _on_device(p.device):
         stream = arrays.current_stream(q)
         if p.B * p.H * p.n_q * p.n_k == 0:
+            choose_backward(p, kernel)  # no kernel runs, but one that cannot take the inputs is refused all the same
             return tuple(_zeros_like_kind(kind, ref, shape, p.dtype, stream)
                          for kind, ref, shape in zip(kinds, (q, k, v), (p.q_shape, kv_shape, kv_shape)))
         qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))

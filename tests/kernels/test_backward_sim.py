@@ -183,6 +183,15 @@ def test_backward_batchless_and_explain(rng):
         backward(q, k, v, o, lse, do, kernel="fast")
 
 
+@pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0), (1, 1)])
+def test_backward_kernel_check_before_empty_shortcut(rng, n_q, n_k):
+    """kernel='mma' on float32: refused whether or not the problem is empty (it was accepted when empty)."""
+    q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (n_q, n_k, n_k))
+    lse = np.zeros(q.shape[:-1], np.float32)
+    with pytest.raises(ValueError, match="kernel='mma' cannot run this backward: dtype float32"):
+        backward(q, k, v, q, lse, q, kernel="mma")
+
+
 @pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0)])
 def test_backward_empty_sequences(rng, n_q, n_k):
     q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (n_q, n_k, n_k))

@@ -371,6 +371,14 @@ def test_fp16_unaligned_rows_fall_back_with_a_warning(rng):
     assert np.abs(out.astype(np.float64) - ref_o).max() < 2e-3
 
 
+@pytest.mark.parametrize("n_q", [0, 1])
+def test_kernel_check_before_empty_shortcut(rng, n_q):
+    """kernel='mma' on float32 raised at Nq = 1 but was accepted at Nq = 0: both raise now."""
+    q, k, v = _qkv(rng, 1, 1, 1, n_q, 4, 8)
+    with pytest.raises(ValueError, match="kernel='mma' cannot run.*float32"):
+        numba_flash.forward(q, k, v, kernel="mma")
+
+
 def test_kernel_argument(rng):
     q, k, v = _ok(rng)
     with pytest.raises(ValueError, match="kernel='mma' cannot run.*float32"):
