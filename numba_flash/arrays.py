@@ -32,6 +32,8 @@ def kind_of(x: Any) -> str | None:
         if mod.startswith("numba"):
             return NUMBA
         return CAI
+    if mod == "numba" and getattr(x, "__cuda_ndarray__", False):  # the simulator's device arrays have no interface
+        return NUMBA
     return None
 
 
@@ -130,7 +132,7 @@ def to_device_view(x: Any, stream, ndim: int = 4) -> Any:
         return as_4d(dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI), ndim)
     if not nb_config.ENABLE_CUDASIM:
         return as_4d(view_of(x, k), ndim)  # PyTorch bfloat16 becomes uint16 here
-    dev = cuda.as_cuda_array(x, sync=False)  # simulator arrays (nothing else exists there)
+    dev = x if k == NUMBA else cuda.as_cuda_array(x, sync=False)  # simulator arrays (nothing else exists there)
     return as_4d(dev.view(np.uint16) if name == "bfloat16" else dev, ndim)
 
 

@@ -279,6 +279,8 @@ def _seqlens_view(cache_seqlens, stream):
     if arrays.kind_of(cache_seqlens) == arrays.NUMPY:
         dev = cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
         return dev if sim else view_of(dev, arrays.CAI)
-    if sim:
+    if sim:  # the simulator's device arrays are what its kernels take
+        if arrays.kind_of(cache_seqlens) == arrays.NUMBA:
+            return cache_seqlens
         return cuda.as_cuda_array(cache_seqlens, sync=False)
     return view_of(cache_seqlens, arrays.kind_of(cache_seqlens))

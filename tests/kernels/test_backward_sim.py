@@ -202,6 +202,15 @@ def test_backward_empty_sequences(rng, n_q, n_k):
     assert not dq.any() and not dk.any() and not dv.any()
 
 
+def test_backward_numba_device_arrays(rng):
+    """The simulator's Numba device arrays are accepted (they have no __cuda_array_interface__ there)."""
+    args = _ok(rng)
+    ref = backward(*args)
+    got = backward(*(cuda.to_device(x) for x in args))
+    for r, g in zip(ref, got):
+        np.testing.assert_array_equal(g.copy_to_host(), r)
+
+
 def test_backward_no_heads():
     """H = Hkv = 0: empty gradients, as forward's empty outputs."""
     q, k = np.zeros((1, 0, 3, 8), np.float32), np.zeros((1, 0, 5, 8), np.float32)

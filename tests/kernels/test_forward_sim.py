@@ -314,6 +314,17 @@ def test_validation_causal_numpy_bools_accepted(rng):
         np.testing.assert_array_equal(numba_flash.forward(q, k, v, causal=causal)[0], ref)
 
 
+def test_numba_device_arrays(rng):
+    """Numba device arrays, which the accepted list names, were refused on the simulator (they have no
+    __cuda_array_interface__ there); they are taken and give Numba device arrays back."""
+    q, k, v = _ok(rng)
+    ref_o, ref_l = numba_flash.forward(q, k, v, causal=True)
+    out, lse = numba_flash.forward(*(cuda.to_device(x) for x in (q, k, v)), causal=True)
+    assert type(out) is type(cuda.to_device(q)) and out.shape == q.shape
+    np.testing.assert_array_equal(out.copy_to_host(), ref_o)
+    np.testing.assert_array_equal(lse.copy_to_host(), ref_l)
+
+
 class _FakeTorchTensor:
     """What validate reads of a PyTorch CUDA tensor (torch is not needed to test the sparse check)."""
 
