@@ -18,6 +18,10 @@ KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
 MMA_MAX_HEAD_DIM = 128
 TF32_KERNELS = {"tf32x3": 3, "tf32": 1}  # kernel name: tf32 products per fp32 product
 GRID_Y_MAX = 65535
+# The kernels form s·scale·log2(e) in fp32 (at most ~2**128): a scale <= 2**64 keeps it finite for every
+# score |s| < 2**63, which covers any fp16 input (|s| <= 256·65504² < 2**41). No lower bound is needed:
+# a scale·log2(e) that underflows to 0 gives uniform weights, the exact limit to fp32 precision.
+MAX_SOFTMAX_SCALE = 2.0**64
 
 
 class PerformanceWarning(UserWarning):
@@ -65,6 +69,7 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
             raise TypeError(f"{name} must be {_ACCEPTED_ARRAYS}; got {type(x).__module__}.{type(x).__name__}")
         if kind == arrays.TORCH and not x.is_cuda:
             raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor (or a NumPy array)")
+        arrays.refuse_unreadable(name, x, kind)
         kinds[name] = kind
     host = {n for n, kd in kinds.items() if kd == arrays.NUMPY}
     if host and len(host) != 3:
@@ -100,15 +105,19 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         raise ValueError(f"head dim mismatch: q has d={d}, k/v have d={dk} (v's head dim must equal q's)")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim d={d} is not supported; accepted: 1 <= d <= {MAX_HEAD_DIM}")
-    if Hkv < 1 or H % Hkv:
+    if (Hkv < 1 or H % Hkv) and not H == Hkv == 0:  # no heads at all: empty outputs, as forward's docstring says
         raise ValueError(
-            f"q has H={H} heads and k/v have Hkv={Hkv}; H must be a positive multiple of Hkv (GQA/MQA)"
+            f"q has H={H} heads and k/v have Hkv={Hkv}; H must be a multiple of Hkv >= 1 (GQA/MQA), "
+            f"or H = Hkv = 0 (empty outputs)"
         )
     if B * H > GRID_Y_MAX:
         raise ValueError(f"B*H = {B * H} (B={B}, H={H}); at most {GRID_Y_MAX} batch-heads per call")
 
     if not isinstance(causal, (bool,)) and not (hasattr(causal, "dtype") and causal.dtype == bool):
         raise TypeError(f"causal must be a bool; got {causal!r}")
+    if getattr(causal, "size", 1) != 1:  # bool() of it would be numpy's 'truth value is ambiguous'
+        raise TypeError(f"causal must be a bool (a Python bool, or a NumPy bool scalar or one-element bool array); "
+                        f"got a bool array of shape {tuple(causal.shape)}")
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(d)  # from the user's d, not the padded one
     else:
@@ -117,6 +126,10 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         scale = float(softmax_scale)
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+        if scale > MAX_SOFTMAX_SCALE:
+            raise ValueError(f"softmax_scale = {softmax_scale!r} is too large; accepted: finite, > 0 and at most "
+                             f"2**64 = {MAX_SOFTMAX_SCALE:.4g} (the kernels form score·scale·log2(e) in fp32, which "
+                             "a larger scale can overflow for scores of fp16 size)")
 
     devices = {n: arrays.device_of(x) for n, x in (("q", q), ("k", k), ("v", v))}
     known = {dv for dv in devices.values() if dv is not None}
@@ -293,7 +306,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
             Head dim 1 <= d <= 256, zero-padded inside the kernel to a multiple of 16.
         causal: mask aligned bottom-right as in flash-attention >= 2.1: query i sees key j iff
             j <= i + Nk - Nq. A row that sees no key gets O = 0 and L = -inf.
-        softmax_scale: default 1/sqrt(d) with the user's d; must be finite and > 0.
+        softmax_scale: default 1/sqrt(d) with the user's d; 0 < softmax_scale <= 2**64 (the kernels
+            form score·scale·log2(e) in fp32; see MAX_SOFTMAX_SCALE).
         kernel: "auto" (default), "mma", "tf32x3", "tf32" or "simt". Auto runs a tensor-core kernel
             for d <= 128 on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async):
             "mma" (mma.sync, fp32 accumulation) for float16/bfloat16, "tf32x3" for float32 (each
@@ -310,7 +324,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
         out); lse is float32 of shape q.shape[:-1], the natural-log logsumexp of the scaled
         scores of each query row (L = m + log l).
 
-    Empty inputs: Nq = 0 (or B = 0, H = 0) gives empty outputs; Nk = 0 gives O = 0, L = -inf.
+    Empty inputs: Nq = 0 (or B = 0, or H = 0 with any Hkv) gives empty outputs; Nk = 0 gives O = 0, L = -inf.
 
     Stream: CuPy inputs run on CuPy's current stream, PyTorch inputs on PyTorch's current
     stream of their device, other device arrays on the default stream. Device inputs return
@@ -335,7 +349,9 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
-        if p.B * p.H * p.n_q > 0:
+        if p.B * p.H * p.n_q == 0:  # no kernel runs, but a kernel that cannot take the inputs is refused all the same
+            choose_kernel(p, kernel)
+        else:
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
             family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
             # a tensor-core kernel exists for every dtype (the simulator's fp32 choice is not a slow path)

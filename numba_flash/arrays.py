@@ -32,7 +32,22 @@ def kind_of(x: Any) -> str | None:
         if mod.startswith("numba"):
             return NUMBA
         return CAI
+    if mod == "numba" and getattr(x, "__cuda_ndarray__", False):  # the simulator's device arrays have no interface
+        return NUMBA
     return None
+
+
+def refuse_unreadable(name: str, x: Any, kind: str) -> None:
+    """TypeError for arrays the kernels would misread: NumPy masked arrays (the mask would be dropped)
+    and sparse PyTorch tensors (no strided data to view). Reads attributes only: torch is not imported."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a NumPy masked array; its mask would be ignored. Accepted: plain arrays "
+                        f"(np.ma.filled({name}, value) fills the masked entries, np.asarray({name}) drops the mask)")
+    if kind == TORCH:
+        layout = str(getattr(x, "layout", "torch.strided"))
+        if getattr(x, "is_sparse", False) or layout != "torch.strided":
+            raise TypeError(f"{name} is a PyTorch tensor with layout {layout}; accepted: dense (torch.strided) "
+                            f"tensors ({name}.to_dense())")
 
 
 def dtype_name(x: Any) -> str:
@@ -117,7 +132,7 @@ def to_device_view(x: Any, stream, ndim: int = 4) -> Any:
         return as_4d(dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI), ndim)
     if not nb_config.ENABLE_CUDASIM:
         return as_4d(view_of(x, k), ndim)  # PyTorch bfloat16 becomes uint16 here
-    dev = cuda.as_cuda_array(x, sync=False)  # simulator arrays (nothing else exists there)
+    dev = x if k == NUMBA else cuda.as_cuda_array(x, sync=False)  # simulator arrays (nothing else exists there)
     return as_4d(dev.view(np.uint16) if name == "bfloat16" else dev, ndim)
 
 

@@ -46,6 +46,7 @@ def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_s
             raise TypeError(f"{name} must be {_ACCEPTED_ARRAYS}; got {type(x).__module__}.{type(x).__name__}")
         if kind == arrays.TORCH and not x.is_cuda:
             raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor (or a NumPy array)")
+        arrays.refuse_unreadable(name, x, kind)
         if (kind == arrays.NUMPY) != (p.kind == arrays.NUMPY):
             raise TypeError(
                 f"{name} is a {kind} array but q is a {p.kind} array; all six must be on the GPU "
@@ -379,6 +380,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
     with _on_device(p.device):
         stream = arrays.current_stream(q)
         if p.B * p.H * p.n_q * p.n_k == 0:
+            choose_backward(p, kernel)  # no kernel runs, but one that cannot take the inputs is refused all the same
             return tuple(_zeros_like_kind(kind, ref, shape, p.dtype, stream)
                          for kind, ref, shape in zip(kinds, (q, k, v), (p.q_shape, kv_shape, kv_shape)))
         qd, kd, vd, od, dod = (arrays.to_device_view(x, stream) for x in (q, k, v, out, dout))

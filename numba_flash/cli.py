@@ -460,7 +460,11 @@ def cmd_demo(args, restart_argv) -> int:
     rng = np.random.default_rng(args.seed)
     q, k, v = (rng.standard_normal((B, H, N, d), dtype=np.float32).astype(dtype) for _ in range(3))
     print(f"problem: B={B} H={H} Nq=Nk={N} d={d} {dtype}, causal={args.causal}")
-    print("kernel: " + numba_flash.explain(q, k, v, causal=args.causal).replace("\n", "\n        "))
+    try:  # forward's own checks (e.g. d > 256): a usage error, not a traceback
+        chosen = numba_flash.explain(q, k, v, causal=args.causal)
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"--shape {B} {H} {N} {d} --dtype {dtype}: forward would raise {type(e).__name__}: {e}") from None
+    print("kernel: " + chosen.replace("\n", "\n        "))
 
     flops = costs.attention_flops(N, N, d, batch=B, heads=H, causal=args.causal)
     if sim:
@@ -560,6 +564,24 @@ def cmd_plot(args, restart_argv) -> int:
 # --- the parser ----------------------------------------------------------------------------------
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= low, else a usage error (exit 2) saying what is accepted."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"got {n}; accepted: an int >= {low}")
+        return n
+    return parse
+
+
+# What argparse reads as a negative number, not an option: its own -1 and -.5, plus -1e3, -inf and -nan,
+# so that `trace --x -inf 1` works (argparse has no public switch for this; its option strings never look so).
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="numba-flash", description=__doc__.split("\n\n")[0],
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]),
@@ -568,21 +590,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run forward on the GPU (or the simulator), check it, time it")
     p.add_argument("--simulator", action="store_true", help="use Numba's CUDA simulator even if there is a GPU")
-    p.add_argument("--shape", type=int, nargs=4, metavar=("B", "H", "N", "d"),
+    p.add_argument("--shape", type=_int_at_least(1), nargs=4, metavar=("B", "H", "N", "d"),
                    help=f"problem size (default {' '.join(map(str, GPU_DEMO))} on a GPU, "
                         f"{' '.join(map(str, SIM_DEMO))} on the simulator)")
     p.add_argument("--dtype", choices=("float32", "float16"), help="default float16 on a GPU, float32 on the simulator")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--reps", type=int, default=20, help="timed calls on a GPU (default 20)")
+    p.add_argument("--reps", type=_int_at_least(1), default=20, help="timed calls on a GPU (default 20)")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("trace", help="the online-softmax step table for one row of scores (3.6.5)")
-    p.add_argument("--x", type=float, nargs="+", help="one row of scores (default: the chapter's 1 3 2 5)")
+    p._negative_number_matcher = _NEGATIVE_NUMBER  # values such as -inf or -1e3 after --x and --v
+    p.add_argument("--x", type=float, nargs="+",
+                   help="one row of scores, -inf for a masked key (default: the chapter's 1 3 2 5)")
     p.add_argument("--v", type=float, nargs="+", help="values, d per key (default: the chapter's 10 20 30 40)")
     p.add_argument("--d", type=int, default=1, help="value dimension: --v holds n·d numbers, key by key")
     p.add_argument("--blocks", type=int, nargs="+", help="block sizes summing to len(x) (default: two halves)")
     p.add_argument("--order", type=int, nargs="+", help="block order, a permutation (default: natural and reversed)")
-    p.add_argument("--digits", type=int, default=4, help="decimals in the table (default 4)")
+    p.add_argument("--digits", type=_int_at_least(0), default=4, help="decimals in the table (default 4)")
     p.add_argument("--json", action="store_true", help="print the traces as JSON")
 
     p = sub.add_parser("explain", help="which kernel would run for a shape, its config and costs (no arrays needed)")

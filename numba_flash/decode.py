@@ -95,6 +95,7 @@ def _check_seqlens(cache_seqlens, p, n_max):
     if kind == arrays.TORCH and not cache_seqlens.is_cuda:
         raise TypeError(f"cache_seqlens is a PyTorch tensor on {cache_seqlens.device}; pass a CUDA tensor on "
                         f"q's device or a NumPy array")
+    arrays.refuse_unreadable("cache_seqlens", cache_seqlens, kind)
     if kind != arrays.NUMPY and kind != p.kind:
         raise TypeError(f"cache_seqlens is a {kind} array but q is a {p.kind} array; accepted: {_LENS_ACCEPTED}")
     dtype = arrays.dtype_name(cache_seqlens)
@@ -157,7 +158,7 @@ def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_spl
 
 def _tiles_and_splits(p, num_splits, config) -> tuple:
     """(config, num_splits, row chunks) of a validated problem; p.device (if known) must be current."""
-    group = p.H // p.Hkv
+    group = p.H // p.Hkv if p.Hkv else 1  # H = Hkv = 0: empty outputs, no kernel runs
     cfg = config or decode_config(p.d, p.dtype, group * max(p.n_q, 1))
     chunks = decode_kernels.n_row_chunks(cfg, group, max(p.n_q, 1))
     if num_splits is None:
@@ -178,7 +179,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
             the same kind as q (on q's device); None means Nmax for every sequence. NumPy lengths
             are checked (0 <= length <= Nmax); device lengths are not (that needs a host copy and
             a sync) and the kernel clamps them to [0, Nmax].
-        softmax_scale: default 1/sqrt(d); must be finite and > 0.
+        softmax_scale: default 1/sqrt(d); 0 < softmax_scale <= 2**64, as ``forward``.
         num_splits: how many ranges the keys of each sequence are cut into (one thread block
             each, then a merge); None chooses from occupancy (see ``choose_num_splits``). Splits
             are whole 64-key (or 32-key) tiles, ceil(tiles / num_splits) each; splits past the
@@ -278,6 +279,8 @@ def _seqlens_view(cache_seqlens, stream):
     if arrays.kind_of(cache_seqlens) == arrays.NUMPY:
         dev = cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
         return dev if sim else view_of(dev, arrays.CAI)
-    if sim:
+    if sim:  # the simulator's device arrays are what its kernels take
+        if arrays.kind_of(cache_seqlens) == arrays.NUMBA:
+            return cache_seqlens
         return cuda.as_cuda_array(cache_seqlens, sync=False)
     return view_of(cache_seqlens, arrays.kind_of(cache_seqlens))

@@ -291,6 +291,8 @@ _RAW = {"ok": None}
 # ``recording.launches`` is a list, ``launch`` appends (dispatcher, grid, block, stream,
 # shared_bytes, args) to it (and launches as usual); ``arrays.empty_like_kind`` notes allocations.
 recording = threading.local()
+# The CUDA simulator runs one kernel at a time (a second thread's launch fails an assert in numba): one lock.
+_SIM_LOCK = threading.Lock()
 
 
 def launcher_of(dispatcher) -> _Launcher:
@@ -310,7 +312,8 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     if watched is not None:
         watched.append((dispatcher, grid, block, stream, shared_bytes, args))
     if nb_config.ENABLE_CUDASIM:
-        dispatcher[grid, block, stream, shared_bytes](*args)
+        with _SIM_LOCK:
+            dispatcher[grid, block, stream, shared_bytes](*args)
         return
     launcher = launcher_of(dispatcher)
     cufunc = function(launcher, current_device_id(), shared_bytes)

@@ -80,6 +80,39 @@ def test_trace_bad_input_says_what_is_accepted(tmp_path):
     assert proc.returncode == 2 and "--v" in proc.stderr
 
 
+def test_trace_reads_negative_and_infinite_scores(capsys):
+    """argparse took -inf (and -1e3) for an option: `trace --x -inf 1` was a usage error."""
+    assert cli.main(["trace", "--x", "-inf", "1", "--v", "10", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["l"] == 1.0 and out["O"] == 20.0 and out["online_equals_standard"]
+    assert cli.main(["trace", "--x", "-1e3", "2", "-.5", "--v", "10", "20", "30", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["traces"][0]["x"] == [-1000.0, 2.0, -0.5]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["trace", "--digits", "-1"], "argument --digits: got -1; accepted: an int >= 0"),
+    (["demo", "--shape", "1", "1", "16", "0"], "argument --shape: got 0; accepted: an int >= 1"),
+    (["demo", "--shape", "1", "1", "-3", "8"], "argument --shape: got -3; accepted: an int >= 1"),
+    (["demo", "--shape", "0", "1", "16", "8"], "argument --shape: got 0; accepted: an int >= 1"),
+    (["demo", "--shape", "1", "1", "4", "8", "--reps", "0"], "argument --reps: got 0; accepted: an int >= 1"),
+])
+def test_bad_numbers_are_usage_errors(capsys, argv, words):
+    """A traceback (d = 0, B = 0, N < 0, --digits -1) or nan timings (--reps 0) before: exit 2 now."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_demo_unsupported_shape_is_a_usage_error(capsys):
+    if not nb_config.ENABLE_CUDASIM:
+        pytest.skip("in-process demo needs the simulator on")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--simulator", "--shape", "1", "1", "4", "300"])
+    assert e.value.code == 2
+    assert "forward would raise ValueError: head dim d=300" in capsys.readouterr().err
+
+
 def test_trace_uses_reference_trace():
     """One code path: the CLI's comparison is the reference's trace against its own standard row."""
     from reference import online_softmax_trace

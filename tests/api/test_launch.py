@@ -310,3 +310,23 @@ def test_data_slots_and_template(rng):
     assert int(slots[launcher.data_slots[1]]) == a.ptr and int(slots[launcher.data_slots[3]]) == b.ptr
     pointers = launcher.pack(args)
     assert ctypes.string_at(pointers[0], launcher.layout.size) == launcher.template(args)
+
+
+def test_simulator_launches_from_threads():
+    """The simulator runs one kernel at a time ('concurrent simulated kernel not supported' from a second
+    thread); launch serialises simulated launches, so forward works from several threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from numba import config
+
+    import numba_flash
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("a GPU runs concurrent launches itself")
+    rng = np.random.default_rng(0)
+    problems = [[rng.standard_normal((1, 1, 4, 8)).astype(np.float32) for _ in range(3)] for _ in range(4)]
+    expected = [numba_flash.forward(*p)[0] for p in problems]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: numba_flash.forward(*p)[0], problems))
+    for e, g in zip(expected, got):
+        np.testing.assert_array_equal(g, e)

@@ -183,6 +183,15 @@ def test_backward_batchless_and_explain(rng):
         backward(q, k, v, o, lse, do, kernel="fast")
 
 
+@pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0), (1, 1)])
+def test_backward_kernel_check_before_empty_shortcut(rng, n_q, n_k):
+    """kernel='mma' on float32: refused whether or not the problem is empty (it was accepted when empty)."""
+    q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (n_q, n_k, n_k))
+    lse = np.zeros(q.shape[:-1], np.float32)
+    with pytest.raises(ValueError, match="kernel='mma' cannot run this backward: dtype float32"):
+        backward(q, k, v, q, lse, q, kernel="mma")
+
+
 @pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0)])
 def test_backward_empty_sequences(rng, n_q, n_k):
     q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (n_q, n_k, n_k))
@@ -191,6 +200,23 @@ def test_backward_empty_sequences(rng, n_q, n_k):
     dq, dk, dv = backward(q, k, v, o, lse, np.ones_like(q))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert not dq.any() and not dk.any() and not dv.any()
+
+
+def test_backward_numba_device_arrays(rng):
+    """The simulator's Numba device arrays are accepted (they have no __cuda_array_interface__ there)."""
+    args = _ok(rng)
+    ref = backward(*args)
+    got = backward(*(cuda.to_device(x) for x in args))
+    for r, g in zip(ref, got):
+        np.testing.assert_array_equal(g.copy_to_host(), r)
+
+
+def test_backward_no_heads():
+    """H = Hkv = 0: empty gradients, as forward's empty outputs."""
+    q, k = np.zeros((1, 0, 3, 8), np.float32), np.zeros((1, 0, 5, 8), np.float32)
+    dq, dk, dv = backward(q, k, k, q, np.zeros(q.shape[:-1], np.float32), q)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert explain_backward(q, k, k).startswith("simt backward:")
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,6 +309,8 @@ def _ok(rng):
         (4, lambda lse: lse.tolist(), TypeError, ["lse must be", "list"]),
         (2, lambda v: v[:, :, :3], ValueError, ["k and v must have the same shape"]),  # the forward's checks
         (0, lambda q: q.astype(np.float64), TypeError, ["float64"]),
+        (5, lambda do: np.ma.masked_array(do, mask=do > 0), TypeError, ["dout is a NumPy masked array"]),
+        (1, lambda k: np.ma.masked_array(k), TypeError, ["k is a NumPy masked array"]),
     ],
 )
 def test_validation_errors(rng, index, mutate, exc, words):
@@ -297,6 +325,8 @@ def test_validation_errors(rng, index, mutate, exc, words):
 def test_validation_scale_and_causal(rng):
     with pytest.raises(ValueError, match="softmax_scale"):
         backward(*_ok(rng), softmax_scale=-1.0)
+    with pytest.raises(ValueError, match=r"softmax_scale = 1e\+38 .*at most 2\*\*64"):
+        backward(*_ok(rng), softmax_scale=1e38)
     with pytest.raises(TypeError, match="causal must be a bool"):
         backward(*_ok(rng), causal="yes")
 

@@ -12,6 +12,7 @@ sizes here. An indexing or masking bug gives errors of order 1.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -109,6 +110,17 @@ def test_forward_empty_sequences(rng, n_q, n_k):
     assert out.shape == q.shape and lse.shape == q.shape[:-1]
     if n_q:  # no keys at all: every row is fully masked
         assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_forward_no_heads(rng):
+    """H = 0 with Hkv = 0 gives empty outputs, as the docstring says (the H % Hkv check refused it)."""
+    q, k, v = _qkv(rng, 2, 0, 0, 3, 5, 8)
+    out, lse = numba_flash.forward(q, k, v)
+    assert out.shape == (2, 0, 3, 8) and lse.shape == (2, 0, 3)
+    assert numba_flash.explain(q, k, v).startswith("simt:")
+    with pytest.raises(ValueError, match=r"H=2 heads and k/v have Hkv=0; H must be a multiple of Hkv >= 1 "
+                                         r"\(GQA/MQA\), or H = Hkv = 0"):
+        numba_flash.forward(*_qkv(rng, 1, 2, 0, 3, 5, 8))
 
 
 # ---- many tiles, small configs ---------------------------------------------------------------
@@ -259,11 +271,86 @@ def test_validation_softmax_scale(rng, scale, exc):
         numba_flash.forward(*_ok(rng), softmax_scale=scale)
 
 
+@pytest.mark.parametrize("scale", [2.0**64 * (1 + 2**-52), 1e30, 1e38, 1e300])
+def test_validation_softmax_scale_too_large(rng, scale):
+    """scale·log2(e)·s is formed in fp32: above 2**64 the kernels gave NaN O or L = -inf."""
+    with pytest.raises(ValueError, match=re.escape(f"softmax_scale = {scale!r}") + r".*at most 2\*\*64"):
+        numba_flash.forward(*_ok(rng), softmax_scale=scale)
+    with pytest.raises(ValueError, match=r"at most 2\*\*64"):
+        numba_flash.explain(*_ok(rng), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [2.0**64, 1e-30, 1e-300])
+def test_softmax_scale_extremes_accepted(rng, scale):
+    """The bound itself, and scales whose scale·log2(e) underflows fp32 (uniform weights: the exact limit)."""
+    q, k, v = _ok(rng)
+    out, lse = numba_flash.forward(q, k, v, softmax_scale=scale)
+    ref_o, ref_l = reference.standard_attention(q, k, v, softmax_scale=scale)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(out, ref_o, atol=F32_TOL)
+    np.testing.assert_allclose(lse, ref_l, rtol=1e-5)
+
+
 def test_validation_causal_and_kernel(rng):
     with pytest.raises(TypeError, match="causal must be a bool"):
         numba_flash.forward(*_ok(rng), causal="yes")
     with pytest.raises(ValueError, match="kernel='fast'; accepted"):
         numba_flash.forward(*_ok(rng), kernel="fast")
+
+
+@pytest.mark.parametrize("causal", [np.array([True, False]), np.array([], bool), np.ones((2, 1), bool)])
+def test_validation_causal_array(rng, causal):
+    """A bool array of any size was let through, then numpy's 'truth value is ambiguous'."""
+    with pytest.raises(TypeError, match=r"causal must be a bool \(a Python bool, or a NumPy bool scalar or "
+                                        r"one-element bool array\); got a bool array of shape"):
+        numba_flash.forward(*_ok(rng), causal=causal)
+
+
+def test_validation_causal_numpy_bools_accepted(rng):
+    """What worked before keeps working: NumPy bool scalars and one-element bool arrays."""
+    q, k, v = _ok(rng)
+    ref, _ = numba_flash.forward(q, k, v, causal=True)
+    for causal in (np.bool_(True), np.array(True), np.ones((1, 1), bool)):
+        np.testing.assert_array_equal(numba_flash.forward(q, k, v, causal=causal)[0], ref)
+
+
+def test_numba_device_arrays(rng):
+    """Numba device arrays, which the accepted list names, were refused on the simulator (they have no
+    __cuda_array_interface__ there); they are taken and give Numba device arrays back."""
+    q, k, v = _ok(rng)
+    ref_o, ref_l = numba_flash.forward(q, k, v, causal=True)
+    out, lse = numba_flash.forward(*(cuda.to_device(x) for x in (q, k, v)), causal=True)
+    assert type(out) is type(cuda.to_device(q)) and out.shape == q.shape
+    np.testing.assert_array_equal(out.copy_to_host(), ref_o)
+    np.testing.assert_array_equal(lse.copy_to_host(), ref_l)
+
+
+class _FakeTorchTensor:
+    """What validate reads of a PyTorch CUDA tensor (torch is not needed to test the sparse check)."""
+
+    __module__ = "torch"
+    is_cuda = True
+    device = "cuda:0"
+
+    def __init__(self, x, layout, is_sparse):
+        self.shape, self.dtype, self.layout, self.is_sparse = x.shape, f"torch.{x.dtype}", layout, is_sparse
+
+
+@pytest.mark.parametrize("layout,is_sparse", [("torch.sparse_coo", True), ("torch.sparse_csr", False)])
+def test_validation_sparse_torch_tensor(rng, layout, is_sparse):
+    """A sparse CUDA tensor got as far as launch.py's RuntimeError; refused up front, without importing torch."""
+    q, k, v = _ok(rng)
+    with pytest.raises(TypeError, match=rf"k is a PyTorch tensor with layout {layout}; accepted: dense "
+                                        r"\(torch.strided\) tensors"):
+        numba_flash.forward(_FakeTorchTensor(q, "torch.strided", False), _FakeTorchTensor(k, layout, is_sparse),
+                            _FakeTorchTensor(v, "torch.strided", False))
+
+
+def test_validation_masked_array(rng):
+    """The mask of a NumPy masked array was silently dropped."""
+    q, k, v = _ok(rng)
+    with pytest.raises(TypeError, match=r"v is a NumPy masked array; its mask would be ignored"):
+        numba_flash.forward(q, k, np.ma.masked_array(v, mask=v > 0))
 
 
 def test_explain_names_config_and_padding(rng):
@@ -293,6 +380,14 @@ def test_fp16_unaligned_rows_fall_back_with_a_warning(rng):
         out, lse = numba_flash.forward(q, k, v)
     ref_o, _ = reference.standard_attention(q, k, v)
     assert np.abs(out.astype(np.float64) - ref_o).max() < 2e-3
+
+
+@pytest.mark.parametrize("n_q", [0, 1])
+def test_kernel_check_before_empty_shortcut(rng, n_q):
+    """kernel='mma' on float32 raised at Nq = 1 but was accepted at Nq = 0: both raise now."""
+    q, k, v = _qkv(rng, 1, 1, 1, n_q, 4, 8)
+    with pytest.raises(ValueError, match="kernel='mma' cannot run.*float32"):
+        numba_flash.forward(q, k, v, kernel="mma")
 
 
 def test_kernel_argument(rng):
