@@ -326,6 +326,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
 
     Empty inputs: Nq = 0 (or B = 0, or H = 0 with any Hkv) gives empty outputs; Nk = 0 gives O = 0, L = -inf.
 
+    NaN and inf: IEEE arithmetic, in every kernel family, backward and decode, as in the NumPy reference. A
+    row whose visible scores hold a NaN or +inf gets NaN in O and L (only l = 0, a row that sees no key, gives
+    O = 0, L = -inf); -inf scores are masked keys. A NaN or inf in v reaches O, not L. tf32x3 splits an inf in q
+    or k into inf + NaN, so there an inf gives NaN in every score it enters.
+
     Stream: CuPy inputs run on CuPy's current stream, PyTorch inputs on PyTorch's current
     stream of their device, other device arrays on the default stream. Device inputs return
     without synchronising; NumPy inputs return after the copy back.

@@ -190,7 +190,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     Masking: the Nq queries are the last Nq positions of each sequence, so query i of sequence b
     sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with
     causal=True on the valid prefix); keys >= len_b are never read into the result. A query that
-    sees no key (len_b = 0, or i < Nq - len_b) gets O = 0 and L = -inf.
+    sees no key (len_b = 0, or i < Nq - len_b) gets O = 0 and L = -inf. NaN / inf: as ``forward`` (IEEE: a NaN in q or a
+    valid key gives NaN in O and L; slots past len_b are never read).
 
     Returns:
         (out, lse): out has q's shape, dtype and kind; lse is float32 of shape (B, H, Nq), the

@@ -17,6 +17,9 @@ Conventions (shared by every function in ``reference`` and by the numba_flash ke
   bottom-right corner (flash-attention ≥ 2.1), so with Nq < Nk the last query sees every key,
   and with Nq > Nk the first Nq − Nk queries see no key at all.
 * A fully masked query row has O = 0, L = −inf, and zero gradients.
+* NaN and ±inf: IEEE arithmetic, the kernels' policy. A row whose visible scores hold a nan or +inf
+  gets nan in O and L (and its gradients); −inf scores are masked keys. A nan or inf in v reaches O
+  through P·V (even where P = 0, as 0·inf and 0·nan are nan), not L.
 * Dtypes. Inputs may be any real floating (or integer) dtype. Computation and outputs are in
   float64 — or wider, e.g. longdouble inputs stay longdouble — unless ``dtype=`` asks for a
   floating dtype (say float32, to see a kernel's rounding). Nothing is silently truncated.
@@ -33,7 +36,6 @@ import numpy as np
 from ._validation import (
     as_real_array,
     check_causal,
-    check_finite,
     check_nonnegative_real,
     check_positive_int,
     check_softmax_scale,
@@ -144,8 +146,6 @@ def _prepare(q, k, v, *, causal, softmax_scale, dtype, extra=()) -> _Prepared:
     q = np.broadcast_to(q.astype(dt, copy=False), lead + (n_q, d))
     k = np.broadcast_to(k.astype(dt, copy=False), lead + (n_k, d))
     v = np.broadcast_to(v.astype(dt, copy=False), lead + (n_k, d))
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_finite(name, x)
     return _Prepared(q, k, v, scale, causal, dt, lead, n_q, n_k, d, g, q_shape, kv_shape)
 
 
@@ -203,7 +203,7 @@ def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dty
 
     Arguments: ``q`` (..., Nq, d); ``k``, ``v`` (..., Nk, d); leading dims broadcast, GQA on
     axis −3 (see the module docstring). ``causal``: bottom-right aligned mask. ``softmax_scale``:
-    default 1/sqrt(d). ``dtype``: compute dtype, default float64 (or wider). Inputs must be finite.
+    default 1/sqrt(d). ``dtype``: compute dtype, default float64 (or wider). NaN / inf: the module docstring.
 
     Returns ``(O, L)``: O (*lead, Nq, d), L (*lead, Nq). Fully masked rows: O = 0, L = −inf.
     Memory: O(Nq·Nk) per (batch, head) — this is the version that runs out of memory.

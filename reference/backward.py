@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validation import as_real_array, check_finite, check_no_nan_or_posinf, check_positive_int
+from ._validation import as_real_array, check_positive_int
 from .attention import _prepare, causal_mask, first_q_block_to_visit, tile_needs_mask
 
 __all__ = ["attention_backward", "flash_attention_backward"]
@@ -33,9 +33,6 @@ def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype):
         if x.shape != shape:
             raise ValueError(f"{name} has shape {x.shape}; the forward of these q, k, v gives {shape}")
     o, lse, do = (x.astype(pr.dtype, copy=False) for x in (o, lse, do))
-    check_finite("o", o)
-    check_finite("do", do)
-    check_no_nan_or_posinf("lse", lse)
     # a fully masked row (L = -inf) must get P = 0: subtracting +inf sends every entry to exp(-inf)
     lse_sub = np.where(np.isneginf(lse), np.inf, lse).astype(pr.dtype, copy=False)
     return pr, o, lse_sub, do

@@ -6,7 +6,8 @@ The online recurrence lives in one function, :func:`online_softmax_step`. The st
 maths to check. Its names are the kernels' names: ``m_i``, ``l_i``, ``acc`` are the textbook's
 m, ℓ, O of 3.6.4 (running max, running sum of exp(x − m), running unnormalised output).
 
-Masking convention: a score of −inf is a masked key. A row whose scores are all −inf (fully
+Masking convention: a score of −inf is a masked key; nan or +inf in a row makes that row nan
+(IEEE arithmetic, the kernels' policy; the trace alone refuses them). A row whose scores are all −inf (fully
 masked) has no softmax; here it gives weights 0, output O = 0 and logsumexp L = −inf, as
 flash-attention does. The guard is the one flash-attention uses: where the running max is −inf,
 subtract 0 instead, so that exp(−inf − 0) = 0 rather than exp(−inf − (−inf)) = nan.
@@ -21,7 +22,6 @@ import numpy as np
 from ._validation import (
     as_real_array,
     block_bounds,
-    check_no_nan_or_posinf,
     check_positive_int,
     compute_dtype,
     resolve_order,
@@ -46,8 +46,8 @@ def _safe_max(m: np.ndarray) -> np.ndarray:
 def standard_softmax(x, axis: int = -1, *, dtype=None) -> np.ndarray:
     """Softmax along ``axis`` with the row max subtracted first (3.6.2), so exp never overflows.
 
-    ``x``: any shape, real floating or integer dtype; −inf marks a masked entry; nan and +inf are
-    refused (ValueError). The axis must not be empty. Computed in float64 (or in the inputs'
+    ``x``: any shape, real floating or integer dtype; −inf marks a masked entry; a row holding nan
+    or +inf gives nan (IEEE arithmetic, as the kernels). The axis must not be empty. Computed in float64 (or in the inputs'
     wider dtype) unless ``dtype=`` asks for another floating dtype. A fully masked row (all −inf)
     gives all zeros. Returns an array of ``x``'s shape.
     """
@@ -56,7 +56,6 @@ def standard_softmax(x, axis: int = -1, *, dtype=None) -> np.ndarray:
     x = x.astype(dt, copy=False)
     if x.ndim == 0 or x.shape[axis] == 0:
         raise ValueError(f"x must have at least one entry along axis {axis}; got shape {x.shape}")
-    check_no_nan_or_posinf("x", x)
     m = _safe_max(np.max(x, axis=axis, keepdims=True))
     p = np.exp(x - m)
     l = np.sum(p, axis=axis, keepdims=True)
@@ -87,7 +86,6 @@ def logsumexp(x, axis: int = -1, *, dtype=None) -> np.ndarray:
     x = x.astype(dt, copy=False)
     if x.ndim == 0 or x.shape[axis] == 0:
         raise ValueError(f"x must have at least one entry along axis {axis}; got shape {x.shape}")
-    check_no_nan_or_posinf("x", x)
     m = np.max(x, axis=axis)
     l = np.sum(np.exp(x - np.expand_dims(_safe_max(m), axis)), axis=axis)
     with np.errstate(divide="ignore"):
@@ -205,14 +203,13 @@ class OnlineSoftmaxState:
     def update(self, scores_block, values_block) -> OnlineStep:
         """Consume one block of Bk >= 1 keys, in place, by the 3.6.4 recurrence.
 
-        ``scores_block``: (R, Bk), −inf for a masked key, no nan/+inf. ``values_block``: (Bk, d).
+        ``scores_block``: (R, Bk), −inf for a masked key (nan or +inf: nan rows). ``values_block``: (Bk, d).
         Returns the step's intermediates (m̃, m_new, α, p, ℓ, O) as an :class:`OnlineStep`.
         """
         s = as_real_array("scores_block", scores_block)
         if s.ndim != 2 or s.shape[0] != self.rows or s.shape[1] < 1:
             raise ValueError(f"scores_block has shape {s.shape}; this state needs ({self.rows}, Bk) with Bk >= 1")
         s = self._block("scores_block", s, s.shape)
-        check_no_nan_or_posinf("scores_block", s)
         v = self._block("values_block", values_block, (s.shape[1], self.d))
         step = online_softmax_step(self.m, self.l, self.acc, s, v)
         self.m, self.l, self.acc = step.m_new, step.l_i, step.acc
@@ -278,7 +275,6 @@ def online_softmax_attention(scores, values, *, blocks, order=None, dtype=None):
         raise ValueError(f"need at least one row, one key and d >= 1; got shapes {scores.shape}, {values.shape}")
     dt = compute_dtype(dtype, scores, values)
     s2, v2 = s2.astype(dt, copy=False), v2.astype(dt, copy=False)
-    check_no_nan_or_posinf("scores", s2)
     bounds = block_bounds(n, blocks, what="keys (last axis of scores)")
     state = OnlineSoftmaxState(s2.shape[0], v2.shape[1], dtype=dt)
     for j in resolve_order(order, len(bounds)):

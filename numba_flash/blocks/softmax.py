@@ -51,8 +51,8 @@ def m_or_zero(m):
 
 @inline_device
 def row_lse(m, l_row):
-    """L = (M + log2 l)·ln 2, natural log, of a row that saw a key (l > 0; the caller stores -inf otherwise:
-    two stores under the branch, as the kernels were measured)."""
+    """L = (M + log2 l)·ln 2, natural log, of a row that saw a key (l != 0: a NaN l, from a NaN or +inf score,
+    gives NaN; the caller stores -inf where l = 0, two stores under the branch, as the kernels were measured)."""
     return (m + math.log2(l_row)) * float32(LN2)
 
 

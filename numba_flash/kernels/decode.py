@@ -794,10 +794,10 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                     l_part[U(b), U(h), U(i), U(split_id)] = l_row
             else:
                 # A row that sees no key (l = 0) is defined as O = 0, L = -inf.
-                store_out(out, b, h, i, e, a / l_row if l_row > ZERO else ZERO)
+                store_out(out, b, h, i, e, a / l_row if l_row != ZERO else ZERO)
                 if e == 0:
                     lse[U(b), U(h), U(i)] = (
-                        (smem_f[U(M_OFF + r)] + log2(l_row)) * float32(LN2) if l_row > ZERO else NEG_INF)
+                        (smem_f[U(M_OFF + r)] + log2(l_row)) * float32(LN2) if l_row != ZERO else NEG_INF)
 
     return decode_split
 
@@ -1114,9 +1114,9 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
                     l_part[U(b), U(h), U(i), U(split_id)] = l_row
             else:
                 # A row that sees no key (l = 0) is defined as O = 0, L = -inf.
-                store_out(out, b, h, i, e, a / l_row if l_row > ZERO else ZERO)
+                store_out(out, b, h, i, e, a / l_row if l_row != ZERO else ZERO)
                 if e == 0:
-                    lse[U(b), U(h), U(i)] = (m + log2(l_row)) * float32(LN2) if l_row > ZERO else NEG_INF
+                    lse[U(b), U(h), U(i)] = (m + log2(l_row)) * float32(LN2) if l_row != ZERO else NEG_INF
 
     return decode_split
 
@@ -1156,7 +1156,7 @@ def merge_source(dtype: str):
         l_row = ZERO
         for s in range(n_splits):
             l_row = cuda.fma(weight[U(s)], l_part[U(b), U(h), U(i), U(s)], l_row)
-        inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO
+        inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
         for e in range(tid, d, THREADS):
             a = ZERO
             for s in range(n_splits):
@@ -1169,7 +1169,7 @@ def merge_source(dtype: str):
             else:
                 out[U(b), U(h), U(i), U(e)] = o
         if tid == 0:
-            lse[U(b), U(h), U(i)] = (m + math.log2(l_row)) * float32(LN2) if l_row > ZERO else NEG_INF
+            lse[U(b), U(h), U(i)] = (m + math.log2(l_row)) * float32(LN2) if l_row != ZERO else NEG_INF
 
     return decode_merge
 

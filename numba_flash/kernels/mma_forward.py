@@ -395,10 +395,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             a0_ = (mr >> 1) * O_TILES
             l_row = quad_row_sum(l_i, mr)
             row = q0 + warp * ROWS_W + 8 * mr + g
-            inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
+            inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO  # a fully masked row: O = 0
             if SMEM_EPILOGUE:
                 if row < n_q and t == 0:
-                    if l_row > ZERO:
+                    if l_row != ZERO:
                         lse[b, h, row] = row_lse(m_i[mr], l_row)
                     else:
                         lse[b, h, row] = NEG_INF
@@ -410,7 +410,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                     st_shared_b32(smem, SQ + swizzle(row_t, dt) + 2 * t, bits)
             elif row < n_q:
                 if t == 0:
-                    if l_row > ZERO:
+                    if l_row != ZERO:
                         lse[b, h, row] = row_lse(m_i[mr], l_row)
                     else:
                         lse[b, h, row] = NEG_INF

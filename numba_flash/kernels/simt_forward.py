@@ -411,10 +411,10 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             for t in range(COL_THREADS):
                 l_row += smem[U(RED_OFF + r * COL_THREADS + t)]
             # A fully masked row (l = 0) is defined as O = 0, L = -inf.
-            inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO
+            inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
             if row < n_q:
                 if tc == 0:
-                    if l_row > ZERO:
+                    if l_row != ZERO:
                         lse[U(b), U(h), U(row)] = (m_i[i] + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[U(b), U(h), U(row)] = NEG_INF

@@ -421,10 +421,10 @@ def kernel_source(tile: Tile, causal: bool, passes: int = 3, split_round: str = 
         for half in range(2):
             l_row = quad_row_sum(l_i, half)
             row = q0 + warp * 16 + 8 * half + g
-            inv_l = float32(1.0) / l_row if l_row > ZERO else ZERO  # a fully masked row: O = 0
+            inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO  # a fully masked row: O = 0
             if row < n_q:
                 if t == 0:
-                    if l_row > ZERO:
+                    if l_row != ZERO:
                         lse[b, h, row] = row_lse(m_i[half], l_row)
                     else:
                         lse[b, h, row] = NEG_INF

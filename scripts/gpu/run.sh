@@ -11,7 +11,7 @@
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #
 # Steps:
-#   tests     the GPU test suite (pytest -m gpu tests; PYTEST_K=expr narrows it with -k; PYTEST_N workers, default 8)
+#   tests     the GPU test suite (pytest -m 'gpu or anywhere' tests; PYTEST_K=expr narrows it with -k; PYTEST_N workers, default 8)
 #   bench     the backward (autograd, fp16 + fp32) and decode quick benchmarks, then the forward suite
 #             (numba-flash bench --quick: the registered suites, JSON and plots)
 #   forward   the full forward benchmark (scripts/bench_forward.py, fp32 and fp16, memory sweep) and its plots
@@ -49,7 +49,7 @@ out=$(cd "$out" && pwd)
 res=$out/results
 export PYTHONUNBUFFERED=1 OUT=$res
 export NUMBA_FLASH_COMMIT=${NUMBA_FLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-P="python3 -m pytest -q -p no:warnings -p no:cacheprovider -m gpu"
+P=(python3 -m pytest -q -p no:warnings -p no:cacheprovider -m "gpu or anywhere")
 
 if [ $dry = 0 ] && [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -76,7 +76,7 @@ step_tests() {
   local k=(); [ -n "${PYTEST_K:-}" ] && k=(-k "$PYTEST_K")
   # kernel compiles dominate the suite's time: spread them over PYTEST_N workers (xdist travels in .whl/)
   local n=(); python3 -c "import xdist" 2> /dev/null && n=(-n "${PYTEST_N:-8}")
-  run tests "$(limit tests 560)" $P tests -rfE "${n[@]}" "${k[@]}"
+  run tests "$(limit tests 560)" "${P[@]}" tests -rfE "${n[@]}" "${k[@]}"
 }
 
 step_bench() {
@@ -128,7 +128,7 @@ step_ab() {
   fi
 }
 
-step_ptx() { run ptx "$(limit ptx 120)" $P tests/kernels/test_gpu_ptx.py -rfE; }
+step_ptx() { run ptx "$(limit ptx 120)" "${P[@]}" tests/kernels/test_gpu_ptx.py -rfE; }
 
 step_host() { run host "$(limit host 100)" python3 scripts/host_overhead.py --json "$res/host_overhead.json"; }
 

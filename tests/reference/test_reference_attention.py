@@ -21,7 +21,10 @@ from reference import (
     first_q_block_to_visit,
     flash_attention,
     kv_blocks_to_visit,
+    logsumexp,
+    online_softmax_attention,
     standard_attention,
+    standard_softmax,
     tile_needs_mask,
 )
 
@@ -315,8 +318,21 @@ def test_shape_validation_messages(shapes, match):
         standard_attention(q, k, v)
 
 
-def test_non_finite_and_complex_inputs_are_refused():
-    with pytest.raises(ValueError, match="q contains non-finite"):
-        standard_attention(np.array([[np.nan]]), np.ones((1, 1)), np.ones((1, 1)))
+def test_nan_propagates_and_complex_inputs_are_refused():
+    """A nan in q's row 1 makes that row's O and L nan (IEEE, the kernels' policy); row 0 stays what it was.
+    The online softmax agrees row by row."""
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 4)), rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    clean_o, clean_l = standard_attention(q, k, v)
+    q[1, 2] = np.nan
+    o, l = standard_attention(q, k, v)
+    assert np.isnan(o[1]).all() and np.isnan(l[1])
+    np.testing.assert_array_equal(o[0], clean_o[0])
+    np.testing.assert_array_equal(l[0], clean_l[0])
+    s = (q @ k.T) / 2.0
+    o2, l2 = online_softmax_attention(s, v, blocks=[2, 1])
+    assert np.isnan(o2[1]).all() and np.isnan(l2[1]) and np.allclose(o2[0], clean_o[0]) and np.isclose(l2[0], clean_l[0])
+    s[0, 1] = np.inf  # +inf has no softmax either
+    assert np.isnan(standard_softmax(s)[0]).all() and np.isnan(logsumexp(s)[0])
     with pytest.raises(TypeError, match="v has dtype complex128"):
         standard_attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)) * 1j)

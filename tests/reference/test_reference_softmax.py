@@ -141,8 +141,7 @@ def test_dtypes_default_to_float64_and_never_truncate(rng):
         standard_softmax(x + 1j)
     with pytest.raises(TypeError, match="dtype=int64"):
         standard_softmax(x, dtype=np.int64)
-    with pytest.raises(ValueError, match="nan or \\+inf"):
-        standard_softmax(np.array([1.0, np.nan]))
+    assert np.isnan(standard_softmax(np.array([1.0, np.nan]))).all()  # IEEE: a nan row, not an error
     with pytest.raises(ValueError, match="at least one entry"):
         standard_softmax(np.zeros((3, 0)))
 
@@ -289,8 +288,8 @@ def test_block_and_order_validation_names_what_was_given():
         online_softmax_attention(x, v, blocks=True)
     with pytest.raises(ValueError, match="5 keys.*4 rows"):
         online_softmax_attention(x, np.zeros((4, 2)), blocks=5)
-    with pytest.raises(ValueError, match="nan or \\+inf"):
-        online_softmax_attention(np.array([[0, np.inf, 0, 0, 0]]), v, blocks=5)
+    o, lse = online_softmax_attention(np.array([[0, np.inf, 0, 0, 0]]), v, blocks=5)  # IEEE: a nan row
+    assert np.isnan(o).all() and np.isnan(lse).all()
 
 
 
