@@ -26,6 +26,7 @@
 #             scripts/ab_api.py --old DIR --rounds AB_ROUNDS (bitwise comparison of the outputs, SDPA beside)
 #   ptx       the PTX intrinsic GPU tests (tests/kernels/test_gpu_ptx.py)
 #   host      host time per call (scripts/host_overhead.py)
+#   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results)
 #
 # Each step's time limit (seconds) can be overridden by LIMIT_<step>=N, e.g. LIMIT_tests=400.
 # --dry-run prints each step's commands without running them (no GPU needed).
@@ -34,12 +35,12 @@ set -u
 dry=0
 if [ "${1:-}" = "--dry-run" ] || [ "${1:-}" = "-n" ]; then dry=1; shift; fi
 if [ $# -lt 2 ]; then
-  sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1; shift
 steps=("$@")
-known=" tests bench forward sanitize ab abapi ptx host "
+known=" tests bench forward sanitize ab abapi ptx host fuzz "
 for s in "${steps[@]}"; do
   case "$known" in *" $s "*) ;; *) echo "unknown step: $s (steps:$known)" >&2; exit 2 ;; esac
 done
@@ -131,6 +132,13 @@ step_ab() {
 step_ptx() { run ptx "$(limit ptx 120)" "${P[@]}" tests/kernels/test_gpu_ptx.py -rfE; }
 
 step_host() { run host "$(limit host 100)" python3 scripts/host_overhead.py --json "$res/host_overhead.json"; }
+
+step_fuzz() {
+  local l; l=$(limit fuzz 300)
+  # the budget stops drawing 30 s before the limit, so the summary and JSON are still written
+  run fuzz "$l" python3 scripts/fuzz.py --problems "${FUZZ_N:-1000}" --seed "${FUZZ_SEED:-0}" --out "$res" \
+    --time-budget-s $((l > 60 ? l - 30 : l * 3 / 4)) --quiet
+}
 
 status=0
 for s in "${steps[@]}"; do

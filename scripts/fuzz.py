@@ -1,0 +1,619 @@
+"""Differential fuzz of the public API (forward, backward, decode) against float64.
+
+    python3 scripts/fuzz.py --problems 1000 --seed 0 --out results                 # GPU (PyTorch optional)
+    python3 scripts/fuzz.py --problems 12 --max-n 40 --max-d 40 --seed 0           # CUDA simulator, NumPy only
+    python3 scripts/fuzz.py --seed 0 --only-index 57                               # one problem of that draw again
+    python3 scripts/fuzz.py --repro "forward dtype=float16 backend=numpy B=1 ... seed=0 idx=57"
+
+Each problem (dtype, shapes, GQA group, causal, softmax_scale, memory layout, and per family
+deterministic / via autograd, or cache lengths / num_splits) is drawn from its own generator seeded
+by (seed, idx), so one index can be rerun alone. Inputs are standard normal, rounded to the dtype.
+Checks, as tests/kernels/test_gpu_forward.py and test_gpu_backward.py:
+    fp16 / bf16: max |ours - fp64| <= 2 * max |naive same-dtype - fp64| + 1 ulp of max |fp64|
+    fp32:        out <= 2e-5 * max(1, max |fp64|) * c, gradients <= 1e-4 * max |fp64| * c
+    lse:         max |ours - fp64| <= 1e-4 * max(1, max |fp64|) over the rows that see a key
+where c = max(1, max |scaled score| / 16) (an fp32 weight carries |s|·2^-24 relative rounding; the
+tests' inputs have |s| <~ 16). Ours must be finite where fp64 is, rows that see no key must be
+exactly O = 0, L = -inf. A ValueError / TypeError from the API counts as 'refused'; any other
+exception as a failure. Each failure prints one line that --repro takes back. Exit 1 on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter, defaultdict
+
+import numpy as np
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+# No GPU driver: run on Numba's CUDA simulator, decided before numba is imported (as tests/conftest.py).
+if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")):
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+if SIM and os.environ.get("NUMBA_FLASH_SIM_SPEEDUP", "1") == "1":
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    try:  # the simulator without its busy loop: same results, faster
+        import sim_speed
+
+        sim_speed.install()
+    except ImportError:
+        pass
+
+import numba  # noqa: E402
+
+import numba_flash  # noqa: E402
+
+try:
+    import torch
+
+    HAVE_TORCH_CUDA = (not SIM) and torch.cuda.is_available()
+except ImportError:
+    torch = None
+    HAVE_TORCH_CUDA = False
+try:
+    import ml_dtypes  # NumPy bfloat16
+except ImportError:
+    ml_dtypes = None
+
+FAMILIES = ("forward", "backward", "decode")
+LAYOUTS = ("contiguous", "bnhd", "slice_n", "slice_d", "offset")
+COMMON_D = (16, 32, 64, 80, 96, 128, 256)
+EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
+SCORE_SCALE = 16.0  # |scaled score| the fp32 bounds of the tests were set at
+INJECT = 1e-2  # relative perturbation of ours with --inject-error
+DEFAULT_WORK = 2**31 if not SIM else 2**16  # B·H·Nq·Nk·d per problem
+DEFAULT_BH = None if not SIM else 4  # the simulator runs every block's threads in Python: few batch-heads
+ABS_FLOOR = 1e-6  # degenerate problems (one key: P = 1, dS = 0) have exact-zero references that fp32 sums miss
+MAX_SCORES = 2**28  # B·H·Nq·Nk: 2 GiB per float64 score matrix of the reference
+MAX_HOST_SCORES = 2**24  # the NumPy references run on the host's cores: 128 MiB per matrix
+
+
+# --------------------------------------------------------------------------------------------
+# The draw
+# --------------------------------------------------------------------------------------------
+def _log_uniform_int(rng, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)) - 0.5)))))
+
+
+def draw(seed: int, idx: int, args) -> dict:
+    """Problem idx of the draw: a dict of plain values (the spec a FAIL line prints)."""
+    rng = np.random.default_rng([seed, idx])
+    family = args.families[idx % len(args.families)]
+    backend = "torch" if HAVE_TORCH_CUDA and rng.random() < args.torch_fraction else "numpy"
+    dtypes = ["float32", "float16"] + (["bfloat16"] if backend == "torch" or ml_dtypes is not None else [])
+    dtype = str(rng.choice(dtypes))
+    common = [x for x in COMMON_D if x <= args.max_d]
+    d = int(rng.choice(common)) if common and rng.random() < 0.5 else _log_uniform_int(rng, 1, args.max_d)
+    g = int(rng.choice([1, 2, 4, 8]))
+    Hkv = int(rng.integers(1, 5))
+    B = int(rng.integers(1, 5))
+    if family == "decode":
+        n_q = int(rng.integers(1, 5))
+        n_k = _log_uniform_int(rng, 1, args.max_n)
+    else:
+        n_q = _log_uniform_int(rng, 1, args.max_n)
+        n_k = n_q if rng.random() < 0.2 else _log_uniform_int(rng, 1, args.max_n)
+        if rng.random() < 0.15:
+            n_q = 1
+    # bounded work: B, then Hkv, then the group, then the longer length
+    max_bh = args.max_bh or math.inf
+    max_scores = MAX_SCORES if backend == "torch" else MAX_HOST_SCORES
+    while (B * Hkv * g * n_q * n_k * d > args.max_work or B * Hkv * g * n_q * n_k > max_scores
+           or B * Hkv * g > max_bh):
+        if B > 1:
+            B -= 1
+        elif Hkv > 1:
+            Hkv -= 1
+        elif g > 1:
+            g //= 2
+        elif n_k >= n_q and n_k > 1:
+            n_k = (n_k + 1) // 2
+        elif n_q > 1:
+            n_q = (n_q + 1) // 2
+        else:
+            break
+    spec = dict(family=family, dtype=dtype, backend=backend, B=B, H=Hkv * g, Hkv=Hkv, Nq=n_q, Nk=n_k, d=d)
+    spec["causal"] = True if family == "decode" else bool(rng.random() < 0.5)
+    spec["layout"] = str(rng.choice(LAYOUTS))
+    spec["scale"] = None if rng.random() < 0.5 else float(f"{10 ** rng.uniform(-2, 0.5):.4g}")
+    if family == "backward":
+        spec["deterministic"] = bool(rng.random() < 0.5)
+        spec["via"] = "autograd" if backend == "torch" and rng.random() < 0.5 else "api"
+    if family == "decode":
+        spec["splits"] = None if rng.random() < 0.4 else int(rng.integers(1, 9))
+        r = rng.random()
+        if r < 0.15:
+            spec["lens"] = None  # Nmax for every sequence
+        else:
+            lens = rng.integers(0, n_k + 1, size=B)
+            if r < 0.3:
+                lens[0] = n_k
+            spec["lens"] = [int(x) for x in lens]
+        spec["lens_on"] = "device" if backend == "torch" and rng.random() < 0.5 else "host"
+    spec["seed"], spec["idx"] = seed, idx
+    return spec
+
+
+def format_spec(spec: dict) -> str:
+    parts = [spec["family"]]
+    for key, val in spec.items():
+        if key == "family":
+            continue
+        if key == "lens" and val is not None:
+            val = ",".join(map(str, val)) if val else "[]"
+        parts.append(f"{key}={val}")
+    return " ".join(parts)
+
+
+_INT_KEYS = ("B", "H", "Hkv", "Nq", "Nk", "d", "seed", "idx")
+
+
+def parse_spec(text: str) -> dict:
+    """The inverse of format_spec; takes a whole FAIL line as well."""
+    head = text.split(": ", 1)[0].split()
+    if head and head[0] == "FAIL":
+        head = head[1:]
+    spec = {"family": head[0]}
+    for tok in head[1:]:
+        key, val = tok.split("=", 1)
+        if val == "None":
+            spec[key] = None
+        elif key in _INT_KEYS:
+            spec[key] = int(val)
+        elif key in ("causal", "deterministic"):
+            spec[key] = val == "True"
+        elif key == "scale":
+            spec[key] = float(val)
+        elif key == "splits":
+            spec[key] = int(val)
+        elif key == "lens":
+            spec[key] = [] if val == "[]" else [int(x) for x in val.split(",")]
+        else:
+            spec[key] = val
+    return spec
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs in a memory layout (NumPy or PyTorch CUDA)
+# --------------------------------------------------------------------------------------------
+def _np_dtype(name: str):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def make_array(values: np.ndarray, spec: dict, rng):
+    """values (B, h, N, d) as spec's backend and dtype, in spec's layout; memory outside the view is NaN
+    (a kernel that reads past a view's edges shows it)."""
+    layout, dtype = spec["layout"], spec["dtype"]
+    B, h, n, d = values.shape
+    if spec["backend"] == "torch":
+        x = torch.from_numpy(values).to("cuda", getattr(torch, dtype))
+        full = lambda shape: torch.full(shape, float("nan"), dtype=x.dtype, device="cuda")  # noqa: E731
+    else:
+        x = values.astype(_np_dtype(dtype))
+        full = lambda shape: np.full(shape, np.nan, dtype=x.dtype)  # noqa: E731
+    if layout == "contiguous":
+        return x
+    if layout == "bnhd":  # (B, N, H, d) storage seen as (B, H, N, d)
+        buf = full((B, n, h, d))
+        view = buf.transpose(1, 2) if spec["backend"] == "torch" else buf.transpose(0, 2, 1, 3)
+    elif layout == "slice_n":  # rows lo .. lo + N of a longer buffer
+        lo, hi = (int(t) for t in rng.integers(1, 8, size=2))
+        view = full((B, h, n + lo + hi, d))[:, :, lo:lo + n]
+    elif layout == "slice_d":  # the first d columns of wider rows
+        view = full((B, h, n, d + int(rng.integers(1, 9))))[..., :d]
+    else:  # "offset": a contiguous view starting a few elements into its buffer (rows not 16-byte aligned)
+        off, size = int(rng.integers(1, 8)), B * h * n * d
+        view = full((size + off,))[off:off + size].reshape(B, h, n, d)
+    view[...] = x
+    return view
+
+
+def to_f64(x) -> np.ndarray | object:
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().double()
+    return np.asarray(x).astype(np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# References: float64, and the naive same-dtype implementation (S, softmax, P·V in the dtype)
+# --------------------------------------------------------------------------------------------
+def _limits(spec: dict, lens) -> np.ndarray:
+    """(B, Nq): query i of sequence b sees key j iff j <= limit[b, i] (bottom-right causal alignment)."""
+    n_q, n_k = spec["Nq"], spec["Nk"]
+    i = np.arange(n_q)[None, :]
+    if spec["family"] == "decode":
+        length = np.full(spec["B"], n_k) if lens is None else np.asarray(lens)
+        return i + length[:, None] - n_q
+    return np.broadcast_to(i + n_k - n_q if spec["causal"] else np.full_like(i, n_k - 1), (spec["B"], n_q))
+
+
+class NumpyMath:
+    """The references on the host (the simulator, or a GPU without PyTorch)."""
+
+    @staticmethod
+    def visible(spec, lens):
+        lim = _limits(spec, lens)
+        return np.arange(spec["Nk"])[None, None, None, :] <= lim[:, None, :, None]  # (B, 1, Nq, Nk)
+
+    @staticmethod
+    def zero_stale(x, vis):
+        """Cache slots no query sees set to 0 (stale slots hold NaN, which 0·NaN would spread)."""
+        seen = vis.any(axis=2)[..., None]  # (B, 1, Nk, 1)
+        return np.where(seen, x, 0)
+
+    @staticmethod
+    def f64_forward(q, k, v, vis, scale):
+        g = q.shape[1] // k.shape[1]
+        k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+        s = np.where(vis, (q @ k.swapaxes(-1, -2)) * scale, -np.inf)
+        m = s.max(axis=-1, keepdims=True)
+        p = np.exp(s - np.where(np.isfinite(m), m, 0))
+        l = p.sum(axis=-1, keepdims=True)
+        o = (p @ v) / np.where(l > 0, l, 1)
+        with np.errstate(divide="ignore"):
+            lse = np.where(l > 0, m + np.log(l), -np.inf)[..., 0]
+        s_max = float(np.abs(np.where(vis, s, 0)).max(initial=0))
+        return o, lse, s_max
+
+    @staticmethod
+    def f64_backward(q, k, v, o, lse, do, vis, scale):
+        """reference.attention_backward's formulas, with the visibility mask of any family."""
+        g = q.shape[1] // k.shape[1]
+        kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+        s = np.where(vis, (q @ kk.swapaxes(-1, -2)) * scale, -np.inf)
+        p = np.exp(s - np.where(np.isfinite(lse), lse, np.inf)[..., None])
+        dv = p.swapaxes(-1, -2) @ do
+        ds = p * (do @ vv.swapaxes(-1, -2) - np.sum(do * o, axis=-1, keepdims=True))
+        dq = (ds @ kk) * scale
+        dk = (ds.swapaxes(-1, -2) @ q) * scale
+        fold = lambda x: x.reshape(x.shape[0], -1, g, *x.shape[2:]).sum(axis=2)  # noqa: E731
+        return dq, fold(dk), fold(dv)
+
+    @staticmethod
+    def _mm(a, b, dt):
+        """A GEMM as cuBLAS does it for 16-bit inputs: fp32 accumulation, the result rounded to dt."""
+        return (a.astype(np.float32) @ b.astype(np.float32)).astype(dt)
+
+    @classmethod
+    def _naive_parts(cls, q, k, v, vis, scale):
+        dt, g = q.dtype, q.shape[1] // k.shape[1]
+        kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+        s = (cls._mm(q, kk.swapaxes(-1, -2), np.float32).astype(dt).astype(np.float32) * scale).astype(dt)
+        s32 = np.where(vis, s.astype(np.float32), -np.inf)
+        m = s32.max(axis=-1, keepdims=True)
+        e = np.exp(s32 - np.where(np.isfinite(m), m, 0))
+        l = e.sum(axis=-1, keepdims=True)
+        p32 = e / np.where(l > 0, l, 1)  # a row that sees nothing: P = 0 (torch: NaN, then nan_to_num)
+        return kk, vv, p32
+
+    @classmethod
+    def naive_forward(cls, q, k, v, vis, scale):
+        kk, vv, p32 = cls._naive_parts(q, k, v, vis, scale)
+        return cls._mm(p32.astype(q.dtype), vv, q.dtype)
+
+    @classmethod
+    def naive_backward(cls, q, k, v, do, vis, scale):
+        """torch autograd of the naive forward in the dtype, written out."""
+        dt, g = q.dtype, q.shape[1] // k.shape[1]
+        kk, vv, p32 = cls._naive_parts(q, k, v, vis, scale)
+        p = p32.astype(dt)
+        dv = cls._mm(p.swapaxes(-1, -2), do, dt)
+        dp32 = cls._mm(do, vv.swapaxes(-1, -2), dt).astype(np.float32)
+        ds = (p32 * (dp32 - np.sum(dp32 * p32, axis=-1, keepdims=True))).astype(dt)
+        ds = (ds.astype(np.float32) * scale).astype(dt)
+        dq = cls._mm(ds, kk, dt)
+        dk = cls._mm(ds.swapaxes(-1, -2), q, dt)
+        fold = lambda x: x.astype(np.float32).reshape(x.shape[0], -1, g, *x.shape[2:]).sum(axis=2).astype(dt)  # noqa: E731
+        return dq, fold(dk), fold(dv)
+
+
+class TorchMath:
+    """The same references on the GPU (float64 and the inputs' dtype, by PyTorch)."""
+
+    @staticmethod
+    def visible(spec, lens):
+        lim = torch.from_numpy(np.ascontiguousarray(_limits(spec, lens))).cuda()
+        return torch.arange(spec["Nk"], device="cuda")[None, None, None, :] <= lim[:, None, :, None]
+
+    @staticmethod
+    def zero_stale(x, vis):
+        return torch.where(vis.any(dim=2)[..., None], x, 0)
+
+    @staticmethod
+    def _scores(q, k, v, vis, scale):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return ((q @ k.transpose(-1, -2)) * scale).masked_fill(~vis, -math.inf), k, v
+
+    @classmethod
+    def f64_forward(cls, q, k, v, vis, scale):
+        s, k, v = cls._scores(q, k, v, vis, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        o = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None]) @ v
+        s_max = s.masked_fill(~vis, 0).abs().max().item() if s.numel() else 0.0
+        return o, lse, s_max
+
+    @classmethod
+    def f64_backward(cls, q, k, v, o, lse, do, vis, scale):
+        g = q.shape[1] // k.shape[1]
+        s, kk, vv = cls._scores(q, k, v, vis, scale)
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, math.inf)[..., None])
+        dv = p.transpose(-1, -2) @ do
+        ds = p * (do @ vv.transpose(-1, -2) - (do * o).sum(dim=-1, keepdim=True))
+        dq = (ds @ kk) * scale
+        dk = (ds.transpose(-1, -2) @ q) * scale
+        fold = lambda x: x.reshape(x.shape[0], -1, g, *x.shape[2:]).sum(dim=2)  # noqa: E731
+        return dq, fold(dk), fold(dv)
+
+    @classmethod
+    def _naive(cls, q, k, v, vis, scale):  # tests/gpu_helpers.attention_naive_same_dtype, any mask
+        s, k, v = cls._scores(q, k, v, vis, scale)
+        p = torch.nan_to_num(torch.softmax(s.float(), dim=-1)).to(q.dtype)
+        return p @ v
+
+    @classmethod
+    def naive_forward(cls, q, k, v, vis, scale):
+        return cls._naive(q, k, v, vis, scale)
+
+    @classmethod
+    def naive_backward(cls, q, k, v, do, vis, scale):
+        leaves = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+        cls._naive(*leaves, vis, scale).backward(do)
+        return tuple(x.grad for x in leaves)
+
+
+# --------------------------------------------------------------------------------------------
+# One problem: inputs, our call, the references, the check
+# --------------------------------------------------------------------------------------------
+def _max_abs(x) -> float:
+    if torch is not None and isinstance(x, torch.Tensor):
+        return float(x.abs().max().item()) if x.numel() else 0.0
+    return float(np.abs(x).max(initial=0))
+
+
+def _isfinite(x):
+    return torch.isfinite(x) if torch is not None and isinstance(x, torch.Tensor) else np.isfinite(x)
+
+
+def _all(x) -> bool:
+    return bool(x.all().item()) if torch is not None and isinstance(x, torch.Tensor) else bool(np.all(x))
+
+
+def bound_for(dtype: str, name: str, ref_max: float, naive_err: float | None, c_s: float) -> float:
+    if name == "lse":
+        return 1e-4 * max(1.0, ref_max)
+    if dtype == "float32":
+        return (2e-5 * max(1.0, ref_max) if name == "out" else 1e-4 * ref_max) * c_s + ABS_FLOOR
+    return 2 * naive_err + EPS[dtype] * ref_max + ABS_FLOOR
+
+
+def run_problem(spec: dict, inject: bool = False) -> dict:
+    """Check one problem; returns a record (spec, errors, bounds, verdict, message)."""
+    t0 = time.perf_counter()
+    rec = {"spec": spec, "errors": {}, "bounds": {}, "verdict": None, "message": ""}
+    rng = np.random.default_rng([spec["seed"], spec["idx"], 1])
+    fam, dtype = spec["family"], spec["dtype"]
+    B, H, Hkv, n_q, n_k, d = (spec[k] for k in ("B", "H", "Hkv", "Nq", "Nk", "d"))
+    M = TorchMath if spec["backend"] == "torch" else NumpyMath
+    normal = lambda h, n: rng.standard_normal((B, h, n, d), dtype=np.float32)  # noqa: E731
+    q, k, v = make_array(normal(H, n_q), spec, rng), make_array(normal(Hkv, n_k), spec, rng), \
+        make_array(normal(Hkv, n_k), spec, rng)
+    do = make_array(normal(H, n_q), spec, rng) if fam == "backward" else None
+    lens = spec.get("lens")
+    vis = M.visible(spec, lens)
+    if fam == "decode":
+        for b, length in enumerate(lens if lens is not None else []):  # stale slots: never read into the result
+            k[b, :, length:] = float("nan")
+            v[b, :, length:] = float("nan")
+    scale = spec["scale"] if spec["scale"] is not None else 1.0 / math.sqrt(d)
+
+    # ours
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours = call_ours(spec, q, k, v, do, lens)
+    except Exception as e:  # noqa: BLE001 (any exception but a plain refusal is a failure of ours)
+        if type(e) in (ValueError, TypeError):  # the API's refusals; numba's own subclasses are failures
+            rec.update(verdict="refused", message=f"{type(e).__name__}: {e}")
+            rec["time_s"] = time.perf_counter() - t0
+            return rec
+        rec.update(verdict="failed", message=f"{type(e).__name__}: {e}".splitlines()[0],
+                   traceback=traceback.format_exc())
+        rec["time_s"] = time.perf_counter() - t0
+        return rec
+
+    # references on the dtype-rounded inputs (stale cache slots zeroed)
+    q64, k64, v64 = to_f64(q), M.zero_stale(to_f64(k), vis), M.zero_stale(to_f64(v), vis)
+    qn, kn, vn = q, M.zero_stale(k, vis), M.zero_stale(v, vis)
+    if spec["backend"] == "numpy":
+        qn, kn, vn = (np.ascontiguousarray(x) for x in (qn, kn, vn))
+    o64, lse64, s_max = M.f64_forward(q64, k64, v64, vis, scale)
+    c_s = max(1.0, s_max / SCORE_SCALE)
+    rec["s_max"] = s_max
+    problems = []
+    if fam == "backward":
+        refs = M.f64_backward(q64, k64, v64, o64, lse64, to_f64(do), vis, scale)
+        naive = M.naive_backward(qn, kn, vn, do, vis, scale) if dtype != "float32" else (None,) * 3
+        named = zip(("dq", "dk", "dv"), ours, refs, naive)
+    else:
+        naive = M.naive_forward(qn, kn, vn, vis, scale) if dtype != "float32" else None
+        out, lse = ours
+        named = [("out", out, o64, naive), ("lse", lse, lse64, None)]
+        lse_t = to_f64(lse)
+        fin = _isfinite(lse64)
+        if not (_all(_isfinite(lse_t) == fin) and _all(lse_t[~fin] == -math.inf)):
+            problems.append("lse is not -inf exactly on the rows that see no key")
+        if not _all(to_f64(out)[~fin] == 0):
+            problems.append("out is not 0 on the rows that see no key")
+    for name, x, ref, nv in named:
+        x64 = to_f64(x)
+        if name == "lse":
+            fin = _isfinite(ref)
+            x64, ref = x64[fin], ref[fin]
+        elif inject:
+            x64 = x64 * (1 + INJECT)
+        if not _all(_isfinite(x64)):
+            problems.append(f"{name} has non-finite entries")
+            rec["errors"][name] = math.inf
+            continue
+        if tuple(x64.shape) != tuple(ref.shape):
+            problems.append(f"{name} has shape {tuple(x64.shape)}, expected {tuple(ref.shape)}")
+            continue
+        err, ref_max = _max_abs(x64 - ref), _max_abs(ref)
+        naive_err = _max_abs(to_f64(nv) - ref) if nv is not None else None
+        bound = bound_for(dtype, name, ref_max, naive_err, c_s)
+        rec["errors"][name], rec["bounds"][name] = err, bound
+        if naive_err is not None:
+            rec.setdefault("naive_errors", {})[name] = naive_err
+        if not err <= bound:
+            problems.append(f"{name} err {err:.3g} > bound {bound:.3g}")
+    rec["verdict"] = "failed" if problems else "passed"
+    rec["message"] = "; ".join(problems)
+    rec["time_s"] = time.perf_counter() - t0
+    return rec
+
+
+def call_ours(spec, q, k, v, do, lens):
+    """The public API on these inputs; results as given (NumPy or torch)."""
+    fam, causal, scale = spec["family"], spec["causal"], spec["scale"]
+    if fam == "forward":
+        res = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale)
+    elif fam == "decode":
+        seqlens = None
+        if lens is not None:
+            seqlens = np.asarray(lens, dtype=np.int32)
+            if spec.get("lens_on") == "device":
+                seqlens = torch.from_numpy(seqlens).cuda()
+        res = numba_flash.decode(q, k, v, cache_seqlens=seqlens, softmax_scale=scale, num_splits=spec["splits"])
+    elif spec.get("via") == "autograd":
+        from numba_flash.torch import attention
+
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]  # detach keeps the strides
+        attention(*leaves, causal=causal, softmax_scale=scale, deterministic=spec["deterministic"]).backward(do)
+        res = tuple(x.grad for x in leaves)
+    else:
+        out, lse = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale)
+        res = numba_flash.backward(q, k, v, out, lse, do, causal=causal, softmax_scale=scale,
+                                   deterministic=spec["deterministic"])
+    if HAVE_TORCH_CUDA:
+        torch.cuda.synchronize()
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+def device_name() -> str:
+    if SIM:
+        return "CUDA simulator"
+    if HAVE_TORCH_CUDA:
+        return torch.cuda.get_device_name()
+    from numba import cuda
+
+    if not cuda.is_available():
+        return "none"
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__,
+           "numba_flash": numba_flash.__version__, "torch": getattr(torch, "__version__", None)}
+    try:
+        from importlib.metadata import version
+
+        out["numba_cuda"] = version("numba-cuda")
+    except Exception:  # noqa: BLE001 (not installed as a distribution)
+        out["numba_cuda"] = None
+    return out
+
+
+def summarize(records: list) -> dict:
+    table = defaultdict(Counter)
+    for r in records:
+        key = f"{r['spec']['family']} {r['spec']['dtype']}"
+        table[key]["drawn"] += 1
+        table[key][r["verdict"]] += 1
+    return {key: {c: table[key][c] for c in ("drawn", "passed", "failed", "refused")} for key in sorted(table)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--problems", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    ap.add_argument("--max-n", type=int, default=8192, help="longest Nq, Nk (decode: Nmax)")
+    ap.add_argument("--max-d", type=int, default=256)
+    ap.add_argument("--max-work", type=int, default=DEFAULT_WORK, help="cap on B·H·Nq·Nk·d per problem")
+    ap.add_argument("--max-bh", type=int, default=DEFAULT_BH, help="cap on B·H per problem (simulator: 4)")
+    ap.add_argument("--torch-fraction", type=float, default=0.7,
+                    help="share of problems on PyTorch CUDA tensors when there are any (the rest NumPy)")
+    ap.add_argument("--out", help="write DIR/fuzz-<date>.json")
+    ap.add_argument("--time-budget-s", type=float, default=None, help="draw no new problem after this long")
+    ap.add_argument("--only-index", type=int, default=None, help="run only problem N of the draw")
+    ap.add_argument("--repro", default=None, help="run one problem from its FAIL line (or the spec part)")
+    ap.add_argument("--quiet", action="store_true", help="print only failures and the summary")
+    ap.add_argument("--inject-error", action="store_true", help=argparse.SUPPRESS)  # the fuzz's own test
+    args = ap.parse_args(argv)
+    if not (1 <= args.max_d <= 256 and args.max_n >= 1 and args.problems >= 0):
+        ap.error("need 1 <= --max-d <= 256, --max-n >= 1, --problems >= 0")
+
+    t_start = time.perf_counter()
+    if args.repro:
+        specs = iter([parse_spec(args.repro)])
+    elif args.only_index is not None:
+        specs = iter([draw(args.seed, args.only_index, args)])
+    else:
+        specs = (draw(args.seed, i, args) for i in range(args.problems))
+    records, stopped = [], False
+    print(f"fuzz on {device_name()}: seed {args.seed}, families {' '.join(args.families)}, max n {args.max_n}, "
+          f"max d {args.max_d}, max work {args.max_work}", flush=True)
+    for spec in specs:
+        if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
+            stopped = True
+            break
+        rec = run_problem(spec, inject=args.inject_error)
+        records.append(rec)
+        line = format_spec(spec)
+        if rec["verdict"] == "failed":
+            print(f"FAIL {line}: {rec['message']}", flush=True)
+        elif not args.quiet:
+            errs = " ".join(f"{n} {e:.2g}/{rec['bounds'].get(n, math.nan):.2g}" for n, e in rec["errors"].items())
+            print(f"{rec['verdict']:7s} {line} ({rec['time_s']:.2f} s) {errs or rec['message']}", flush=True)
+    wall = time.perf_counter() - t_start
+
+    summary = summarize(records)
+    print(f"\nsummary ({len(records)} problems, {wall:.1f} s wall{', time budget reached' if stopped else ''}):")
+    for key, c in summary.items():
+        print(f"  {key:18s} drawn {c['drawn']:4d}  passed {c['passed']:4d}  failed {c['failed']:4d}  "
+              f"refused {c['refused']:4d}")
+    totals = Counter(r["verdict"] for r in records)
+    print(f"  {'total':18s} drawn {len(records):4d}  passed {totals['passed']:4d}  failed {totals['failed']:4d}  "
+          f"refused {totals['refused']:4d}")
+    refusals = Counter(r["message"] for r in records if r["verdict"] == "refused")
+    for msg, n in refusals.most_common():
+        print(f"  refused x{n}: {msg}")
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"fuzz-{time.strftime('%Y-%m-%d')}.json")
+        doc = {"device": device_name(), "simulator": SIM, "versions": versions(),
+               "commit": os.environ.get("NUMBA_FLASH_COMMIT"), "args": vars(args), "wall_s": wall,
+               "time_budget_reached": stopped, "summary": summary, "problems": records}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"wrote {path}")
+    return 1 if totals["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
