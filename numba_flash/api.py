@@ -12,7 +12,7 @@ from numba import cuda
 from . import arrays, plans, ptx
 from .configs import MAX_HEAD_DIM, MMA_TABLE, TF32_TABLE, simt_config
 from .kernels import mma_forward, simt_forward, tf32_forward
-from .launch import address, current_device_id
+from .launch import SIM_LOCK, address, current_device_id
 
 KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
 MMA_MAX_HEAD_DIM = 128
@@ -123,7 +123,11 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
     else:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
-        scale = float(softmax_scale)
+        try:
+            scale = float(softmax_scale)
+        except OverflowError:  # an int past the float range, e.g. 10**400
+            raise ValueError(f"softmax_scale = {softmax_scale!r} is too large; accepted: finite, > 0 and at most "
+                             f"2**64 = {MAX_SOFTMAX_SCALE:.4g}") from None
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
         if scale > MAX_SOFTMAX_SCALE:
@@ -282,10 +286,13 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
 
 
 def _on_device(device: int | None):
-    """Context manager that makes the inputs' GPU current (a no-op when unknown or simulated)."""
+    """Context manager that makes the inputs' GPU current (a no-op when unknown); in the simulator, the lock
+    that serialises calls from several threads (launch.SIM_LOCK: builds and launches)."""
     import contextlib
 
-    if device is None or nb_config.ENABLE_CUDASIM or current_device_id() == device:
+    if nb_config.ENABLE_CUDASIM:
+        return SIM_LOCK
+    if device is None or current_device_id() == device:
         return contextlib.nullcontext()  # switching contexts costs a driver round trip per call
     return cuda.gpus[device]
 
@@ -328,8 +335,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
 
     NaN and inf: IEEE arithmetic, in every kernel family, backward and decode, as in the NumPy reference. A
     row whose visible scores hold a NaN or +inf gets NaN in O and L (only l = 0, a row that sees no key, gives
-    O = 0, L = -inf); -inf scores are masked keys. A NaN or inf in v reaches O, not L. tf32x3 splits an inf in q
-    or k into inf + NaN, so there an inf gives NaN in every score it enters.
+    O = 0, L = -inf); -inf scores are masked keys. A NaN or inf in v reaches the O (not L) of every row that
+    sees its key, and may reach rows of the same tiles that do not (0 · NaN). tf32x3 splits an inf in q or k
+    into inf + NaN, so there an inf gives NaN in every score it enters.
 
     Stream: CuPy inputs run on CuPy's current stream, PyTorch inputs on PyTorch's current
     stream of their device, other device arrays on the default stream. Device inputs return

@@ -102,8 +102,9 @@ def config_from_tiles(tiles: dict, head_dim: int) -> dict:
     BLOCK_M), "deterministic_dq": "splits" | "kernel"][, "dkdv_wgmma": True, "dkdv_wgmma_defer_dq": schemes]}:
     the kernels' own (owned, streamed) order, as launch_mma / launch_tf32 and the sweeps take it."""
     unknown = sorted(set(tiles) - set(KERNELS))
-    if unknown or not all(isinstance(t, Tile) for t in tiles.values()):
-        raise ValueError(f"backward tiles: {{kernel: Tile}} with kernels from {KERNELS}; got {tiles!r}")
+    if unknown or not {"dkdv", "dq"} <= set(tiles) or not all(isinstance(t, Tile) for t in tiles.values()):
+        raise ValueError(f"backward tiles: {{kernel: Tile}} with kernels from {KERNELS}, dkdv and dq among them; "
+                         f"got {tiles!r}")
     cfg = {"dkdv": (tiles["dkdv"].block_k, tiles["dkdv"].block_q), "dq": (tiles["dq"].block_q, tiles["dq"].block_k),
            "head_dim": head_dim}
     atomic = tiles.get("dkdv_atomic")

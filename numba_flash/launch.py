@@ -291,8 +291,10 @@ _RAW = {"ok": None}
 # ``recording.launches`` is a list, ``launch`` appends (dispatcher, grid, block, stream,
 # shared_bytes, args) to it (and launches as usual); ``arrays.empty_like_kind`` notes allocations.
 recording = threading.local()
-# The CUDA simulator runs one kernel at a time (a second thread's launch fails an assert in numba): one lock.
-_SIM_LOCK = threading.Lock()
+# The CUDA simulator runs one kernel at a time (a second thread's launch fails an assert in numba), and while
+# one runs it swaps the kernel modules' ``cuda`` global for its fake (a kernel built meanwhile finds no
+# cuda.jit): one re-entrant lock, held by each launch and, through api._on_device, by each public call.
+SIM_LOCK = threading.RLock()
 
 
 def launcher_of(dispatcher) -> _Launcher:
@@ -312,7 +314,7 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     if watched is not None:
         watched.append((dispatcher, grid, block, stream, shared_bytes, args))
     if nb_config.ENABLE_CUDASIM:
-        with _SIM_LOCK:
+        with SIM_LOCK:
             dispatcher[grid, block, stream, shared_bytes](*args)
         return
     launcher = launcher_of(dispatcher)

@@ -18,8 +18,10 @@ Conventions (shared by every function in ``reference`` and by the numba_flash ke
   and with Nq > Nk the first Nq − Nk queries see no key at all.
 * A fully masked query row has O = 0, L = −inf, and zero gradients.
 * NaN and ±inf: IEEE arithmetic, the kernels' policy. A row whose visible scores hold a nan or +inf
-  gets nan in O and L (and its gradients); −inf scores are masked keys. A nan or inf in v reaches O
-  through P·V (even where P = 0, as 0·inf and 0·nan are nan), not L.
+  gets nan in O and L (and its gradients); −inf scores are masked keys. A nan or inf in v reaches the
+  O (not L) of every row that sees its key; rows that do not see it may get nan too (0·nan = nan) where
+  the product P·V still includes that key: here ``standard_attention`` includes every key, tiled
+  versions (``flash_attention``, the kernels) only the key tiles a row's tile visits.
 * Dtypes. Inputs may be any real floating (or integer) dtype. Computation and outputs are in
   float64 — or wider, e.g. longdouble inputs stay longdouble — unless ``dtype=`` asks for a
   floating dtype (say float32, to see a kernel's rounding). Nothing is silently truncated.

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from numba import types
 
+import reference
 from gpu_helpers import HAVE_TORCH_CUDA, needs_gpu
 from numba_flash.launch import DeviceView, _Launcher, address, c_strides, param_buffer, view_of
 
@@ -314,7 +315,9 @@ def test_data_slots_and_template(rng):
 
 def test_simulator_launches_from_threads():
     """The simulator runs one kernel at a time ('concurrent simulated kernel not supported' from a second
-    thread); launch serialises simulated launches, so forward works from several threads."""
+    thread) and swaps the kernel modules' cuda global while it runs (a kernel built meanwhile finds no
+    cuda.jit); the public calls hold one lock there, so forward works from several threads, new shapes
+    (kernels built under way) included."""
     from concurrent.futures import ThreadPoolExecutor
 
     from numba import config
@@ -324,9 +327,14 @@ def test_simulator_launches_from_threads():
     if not config.ENABLE_CUDASIM:
         pytest.skip("a GPU runs concurrent launches itself")
     rng = np.random.default_rng(0)
-    problems = [[rng.standard_normal((1, 1, 4, 8)).astype(np.float32) for _ in range(3)] for _ in range(4)]
+    problems = [[rng.standard_normal((1, 1, 40, 8)).astype(np.float32) for _ in range(3)] for _ in range(4)]
+    fresh = [[rng.standard_normal((1, 1, 5, d)).astype(np.float32) for _ in range(3)] for d in (20, 36, 52)]
     expected = [numba_flash.forward(*p)[0] for p in problems]
-    with ThreadPoolExecutor(2) as pool:
-        got = list(pool.map(lambda p: numba_flash.forward(*p)[0], problems))
-    for e, g in zip(expected, got):
+    calls = [problems[0], fresh[0], problems[1], fresh[1], problems[2], fresh[2], problems[3]]
+    with ThreadPoolExecutor(4) as pool:  # fresh head dims build their kernels while 40-row kernels run
+        got = list(pool.map(lambda p: numba_flash.forward(*p)[0], calls))
+    for e, g in zip(expected, got[0::2]):
         np.testing.assert_array_equal(g, e)
+    for p, g in zip(fresh, got[1::2]):
+        ref, _ = reference.standard_attention(*p)
+        np.testing.assert_allclose(g, ref, atol=1e-5)

@@ -50,7 +50,7 @@ def test_tiny_draw_passes_on_every_family(tmp_path):
     doc = load_json(tmp_path)
     check_counts(doc, proc, 6)
     assert {p["spec"]["family"] for p in doc["problems"]} == {"forward", "backward", "decode"}
-    assert all(p["verdict"] in ("passed", "refused") for p in doc["problems"])
+    assert all(p["verdict"] == "passed" for p in doc["problems"])
     assert all(p["errors"] and p["bounds"] for p in doc["problems"] if p["verdict"] == "passed")
     assert doc["device"] and doc["versions"]["numba"]
 
