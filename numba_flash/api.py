@@ -125,9 +125,8 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
             raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
         try:
             scale = float(softmax_scale)
-        except OverflowError:  # an int past the float range, e.g. 10**400
-            raise ValueError(f"softmax_scale = {softmax_scale!r} is too large; accepted: finite, > 0 and at most "
-                             f"2**64 = {MAX_SOFTMAX_SCALE:.4g}") from None
+        except OverflowError:  # an int past the float range (10**400): too large, or <= 0, as below
+            scale = 2 * MAX_SOFTMAX_SCALE if softmax_scale > 0 else -1.0
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
         if scale > MAX_SOFTMAX_SCALE:

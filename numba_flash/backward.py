@@ -147,9 +147,9 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
 def mma_config(head_dim: int) -> dict:
     """The tensor-core backward's config at a compiled head dim: MMA_BWD_TABLE's entry, with MMA_BWD_WGMMA's
     overrides on a GPU that has wgmma (sm_90: the dQ-in-dkdv kernel on warpgroup MMA) and in the simulator."""
-    tiles = {kind: tile for (kind, hd), tile in MMA_BWD_TABLE.items() if hd == head_dim}
+    tiles = backward_plan.table_tiles(MMA_BWD_TABLE, head_dim)
     if current_wgmma():
-        tiles.update({kind: tile for (kind, hd), tile in MMA_BWD_WGMMA.items() if hd == head_dim})
+        tiles.update(backward_plan.table_tiles(MMA_BWD_WGMMA, head_dim))
     return backward_plan.config_from_tiles(tiles, head_dim)
 
 

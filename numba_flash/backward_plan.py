@@ -96,6 +96,11 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
 KERNELS = ("dkdv", "dq", "dkdv_atomic")  # the backward tables' kernel names (configs.py)
 
 
+def table_tiles(table: dict, *key) -> dict:
+    """{kernel: Tile} of one entry of a backward table (configs.py), key = (head dim[, causal])."""
+    return {kind: table[(kind, *key)] for kind in KERNELS if (kind, *key) in table}
+
+
 def config_from_tiles(tiles: dict, head_dim: int) -> dict:
     """The launches' config from a backward table's Tiles {kernel: Tile} (configs.py): {"dkdv": (BLOCK_N keys,
     BLOCK_M queries), "dq": (BLOCK_M queries, BLOCK_N keys), "head_dim": HEAD_DIM[, "dkdv_atomic": (BLOCK_N,
@@ -121,9 +126,7 @@ def tf32_config(d, causal):
     """config_from_tiles of configs.TF32_BWD_TABLE's entry for head dim d: dkdv_atomic, the tile of the dkdv
     kernel that also forms dQ (launch_tf32's dq_acc); deterministic_dq, backward.dq_scheme's table choice."""
     head_dim = head_dim_for(d)
-    tiles = {kind: TF32_BWD_TABLE[kind, head_dim, bool(causal)] for kind in KERNELS
-             if (kind, head_dim, bool(causal)) in TF32_BWD_TABLE}
-    return config_from_tiles(tiles, head_dim)
+    return config_from_tiles(table_tiles(TF32_BWD_TABLE, head_dim, bool(causal)), head_dim)
 
 
 def launch_tf32(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, d, config=None, stream=0,

@@ -207,19 +207,19 @@ TF32_TABLE = {
 # (results/ab-backward-2026-12-01-tf32-dq-in-dkdv*.txt; deterministic splits / atomic grid, ms): d128 39.4 /
 # 39.3 vs 55.0 (causal 22.0 / 21.9 vs 30.5), d64 19.9 / 19.5 vs 26.4 (causal 11.3 / 11.0 vs 14.2), d32 12.9 /
 # 12.8 vs 13.4 (causal 6.0 / 5.7 vs 8.0).
+def _tf32_bwd(head_dim, causal, dkdv, dq):
+    """One tf32x3 entry: dkdv and dq tiles, and dQ formed in the dkdv kernel on the dkdv tile, by the splits."""
+    key = (head_dim, causal)
+    return {("dkdv", *key): dkdv, ("dq", *key): dq, ("dkdv_atomic", *key): dkdv.with_(flags={"deterministic_splits"})}
+
+
 TF32_BWD_TABLE = {
-    ("dkdv", 32, False): Tile(64, 128, 32), ("dq", 32, False): Tile(128, 32, 32),
-    ("dkdv_atomic", 32, False): Tile(64, 128, 32, flags={"deterministic_splits"}),
-    ("dkdv", 32, True): Tile(32, 64, 32), ("dq", 32, True): Tile(128, 32, 32),
-    ("dkdv_atomic", 32, True): Tile(32, 64, 32, flags={"deterministic_splits"}),
-    ("dkdv", 64, False): Tile(64, 128, 64), ("dq", 64, False): Tile(64, 32, 64),
-    ("dkdv_atomic", 64, False): Tile(64, 128, 64, flags={"deterministic_splits"}),
-    ("dkdv", 64, True): Tile(64, 128, 64), ("dq", 64, True): Tile(128, 64, 64),
-    ("dkdv_atomic", 64, True): Tile(64, 128, 64, flags={"deterministic_splits"}),
-    ("dkdv", 128, False): Tile(32, 128, 128), ("dq", 128, False): Tile(128, 32, 128),
-    ("dkdv_atomic", 128, False): Tile(32, 128, 128, flags={"deterministic_splits"}),
-    ("dkdv", 128, True): Tile(32, 128, 128), ("dq", 128, True): Tile(128, 32, 128),
-    ("dkdv_atomic", 128, True): Tile(32, 128, 128, flags={"deterministic_splits"}),
+    **_tf32_bwd(32, False, Tile(64, 128, 32), Tile(128, 32, 32)),
+    **_tf32_bwd(32, True, Tile(32, 64, 32), Tile(128, 32, 32)),
+    **_tf32_bwd(64, False, Tile(64, 128, 64), Tile(64, 32, 64)),
+    **_tf32_bwd(64, True, Tile(64, 128, 64), Tile(128, 64, 64)),
+    **_tf32_bwd(128, False, Tile(32, 128, 128), Tile(128, 32, 128)),
+    **_tf32_bwd(128, True, Tile(32, 128, 128), Tile(128, 32, 128)),
 }
 # (kernel, own, streamed, HEAD_DIM, causal): spill bytes (ptxas 13.0, sm_90) of a shipped tf32x3 config
 # the sweeps measured fastest anyway (measured on the cvt.rna builds): d64 dkdv 128x64 14.3 ms vs 128x32 15.9

@@ -19,7 +19,7 @@ from .api import _on_device, validate
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
 from .kernels.decode import DecodeConfig, decode_config
-from .launch import DeviceView, c_strides, current_device_id, view_of
+from .launch import DeviceView, c_strides, current_device_id
 
 MAX_DECODE_QUERIES = 16
 H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
@@ -277,11 +277,4 @@ def _seqlens_view(cache_seqlens, stream):
         if sim:
             return cuda.device_array(0, dtype=np.int32, stream=stream)
         return _NO_LENS
-    if arrays.kind_of(cache_seqlens) == arrays.NUMPY:
-        dev = cuda.to_device(np.ascontiguousarray(cache_seqlens), stream=stream)
-        return dev if sim else view_of(dev, arrays.CAI)
-    if sim:  # the simulator's device arrays are what its kernels take
-        if arrays.kind_of(cache_seqlens) == arrays.NUMBA:
-            return cache_seqlens
-        return cuda.as_cuda_array(cache_seqlens, sync=False)
-    return view_of(cache_seqlens, arrays.kind_of(cache_seqlens))
+    return arrays.to_device_view(cache_seqlens, stream, ndim=1)

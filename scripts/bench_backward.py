@@ -295,7 +295,7 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     views += [to_device_view(t, 0, ndim=2) for t in (l2, dd)] + [to_device_view(t, 0) for t in grads]
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
     f = bench.flops(B, H, N, N, d, causal)  # the forward's two GEMMs
-    shipped = backward_plan.config_from_tiles({kind: t for (kind, hd), t in MMA_BWD_TABLE.items() if hd == d}, d)
+    shipped = backward_plan.config_from_tiles(backward_plan.table_tiles(MMA_BWD_TABLE, d), d)
     rows = []
     dq_acc = torch.zeros((*rows_shape, d), device="cuda", dtype=torch.float32)
     acc_view = to_device_view(dq_acc, 0, ndim=3)

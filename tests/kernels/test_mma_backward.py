@@ -24,7 +24,7 @@ from numba import cuda
 import reference
 from numba_flash.configs import MMA_BWD_SPILL_OK, MMA_BWD_TABLE
 from numba_flash import backward_plan
-from numba_flash.backward_plan import config_from_tiles
+from numba_flash.backward_plan import config_from_tiles, table_tiles
 from numba_flash.blocks import entry, schedule
 from numba_flash.kernels import mma_dkdv, mma_dq
 
@@ -115,7 +115,7 @@ def check_error_rule(grads, vals, causal, dtype, scale=None):
 
 def shipped(head_dim):
     """The mma.sync plan at a compiled head dim (configs.MMA_BWD_TABLE, without sm_90's wgmma overrides)."""
-    return config_from_tiles({kind: t for (kind, hd), t in MMA_BWD_TABLE.items() if hd == head_dim}, head_dim)
+    return config_from_tiles(table_tiles(MMA_BWD_TABLE, head_dim), head_dim)
 
 
 MMA_BWD_HEAD_DIMS = sorted({hd for _, hd in MMA_BWD_TABLE})

@@ -116,10 +116,10 @@ def test_wgmma_forms_sim(dtype):
 # --------------------------------------------------------------------------------------------
 def wgmma_config(head_dim, **change):
     """The shipped sm_90 config (MMA_BWD_TABLE with MMA_BWD_WGMMA's overrides), with ``change``."""
-    from numba_flash.backward_plan import config_from_tiles
+    from numba_flash.backward_plan import config_from_tiles, table_tiles
     from numba_flash.configs import MMA_BWD_TABLE, MMA_BWD_WGMMA
 
-    tiles = {kind: t for (kind, hd), t in [*MMA_BWD_TABLE.items(), *MMA_BWD_WGMMA.items()] if hd == head_dim}
+    tiles = {**table_tiles(MMA_BWD_TABLE, head_dim), **table_tiles(MMA_BWD_WGMMA, head_dim)}
     return dict(config_from_tiles(tiles, head_dim), **change)
 
 
