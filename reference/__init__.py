@@ -11,9 +11,14 @@ Trace (``reference.trace``): ``online_softmax_trace`` and ``format_trace`` (3.6.
 Cost models (``reference.costs``): bytes, FLOPs and roofline figures for the exercises.
 
 Conventions (see ``reference.attention`` for the full list): softmax_scale defaults to
-1/sqrt(d); L = m + log ℓ is the natural-log logsumexp of each row of scaled scores; causal masks
-align bottom-right (query i sees key j iff j ≤ i + Nk − Nq); a fully masked row gives O = 0,
-L = −inf and zero gradients; computation is float64 unless ``dtype=`` asks otherwise.
+1/sqrt(d); masks align bottom-right with shift = Nk − Nq: query i sees key j iff 0 ≤ j < Nk and,
+with flash-attn's ``window_size=(left, right)`` (−1: no bound), j ≥ i + shift − left and
+j ≤ i + shift + right, where ``causal=True`` is right = 0 (j ≤ i + shift); the logits are
+s = softmax_scale·q·k, then ``softcap``·tanh(s/``softcap``) (softcap > 0), then
+− slope·|i + shift − j| (``alibi_slopes``, (H,) or (B, H)); L = m + log ℓ is the natural-log
+logsumexp of each row of those logits; a fully masked row gives O = 0, L = −inf and zero
+gradients; decoding uses each sequence's shift len_b − Nq; computation is float64 unless
+``dtype=`` asks otherwise.
 This package imports nothing from numba_flash.
 """
 
@@ -22,9 +27,12 @@ from .attention import (
     causal_mask,
     first_q_block_to_visit,
     flash_attention,
+    kv_block_range,
     kv_blocks_to_visit,
+    q_block_range,
     standard_attention,
     tile_needs_mask,
+    visible_mask,
 )
 from .backward import attention_backward, flash_attention_backward
 from .decode import decode_attention, decode_partials, merge_partials, split_bounds
@@ -53,10 +61,13 @@ __all__ = [
     "online_softmax_attention",
     "standard_attention",
     "flash_attention",
+    "visible_mask",
+    "kv_block_range",
+    "q_block_range",
+    "tile_needs_mask",
     "causal_mask",
     "kv_blocks_to_visit",
     "first_q_block_to_visit",
-    "tile_needs_mask",
     "attention_backward",
     "flash_attention_backward",
     "TraceStep",

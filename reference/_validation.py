@@ -19,6 +19,9 @@ __all__ = [
     "check_positive_int",
     "check_softmax_scale",
     "check_causal",
+    "check_window_size",
+    "check_softcap",
+    "check_alibi_slopes",
     "block_bounds",
     "resolve_order",
     "check_no_nan_or_posinf",
@@ -94,7 +97,10 @@ def check_nonnegative_real(name: str, value, what: str = "") -> float:
     units = f" ({what})" if what else ""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number{units}, got {value!r} of type {type(value).__name__}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int too large for a float
+        x = math.inf
     if not (math.isfinite(x) and x >= 0):
         raise ValueError(f"{name} must be a finite number >= 0{units}, got {value!r}")
     return x
@@ -104,6 +110,85 @@ def check_causal(causal) -> bool:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r} of type {type(causal).__name__}")
     return bool(causal)
+
+
+_WINDOW_ACCEPTED = "accepted: a pair (left, right) of ints, each -1 (no bound on that side) or >= 0"
+
+
+def check_window_size(window_size, causal: bool, *, causal_by: str = "causal=True") -> tuple[int, int]:
+    """flash-attn's ``window_size = (left, right)`` as the pair of Python ints the mask uses.
+
+    Each side is an int (Python or NumPy integer, not a bool), −1 for no bound or >= 0; ``(left, right)``
+    may be a tuple, a list or a 1-D integer array. Causal masking is the window's right = 0: with
+    ``causal`` a right of −1 or 0 gives 0 and any other right is refused (flash-attn overrides it
+    silently). ``causal_by`` names what makes the mask causal, for that message.
+    """
+    if isinstance(window_size, np.ndarray) and window_size.ndim == 1:
+        pair = list(window_size)
+    elif isinstance(window_size, (tuple, list)):
+        pair = list(window_size)
+    else:
+        raise TypeError(
+            f"window_size must be a pair (left, right), got {window_size!r} of type "
+            f"{type(window_size).__name__}; {_WINDOW_ACCEPTED}"
+        )
+    if len(pair) != 2:
+        raise ValueError(
+            f"window_size must have 2 entries (left, right), got {len(pair)}: {window_size!r}; {_WINDOW_ACCEPTED}"
+        )
+    sides = []
+    for side, value in zip(("left", "right"), pair):
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"window_size {side} must be an int, got the bool {value!r}; {_WINDOW_ACCEPTED}")
+        try:
+            n = operator.index(value)
+        except TypeError as exc:
+            raise TypeError(
+                f"window_size {side} must be an int, got {value!r} of type {type(value).__name__}; {_WINDOW_ACCEPTED}"
+            ) from exc
+        if n < -1:
+            raise ValueError(f"window_size {side} = {n} in window_size={window_size!r}; {_WINDOW_ACCEPTED}")
+        sides.append(int(n))
+    left, right = sides
+    if causal:
+        if right not in (-1, 0):
+            raise ValueError(
+                f"window_size={window_size!r} with {causal_by}: causal masking fixes the window's right = 0; "
+                "accepted with it: right = -1 or 0 (flash-attn overrides any other right silently; "
+                "this reference refuses it)"
+            )
+        right = 0
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    """flash-attn's ``softcap``: a finite real >= 0 (bools refused); 0.0 means no capping."""
+    return check_nonnegative_real("softcap", softcap, "0.0: no capping")
+
+
+def check_alibi_slopes(alibi_slopes, q_shape: tuple):
+    """``alibi_slopes`` as an ndarray of shape (H,) or (B, H), or None.
+
+    H = q_shape[−3] (the query heads) and B = q_shape[−4] (the batch): (H,) needs q to have a heads
+    axis, (B, H) a batch axis too. Values must be finite (any sign); integer dtypes are accepted.
+    """
+    if alibi_slopes is None:
+        return None
+    slopes = as_real_array("alibi_slopes", alibi_slopes)
+    if len(q_shape) < 3:
+        raise ValueError(
+            f"alibi_slopes has shape {slopes.shape}, but q of shape {q_shape} has no heads axis; accepted: "
+            "q (H, Nq, d) with slopes (H,), or q (..., B, H, Nq, d) with slopes (H,) or (B, H)"
+        )
+    accepted = [q_shape[-3:-2]] + ([q_shape[-4:-2]] if len(q_shape) >= 4 else [])
+    if slopes.shape not in accepted:
+        names = " or ".join(f"{n} = {s}" for n, s in zip(("(H,)", "(B, H)"), accepted))
+        raise ValueError(
+            f"alibi_slopes has shape {slopes.shape}; accepted for q of shape {q_shape}: {names} "
+            "(H = q.shape[-3] query heads, B = q.shape[-4])"
+        )
+    check_finite("alibi_slopes", slopes)
+    return slopes
 
 
 def block_bounds(n: int, blocks, *, what: str = "keys") -> list[tuple[int, int]]:

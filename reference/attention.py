@@ -10,18 +10,45 @@ Conventions (shared by every function in ``reference`` and by the numba_flash ke
   reference repeats the K/V heads; a kernel indexes them). Hkv == 1 is ordinary broadcasting.
   In the backward, dk and dv are summed over the query heads of each group (and over any
   broadcast leading dim), so they have k's and v's shapes.
-* ``softmax_scale`` defaults to 1/sqrt(d); otherwise it must be a finite real > 0.
-  S = softmax_scale · Q Kᵀ.
-* ``L`` is the logsumexp of the scaled scores of each query row, natural log: L = m + log ℓ.
-* ``causal=True`` masks key j for query i unless j ≤ i + Nk − Nq: the mask is aligned to the
-  bottom-right corner (flash-attention ≥ 2.1), so with Nq < Nk the last query sees every key,
-  and with Nq > Nk the first Nq − Nk queries see no key at all.
+* Masks (flash-attn 2.x's names and defaults). With shift = Nk − Nq and ``window_size = (left,
+  right)`` (default (−1, −1)), query i sees key j iff 0 ≤ j < Nk, (left = −1 or j ≥ i + shift − left)
+  and (right = −1 or j ≤ i + shift + right): the mask is aligned to the bottom-right corner
+  (flash-attention ≥ 2.1), query i with key i + shift, the last query with the last key.
+  ``causal=True`` is the window's right = 0: query i sees keys j ≤ i + shift, so with Nq < Nk the
+  last query sees every key and with Nq > Nk the first Nq − Nk queries see no key at all. With
+  ``causal`` the window's right must be −1 or 0 (both mean 0); any other right is a ValueError
+  (flash-attn overrides it silently). left and right are ints (Python or NumPy integers, not bools),
+  each −1 (no bound) or ≥ 0, used as given: a left ≥ Nk − 1 or a right ≥ Nq − 1 bounds no row.
+  (flash-attn's API replaces a side ≥ Nk by −1 first; for left that is the same mask, for right it
+  differs where Nq − 1 > right ≥ Nk: the first rows see every key there, keys j ≤ i + shift + right
+  here.) ``window_size=(-1, -1)`` without causal is no mask. Decoding (``reference.decode``) is
+  causal with each sequence's own shift, len_b − Nq.
+* Logits, per (batch b, head h, query i, key j), in this order:
+  s = softmax_scale · q_i·k_j (``softmax_scale`` defaults to 1/sqrt(d), otherwise a finite real > 0);
+  with ``softcap`` > 0, s ← softcap · tanh(s / softcap) (``softcap`` a finite real ≥ 0; 0.0 is off);
+  with ``alibi_slopes``, s ← s − slope[b, h] · |i + shift − j| (after the softcap, as flash-attn);
+  then hidden keys → −inf. P = softmax of each row, O = P V.
+* ``alibi_slopes``: a real array of shape (H,) or (B, H), H = q.shape[−3] (the query heads) and
+  B = q.shape[−4]; finite values of any sign (flash-attn uses positive ones). q of shape (H, Nq, d)
+  takes (H,) only, q of shape (Nq, d) (no heads axis) none. The slopes follow q's heads: where q's
+  leading dims broadcast against k's, every output row uses the slope of the q head it comes from.
+  The bias is exact, so L includes it: flash-attn's causal kernels add only slope·j (they drop
+  slope·(i + shift), constant along a row), so their L is this L + slope·(i + shift); O and the
+  gradients agree. There is no gradient for ``alibi_slopes`` (flash-attn has none).
+* ``L`` is the logsumexp of the final logits of each query row, natural log: L = m + log ℓ.
 * A fully masked query row has O = 0, L = −inf, and zero gradients.
 * NaN and ±inf: IEEE arithmetic, the kernels' policy. A row whose visible scores hold a nan or +inf
   gets nan in O and L (and its gradients); −inf scores are masked keys. A nan or inf in v reaches the
   O (not L) of every row that sees its key; rows that do not see it may get nan too (0·nan = nan) where
   the product P·V still includes that key: here ``standard_attention`` includes every key, tiled
-  versions (``flash_attention``, the kernels) only the key tiles a row's tile visits.
+  versions (``flash_attention``, the kernels) only the key tiles a row's tile visits. With a softcap,
+  tanh(±inf) = ±1, so a ±inf score before the cap becomes ±softcap; nan stays nan.
+* Tile plan (the kernels' loop bounds): :func:`kv_block_range` gives the K/V blocks a Q block visits and
+  :func:`q_block_range` the Q blocks that visit a K/V block (the backward's loop); blocks outside are
+  never loaded. :func:`tile_needs_mask` says which visited tiles need :func:`visible_mask` (True where a
+  key is SEEN; the kernels' ``hidden`` is its negation); the others are used unmasked.
+  :func:`causal_mask` (True where hidden), :func:`kv_blocks_to_visit` and :func:`first_q_block_to_visit`
+  are the causal cases.
 * Dtypes. Inputs may be any real floating (or integer) dtype. Computation and outputs are in
   float64 — or wider, e.g. longdouble inputs stay longdouble — unless ``dtype=`` asks for a
   floating dtype (say float32, to see a kernel's rounding). Nothing is silently truncated.
@@ -37,10 +64,13 @@ import numpy as np
 
 from ._validation import (
     as_real_array,
+    check_alibi_slopes,
     check_causal,
     check_nonnegative_real,
     check_positive_int,
+    check_softcap,
     check_softmax_scale,
+    check_window_size,
     compute_dtype,
     resolve_order,
 )
@@ -49,10 +79,13 @@ from .softmax import _finalize, logsumexp, online_softmax_step, standard_softmax
 __all__ = [
     "standard_attention",
     "flash_attention",
+    "visible_mask",
+    "kv_block_range",
+    "q_block_range",
+    "tile_needs_mask",
     "causal_mask",
     "kv_blocks_to_visit",
     "first_q_block_to_visit",
-    "tile_needs_mask",
 ]
 
 
@@ -65,6 +98,9 @@ class _Prepared:
     v: np.ndarray  # (*lead, Nk, d)
     scale: float
     causal: bool
+    window: tuple  # (left, right) as the mask uses it: right = 0 under causal, -1 for no bound
+    softcap: float  # 0.0: off
+    alibi: np.ndarray | None  # (*lead,) slopes, or None
     dtype: np.dtype
     lead: tuple
     n_q: int
@@ -73,6 +109,22 @@ class _Prepared:
     gqa_group: int  # H // Hkv, 1 without GQA
     q_shape: tuple  # the caller's shapes, to reduce gradients back to
     kv_shape: tuple
+
+    @property
+    def shift(self) -> int:
+        """Nk − Nq: query i is aligned with key i + shift (bottom right)."""
+        return self.n_k - self.n_q
+
+    @property
+    def masked(self) -> bool:
+        """Whether the mask has a bound (causal or a window side); without one every key is seen."""
+        return self.window != (-1, -1)
+
+    def logits(self, q_start: int, q_stop: int, k_start: int, k_stop: int, *, mask: bool):
+        """The tile's final logits and ds/ds₀ (:func:`_final_logits`); ``mask``: apply the visibility mask."""
+        s0 = (self.q[..., q_start:q_stop, :] @ np.swapaxes(self.k[..., k_start:k_stop, :], -1, -2)) * self.scale
+        return _final_logits(s0, np.arange(q_start, q_stop), np.arange(k_start, k_stop), self.n_k, self.shift,
+                             self.window, self.softcap, self.alibi, mask=mask)
 
     def reduce_dq(self, dq: np.ndarray) -> np.ndarray:
         """Sum a gradient of the broadcast q back to q's own shape."""
@@ -112,7 +164,8 @@ def _expand_kv_heads(k: np.ndarray, v: np.ndarray, q_shape: tuple) -> tuple[np.n
     return np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), g
 
 
-def _prepare(q, k, v, *, causal, softmax_scale, dtype, extra=()) -> _Prepared:
+def _prepare(q, k, v, *, causal, softmax_scale, dtype, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+             extra=()) -> _Prepared:
     """All checks of the attention entry points, then broadcast to one leading shape."""
     q = as_real_array("q", q)
     k = as_real_array("k", k)
@@ -135,6 +188,9 @@ def _prepare(q, k, v, *, causal, softmax_scale, dtype, extra=()) -> _Prepared:
     if n_q < 1 or n_k < 1:
         raise ValueError(f"need Nq >= 1 and Nk >= 1; got q {q.shape}, k {k.shape}")
     causal = check_causal(causal)
+    window = check_window_size(window_size, causal)
+    softcap = check_softcap(softcap)
+    slopes = check_alibi_slopes(alibi_slopes, q_shape)
     scale = check_softmax_scale(softmax_scale, d)
     dt = compute_dtype(dtype, q, k, v, *extra)
     k, v, g = _expand_kv_heads(k, v, q.shape)
@@ -148,13 +204,130 @@ def _prepare(q, k, v, *, causal, softmax_scale, dtype, extra=()) -> _Prepared:
     q = np.broadcast_to(q.astype(dt, copy=False), lead + (n_q, d))
     k = np.broadcast_to(k.astype(dt, copy=False), lead + (n_k, d))
     v = np.broadcast_to(v.astype(dt, copy=False), lead + (n_k, d))
-    return _Prepared(q, k, v, scale, causal, dt, lead, n_q, n_k, d, g, q_shape, kv_shape)
+    # (H,) or (B, H) is a suffix of q's leading shape, which broadcasts to lead: q's slope for every row
+    alibi = None if slopes is None else np.broadcast_to(slopes.astype(dt, copy=False), lead)
+    return _Prepared(q, k, v, scale, causal, window, softcap, alibi, dt, lead, n_q, n_k, d, g, q_shape, kv_shape)
+
+
+def _visible(rows: np.ndarray, cols: np.ndarray, n_k: int, shift: int, left: int, right: int) -> np.ndarray:
+    """(len(rows), len(cols)) booleans: True where query rows[a] sees key cols[b] (module docstring)."""
+    i, j = rows[:, None], cols[None, :]
+    seen = np.ones((rows.size, cols.size), dtype=bool)
+    seen &= (j >= 0) & (j < n_k)
+    if left >= 0:
+        seen &= j >= i + shift - left
+    if right >= 0:
+        seen &= j <= i + shift + right
+    return seen
+
+
+def _final_logits(s0, rows, cols, n_k, shift, window, softcap, slopes, *, mask=True):
+    """The final logits of a tile from its scaled scores s₀ = softmax_scale · q·k (module docstring).
+
+    ``s0``: (..., R, C); ``rows``, ``cols``: the tile's absolute query and key indices (R,), (C,);
+    ``window``: (left, right) with right = 0 under causal; ``softcap``: 0.0 for none; ``slopes``:
+    broadcastable to s0.shape[:-2], or None. In order: s = softcap · tanh(s₀ / softcap), then
+    s ← s − slope · |i + shift − j|, then s = −inf where key j is hidden from query i (only with ``mask``).
+
+    Returns ``(s, dcap)``: dcap = ds/ds₀ = 1 − tanh²(s₀ / softcap) with a softcap, None without.
+    """
+    dt = s0.dtype
+    if softcap:
+        with np.errstate(over="ignore"):  # s₀/softcap may overflow; tanh(±inf) = ±1 is the limit
+            t = np.tanh(s0 / softcap)
+        s, dcap = softcap * t, 1 - t * t
+    else:
+        s, dcap = s0, None
+    if slopes is not None:
+        distance = np.abs(rows[:, None] + shift - cols[None, :]).astype(dt)
+        s = s - np.asarray(slopes, dtype=dt)[..., None, None] * distance
+    if mask:
+        s = np.where(_visible(rows, cols, n_k, shift, *window), s, dt.type(-np.inf))
+    return s, dcap
+
+
+def visible_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, n_q: int, n_k: int,
+                 causal: bool = False, window_size=(-1, -1)) -> np.ndarray:
+    """Boolean (q_stop−q_start, k_stop−k_start) tile, True where query i SEES key j.
+
+    With shift = Nk − Nq and (left, right) = ``window_size`` (right = 0 under ``causal``): i sees j iff
+    0 ≤ j < Nk, (left = −1 or j ≥ i + shift − left) and (right = −1 or j ≤ i + shift + right). The
+    kernels' per-score rule ``hidden(row, col, n_k, shift)`` is its negation.
+    """
+    left, right = check_window_size(window_size, check_causal(causal))
+    return _visible(np.arange(q_start, q_stop), np.arange(k_start, k_stop), n_k, n_k - n_q, left, right)
+
+
+def kv_block_range(q_start: int, q_stop: int, n_q: int, n_k: int, block_k: int, causal: bool = False,
+                   window_size=(-1, -1)) -> tuple[int, int]:
+    """``(first, stop)``: the K/V blocks of ``block_k`` keys that query rows [q_start, q_stop) visit.
+
+    A block is in the range iff some row of the Q block sees some key of it; the blocks outside are
+    skipped, never loaded. Both edges of a row's keys grow with the row, so the keys the Q block sees
+    are one run: from max(0, q_start + shift − left) (0 without a left bound) to
+    min(Nk − 1, q_stop − 1 + shift + right) (Nk − 1 without a right bound; right = 0 under causal).
+    ``(0, 0)`` when no row of the block sees any key.
+    """
+    left, right = check_window_size(window_size, check_causal(causal))
+    shift = n_k - n_q
+    first_key = 0 if left < 0 else max(0, q_start + shift - left)
+    last_key = n_k - 1 if right < 0 else min(n_k - 1, q_stop - 1 + shift + right)
+    if q_stop <= q_start or first_key > last_key:
+        return 0, 0
+    return first_key // block_k, last_key // block_k + 1
+
+
+def q_block_range(k_start: int, k_stop: int, n_q: int, n_k: int, block_q: int, causal: bool = False,
+                  window_size=(-1, -1)) -> tuple[int, int]:
+    """``(first, stop)``: the Q blocks of ``block_q`` rows that see any key of [k_start, k_stop).
+
+    The backward's inner loop: a K/V block visits these Q blocks and skips the others. Key j is seen
+    by rows j − shift − right .. j − shift + left (no bound for a side of −1; right = 0 under causal),
+    clipped to [0, Nq). ``(0, 0)`` when no row sees any key of the block.
+    """
+    left, right = check_window_size(window_size, check_causal(causal))
+    shift = n_k - n_q
+    k_stop = min(k_stop, n_k)
+    first_row = 0 if right < 0 else max(0, k_start - shift - right)
+    last_row = n_q - 1 if left < 0 else min(n_q - 1, k_stop - 1 - shift + left)
+    if k_stop <= k_start or first_row > last_row:
+        return 0, 0
+    return first_row // block_q, last_row // block_q + 1
+
+
+def tile_needs_mask(q_start: int, k_stop: int, n_q: int, n_k: int, causal: bool = False, window_size=(-1, -1),
+                    *, q_stop: int | None = None, k_start: int | None = None) -> bool:
+    """True when some key of the tile (rows [q_start, q_stop), keys [k_start, k_stop)) is hidden from some row.
+
+    Tiles stop at Nk here (the last one is short), so the end of the keys never needs the mask; the
+    kernels' padded last tile does (their ``needs_mask`` adds k1 > n_k). The window's edges:
+
+    * right (right = 0 under causal): the first row q_start sees keys up to q_start + shift + right,
+      so the tile crosses that edge iff k_stop − 1 > q_start + shift + right (``q_start``, ``k_stop``);
+    * left: the last row q_stop − 1 sees keys from q_stop − 1 + shift − left, so the tile crosses it iff
+      k_start < q_stop − 1 + shift − left; this needs ``q_stop`` and ``k_start`` (keywords), which
+      a window without a left bound (causal alone) does not.
+
+    Tiles of a visited block that need no mask are used unmasked.
+    """
+    left, right = check_window_size(window_size, check_causal(causal))
+    shift = n_k - n_q
+    edge = right >= 0 and k_stop - 1 > q_start + shift + right
+    if left >= 0:
+        if q_stop is None or k_start is None:
+            raise TypeError(
+                f"tile_needs_mask with a left window bound (window_size={window_size!r}) needs q_stop= and "
+                f"k_start=; got q_stop={q_stop!r}, k_start={k_start!r}"
+            )
+        edge = edge or k_start < q_stop - 1 + shift - left
+    return bool(edge)
 
 
 def causal_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, n_q: int, n_k: int) -> np.ndarray:
     """Boolean (q_stop−q_start, k_stop−k_start) tile mask, True where key j is hidden from query i.
 
-    Bottom-right alignment: query i sees key j iff j ≤ i + Nk − Nq.
+    The causal case for keys < Nk, in the opposite sense to :func:`visible_mask`: query i sees key j
+    iff j ≤ i + Nk − Nq (bottom-right alignment).
     """
     i = np.arange(q_start, q_stop)[:, None]
     j = np.arange(k_start, k_stop)[None, :]
@@ -164,56 +337,43 @@ def causal_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, n_q: int, 
 def kv_blocks_to_visit(q_start: int, q_stop: int, n_q: int, n_k: int, block_k: int, causal: bool) -> int:
     """How many K/V blocks (counted from block 0) the Q rows [q_start, q_stop) must visit.
 
-    Without causal masking: all ceil(Nk / block_k). With it, a K/V block is skipped when even the
-    last row of the Q block sees none of its keys (it lies entirely above the diagonal); the
-    last row q_stop − 1 sees keys 0 .. q_stop − 1 + Nk − Nq.
+    The stop of :func:`kv_block_range` without a window (whose first block is then 0): all
+    ceil(Nk / block_k) without causal masking; with it, the blocks up to the one holding the last
+    key seen by the last row, q_stop − 1 + Nk − Nq.
     """
-    n_blocks = -(-n_k // block_k)
-    if not causal:
-        return n_blocks
-    visible_keys = min(n_k, max(0, q_stop + n_k - n_q))  # keys seen by the last row of the block
-    return -(-visible_keys // block_k)
+    return kv_block_range(q_start, q_stop, n_q, n_k, block_k, causal)[1]
 
 
 def first_q_block_to_visit(k_start: int, n_q: int, n_k: int, block_q: int, causal: bool) -> int:
     """Index of the first Q block that sees any key of a K/V block starting at ``k_start``.
 
-    The backward's outer loop runs over K/V blocks; with causal masking the Q blocks before this
-    one lie entirely above the diagonal and are skipped. The first query seeing key k_start is
-    k_start − (Nk − Nq).
+    The first of :func:`q_block_range` without a window (its stop is then the last Q block + 1): 0
+    without causal masking; with it, the block of the first query seeing key k_start, k_start − (Nk − Nq).
     """
-    if not causal:
-        return 0
-    first_row = max(0, k_start - (n_k - n_q))
-    return min(first_row, n_q) // block_q
+    return q_block_range(k_start, k_start + 1, n_q, n_k, block_q, causal)[0]
 
 
-def tile_needs_mask(q_start: int, k_stop: int, n_q: int, n_k: int, causal: bool) -> bool:
-    """True when some key of the tile is hidden from some query of it: a diagonal tile.
-
-    The first row q_start sees keys up to q_start + Nk − Nq; if the tile's last key is beyond
-    that, the tile needs the mask. Tiles entirely below the diagonal are used unmasked.
-    """
-    return causal and (k_stop - 1 > q_start + (n_k - n_q))
-
-
-def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dtype=None):
+def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dtype=None, window_size=(-1, -1),
+                       softcap: float = 0.0, alibi_slopes=None):
     """Attention that materialises the Nq×Nk matrices S and P, as in 3.6.2.
 
-    S = softmax_scale · Q Kᵀ (masked to −inf when ``causal``), P = softmax(S) row by row (max
-    subtracted), O = P V, L = logsumexp of each row of S.
+    S = the final logits (module docstring): softmax_scale · Q Kᵀ, then the softcap
+    softcap · tanh(S / softcap), then the ALiBi bias − slope · |i + shift − j|, then −inf where the
+    mask (causal, window) hides the key. P = softmax(S) row by row (max subtracted), O = P V,
+    L = logsumexp of each row of S.
 
     Arguments: ``q`` (..., Nq, d); ``k``, ``v`` (..., Nk, d); leading dims broadcast, GQA on
     axis −3 (see the module docstring). ``causal``: bottom-right aligned mask. ``softmax_scale``:
-    default 1/sqrt(d). ``dtype``: compute dtype, default float64 (or wider). NaN / inf: the module docstring.
+    default 1/sqrt(d). ``dtype``: compute dtype, default float64 (or wider). flash-attn's variants,
+    with its names and defaults: ``window_size`` = (left, right), (−1, −1) for none; ``softcap``, 0.0
+    for none; ``alibi_slopes``, (H,) or (B, H), None for none. NaN / inf: the module docstring.
 
     Returns ``(O, L)``: O (*lead, Nq, d), L (*lead, Nq). Fully masked rows: O = 0, L = −inf.
     Memory: O(Nq·Nk) per (batch, head) — this is the version that runs out of memory.
     """
-    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
-    S = (pr.q @ np.swapaxes(pr.k, -1, -2)) * pr.scale
-    if pr.causal:
-        S = np.where(causal_mask(0, pr.n_q, 0, pr.n_k, pr.n_q, pr.n_k), -np.inf, S)
+    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
+                  softcap=softcap, alibi_slopes=alibi_slopes)
+    S, _ = pr.logits(0, pr.n_q, 0, pr.n_k, mask=pr.masked)
     P = standard_softmax(S, axis=-1, dtype=pr.dtype)
     O = P @ pr.v
     return O, logsumexp(S, axis=-1, dtype=pr.dtype)
@@ -232,13 +392,17 @@ def flash_attention(
     q_rows: slice | None = None,
     dtype=None,
     rescale_threshold: float = 0.0,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
 ):
     """The FA2 tile loop of 3.6.6 in NumPy: never builds an Nq×Nk array.
 
     Q blocks of ``block_q`` rows on the outside (a kernel runs them in parallel, one thread block
     each), K/V blocks of ``block_k`` keys inside, each consumed by the online-softmax step with
-    the running state ``m_i``, ``l_i``, ``acc``. With ``causal``, K/V blocks entirely above the
-    diagonal are skipped and only diagonal tiles are masked. The last block of either kind may be
+    the running state ``m_i``, ``l_i``, ``acc``. A Q block visits only the K/V blocks of
+    :func:`kv_block_range` (with causal masking or a window, the others are never loaded), and
+    only the tiles of :func:`tile_needs_mask` are masked. The last block of either kind may be
     shorter. The largest temporary is one (*lead, block_q, block_k) tile.
 
     Arguments as :func:`standard_attention`, plus:
@@ -246,16 +410,18 @@ def flash_attention(
     * ``block_q``, ``block_k``: ints >= 1.
     * ``kv_order``: the order in which every Q block visits the K/V blocks: None/'natural',
       'reverse', a permutation of range(ceil(Nk / block_k)), or a callable n -> permutation
-      (e.g. ``lambda n: rng.permutation(n)``). The result does not depend on it beyond rounding.
+      (e.g. ``lambda n: rng.permutation(n)``); a Q block skips the blocks outside its range. The
+      result does not depend on it beyond rounding.
     * ``q_rows``: a ``slice`` (step 1) of query rows to compute, as a launch of only part of the
-      grid would; the causal alignment still uses the full Nq. Q blocks start at the slice start.
+      grid would; the mask's alignment still uses the full Nq. Q blocks start at the slice start.
       Default: all rows.
     * ``rescale_threshold``: the running max moves only when a block beats it by more than this
       (natural-log units; see ``online_softmax_step``): the kernels' LAZY_RESCALE with 8·ln 2.
 
     Returns ``(O, L)`` for the selected rows: O (*lead, rows, d), L (*lead, rows).
     """
-    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
+    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
+                  softcap=softcap, alibi_slopes=alibi_slopes)
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
     rescale_threshold = check_nonnegative_real("rescale_threshold", rescale_threshold, "natural-log units")
@@ -274,18 +440,17 @@ def flash_attention(
 
     for q_start in range(row_start, row_stop, block_q):  # one thread block per Q block
         q_stop = min(q_start + block_q, row_stop)
-        q_i = pr.q[..., q_start:q_stop, :]
         m_i = np.full(pr.lead + (q_stop - q_start,), -np.inf, dtype=pr.dtype)
         l_i = np.zeros(pr.lead + (q_stop - q_start,), dtype=pr.dtype)
         acc = np.zeros(pr.lead + (q_stop - q_start, pr.d), dtype=pr.dtype)
-        n_visit = kv_blocks_to_visit(q_start, q_stop, pr.n_q, pr.n_k, block_k, pr.causal)
+        first, stop = kv_block_range(q_start, q_stop, pr.n_q, pr.n_k, block_k, pr.causal, pr.window)
         for j in order:
-            if j >= n_visit:
-                continue  # entirely above the causal diagonal
+            if not first <= j < stop:
+                continue  # no row of this Q block sees a key of block j: never loaded
             k_start, k_stop = j * block_k, min((j + 1) * block_k, pr.n_k)
-            s_ij = (q_i @ np.swapaxes(pr.k[..., k_start:k_stop, :], -1, -2)) * pr.scale
-            if tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal):
-                s_ij[..., causal_mask(q_start, q_stop, k_start, k_stop, pr.n_q, pr.n_k)] = -np.inf
+            edge = tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal, pr.window,
+                                   q_stop=q_stop, k_start=k_start)
+            s_ij, _ = pr.logits(q_start, q_stop, k_start, k_stop, mask=edge)
             step = online_softmax_step(m_i, l_i, acc, s_ij, pr.v[..., k_start:k_stop, :],
                                        rescale_threshold=rescale_threshold)
             m_i, l_i, acc = step.m_new, step.l_i, step.acc

@@ -2,14 +2,20 @@
 
 Both functions take the forward's outputs ``o`` and ``lse`` (= L) and the upstream gradient
 ``do`` and return ``(dq, dk, dv)`` of q's, k's and v's shapes. Conventions (shapes, GQA, scale,
-bottom-right causal mask, fully masked rows) are those of ``reference.attention``.
+bottom-right masks, the window, softcap and ALiBi, fully masked rows) are those of
+``reference.attention``; the variants take the forward's arguments and must be given as they were.
 
-The maths, with S = scale·Q Kᵀ and P = exp(S − L) (the softmax rebuilt from the saved L):
+The maths, with S₀ = scale·Q Kᵀ, S the final logits (softcap, ALiBi, mask applied to S₀) and
+P = exp(S − L) (the softmax rebuilt from the saved L):
 
     dV = Pᵀ dO        dP = dO Vᵀ        D = rowsum(dO ∘ O)      (= rowsum(P ∘ dP))
-    dS = P ∘ (dP − D) dQ = scale · dS K                 dK = scale · dSᵀ Q
+    dS = P ∘ (dP − D)                   the gradient with respect to the final logits S
+    dS₀ = dS ∘ (1 − tanh²(S₀ / softcap)) with a softcap, else dS₀ = dS
+    dQ = scale · dS₀ K                  dK = scale · dS₀ᵀ Q
 
-A fully masked row (L = −inf) has P = 0, so it contributes nothing and its dq row is 0.
+The ALiBi bias does not depend on q or k, so it adds nothing to dS₀; there is no gradient for
+``alibi_slopes`` (flash-attn has none). A fully masked row (L = −inf) has P = 0, so it contributes
+nothing and its dq row is 0; a hidden key has P = 0 in every row, so its dk and dv rows are 0.
 """
 
 from __future__ import annotations
@@ -17,17 +23,18 @@ from __future__ import annotations
 import numpy as np
 
 from ._validation import as_real_array, check_positive_int
-from .attention import _prepare, causal_mask, first_q_block_to_visit, tile_needs_mask
+from .attention import _prepare, q_block_range, tile_needs_mask
 
 __all__ = ["attention_backward", "flash_attention_backward"]
 
 
-def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype):
+def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype, window_size, softcap, alibi_slopes):
     """The forward's checks, plus: o and do are (*lead, Nq, d), lse is (*lead, Nq)."""
     o = as_real_array("o", o)
     lse = as_real_array("lse", lse)
     do = as_real_array("do", do)
-    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, extra=(o, lse, do))
+    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
+                  softcap=softcap, alibi_slopes=alibi_slopes, extra=(o, lse, do))
     want = pr.lead + (pr.n_q, pr.d)
     for name, x, shape in (("o", o, want), ("do", do, want), ("lse", lse, want[:-1])):
         if x.shape != shape:
@@ -38,43 +45,46 @@ def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype):
     return pr, o, lse_sub, do
 
 
-def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_scale=None, dtype=None):
+def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_scale=None, dtype=None,
+                       window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """Gradients of attention through the materialised Nq×Nk matrices P, dP and dS.
 
     ``q`` (..., Nq, d), ``k``, ``v`` (..., Nk, d) as for ``standard_attention``; ``o``
     (*lead, Nq, d) and ``lse`` (*lead, Nq) the forward's outputs for the same arguments; ``do``
     (*lead, Nq, d) the gradient of the loss with respect to O. ``causal``, ``softmax_scale``,
-    ``dtype`` as in the forward.
+    ``dtype``, ``window_size``, ``softcap``, ``alibi_slopes`` as in the forward.
 
     Returns ``(dq, dk, dv)`` with the shapes of q, k, v (summed over GQA groups and broadcast dims).
     """
     pr, o, lse_sub, do = _prepare_backward(
-        q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype
+        q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes,
     )
-    S = (pr.q @ np.swapaxes(pr.k, -1, -2)) * pr.scale
-    if pr.causal:
-        S = np.where(causal_mask(0, pr.n_q, 0, pr.n_k, pr.n_q, pr.n_k), -np.inf, S)
+    S, dcap = pr.logits(0, pr.n_q, 0, pr.n_k, mask=pr.masked)
     P = np.exp(S - lse_sub[..., None])
     dv = np.swapaxes(P, -1, -2) @ do
     dP = do @ np.swapaxes(pr.v, -1, -2)
     D = np.sum(do * o, axis=-1)
     dS = P * (dP - D[..., None])
-    dq = (dS @ pr.k) * pr.scale
-    dk = (np.swapaxes(dS, -1, -2) @ pr.q) * pr.scale
+    dS0 = dS if dcap is None else dS * dcap  # through the softcap to S₀ = scale·Q Kᵀ
+    dq = (dS0 @ pr.k) * pr.scale
+    dk = (np.swapaxes(dS0, -1, -2) @ pr.q) * pr.scale
     return pr.reduce_dq(dq), pr.reduce_dkv(dk), pr.reduce_dkv(dv)
 
 
 def flash_attention_backward(
     q, k, v, o, lse, do, *, block_q: int, block_k: int, causal: bool = False, softmax_scale=None, dtype=None,
-    dq_splits: int | None = None, planes: list | None = None,
+    dq_splits: int | None = None, planes: list | None = None, window_size=(-1, -1), softcap: float = 0.0,
+    alibi_slopes=None,
 ):
     """The FA2 backward: P recomputed tile by tile from the saved L, never an Nq×Nk array.
 
     D = rowsum(dO ∘ O) first (O(N)). Then the outer loop runs over K/V blocks (a kernel gives each
     to a thread block) keeping the accumulators ``dk_j``, ``dv_j`` on chip; the inner loop over
-    the Q blocks that see the K/V block (causal: the Q blocks entirely above the diagonal are
-    skipped, diagonal tiles masked) recomputes s_ij and p_ij = exp(s_ij − L_i) and adds the tile's
-    share to ``dq`` in memory (atomic adds in a kernel). Arguments and returns as
+    the Q blocks that see the K/V block (:func:`~reference.attention.q_block_range`: with causal
+    masking or a window the others are skipped; the tiles of ``tile_needs_mask`` are masked)
+    recomputes s_ij, p_ij = exp(s_ij − L_i) and ds_ij (through the softcap: the module docstring) and
+    adds the tile's share to ``dq`` in memory (atomic adds in a kernel). Arguments and returns as
     :func:`attention_backward`, plus ``block_q``, ``block_k`` (ints >= 1; last blocks may be short).
 
     ``dq_splits`` (an int >= 1): FA2's deterministic scheme, as the kernels' deterministic splits run it.
@@ -84,7 +94,8 @@ def flash_attention_backward(
     kernels' convert). ``planes``: a list that receives the planes (for comparing a kernel's scratch).
     """
     pr, o, lse_sub, do = _prepare_backward(
-        q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype
+        q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes,
     )
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
@@ -102,17 +113,19 @@ def flash_attention_backward(
         v_j = pr.v[..., k_start:k_stop, :]
         dk_j = np.zeros(pr.lead + (k_stop - k_start, pr.d), dtype=pr.dtype)
         dv_j = np.zeros(pr.lead + (k_stop - k_start, pr.d), dtype=pr.dtype)
-        first = first_q_block_to_visit(k_start, pr.n_q, pr.n_k, block_q, pr.causal)
-        for q_start in range(first * block_q, pr.n_q, block_q):
+        first, stop = q_block_range(k_start, k_stop, pr.n_q, pr.n_k, block_q, pr.causal, pr.window)
+        for q_start in range(first * block_q, stop * block_q, block_q):  # the Q blocks that see these keys
             q_stop = min(q_start + block_q, pr.n_q)
             q_i, do_i = pr.q[..., q_start:q_stop, :], do[..., q_start:q_stop, :]
-            s_ij = (q_i @ np.swapaxes(k_j, -1, -2)) * pr.scale
-            if tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal):
-                s_ij[..., causal_mask(q_start, q_stop, k_start, k_stop, pr.n_q, pr.n_k)] = -np.inf
+            edge = tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal, pr.window,
+                                   q_stop=q_stop, k_start=k_start)
+            s_ij, dcap_ij = pr.logits(q_start, q_stop, k_start, k_stop, mask=edge)
             p_ij = np.exp(s_ij - lse_sub[..., q_start:q_stop, None])
             dv_j += np.swapaxes(p_ij, -1, -2) @ do_i
             dp_ij = do_i @ np.swapaxes(v_j, -1, -2)
             ds_ij = p_ij * (dp_ij - D[..., q_start:q_stop, None])
+            if dcap_ij is not None:
+                ds_ij = ds_ij * dcap_ij  # through the softcap
             if dq_splits:  # this K/V block's plane, unscaled
                 dq_planes[(k_start // block_k) % dq_splits, ..., q_start:q_stop, :] += ds_ij @ k_j
             else:

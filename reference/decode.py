@@ -4,6 +4,12 @@ A decoding step has Nq (small) new queries per sequence and a KV cache of Nmax s
 first len_b are valid. The queries are the last Nq positions of the sequence, so query i sees key
 j iff j <= i + len_b - Nq (bottom-right causal alignment); keys >= len_b are never seen.
 
+flash-attn's variants take ``reference.attention``'s rule with each sequence's own shift,
+shift_b = len_b − Nq (the alignment above): decoding is causal, so ``window_size``'s right must
+be −1 or 0, and a left >= 0 also hides the keys j < i + shift_b − left; ``softcap`` caps the
+scaled scores; ``alibi_slopes`` ((H,) or (B, H)) subtracts slope[b, h] · |i + shift_b − j|.
+Each split masks its own keys; a kernel need not load the tiles outside every row's window.
+
 The keys [0, len_b) of each sequence are cut into splits. Each split builds an
 :class:`~reference.softmax.OnlineSoftmaxState` (m, ℓ, acc) over its keys alone — one thread block
 of the kernel — and the states are then combined with :meth:`OnlineSoftmaxState.merge`, the
@@ -34,10 +40,14 @@ import numpy as np
 
 from ._validation import (
     as_real_array,
+    check_alibi_slopes,
     check_positive_int,
+    check_softcap,
     check_softmax_scale,
+    check_window_size,
     compute_dtype,
 )
+from .attention import _final_logits
 from .softmax import OnlineSoftmaxState
 
 __all__ = ["split_bounds", "decode_partials", "merge_partials", "decode_attention"]
@@ -64,7 +74,7 @@ def split_bounds(length: int, num_splits: int, block_n: int = 1) -> list[tuple[i
     return out
 
 
-def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype):
+def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes):
     q = as_real_array("q", q)
     k_cache = as_real_array("k_cache", k_cache)
     v_cache = as_real_array("v_cache", v_cache)
@@ -91,10 +101,15 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype):
         if ((lens < 0) | (lens > n_max)).any():
             raise ValueError(f"cache_seqlens {lens.tolist()} out of range; accepted: 0 <= length <= Nmax = {n_max}")
         lens = lens.astype(np.int64)
+    window = check_window_size(window_size, True, causal_by="decoding (causal to the end of each cache)")
+    softcap = check_softcap(softcap)
+    slopes = check_alibi_slopes(alibi_slopes, q.shape)
     scale = check_softmax_scale(softmax_scale, d)
     dt = compute_dtype(dtype, q, k_cache, v_cache)
     q, k_cache, v_cache = (x.astype(dt, copy=False) for x in (q, k_cache, v_cache))
-    return q, k_cache, v_cache, lens, scale, dt
+    if slopes is not None:
+        slopes = np.broadcast_to(slopes.astype(dt, copy=False), (B, H))
+    return q, k_cache, v_cache, lens, scale, dt, window, softcap, slopes
 
 
 def _resolve_splits(splits, length: int, b: int, block_n: int) -> list[tuple[int, int]]:
@@ -114,19 +129,22 @@ def _resolve_splits(splits, length: int, b: int, block_n: int) -> list[tuple[int
 
 
 def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, splits=1,
-                    block_n: int = 1, dtype=None):
+                    block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """Phase 1: one online-softmax state per (sequence, query head, split), as arrays.
 
     ``splits``: an int (that many splits by :func:`split_bounds` with ``block_n``), a sequence of
     cut points inside [0, len_b] (sorted; repeated points make empty splits), or a callable
     ``(b, length) -> int or cut points`` (per-sequence splits). Every sequence must get the same
-    number of splits. Scores are the natural-log scaled scores (the kernel keeps m in base 2).
+    number of splits. Scores are the natural-log final logits (the kernel keeps m in base 2).
+    ``window_size`` (right −1 or 0: decoding is causal), ``softcap``, ``alibi_slopes`` ((H,) or
+    (B, H)): flash-attn's variants with shift_b = len_b − Nq (the module docstring).
 
     Returns ``(m, l, acc)`` with shapes (B, H, Nq, S), (B, H, Nq, S), (B, H, Nq, S, d): split s of
     query i of head h holds m = max of its visible scores (−inf if none), ℓ = Σ exp(s − m) and
     acc = Σ exp(s − m)·v.
     """
-    q, k_cache, v_cache, lens, scale, dt = _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype)
+    q, k_cache, v_cache, lens, scale, dt, window, softcap, slopes = _prepare(
+        q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes)
     block_n = check_positive_int("block_n", block_n)
     B, H, n_q, d = q.shape
     group = H // k_cache.shape[1]
@@ -138,16 +156,18 @@ def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
     m = np.full((B, H, n_q, S), -np.inf, dtype=dt)
     l = np.zeros((B, H, n_q, S), dtype=dt)
     acc = np.zeros((B, H, n_q, S, d), dtype=dt)
+    rows = np.arange(n_q)
     for b in range(B):
         length = int(lens[b])
-        limit = np.arange(n_q)[:, None] + length - n_q  # query i sees keys j <= limit[i]
+        shift = length - n_q  # query i sits at key i + shift: it sees keys j <= i + shift (and the window's left)
         for h in range(H):
             k_h, v_h = k_cache[b, h // group], v_cache[b, h // group]
+            slope = None if slopes is None else slopes[b, h]
             for s, (start, stop) in enumerate(per_b[b]):
                 state = OnlineSoftmaxState(n_q, d, dtype=dt)
                 if stop > start:
-                    scores = (q[b, h] @ k_h[start:stop].T) * scale
-                    scores[np.arange(start, stop)[None, :] > limit] = -np.inf
+                    scores, _ = _final_logits((q[b, h] @ k_h[start:stop].T) * scale, rows, np.arange(start, stop),
+                                              length, shift, window, softcap, slope)
                     state.update(scores, v_h[start:stop])
                 m[b, h, :, s], l[b, h, :, s], acc[b, h, :, s] = state.m, state.l, state.acc
     return m, l, acc
@@ -173,15 +193,18 @@ def merge_partials(m, l, acc):
 
 
 def decode_attention(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, splits=1,
-                     block_n: int = 1, dtype=None):
+                     block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """Split-KV decoding, both phases: ``merge_partials(*decode_partials(...))``.
 
     Arguments as :func:`decode_partials`. Returns ``(O, L)``: O (B, H, Nq, d), L (B, H, Nq).
     Equal, up to rounding, to ``standard_attention(q[b], k_cache[b, :, :len_b], v_cache[b, :,
-    :len_b], causal=True)`` for every sequence b, whatever the splits.
+    :len_b], causal=True, window_size=window_size, softcap=softcap, alibi_slopes=slopes_b)`` for
+    every sequence b, whatever the splits, with slopes_b the slopes of sequence b, shape (H,).
     """
-    q, k_cache, v_cache, lens, scale, dt = _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype)
+    q, k_cache, v_cache, lens, scale, dt, window, softcap, slopes = _prepare(
+        q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes)
     if 0 in q.shape[:3]:  # no sequences, heads or queries: nothing to split
         return np.zeros(q.shape, dtype=dt), np.full(q.shape[:-1], -np.inf, dtype=dt)
     return merge_partials(*decode_partials(q, k_cache, v_cache, cache_seqlens=lens, softmax_scale=scale,
-                                           splits=splits, block_n=block_n, dtype=dt))
+                                           splits=splits, block_n=block_n, dtype=dt, window_size=window,
+                                           softcap=softcap, alibi_slopes=slopes))
