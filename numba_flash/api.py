@@ -10,6 +10,8 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans, ptx
+from .blocks.mask import window_bounds, window_kind
+from .blocks.mods import Mods
 from .configs import MAX_HEAD_DIM, MMA_TABLE, TF32_TABLE, simt_config
 from .kernels import mma_forward, simt_forward, tf32_forward
 from .launch import SIM_LOCK, address, current_device_id
@@ -50,6 +52,20 @@ class Problem:
     causal: bool
     softmax_scale: float
     device: int | None
+    window_size: tuple = (-1, -1)  # as given (validated): -1 unbounded
+    softcap: float = 0.0
+    alibi_shape: tuple | None = None  # the slopes' shape, (H,) or (B, H)
+
+    @property
+    def mods(self) -> Mods:
+        """The kernel switches: a window of (-1, 0) is causal and (-1, -1) none (their kernels, no window)."""
+        return Mods(window=window_kind(self.causal, self.window_size) == "window", softcap=self.softcap > 0,
+                    alibi=self.alibi_shape is not None)
+
+    @property
+    def mask_causal(self) -> bool:
+        """causal as the kernels take it: window_size (-1, 0) is causal too."""
+        return window_kind(self.causal, self.window_size) == "causal" or (self.causal and self.mods.window)
 
     @property
     def lse_shape(self) -> tuple:
@@ -60,7 +76,56 @@ def _as_4d(shape: tuple) -> tuple:
     return (1,) * (4 - len(shape)) + tuple(shape)
 
 
-def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
+def window_pair(window_size: Any) -> tuple:
+    """flash-attn's window_size=(left, right) as two Python ints, each -1 (unbounded) or >= 0."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, each -1 (unbounded) or >= 0; "
+                        f"got {window_size!r}")
+    out = []
+    for side, x in zip(("left", "right"), window_size):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int (-1 for unbounded, or >= 0); got {x!r} in {window_size!r}")
+        if x < -1:
+            raise ValueError(f"window_size {side} = {x}: accepted -1 (unbounded) or >= 0; got {window_size!r}")
+        out.append(int(x))
+    return tuple(out)
+
+
+def _check_softcap(softcap: Any) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0.0: off; scores become softcap·tanh(s / softcap)); "
+                         f"got {softcap!r}")
+    return cap
+
+
+def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device) -> tuple:
+    """The shape of validated ALiBi slopes: float32, (H,) or (B, H), where q is."""
+    kind = arrays.kind_of(alibi_slopes)
+    if kind is None:
+        raise TypeError(f"alibi_slopes must be a float32 array of shape (H,) or (B, H) ({_ACCEPTED_ARRAYS}); "
+                        f"got {type(alibi_slopes).__module__}.{type(alibi_slopes).__name__}")
+    if (kind == arrays.NUMPY) != (kind_q == arrays.NUMPY):
+        raise TypeError(f"alibi_slopes is a {kind} array and q a {kind_q} array: pass both on the GPU, or both NumPy")
+    if kind == arrays.TORCH and not alibi_slopes.is_cuda:
+        raise TypeError(f"alibi_slopes is a PyTorch tensor on {alibi_slopes.device}; pass a CUDA tensor")
+    arrays.refuse_unreadable("alibi_slopes", alibi_slopes, kind)
+    dt = arrays.dtype_name(alibi_slopes)
+    if dt != "float32":
+        raise TypeError(f"alibi_slopes has dtype {dt}; accepted: float32 (as flash-attn takes them)")
+    shape = tuple(arrays.shape_of(alibi_slopes))
+    if shape not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes has shape {shape}; accepted: (H,) = ({H},) or (B, H) = ({B}, {H})")
+    dev = arrays.device_of(alibi_slopes)
+    if dev is not None and device is not None and dev != device:
+        raise ValueError(f"alibi_slopes is on device {dev} and q on device {device}; put them on one GPU")
+    return shape
+
+
+def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None, window_size: Any = (-1, -1),
+             softcap: Any = 0.0, alibi_slopes: Any = None) -> Problem:
     """Check everything about a forward call in one place; raise with what was given and accepted."""
     kinds = {}
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -139,10 +204,18 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
     if len(known) > 1:
         raise ValueError(f"q, k, v are on different devices: {devices}; put them on one GPU")
 
+    window = window_pair(window_size)
+    if causal and window[1] not in (-1, 0):
+        raise ValueError(f"causal=True is window_size right = 0; got window_size={window_size!r} (pass right = 0 "
+                         "or -1 with causal, or causal=False with the window you mean)")
+    window = tuple(-1 if side >= n_k else side for side in window)  # flash-attn's rule: a side >= Nk is unbounded
+    cap = _check_softcap(softcap)
+    device = known.pop() if known else None
+    alibi_shape = None if alibi_slopes is None else _check_alibi(alibi_slopes, kinds["q"], B, H, device)
     return Problem(
         kind=kinds["q"], dtype=dtypes["q"], q_shape=shapes["q"], B=B, H=H, Hkv=Hkv,
         n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
-        device=known.pop() if known else None,
+        device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape,
     )
 
 
@@ -223,6 +296,12 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    if p.mods.any:
+        return _choose_with_mods(p, kernel, views)
+    if p.mask_causal != p.causal:  # window_size (-1, 0): the causal kernel
+        from dataclasses import replace
+
+        p = replace(p, causal=True, window_size=(-1, -1))
     # In the CUDA simulator auto keeps fp32 on SIMT: the tf32 kernel's tensor-core twins are slow there
     # (each mma is a 32-thread rendezvous: six forward tests took 7.7 min); kernel="tf32x3" runs it anyway.
     if kernel in TF32_KERNELS or (kernel == "auto" and p.dtype == "float32" and not nb_config.ENABLE_CUDASIM):
@@ -284,6 +363,41 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     return "simt", cfg, reasons
 
 
+def mods_words(p: Problem) -> str:
+    """The problem's window / softcap / ALiBi in words (explain, errors)."""
+    words = []
+    if p.mods.window:
+        left, right = window_bounds(p.causal, p.window_size)
+        side = lambda x: "unbounded" if x == window_bounds(False, (-1, -1))[0] else str(x)  # noqa: E731
+        words.append(f"sliding window (left {side(left)}, right {side(right)}{', causal' if p.causal else ''})")
+    if p.mods.softcap:
+        words.append(f"softcap {p.softcap:g}")
+    if p.mods.alibi:
+        words.append(f"ALiBi slopes {p.alibi_shape}")
+    return ", ".join(words)
+
+
+def _choose_with_mods(p: Problem, kernel: str, views):
+    """A window, softcap or ALiBi: the mma kernel builds them (the other families do not have them yet)."""
+    blockers = _mma_blockers(p, views)
+    if kernel not in ("auto", "mma") or blockers:
+        why = [f"kernel={kernel!r} was asked for"] if kernel not in ("auto", "mma") else blockers
+        raise NotImplementedError(
+            f"{mods_words(p)}: built into kernel 'mma' only (float16/bfloat16, head dim <= {MMA_MAX_HEAD_DIM}, "
+            f"sm_80+, 16-byte aligned rows); this call cannot take it: {'; '.join(why)}")
+    cfg = mma_config(p.d, p.causal)
+    kind, reasons = choose_kernel(_plain(p), "mma", views)[::2]
+    reasons.insert(1, "mods: " + mods_words(p) + (" (tiles outside every row's window are never loaded)"
+                                                  if p.mods.window else ""))
+    return kind, cfg, reasons
+
+
+def _plain(p: Problem) -> Problem:
+    from dataclasses import replace
+
+    return replace(p, window_size=(-1, -1), softcap=0.0, alibi_shape=None)
+
+
 def _on_device(device: int | None):
     """Context manager that makes the inputs' GPU current (a no-op when unknown); in the simulator, the lock
     that serialises calls from several threads (launch.SIM_LOCK: builds and launches)."""
@@ -296,7 +410,8 @@ def _on_device(device: int | None):
     return cuda.gpus[device]
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
+def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None):
     """Exact attention O = softmax(Q Kᵀ · scale) V without materialising the N×N scores.
 
     Args:
@@ -324,6 +439,17 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
             tf32x3's 54), ~1e-3 relative error, like ``torch.backends.cuda.matmul.allow_tf32``. ``explain`` prints the choice and why.
             Under the CUDA simulator auto keeps float32 on SIMT (the tensor-core twins are slow
             there); kernel="tf32x3" runs the tensor-core kernel in the simulator as well.
+        window_size: (left, right), flash-attn's sliding window: query i sees key j iff
+            i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 (or a side >= Nk, as in flash-attn) is
+            unbounded. causal=True is right = 0
+            (right must then be 0 or -1). (-1, 0) is causal and (-1, -1) no window. K/V tiles outside
+            every row's window are never loaded.
+        softcap: > 0 caps the scaled scores x as softcap·tanh(x / softcap) (Gemma 2); 0.0 is off.
+        alibi_slopes: float32 (H,) or (B, H), where q is: adds -slope·|i + Nk - Nq - j| to the (capped)
+            scaled score of query i and key j (flash-attn's ALiBi; L includes the whole bias, where
+            flash-attn's causal kernels drop the row-constant slope·(i + Nk - Nq) from it).
+            The three run on kernel "mma" (float16 / bfloat16, d <= 128); elsewhere they raise
+            NotImplementedError.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
@@ -349,12 +475,14 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto"):
     alignment, other arguments) replays the first call's plan (numba_flash.plans): the same kernel,
     config and parameters, without the checks and choices in Python.
     """
-    return plans.call(_forward, (q, k, v), (causal, softmax_scale, kernel))
+    left, right = window_pair(window_size)
+    return plans.call(_forward, (q, k, v, alibi_slopes), (causal, softmax_scale, kernel, left, right, softcap))
 
 
-def _forward(q, k, v, causal, softmax_scale, kernel):
+def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, right=-1, softcap=0.0):
     """``forward`` without plans (plans.call runs it for a new signature and watches)."""
-    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(left, right), softcap=softcap,
+                 alibi_slopes=alibi_slopes)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     with _on_device(p.device):
@@ -371,8 +499,12 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
                 plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
             out4, lse3 = arrays.as_4d(out_dev), arrays.as_4d(lse_dev, 3)  # unit dims in front: views
             if family == "mma":
-                mma_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.causal, softmax_scale=p.softmax_scale,
-                                   stream=stream, layout_checked=True)
+                mods = p.mods
+                alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
+                mma_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
+                                   stream=stream, layout_checked=True, mods=mods,
+                                   window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
+                                   softcap=p.softcap, alibi=alibi)
             elif family in TF32_KERNELS:
                 tf32_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.causal, softmax_scale=p.softmax_scale,
                                     passes=TF32_KERNELS[family], stream=stream, layout_checked=True)
@@ -385,9 +517,11 @@ def _forward(q, k, v, causal, softmax_scale, kernel):
         )
 
 
-def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
+def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None) -> str:
     """Which kernel ``forward`` would run for these inputs, its tile config, and why."""
-    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                 alibi_slopes=alibi_slopes)
     views = None
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (views, no copies)
         with _on_device(p.device):

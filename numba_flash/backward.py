@@ -20,7 +20,11 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, backward_plan, plans
-from .api import _ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, validate
+from dataclasses import replace
+
+from .api import (_ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, mods_words,
+                  validate, window_pair)
+from .blocks.mask import window_bounds
 from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM, SMEM_PER_BLOCK_MAX
 from .decode import _sm_count
 from .kernels.decode import SMEM_PER_SM
@@ -32,9 +36,11 @@ from .launch import address, current_device_id
 KERNELS = ("auto", "simt", "mma", "tf32x3")
 
 
-def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None) -> Problem:
-    """``api.validate`` for q, k, v, then: out and dout like q, lse float32 of shape q.shape[:-1]."""
-    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None,
+                      window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None) -> Problem:
+    """``api.validate`` for q, k, v (and the mods), then: out and dout like q, lse float32 of shape q.shape[:-1]."""
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                 alibi_slopes=alibi_slopes)
     wanted = (
         ("out", out, p.q_shape, p.dtype, "q's shape", "q's dtype"),
         ("dout", dout, p.q_shape, p.dtype, "q's shape", "q's dtype"),
@@ -73,6 +79,10 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    if p.mods.any:
+        return _choose_with_mods(p, kernel, views)
+    if p.mask_causal != p.causal:  # window_size (-1, 0): the causal kernels
+        p = replace(p, causal=True, window_size=(-1, -1))
     # As in forward: auto keeps fp32 on SIMT in the CUDA simulator, where the tensor-core twins are slow.
     tf32_blockers = []
     if kernel == "tf32x3" or (kernel == "auto" and p.dtype == "float32" and not nb_config.ENABLE_CUDASIM):
@@ -144,11 +154,40 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     return family, cfg, reasons
 
 
-def mma_config(head_dim: int) -> dict:
+def _choose_with_mods(p: Problem, kernel: str, views):
+    """A window, softcap or ALiBi: the mma.sync kernels (dkdv, dq; no wgmma build, no splits) build them."""
+    blockers = _mma_blockers(p, None if views is None else views[:3])
+    if views is not None and not blockers:
+        blockers += _dout_blockers(views[3], "8 elements")
+    if kernel not in ("auto", "mma") or blockers:
+        why = [f"kernel={kernel!r} was asked for"] if kernel not in ("auto", "mma") else blockers
+        raise NotImplementedError(
+            f"{mods_words(p)}: the backward builds them into the 'mma' kernels only (float16/bfloat16, head dim "
+            f"<= 128, sm_80+, 16-byte aligned rows); this call cannot take it: {'; '.join(why)}")
+    head_dim = 64 if p.d <= 64 else 128
+    cfg = mma_config(head_dim, mods=True)
+    (bn, bm), (bq, bk), (an, am) = cfg["dkdv"], cfg["dq"], cfg["dkdv_atomic"]
+    reasons = [
+        f"mma backward with mods: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate); D and "
+        "L·log2(e), then dK/dV over K/V tiles, dQ in the same kernel (deterministic=False) or by a dq kernel",
+        "mods: " + mods_words(p) + (" (Q and K/V tiles outside every row's window are skipped)"
+                                    if p.mods.window else ""),
+        f"dkdv with dQ: {an}-key tiles x {am}-query tiles; dkdv without dQ: {bn}-key tiles x {bm}-query tiles; "
+        f"dq: {bq}-query tiles x {bk}-key tiles",
+    ]
+    if head_dim != p.d:
+        reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
+    if p.H != p.Hkv:
+        reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
+    return "mma", cfg, reasons
+
+
+def mma_config(head_dim: int, mods: bool = False) -> dict:
     """The tensor-core backward's config at a compiled head dim: MMA_BWD_TABLE's entry, with MMA_BWD_WGMMA's
-    overrides on a GPU that has wgmma (sm_90: the dQ-in-dkdv kernel on warpgroup MMA) and in the simulator."""
+    overrides on a GPU that has wgmma (sm_90: the dQ-in-dkdv kernel on warpgroup MMA) and in the simulator.
+    mods (a window, softcap or ALiBi): MMA_BWD_TABLE's alone (the wgmma build has no mods)."""
     tiles = backward_plan.table_tiles(MMA_BWD_TABLE, head_dim)
-    if current_wgmma():
+    if current_wgmma() and not mods:
         tiles.update(backward_plan.table_tiles(MMA_BWD_WGMMA, head_dim))
     return backward_plan.config_from_tiles(tiles, head_dim)
 
@@ -201,6 +240,8 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     if not deterministic:
         return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
                                 "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
+    if p.mods.any:
+        return "kernel", None, kernel + f"the splits are not built with {mods_words(p)}"
     if cfg.get("deterministic_dq") != "splits":
         return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
     if p.B * p.H * p.n_q * p.n_k == 0:
@@ -267,10 +308,12 @@ def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
     return "tf32x3", cfg, reasons
 
 
-def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto") -> str:
+def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None) -> str:
     """Which kernels ``backward`` runs for inputs like these, their tile configs, and why (for the
     tensor-core path: how dQ is formed with the default deterministic=True and with False)."""
-    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                 alibi_slopes=alibi_slopes)
     views = None
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (q's stands in for dout's)
         with _on_device(p.device):
@@ -295,7 +338,8 @@ def _zeros_scratch(kind: str, ref: Any, shape: tuple, stream):
     return arrays.zeros_like_kind(kind, ref, shape, "float32", stream)[1]
 
 
-def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True):
+def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True,
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from the saved L.
 
     Args:
@@ -310,6 +354,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             are read correctly; a last dim that is not contiguous costs coalescing.
         causal, softmax_scale: as for ``forward`` (mask aligned bottom-right: query i sees key
             j iff j <= i + Nk - Nq; scale defaults to 1/sqrt(d)).
+        window_size, softcap, alibi_slopes: as for ``forward`` (the same values the forward had). They run on
+            the "mma" kernels (mma.sync; no wgmma build), dQ by the dq kernel (deterministic) or added
+            atomically (deterministic=False); softcap's gradient is (1 - tanh²), ALiBi's slopes get none.
         kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
             forward would: "mma" for float16/bfloat16 with d <= 128, "tf32x3" for float32 with
             d <= 128 and d % 4 == 0 (each fp32 product as three tf32 products, hi·hi + hi·lo +
@@ -365,12 +412,16 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
 
     Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans).
     """
-    return plans.call(_backward, (q, k, v, out, lse, dout), (causal, softmax_scale, kernel, deterministic))
+    left, right = window_pair(window_size)
+    return plans.call(_backward, (q, k, v, out, lse, dout, alibi_slopes),
+                      (causal, softmax_scale, kernel, deterministic, left, right, softcap))
 
 
-def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, deterministic):
+def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kernel, deterministic, left=-1, right=-1,
+              softcap=0.0):
     """``backward`` without plans (plans.call runs it for a new signature and watches)."""
-    p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale)
+    p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale,
+                          window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     if not isinstance(deterministic, (bool, np.bool_)):
@@ -408,9 +459,13 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, kernel, determinis
                                           softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream,
                                           dq_acc=dq_acc, dq_splits=splits)
             else:
-                backward_plan.launch_mma(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                mods = p.mods
+                alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
+                backward_plan.launch_mma(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.mask_causal,
                                          softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg,
-                                         stream=stream, dq_acc=dq_acc, dq_splits=splits)
+                                         stream=stream, dq_acc=dq_acc, dq_splits=splits, mods=mods,
+                                         window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
+                                         softcap=p.softcap, alibi=alibi)
         else:
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(

@@ -16,11 +16,13 @@ from numba import float32
 
 from . import ptx
 from .blocks.entry import check_dq_acc, rows16
+from .blocks.mods import NO_MODS, softcap_args
 from .blocks.numerics import LOG2E
 from .blocks.tf32 import head_dim_for, split_round_for_device
 from .configs import TF32_BWD_TABLE
 from .tiles import Tile
 from .kernels import bwd_prep, mma_dkdv, mma_dq, tf32_backward, wgmma_backward
+from .launch import unused_slopes
 
 WORD = np.dtype(np.uint16)
 
@@ -31,7 +33,8 @@ def _words(x):
 
 
 def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, dtype, d, config,
-               stream=0, kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None):
+               stream=0, kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None, mods=NO_MODS, window=(0, 0),
+               softcap=0.0, alibi=None):
     """Run prep, dkdv and dq (or convert) on device arrays; the caller has validated the problem and the layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d), all 16-bit (float16, or uint16
@@ -50,6 +53,8 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
     HEAD_DIM); dkdv runs as ceil(n_kb / S) launches of S key blocks per kv head, block x of every launch
     adding into plane x, and the last kernel sums the planes in order: bitwise repeatable (FA2's
     deterministic scheme, its key-block loop on the host).
+    mods, window, softcap, alibi: as mma_forward.launch takes them (blocks/mods.py); with mods the dkdv is
+    mma.sync's (no wgmma build) and there are no splits; causal with a window is the window's right = 0.
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -57,6 +62,15 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
     partial = bool(d % 8)  # a part-data chunk per row (the sources' PARTIAL_CHUNK)
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     atomic = dq_acc is not None
+    if mods.any:
+        if dq_splits is not None:
+            raise ValueError(f"mods {mods}: no deterministic splits (dq_splits={dq_splits}); take the dq kernel")
+        cap_a, cap_b = softcap_args(softcap, softmax_scale)
+        scalars += (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
+                    alibi if alibi is not None else unused_slopes(l2), float32(1.0 / softmax_scale))
+        if config.get("dkdv_wgmma"):
+            raise ValueError(f"mods {mods}: the wgmma dkdv has none; take MMA_BWD_TABLE's config (backward.mma_config "
+                             "with mods)")
     vec = d % 8 == 0 and all(rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
     if "prep" in kernels:
         bwd_prep.launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)
@@ -82,15 +96,16 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
                               stream=stream, partial_chunk=partial, dq_splits=dq_splits, defer_dq=defer)
     elif "dkdv" in kernels:
         mma_dkdv.launch(*words, l2, dd, *grads, scalars, tile=(bn, bm), head_dim=head_dim, causal=causal,
-                        dtype=dtype, stream=stream, partial_chunk=partial, dq_acc=dq_acc, dq_splits=dq_splits)
+                        dtype=dtype, stream=stream, partial_chunk=partial, dq_acc=dq_acc, dq_splits=dq_splits,
+                        mods=mods)
     if atomic:
-        if "dq" in kernels:
-            bwd_prep.launch_convert(dtype, vec, dq_acc, _words(dq), n_q, d, softmax_scale, n_k, bn, bm, causal,
-                                    B * H, stream)
+        if "dq" in kernels:  # (one zeroed plane: the window's rows no block wrote are zeros)
+            bwd_prep.launch_convert(dtype, vec, dq_acc, _words(dq), n_q, d, softmax_scale, n_k, bn, bm,
+                                    causal and not mods.window, B * H, stream)
         return
     if "dq" in kernels:
         mma_dq.launch(*words, l2, dd, _words(dq), scalars, tile=config["dq"], head_dim=head_dim, causal=causal,
-                      dtype=dtype, stream=stream, partial_chunk=partial)
+                      dtype=dtype, stream=stream, partial_chunk=partial, mods=mods)
 
 
 KERNELS = ("dkdv", "dq", "dkdv_atomic")  # the backward tables' kernel names (configs.py)

@@ -121,6 +121,14 @@ def view_of(x: Any, kind: str) -> DeviceView:
     return DeviceView(cai["data"][0] or 0, shape, strides, dtype, x)
 
 
+def unused_slopes(lse: Any) -> Any:
+    """A (1, 1) float32 view of lse's first element: the slopes argument of a kernel built without ALiBi,
+    never read (a view of the call's own output, so plans find its pointer)."""
+    if isinstance(lse, DeviceView):
+        return DeviceView(lse.ptr, (1, 1), (4, 4), np.float32, lse.owner)
+    return lse[(0,) * (lse.ndim - 2)][:1, :1]  # simulator arrays
+
+
 def address(x: Any) -> int:
     """Device address of x's first element (simulator arrays: the host address of their data)."""
     if isinstance(x, DeviceView):

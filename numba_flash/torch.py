@@ -29,12 +29,15 @@ class FlashAttentionFunction(torch.autograd.Function):
     """out = softmax(Q Kᵀ · scale) V with a recomputing (FA2) backward; see ``attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic=True):
-        out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    def forward(ctx, q, k, v, causal, softmax_scale, deterministic=True, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None):
+        out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           softcap=softcap, alibi_slopes=alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
         ctx.softmax_scale = softmax_scale
         ctx.deterministic = deterministic
+        ctx.mods = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
         return out
 
     @staticmethod
@@ -47,11 +50,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         if dout.shape[-1] > 1 and dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal, softmax_scale=ctx.softmax_scale,
-                              deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None
+                              deterministic=ctx.deterministic, **ctx.mods)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True):
+def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None):
     """Differentiable exact attention on PyTorch CUDA tensors.
 
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
@@ -61,7 +65,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True):
     them, see ``numba_flash.explain_backward``). deterministic=True (default): bitwise repeatable
     gradients (FA2's deterministic dQ splits, or a separate dQ kernel); False: dq by FA2's atomic adds
     on the tensor-core paths (last bits vary run to run; fp16 d128 3 % faster than the default on an
-    H200), as ``numba_flash.backward``.
+    H200), as ``numba_flash.backward``. window_size, softcap, alibi_slopes: flash-attn's sliding window,
+    softcapping and ALiBi, as ``numba_flash.forward`` (no gradient for the slopes: they are constants, as
+    in flash-attn).
     Double backward is not supported.
     """
-    return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic)
+    if alibi_slopes is not None and getattr(alibi_slopes, "requires_grad", False):
+        raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
+                         "alibi_slopes.detach()")
+    return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic, window_size, softcap,
+                                        alibi_slopes)

@@ -115,8 +115,11 @@ def check_causal(causal) -> bool:
 _WINDOW_ACCEPTED = "accepted: a pair (left, right) of ints, each -1 (no bound on that side) or >= 0"
 
 
-def check_window_size(window_size, causal: bool, *, causal_by: str = "causal=True") -> tuple[int, int]:
+def check_window_size(window_size, causal: bool, *, causal_by: str = "causal=True", n_k=None) -> tuple[int, int]:
     """flash-attn's ``window_size = (left, right)`` as the pair of Python ints the mask uses.
+
+    With ``n_k`` (the number of keys), a side >= n_k becomes -1, unbounded, as flash-attn's API does before
+    its kernels see the window (it differs from the bound as written only for right >= Nk with Nq > Nk + right).
 
     Each side is an int (Python or NumPy integer, not a bool), −1 for no bound or >= 0; ``(left, right)``
     may be a tuple, a list or a 1-D integer array. Causal masking is the window's right = 0: with
@@ -158,6 +161,9 @@ def check_window_size(window_size, causal: bool, *, causal_by: str = "causal=Tru
                 "this reference refuses it)"
             )
         right = 0
+    if n_k is not None:
+        left = -1 if left >= n_k else left
+        right = -1 if right >= n_k else right
     return left, right
 
 

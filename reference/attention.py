@@ -18,10 +18,9 @@ Conventions (shared by every function in ``reference`` and by the numba_flash ke
   last query sees every key and with Nq > Nk the first Nq − Nk queries see no key at all. With
   ``causal`` the window's right must be −1 or 0 (both mean 0); any other right is a ValueError
   (flash-attn overrides it silently). left and right are ints (Python or NumPy integers, not bools),
-  each −1 (no bound) or ≥ 0, used as given: a left ≥ Nk − 1 or a right ≥ Nq − 1 bounds no row.
-  (flash-attn's API replaces a side ≥ Nk by −1 first; for left that is the same mask, for right it
-  differs where Nq − 1 > right ≥ Nk: the first rows see every key there, keys j ≤ i + shift + right
-  here.) ``window_size=(-1, -1)`` without causal is no mask. Decoding (``reference.decode``) is
+  each −1 (no bound) or ≥ 0; a side ≥ Nk is −1 (unbounded), as flash-attn's API makes it before its
+  kernels see the window (for left the same mask; for a right ≥ Nk with Nq > Nk + right the first
+  rows then see every key). ``window_size=(-1, -1)`` without causal is no mask. Decoding (``reference.decode``) is
   causal with each sequence's own shift, len_b − Nq.
 * Logits, per (batch b, head h, query i, key j), in this order:
   s = softmax_scale · q_i·k_j (``softmax_scale`` defaults to 1/sqrt(d), otherwise a finite real > 0);
@@ -188,7 +187,7 @@ def _prepare(q, k, v, *, causal, softmax_scale, dtype, window_size=(-1, -1), sof
     if n_q < 1 or n_k < 1:
         raise ValueError(f"need Nq >= 1 and Nk >= 1; got q {q.shape}, k {k.shape}")
     causal = check_causal(causal)
-    window = check_window_size(window_size, causal)
+    window = check_window_size(window_size, causal, n_k=n_k)
     softcap = check_softcap(softcap)
     slopes = check_alibi_slopes(alibi_slopes, q_shape)
     scale = check_softmax_scale(softmax_scale, d)
@@ -254,7 +253,7 @@ def visible_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, n_q: int,
     0 ≤ j < Nk, (left = −1 or j ≥ i + shift − left) and (right = −1 or j ≤ i + shift + right). The
     kernels' per-score rule ``hidden(row, col, n_k, shift)`` is its negation.
     """
-    left, right = check_window_size(window_size, check_causal(causal))
+    left, right = check_window_size(window_size, check_causal(causal), n_k=n_k)
     return _visible(np.arange(q_start, q_stop), np.arange(k_start, k_stop), n_k, n_k - n_q, left, right)
 
 
@@ -268,7 +267,7 @@ def kv_block_range(q_start: int, q_stop: int, n_q: int, n_k: int, block_k: int, 
     min(Nk − 1, q_stop − 1 + shift + right) (Nk − 1 without a right bound; right = 0 under causal).
     ``(0, 0)`` when no row of the block sees any key.
     """
-    left, right = check_window_size(window_size, check_causal(causal))
+    left, right = check_window_size(window_size, check_causal(causal), n_k=n_k)
     shift = n_k - n_q
     first_key = 0 if left < 0 else max(0, q_start + shift - left)
     last_key = n_k - 1 if right < 0 else min(n_k - 1, q_stop - 1 + shift + right)
@@ -285,7 +284,7 @@ def q_block_range(k_start: int, k_stop: int, n_q: int, n_k: int, block_q: int, c
     by rows j − shift − right .. j − shift + left (no bound for a side of −1; right = 0 under causal),
     clipped to [0, Nq). ``(0, 0)`` when no row sees any key of the block.
     """
-    left, right = check_window_size(window_size, check_causal(causal))
+    left, right = check_window_size(window_size, check_causal(causal), n_k=n_k)
     shift = n_k - n_q
     k_stop = min(k_stop, n_k)
     first_row = 0 if right < 0 else max(0, k_start - shift - right)
@@ -310,7 +309,7 @@ def tile_needs_mask(q_start: int, k_stop: int, n_q: int, n_k: int, causal: bool 
 
     Tiles of a visited block that need no mask are used unmasked.
     """
-    left, right = check_window_size(window_size, check_causal(causal))
+    left, right = check_window_size(window_size, check_causal(causal), n_k=n_k)
     shift = n_k - n_q
     edge = right >= 0 and k_stop - 1 > q_start + shift + right
     if left >= 0:

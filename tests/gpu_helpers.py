@@ -48,3 +48,40 @@ def attention_naive_same_dtype(q, k, v, causal, scale=None):
     s, v = _masked_scores(q, k, v, causal, scale)
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)
     return torch.nan_to_num(p @ v)
+
+
+def attention_mods_torch(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                         naive=False):
+    """Materialised attention with flash-attn's variants, in q's dtype (naive=True: the error rule's naive
+    same-dtype implementation, softmax in fp32 as torch's) or, for float64 inputs, the truth; differentiable.
+    Query i sees key j iff i + shift - left <= j <= i + shift + right (shift = Nk - Nq, -1 unbounded, causal:
+    right = 0); logits softcap·tanh(s / softcap), then - slope·|i + shift - j|."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    H, Hkv = q.shape[-3], k.shape[-3]
+    if H != Hkv:
+        k = k.repeat_interleave(H // Hkv, dim=-3)
+        v = v.repeat_interleave(H // Hkv, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    n_q, n_k = s.shape[-2:]
+    i = torch.arange(n_q, device=q.device)[:, None]
+    j = torch.arange(n_k, device=q.device)[None, :]
+    shift = n_k - n_q
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype).reshape((-1, H) if alibi_slopes.dim() == 1 else alibi_slopes.shape)
+        s = s - slopes[..., None, None] * (i + shift - j).abs().to(s.dtype)
+    left, right = window_size
+    right = 0 if causal else right
+    hidden = torch.zeros(n_q, n_k, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        hidden |= j < i + shift - left
+    if right >= 0:
+        hidden |= j > i + shift + right
+    s = s.masked_fill(hidden, -math.inf)
+    if naive:
+        p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+        return torch.nan_to_num(p) @ v
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    return p @ v

@@ -73,6 +73,24 @@ def two_products(HEAD_DIM, N_TILES, mma):
     return unrolled
 
 
+def window_schedule(BLOCK_N, BLOCK_M):
+    """schedule(k0, n_q, n_k, shift, group, left, right) of the window kind (blocks/mask.py): (first Q tile,
+    Q tiles per query head, steps) for the key block k0 .. k0 + BLOCK_N - 1, from the first Q tile whose last
+    row sees key k0 (row >= k0 - shift - right) to the last whose first row sees the block's last key
+    (row <= key - shift + left); the Q tiles between are the only ones any row of which sees the block."""
+
+    @inline_device
+    def schedule(k0, n_q, n_k, shift, group, left, right):
+        n_qt = (n_q + BLOCK_M - 1) // BLOCK_M
+        qt0 = min(max(k0 - shift - right, 0) // BLOCK_M, n_qt)
+        k_last = min(k0 + BLOCK_N, n_k) - 1
+        qt_end = min((max(k_last - shift + left + 1, 0) + BLOCK_M - 1) // BLOCK_M, n_qt)
+        per_head = max(qt_end - qt0, 0)
+        return int32(qt0), int32(per_head), int32(group * per_head)
+
+    return schedule
+
+
 def dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, PARTIAL_CHUNK, ATOMS=False):
     """What the dK/dV layouts share: the shared-memory plan, the copies (K and V, the streamed stage),
     the schedule of (query head, Q tile) steps and the epilogue. OUT_TILES: n-tiles of dK / dV per warp.

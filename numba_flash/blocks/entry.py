@@ -16,16 +16,25 @@ from ..launch import address
 from ..launch import launch as launch_kernel
 
 
-def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = False, io=types.uint16):
+MOD_ARGS = (int32, int32, float32, float32, types.Array(types.float32, 2, "A"), float32)  # blocks/mods.py's
+
+
+def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = False, io=types.uint16,
+                     mods: bool = False):
     """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...):
     io elements (16-bit words, or float32 for the 3xTF32 kernels); dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) fp32
-    when dkdv also adds up dQ (atomic_dq)."""
+    when dkdv also adds up dQ (atomic_dq). mods: a build with a window, softcap or ALiBi also takes MOD_ARGS
+    (left, right, cap_a, cap_b, slopes, 1 / scale) last; it has no deterministic splits."""
     io = types.Array(io, 4, "A")
     rows = types.Array(types.float32, 2, "A")
     grads = (io, io) if kernel == "dkdv" else (io,)
     if atomic_dq:
         grads += (types.Array(types.float32, 3, "A"),)
     tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
+    if mods:
+        if dq_splits:
+            raise ValueError("a build with mods has no deterministic splits (their planes' row ranges are causal's)")
+        tail = MOD_ARGS
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
@@ -38,7 +47,7 @@ def _at_home(fn, home: dict, name: str):
 
 
 def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0, first: bool = True,
-               stand_in: str = "l2"):
+               stand_in: str = "l2", mods: bool = False):
     """The kernel (before cuda.jit) that runs ``body`` for its block, named ``name`` in module ``home``
     (the caller's globals()). atomic_dq False: dq_acc is never touched and ``stand_in`` ("l2" or "dk") takes
     its place. atomic_dq with dq_splits 0: every block adds into one plane (the order of the adds, hence the
@@ -48,9 +57,22 @@ def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0,
     per step). A launch's blocks own one plane each and the launches follow each other on one stream, so each dQ
     element of a plane gets its adds from one lane, launch after launch: the same sums every run. The plane is
     a view (its own base address): as a row offset it cost 40 B of spills. first: whether body takes the
-    store-or-add flag as its last argument."""
+    store-or-add flag as its last argument. mods: the kernel also takes blocks/mods.py's launch arguments
+    (MOD_ARGS) and passes them on after the flag (no splits)."""
     FIRST_STORES = dq_splits == 2  # a compile-time constant: the other build's stores are pruned
-    if atomic_dq and dq_splits and first:
+    if mods and (dq_splits or not first):
+        raise ValueError("dkdv_entry: a build with mods takes no splits and a body with the store-or-add flag")
+    if mods and atomic_dq:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a,
+                   cap_b, slopes, inv_scale):
+            body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
+                 False, left, right, cap_a, cap_b, slopes, inv_scale)
+    elif mods:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
+                   slopes, inv_scale):
+            body(q, k, v, dout, l2, dd, dk, dv, l2, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x, False,
+                 left, right, cap_a, cap_b, slopes, inv_scale)
+    elif atomic_dq and dq_splits and first:
         def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb0, plane_rows):
             body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
                  scale_log2, scale, kb0 + cuda.blockIdx.x, FIRST_STORES)

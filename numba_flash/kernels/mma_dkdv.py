@@ -52,9 +52,10 @@ from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
-from ..blocks.dkdv import dkdv_common, stage_words, two_products
+from ..blocks.dkdv import dkdv_common, stage_words, two_products, window_schedule
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
 from ..blocks.mask import clamps_past_end, mask_kind
+from ..blocks.mods import NO_MODS, Mods, capped, softcap_grad
 from ..blocks.schedule import ROW_PAD
 
 DTYPES = ("float16", "bfloat16")
@@ -95,7 +96,7 @@ def problems(block_n: int, block_m: int, head_dim: int, dtype: str) -> list[str]
 
 
 def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, PARTIAL_CHUNK=False,
-           DQ_SPLITS=0):
+           DQ_SPLITS=0, MODS=NO_MODS):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
     PARTIAL_CHUNK (every kernel here; launch() sets it when d % 8 != 0): the copies' source bytes per
     16-byte chunk (mma_forward.kernel_source's flag of that name).
@@ -112,13 +113,18 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     takes kb0 and plane_rows after scale and runs key block kb0 + blockIdx.x into plane blockIdx.x of dq_acc
     (rows blockIdx.x · plane_rows ..); launch() runs a launch per gridDim.x key blocks. 1: adds; 2: the first
     launch's build, which stores (blocks.entry.dkdv_entry). Builds of their own so that deterministic=False's
-    kernel stays as it was (its PTX is pinned in the tests)."""
+    kernel stays as it was (its PTX is pinned in the tests).
+
+    MODS (blocks/mods.py; no splits): a window (the Q tiles between the first and the last that see the block,
+    blocks.dkdv.window_schedule; keys past n_k masked, so no clamp), and softcap / ALiBi on each recomputed
+    score, the cap's 1 − tanh² on dS."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
     O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
-    CAUSAL, ATOMIC_DQ = bool(CAUSAL), bool(ATOMIC_DQ)
+    WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
+    CAUSAL, ATOMIC_DQ = bool(CAUSAL) and not WINDOW, bool(ATOMIC_DQ)
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, prologue, schedule, step_tile, prefetch, \
         swizzle_m, store_grads, dv_dk_step = dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES,
                                                               PARTIAL_CHUNK)
@@ -138,12 +144,15 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
-    CLAMP_P = clamps_past_end(mask_kind(CAUSAL), ATOMIC_DQ)
+    CLAMP_P = clamps_past_end("window" if WINDOW else mask_kind(CAUSAL), ATOMIC_DQ)
+    schedule_window = window_schedule(BLOCK_N, BLOCK_M)
 
     @inline_device
-    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first):
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first,
+                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO):
         """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc (the plane this
-        block adds into: the splits pass a view from its first row), stored instead of added where first."""
+        block adds into: the splits pass a view from its first row), stored instead of added where first.
+        left .. inv_scale: the mods' launch arguments (MODS builds only)."""
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -161,7 +170,10 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
         nq_pad = l2.shape[1]
         dq_h0 = bh * group  # dq_acc row block of the group's first query head
 
-        qt0, per_head, steps = schedule(k0, n_q, shift, group)
+        if WINDOW:
+            qt0, per_head, steps = schedule_window(k0, n_q, n_k, shift, group, left, right)
+        else:
+            qt0, per_head, steps = schedule(k0, n_q, shift, group)
 
         # ldmatrix lane addresses (matrix lane >> 3 of the x4 takes its row from lanes 8j..8j+7).
         mat = lane >> 3
@@ -198,19 +210,39 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries
             # have L2 = +inf. Mask only where this warp's keys cross the tile's diagonal.
             needs_mask = CAUSAL and kw + 15 > i0 + shift
+            if WINDOW:  # keys past n_k, or an edge of the window, for some (key, query) of the warp's tile
+                needs_mask = (kw + 15 >= n_k or kw + 15 > i0 + shift + right
+                              or kw < i0 + BLOCK_M - 1 + shift - left)
+            slope = ZERO
+            if ALIBI:  # of this step's query head (Ba = 1 broadcasts over the batch)
+                slope = slopes[min(b, slopes.shape[0] - 1), h_kv * group + hh] * inv_scale
             l2_s = (st + SL) >> 1
             d_s = (st + SD) >> 1
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
-                    x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
+                    x = s[nt, r]
+                    if SOFTCAP:
+                        x = capped(x, cap_a, cap_b)
+                        s[nt, r] = x  # the capped score: its 1 − tanh² below
+                    if ALIBI:
+                        x -= slope * float32(abs(i0 + col + shift - (kw + g + 8 * (r >> 1))))
+                    x = x * scale_log2 - smem_f[l2_s + col]
                     if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
                         x = min(x, ZERO)
-                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
+                    if WINDOW:
+                        key = kw + g + 8 * (r >> 1)
+                        if needs_mask and (key >= n_k or key > i0 + col + shift + right
+                                           or key < i0 + col + shift - left):
+                            x = NEG_INF
+                    elif needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     p = ex2(x)
+                    ds = p * (dp[nt, r] - smem_f[d_s + col])
+                    if SOFTCAP:
+                        ds *= softcap_grad(s[nt, r], cap_b)
                     s[nt, r] = p
-                    dp[nt, r] = p * (dp[nt, r] - smem_f[d_s + col])
+                    dp[nt, r] = ds
 
             if ATOMIC_DQ:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
                 for nt in range(Q_TILES):
@@ -242,7 +274,7 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
-    return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS)
+    return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any)
 
 def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True):
     """The atomic dQ phase of the dK/dV kernel (source with ATOMIC_DQ): from the dSᵀ tile in shared
@@ -327,7 +359,8 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
 
 @lru_cache(maxsize=None)
 def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, max_registers: int | None = None,
-          atomic_dq: bool = False, vector_red: bool = True, partial_chunk: bool = False, dq_splits: int = 0):
+          atomic_dq: bool = False, vector_red: bool = True, partial_chunk: bool = False, dq_splits: int = 0,
+          mods: Mods = NO_MODS):
     """The compiled kernel of one specialisation; cached so each compiles once. atomic_dq: the kernel also
     adds dQ into fp32 scratch (FA2's scheme), as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
     partial_chunk: d % 8 != 0. dq_splits (atomic only): the deterministic splits' builds, 1 (adds) or 2 (the
@@ -338,25 +371,30 @@ def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, m
                    f"dkdv {block_n}x{block_m}")
     if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
         bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True)")
+    if dq_splits and mods.any:
+        bad.append(f"mods {mods}: no deterministic splits (dq_splits={dq_splits})")
     if bad:
         raise ValueError(f"mma backward dkdv ({block_n}, {block_m}, {head_dim}, {dtype}) cannot be built: "
                          f"{'; '.join(bad)}")
     kernel = source(block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
-                    bool(partial_chunk), int(dq_splits))
+                    bool(partial_chunk), int(dq_splits), mods)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    return cuda.jit(kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits)), **cap)(kernel)
+    return cuda.jit(kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits), mods=mods.any), **cap)(kernel)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dtype, stream=0,
-           partial_chunk=False, dq_acc=None, dq_splits=None):
+           partial_chunk=False, dq_acc=None, dq_splits=None, mods=NO_MODS):
     """The dK/dV kernel over every key block: q, k, v, dout, dk, dv as 16-bit words, l2 and dd prep's
-    scratch rows, scalars (n_q, n_k, d, group, scale·log2 e, scale). dq_acc: the kernel also forms dQ into it,
-    one zeroed plane with atomic adds (dq_splits None) or dq_splits planes (blocks.entry.launch_dq_in_dkdv)."""
+    scratch rows, scalars (n_q, n_k, d, group, scale·log2 e, scale[, the mods' launch arguments]). dq_acc: the
+    kernel also forms dQ into it, one zeroed plane with atomic adds (dq_splits None) or dq_splits planes
+    (blocks.entry.launch_dq_in_dkdv)."""
     bn, bm = tile
     B, H = q.shape[0], q.shape[1]
     Hkv, n_k = k.shape[1], k.shape[2]
     n_kb = (n_k + bn - 1) // bn
     partial = {"partial_chunk": True} if partial_chunk else {}  # passed only when on: the others' cache key
+    if mods.any:
+        partial["mods"] = mods
     args = (q, k, v, dout, l2, dd, dk, dv)
     if dq_acc is None:
         launch_kernel(build(bn, bm, head_dim, bool(causal), dtype, **partial), (n_kb, B * Hkv), threads(bn), stream,

@@ -23,10 +23,12 @@ from numba import cuda, float32, int32, uint16
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
-from ..ptx import SMEM_ALIGN
+from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.copies import tile_copies
 from ..blocks.dkdv import two_products
 from ..blocks.entry import kernel_signature
+from ..blocks.mask import window_rules
+from ..blocks.mods import NO_MODS, Mods, capped, softcap_grad
 from ..blocks.schedule import ROW_PAD
 
 DTYPES = ("float16", "bfloat16")
@@ -65,8 +67,10 @@ def problems(block_m: int, block_n: int, head_dim: int, dtype: str) -> list[str]
     return out
 
 
-def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
-    """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed."""
+def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=NO_MODS):
+    """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed. MODS
+    (blocks/mods.py): the window's tile range and edges (the forward's window_rules), softcap and ALiBi on each
+    recomputed score and the cap's 1 − tanh² on dS; the kernel then takes the mods' launch arguments last."""
     WARPS = BLOCK_M // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -79,7 +83,9 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
     STAGE0 = 2 * BLOCK_M * HEAD_DIM
     STAGE = 2 * BLOCK_N * HEAD_DIM
     SK, SV = 0, BLOCK_N * HEAD_DIM
-    CAUSAL = bool(CAUSAL)
+    WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
+    CAUSAL = bool(CAUSAL) and not WINDOW
+    window_range, window_edge, _ = window_rules(BLOCK_N, 16)
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, K_TILES, mma)
@@ -91,7 +97,9 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
 
-    def mma_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+    @inline_device
+    def dq_body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b, slopes,
+                inv_scale):
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -112,6 +120,12 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
         if CAUSAL:
             visible = min(q0 + BLOCK_M, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_N - 1) // BLOCK_N)
+        j_first = 0
+        if WINDOW:
+            j_first, n_tiles = window_range(q0, min(q0 + BLOCK_M, n_q), n_k, shift, left, right)
+        slope = ZERO
+        if ALIBI:
+            slope = slopes[min(b, slopes.shape[0] - 1), h] * inv_scale
 
         mat = lane >> 3
         a_row = warp * 16 + (lane & 15)  # A (Q, dO rows)
@@ -127,11 +141,16 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
         do_off, do_rs, _, _ = copy_plan(dout, b, h, d)
         k_next, k_rs, _, _ = copy_plan(k, b, h_kv, d)
         v_next, v_rs, _, _ = copy_plan(v, b, h_kv, d)
+        if WINDOW:
+            k_next += j_first * BLOCK_N * k_rs
+            v_next += j_first * BLOCK_N * v_rs
         load_tile_fast(smem, SQ, q, q_off + q0 * q_rs, q_rs, col_bytes, dst0, q0, n_q, Q_COPIES)
         load_tile_fast(smem, SDO, dout, do_off + q0 * do_rs, do_rs, col_bytes, dst0, q0, n_q, Q_COPIES)
-        if n_tiles > 0:
-            load_tile_fast(smem, STAGE0 + SK, k, k_next, k_rs, col_bytes, dst0, int32(0), n_k, KV_COPIES)
-            load_tile_fast(smem, STAGE0 + SV, v, v_next, v_rs, col_bytes, dst0, int32(0), n_k, KV_COPIES)
+        if n_tiles > j_first:
+            load_tile_fast(smem, STAGE0 + SK, k, k_next, k_rs, col_bytes, dst0, int32(j_first * BLOCK_N), n_k,
+                           KV_COPIES)
+            load_tile_fast(smem, STAGE0 + SV, v, v_next, v_rs, col_bytes, dst0, int32(j_first * BLOCK_N), n_k,
+                           KV_COPIES)
         cp_commit()
 
         # L2 and D of this lane's rows g and g + 8 (padded scratch: always inside).
@@ -148,18 +167,18 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
             for r in range(4):
                 acc[dt, r] = ZERO
 
-        for j in range(int32(n_tiles)):  # 32-bit: the loop's arithmetic
+        for j in range(int32(j_first), int32(n_tiles)):  # 32-bit: the loop's arithmetic
             k0 = j * BLOCK_N
             cp_wait(0)  # K_j, V_j (the only group in flight) ...
             cuda.syncthreads()  # ... for every thread; and every warp has left tile j - 1
             if j + 1 < n_tiles:  # K_{j+1}, V_{j+1} into the buffer tile j - 1 used
-                nxt = STAGE0 + ((j + 1) & 1) * STAGE
+                nxt = STAGE0 + ((j - j_first + 1) & 1) * STAGE
                 k_next += BLOCK_N * k_rs
                 v_next += BLOCK_N * v_rs
                 load_tile_fast(smem, nxt + SK, k, k_next, k_rs, col_bytes, dst0, k0 + BLOCK_N, n_k, KV_COPIES)
                 load_tile_fast(smem, nxt + SV, v, v_next, v_rs, col_bytes, dst0, k0 + BLOCK_N, n_k, KV_COPIES)
             cp_commit()
-            st = STAGE0 + (j & 1) * STAGE
+            st = STAGE0 + ((j - j_first) & 1) * STAGE
 
             # S = Q_w K_jᵀ and dP = dO_w V_jᵀ
             unrolled(s, dp, smem, SQ, SDO, st + SK, st + SV, a_row, a_x, b_row, b_x)
@@ -168,15 +187,30 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
             needs_mask = k0 + BLOCK_N > n_k
             if CAUSAL:
                 needs_mask = needs_mask or (k0 + BLOCK_N - 1 > qw + shift)
+            if WINDOW:
+                needs_mask = window_edge(k0, k0 + BLOCK_N, qw, n_k, shift, left, right)
             for nt in range(K_TILES):
                 for r in range(4):
                     half = r >> 1
-                    x = s[nt, r] * scale_log2 - l2_r[half]
+                    x = s[nt, r]
+                    if SOFTCAP:
+                        x = capped(x, cap_a, cap_b)
+                        s[nt, r] = x  # the capped score: its 1 − tanh² below
+                    if ALIBI:
+                        x -= slope * float32(abs(qw + g + 8 * half + shift - (k0 + nt * 8 + 2 * t + (r & 1))))
+                    x = x * scale_log2 - l2_r[half]
                     if needs_mask:
                         col = k0 + nt * 8 + 2 * t + (r & 1)
-                        if col >= n_k or (CAUSAL and col > qw + g + 8 * half + shift):
+                        if WINDOW:
+                            row = qw + g + 8 * half
+                            if col >= n_k or col > row + shift + right or col < row + shift - left:
+                                x = NEG_INF
+                        elif col >= n_k or (CAUSAL and col > qw + g + 8 * half + shift):
                             x = NEG_INF
-                    dp[nt, r] = ex2(x) * (dp[nt, r] - d_r[half])
+                    ds = ex2(x) * (dp[nt, r] - d_r[half])
+                    if SOFTCAP:
+                        ds *= softcap_grad(s[nt, r], cap_b)
+                    dp[nt, r] = ds
 
             # dQ_w += dS K_j: dS accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk; K by .trans.
             for kk in range(N_STEPS):
@@ -206,27 +240,41 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False):
                     if col + 1 < d:
                         dq[b, h, row, col + 1] = uint16(bits >> 16)
 
+    if MODS.any:
+        def mma_dq_mods(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
+                        slopes, inv_scale):
+            dq_body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
+                    slopes, inv_scale)
+
+        return mma_dq_mods
+
+    def mma_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+        dq_body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, 0, 0, ZERO, ZERO, l2, ZERO)
+
     return mma_dq
 
 
 @lru_cache(maxsize=None)
 def build(block_m: int, block_n: int, head_dim: int, causal: bool, dtype: str, max_registers: int | None = None,
-          partial_chunk: bool = False):
+          partial_chunk: bool = False, mods: Mods = NO_MODS):
     """The compiled kernel of one specialisation; cached so each compiles once. partial_chunk: d % 8 != 0."""
     bad = problems(block_m, block_n, head_dim, dtype)
     if bad:
         raise ValueError(f"mma backward dq ({block_m}, {block_n}, {head_dim}, {dtype}) cannot be built: "
                          f"{'; '.join(bad)}")
-    kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk))
+    kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    return cuda.jit(kernel_signature("dq"), **cap)(kernel)
+    return cuda.jit(kernel_signature("dq", mods=mods.any), **cap)(kernel)
 
 
-def launch(q, k, v, dout, l2, dd, dq, scalars, *, tile, head_dim, causal, dtype, stream=0, partial_chunk=False):
+def launch(q, k, v, dout, l2, dd, dq, scalars, *, tile, head_dim, causal, dtype, stream=0, partial_chunk=False,
+           mods=NO_MODS):
     """The dQ kernel over every query tile: q, k, v, dout, dq as 16-bit words, l2 and dd prep's scratch rows,
     scalars (n_q, n_k, d, group, scale·log2 e, scale)."""
     bm, bn = tile
     B, H, n_q = q.shape[0], q.shape[1], q.shape[2]
     partial = {"partial_chunk": True} if partial_chunk else {}  # passed only when on: the others' cache key
+    if mods.any:
+        partial["mods"] = mods
     launch_kernel(build(bm, bn, head_dim, bool(causal), dtype, **partial), ((n_q + bm - 1) // bm, B * H),
                   threads(bm), stream, smem_bytes(bm, bn, head_dim), q, k, v, dout, l2, dd, dq, *scalars)

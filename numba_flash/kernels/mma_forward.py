@@ -60,12 +60,13 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
-from ..launch import address
+from ..launch import address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
 from ..blocks.copies import tile_copies
-from ..blocks.mask import fragment_mask, mask_kind
+from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
+from ..blocks.mods import NO_MODS, Mods, fragment_mods, softcap_args
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 
@@ -75,11 +76,16 @@ STAGES = 2  # (K, V) buffers: every shipped tile double-buffers
 WORD, F16, F32 = np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32)
 
 
-def kernel_signature():
-    """Every specialisation takes q, k, v, out as 16-bit words (any strides, last dim unit)."""
+def kernel_signature(mods: Mods = NO_MODS):
+    """Every specialisation takes q, k, v, out as 16-bit words (any strides, last dim unit); one with mods
+    also the window bounds, the softcap's (cap_a, cap_b), the ALiBi slopes (Ba, H) and 1 / softmax_scale."""
     io = types.Array(types.uint16, 4, "A")
     lse = types.Array(types.float32, 3, "A")
-    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+    if not mods.any:
+        return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+    slopes = types.Array(types.float32, 2, "A")
+    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32,
+                      int32, int32, float32, float32, slopes, float32)
 
 
 def smem_bytes(tile: Tile) -> int:
@@ -121,14 +127,19 @@ def problems(tile: Tile, dtype: str) -> list:
     return out
 
 
-def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False):
+def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mods: Mods = NO_MODS):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
+
+    mods (blocks/mods.py): a window replaces the causal mask (causal=True with a window is its right = 0);
+    softcap and ALiBi modify each score before the mask.
 
     partial_chunk (launch sets it when d % 8 != 0): copies name their source bytes (cp.async's src-size),
     so the 16-byte chunk holding column d - 1 is part data, part zeros; otherwise every chunk is all data
     or all zeros, and the copies use the ignore-src form, which ptxas issues without address arithmetic."""
     BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES = tile.block_q, tile.block_k, tile.head_dim, m_tiles(tile)
-    CAUSAL = bool(causal)
+    WINDOW, SOFTCAP, ALIBI = bool(mods.window), bool(mods.softcap), bool(mods.alibi)
+    SCORE_MODS = SOFTCAP or ALIBI
+    CAUSAL = bool(causal) and not WINDOW
     GRID_BH_X, SMEM_EPILOGUE = tile.has("grid_bh_x"), tile.has("smem_epilogue")
     WARP_SKIP = tile.has("warp_skip") and CAUSAL
     Q_IN_REGS = HEAD_DIM <= 64  # d = 128 keeps Q in shared memory: its 32 registers would spill
@@ -163,6 +174,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, bool(partial_chunk))
     mask_tile = fragment_mask(mask_kind(CAUSAL), BLOCK_K, M_TILES)
+    window_range, window_edge, _ = window_rules(BLOCK_K, ROWS_W)
+    window_tile = fragment_window(BLOCK_K, M_TILES)
+    mod_tile = fragment_mods(mods, BLOCK_K, M_TILES)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, M_TILES)
 
     @inline_device
@@ -207,7 +221,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                     s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
 
     @inline_device
-    def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+    def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale):
         # One dynamic allocation, Q | K0 | V0 | K1 | V1 at word offsets (offsets, not slices: a slice of a
         # dynamic array is clamped to its run-time length); 128-row tiles at d = 128 need 64 KiB, over the
         # 48 KiB static limit.
@@ -234,6 +248,12 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         if CAUSAL:
             visible = min(q0 + BLOCK_Q, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
+        j_first = 0  # the window: tiles left of every row's window are never loaded
+        if WINDOW:
+            j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
+        slope = ZERO
+        if ALIBI:  # (Ba, H): Ba = 1 broadcasts over the batch
+            slope = alibi[min(b, alibi.shape[0] - 1), h] * inv_scale
 
         # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
         mat = lane >> 3
@@ -259,13 +279,16 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         v_next, v_stride, _, _ = copy_plan(v, b, h_kv, d)
         k_step = BLOCK_K * k_stride
         v_step = BLOCK_K * v_stride
+        if WINDOW:
+            k_next += j_first * k_step
+            v_next += j_first * v_step
 
         # Prologue: Q, K_0 and V_0 as one group.
         q_src, q_stride, _, q_dst = copy_plan(q, b, h, d)
         load_tile_fast(smem, SQ, q, q_src + q0 * q_stride, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
-        if n_tiles > 0:
-            k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, 0, n_k)
-            v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, 0, n_k)
+        if n_tiles > j_first:
+            k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, j_first * BLOCK_K, n_k)
+            v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, j_first * BLOCK_K, n_k)
         cp_commit()
         if Q_IN_REGS:  # Q's fragments are loaded before the loop
             cp_wait(0)
@@ -299,11 +322,11 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         if WARP_SKIP:
             seen_w = q0 + warp * ROWS_W + ROWS_W + shift  # keys the warp's last row sees
             n_tiles_w = int32(min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K))
-        for j in range(n_tiles_w):
+        for j in range(int32(j_first), n_tiles_w):
             k0 = int32(j * BLOCK_K)
             k1 = int32(k0 + BLOCK_K)  # the next tile's first key
             # one barrier: K_j, V_j landed and every warp left tile j-1's buffers
-            kv_buf = int32((j & 1) * KV_WORDS)  # word offset of this tile's (K, V) pair
+            kv_buf = int32(((j - j_first) & 1) * KV_WORDS)  # word offset of this tile's (K, V) pair
             cp_wait(0)
             cuda.syncthreads()
             if j < last_tile:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
@@ -339,12 +362,18 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                 qk_step(s, q_frag, smem, 14, q_at, k_at, kv_bytes)
                 qk_step(s, q_frag, smem, 15, q_at, k_at, kv_bytes)
 
-            # Mask only tiles that cross the end of the keys or the diagonal (raw scores).
-            needs_mask = k1 > n_k
-            if CAUSAL:
-                needs_mask = needs_mask or (k1 - 1 > q0 + warp * ROWS_W + shift)
-            if needs_mask:
-                mask_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, g, t)
+            if SCORE_MODS:  # softcap, ALiBi: every score, before the mask
+                mod_tile(s, k0, q0 + warp * ROWS_W, shift, g, t, cap_a, cap_b, slope)
+            # Mask only tiles that cross the end of the keys, the diagonal or the window's edges (raw scores).
+            if WINDOW:
+                if window_edge(k0, k1, q0 + warp * ROWS_W, n_k, shift, left, right):
+                    window_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, left, right, g, t)
+            else:
+                needs_mask = k1 > n_k
+                if CAUSAL:
+                    needs_mask = needs_mask or (k1 - 1 > q0 + warp * ROWS_W + shift)
+                if needs_mask:
+                    mask_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, g, t)
 
             # Online softmax on the fragments, M moved only past M + RESCALE_LOG2 (blocks/softmax.py).
             m_nw = cuda.local.array(ROWS_L, float32)
@@ -386,7 +415,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
         if EPI_SYNC:
-            if n_tiles == 0:  # (block-uniform)
+            if n_tiles == j_first:  # (block-uniform)
                 cuda.syncthreads()
 
         # Epilogue: the quad's partial row sums, O = acc / l_i, L = (m_i·scale_log2 + log2 l_i)·ln 2.
@@ -442,19 +471,27 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                             if col + e < d:
                                 out[b, h, row, col + e] = smem[src + e]
 
+    if mods.any:
+        def mma_forward_mods(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
+                             inv_scale):
+            forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
+                         inv_scale)
+
+        return mma_forward_mods
+
     def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
-        forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2)
+        forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, 0, 0, ZERO, ZERO, lse, ZERO)
 
     return mma_forward
 
 
 @lru_cache(maxsize=None)
-def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False):
+def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mods: Mods = NO_MODS):
     """The compiled kernel for one specialisation; cached so each compiles once."""
     bad = problems(tile, dtype)
     if bad:
         raise ValueError(f"mma forward ({tile}, {dtype}) cannot be built: {'; '.join(bad)}")
-    return cuda.jit(kernel_signature())(kernel_source(tile, bool(causal), dtype, bool(partial_chunk)))
+    return cuda.jit(kernel_signature(mods))(kernel_source(tile, bool(causal), dtype, bool(partial_chunk), mods))
 
 
 def _words(x):
@@ -462,7 +499,8 @@ def _words(x):
     return x if x.dtype == WORD else x.view(WORD)
 
 
-def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, layout_checked=False):
+def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, layout_checked=False, mods=NO_MODS,
+           window=(0, 0), softcap=0.0, alibi=None):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -475,6 +513,8 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
     (cp.async copies 16 aligned bytes). smem_epilogue quietly falls back to the fragment stores when out's
     rows are not 16-byte aligned. layout_checked=True skips the stride and alignment checks for a caller
     that has made them (numba_flash.forward: they are per-call host time).
+    mods (blocks/mods.py) with their values: window (left, right) as blocks/mask.window_bounds gives them,
+    softcap > 0, alibi a float32 (Ba, H) device array of slopes (Ba = 1 or B).
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -496,9 +536,14 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
     if tile.has("smem_epilogue") and (address(out) % 16 or any(s % 16 for s in out.strides[:-1])):
         tile = tile.with_(flags=tile.flags - {"smem_epilogue"})  # 16-byte stores need 16-byte aligned rows
     grid = (B * H, q_tiles) if grid_bh_x else (q_tiles, B * H)
-    launch_kernel(build(tile, bool(causal), dtype, d % 8 != 0), grid, threads(tile), stream, smem_bytes(tile),
-                  _words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv,
-                  float32(softmax_scale * LOG2E))
+    args = (_words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
+    if mods.any:
+        cap_a, cap_b = softcap_args(softcap, softmax_scale)
+        args += (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
+                 alibi if alibi is not None else unused_slopes(lse), float32(1.0 / softmax_scale))
+    launch_kernel(build(tile, bool(causal), dtype, d % 8 != 0, mods), grid, threads(tile), stream, smem_bytes(tile),
+                  *args)
+
 
 
 def _check_layout(q, k, v, out, lse, d, HEAD_DIM):

@@ -45,6 +45,8 @@ def sees(i, j, n_q, n_k, causal, window):
     left, right = window
     if causal:
         right = 0
+    left = -1 if left >= n_k else left  # flash-attn's API: a side >= Nk is unbounded
+    right = -1 if right >= n_k else right
     shift = n_k - n_q
     return 0 <= j < n_k and (left == -1 or j >= i + shift - left) and (right == -1 or j <= i + shift + right)
 

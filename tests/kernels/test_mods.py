@@ -1,0 +1,189 @@
+"""Sliding window, softcap and ALiBi (flash-attn 2.x's variants) in the tensor-core kernels, forward and backward.
+
+Each case runs ``numba_flash.forward`` / ``backward`` and checks them against the float64 reference
+(reference.standard_attention / attention_backward with the same window_size, softcap, alibi_slopes) by
+flash-attention's rule: the error is at most twice a naive same-dtype implementation's (the reference in
+float16) plus a small floor. Shapes cut tiles at odd places (Nq != Nk, not tile multiples, GQA, odd d), so
+the window's tile range, its edge tests and the per-score rules all run. Tile skipping is shown by
+poisoning with NaN every key that no query sees: a kernel that loaded such a tile would get 0 · NaN = NaN.
+
+On the simulator (CI) and on the GPU alike (``anywhere``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numba_flash
+import reference
+
+pytestmark = pytest.mark.anywhere
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+# (B, H, Hkv, Nq, Nk, d, causal, window_size, softcap, alibi)
+FORWARD = [
+    (1, 2, 1, 70, 133, 64, False, (20, 5), 0.0, None),
+    (1, 2, 2, 40, 150, 64, True, (10, -1), 0.0, None),
+    (1, 1, 1, 33, 50, 32, False, (-1, -1), 5.0, None),
+    (2, 2, 1, 33, 50, 64, True, (-1, -1), 0.0, "BH"),
+    (1, 2, 1, 65, 47, 40, False, (7, 3), 2.0, "H"),  # d = 40: a part-data copy per row
+    (1, 2, 2, 150, 90, 128, False, (0, 0), 0.0, None),  # Nq > Nk: rows before the shift see nothing
+]
+
+
+def _inputs(seed, B, H, Hkv, n_q, n_k, d, dtype=np.float16, q_scale=1.5):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((B, H, n_q, d)) * q_scale).astype(dtype)
+    k = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, n_k, d)).astype(dtype)
+    do = rng.standard_normal((B, H, n_q, d)).astype(dtype)
+    return q, k, v, do
+
+
+def _slopes(kind, B, H, seed=7):
+    if kind is None:
+        return None
+    rng = np.random.default_rng(seed)
+    return (rng.random((H,) if kind == "H" else (B, H)) * 0.5 + 0.05).astype(np.float32)
+
+
+def _bound(ours, exact, naive, floor):
+    """flash-attention's rule: |ours - exact| <= 2 |naive - exact| + floor, over the finite entries."""
+    fin = np.isfinite(exact)
+    err = np.abs(np.where(fin, ours - exact, 0)).max(initial=0)
+    ref_err = np.abs(np.where(fin, naive - exact, 0)).max(initial=0)
+    assert err <= 2 * ref_err + floor, f"error {err:.3e} > 2 x naive {ref_err:.3e} + {floor:g}"
+
+
+@pytest.mark.parametrize("case", FORWARD, ids=lambda c: f"Nq{c[3]}-Nk{c[4]}-d{c[5]}-w{c[7]}-cap{c[8]}-{c[9]}"
+                         f"{'-causal' if c[6] else ''}")
+def test_forward_variants(case):
+    B, H, Hkv, n_q, n_k, d, causal, window, cap, alibi = case
+    q, k, v, _ = _inputs(0, B, H, Hkv, n_q, n_k, d)
+    slopes = _slopes(alibi, B, H)
+    mods = dict(causal=causal, window_size=window, softcap=cap, alibi_slopes=slopes)
+    out, lse = numba_flash.forward(q, k, v, **mods)
+    o64, l64 = reference.standard_attention(q, k, v, **mods)
+    o16, _ = reference.standard_attention(q, k, v, **mods, dtype=np.float16)
+    _bound(out.astype(np.float64), o64, o16.astype(np.float64), 1e-3)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(l64))  # rows that see no key: L = -inf
+    fin = np.isfinite(l64)
+    np.testing.assert_allclose(lse[fin], l64[fin], atol=1e-4 * max(1.0, np.abs(l64[fin]).max(initial=0)), rtol=0)
+    assert (out[~fin] == 0).all(), "a row that sees no key must have O = 0"
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="NumPy bfloat16 needs ml_dtypes")
+def test_forward_variants_bf16():
+    q, k, v, _ = _inputs(1, 1, 2, 1, 77, 120, 64, dtype=ml_dtypes.bfloat16)
+    mods = dict(causal=True, window_size=(30, 0), softcap=4.0, alibi_slopes=_slopes("H", 1, 2))
+    out, lse = numba_flash.forward(q, k, v, **mods)
+    o64, _ = reference.standard_attention(q, k, v, **mods)
+    err = np.abs(out.astype(np.float64) - o64).max()
+    assert err <= 2 * 2.0**-8 * np.abs(o64).max() + 1e-3, err  # bf16's rounding of O and P, twice
+
+
+def test_tiles_outside_every_window_are_never_loaded():
+    """Nq = 64 against Nk = 512 with a window of 32: the rows see keys 416 .. 511 only. Every other key is
+    NaN in k and v; a tile of them that the kernel loaded would put 0 · NaN into P · V."""
+    q, k, v, do = _inputs(2, 1, 2, 1, 64, 512, 64)
+    window = (32, 0)
+    first = (512 - 64 - 32) // 64 * 64  # the first key of the first 64-key tile a row sees (416 -> 384)
+    k_poisoned, v_poisoned = k.copy(), v.copy()
+    k_poisoned[:, :, :first] = np.nan
+    v_poisoned[:, :, :first] = np.nan
+    out, lse = numba_flash.forward(q, k_poisoned, v_poisoned, causal=True, window_size=window)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    o64, _ = reference.standard_attention(q, k, v, causal=True, window_size=window)
+    np.testing.assert_allclose(out.astype(np.float64), o64, atol=4e-3, rtol=0)
+    dq, dk, dv = numba_flash.backward(q, k_poisoned, v_poisoned, out, lse, do, causal=True, window_size=window)
+    assert np.isfinite(dq).all(), "the dq kernel loaded a K/V tile outside every row's window"
+    assert (dk[:, :, :first] == 0).all() and (dv[:, :, :first] == 0).all()
+
+
+@pytest.mark.parametrize("left,right", [(-1, 0), (-1, -1)])
+def test_trivial_windows_run_the_plain_kernels(left, right):
+    """(-1, 0) is causal and (-1, -1) no window: the same kernels, the same bits."""
+    q, k, v, _ = _inputs(3, 1, 2, 2, 40, 70, 64)
+    causal = right == 0
+    a = numba_flash.forward(q, k, v, window_size=(left, right))
+    b = numba_flash.forward(q, k, v, causal=causal)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert "mods" not in numba_flash.explain(q, k, v, window_size=(left, right))
+
+
+BACKWARD = [  # (B, H, Hkv, Nq, Nk, d, causal, window_size, softcap, alibi, deterministic)
+    (1, 2, 1, 70, 133, 64, False, (20, 5), 0.0, None, True),
+    (1, 2, 2, 40, 40, 64, True, (10, -1), 0.0, None, False),
+    (1, 1, 1, 33, 50, 32, False, (-1, -1), 3.0, None, True),
+    (2, 2, 1, 33, 50, 64, True, (-1, -1), 0.0, "BH", False),
+    (1, 2, 1, 65, 47, 64, False, (7, 3), 2.0, "H", True),
+    (1, 2, 1, 65, 47, 64, False, (7, 3), 2.0, "H", False),
+]
+
+
+@pytest.mark.parametrize("case", BACKWARD, ids=lambda c: f"Nq{c[3]}-Nk{c[4]}-w{c[7]}-cap{c[8]}-{c[9]}"
+                         f"{'-causal' if c[6] else ''}-det{int(c[10])}")
+def test_backward_variants(case):
+    B, H, Hkv, n_q, n_k, d, causal, window, cap, alibi, det = case
+    q, k, v, do = _inputs(4, B, H, Hkv, n_q, n_k, d)
+    slopes = _slopes(alibi, B, H)
+    mods = dict(causal=causal, window_size=window, softcap=cap, alibi_slopes=slopes)
+    out, lse = numba_flash.forward(q, k, v, **mods)
+    grads = numba_flash.backward(q, k, v, out, lse, do, deterministic=det, **mods)
+    o64, l64 = reference.standard_attention(q, k, v, **mods)
+    exact = reference.attention_backward(q, k, v, o64, l64, do, **mods)
+    o16, l16 = reference.standard_attention(q, k, v, **mods, dtype=np.float16)
+    naive = reference.attention_backward(q, k, v, o16, l16, do, **mods, dtype=np.float16)
+    for name, ours, x, nv in zip(("dq", "dk", "dv"), grads, exact, naive):
+        scale = max(1.0, np.abs(x).max())
+        _bound(ours.astype(np.float64), x, nv.astype(np.float64), 2e-3 * scale)
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(window_size=(-2, 0)), ValueError, "window_size left"),
+    (dict(window_size=(1.5, 0)), TypeError, "window_size left"),
+    (dict(window_size=(True, 0)), TypeError, "window_size left"),
+    (dict(window_size=(1, 2, 3)), TypeError, "window_size"),
+    (dict(window_size=(5, 3), causal=True), ValueError, "causal=True is window_size right = 0"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap="1"), TypeError, "softcap"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes has shape \(3,\)"),
+    (dict(alibi_slopes=np.ones(2, np.float64)), TypeError, "alibi_slopes has dtype float64"),
+    (dict(alibi_slopes=[0.5, 0.5]), TypeError, "alibi_slopes must be"),
+])
+def test_bad_mods_are_refused(kw, err, match):
+    q, k, v, do = _inputs(5, 1, 2, 1, 8, 8, 16)
+    with pytest.raises(err, match=match):
+        numba_flash.forward(q, k, v, **kw)
+    out, lse = numba_flash.forward(q, k, v)
+    with pytest.raises(err, match=match):
+        numba_flash.backward(q, k, v, out, lse, do, **kw)
+
+
+@pytest.mark.parametrize("dtype,kernel", [("float32", "auto"), ("float16", "simt"), ("float32", "tf32x3")])
+def test_mods_outside_the_mma_kernels_raise(dtype, kernel):
+    """The variants are built into the mma kernels only: anything else says so, never drops them."""
+    q, k, v, do = _inputs(6, 1, 2, 1, 8, 8, 16, dtype=np.dtype(dtype))
+    with pytest.raises(NotImplementedError, match="sliding window.*kernel 'mma' only"):
+        numba_flash.forward(q, k, v, window_size=(2, 2), kernel=kernel)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        numba_flash.explain(q, k, v, softcap=3.0, kernel=kernel)
+    if kernel != "tf32x3":  # (the backward's kernels: auto, mma, simt, tf32x3)
+        out, lse = numba_flash.forward(q, k, v, kernel=kernel)
+        with pytest.raises(NotImplementedError, match="ALiBi"):
+            numba_flash.backward(q, k, v, out, lse, do, alibi_slopes=np.ones(2, np.float32), kernel=kernel)
+
+
+def test_explain_names_the_mods():
+    q, k, v, _ = _inputs(7, 1, 2, 1, 8, 8, 16)
+    text = numba_flash.explain(q, k, v, causal=True, window_size=(4, -1), softcap=2.0,
+                               alibi_slopes=np.ones(2, np.float32))
+    assert "sliding window (left 4, right 0, causal)" in text and "softcap 2" in text and "ALiBi" in text
+    text = numba_flash.explain_backward(q, k, v, window_size=(4, 1))
+    assert "sliding window (left 4, right 1)" in text and "dq kernel" in text
