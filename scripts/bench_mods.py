@@ -25,7 +25,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import numba_flash  # noqa: E402
 from numba_flash import bench  # noqa: E402
 
 FULL = {"window_n": 16384, "mods_n": 8192}
@@ -145,7 +144,7 @@ def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True):
                 with torch.no_grad():
                     ms_f, _ = bench.time_call(lambda: fn(q, k, v))
 
-                def fwd_bwd():
+                def fwd_bwd(leaves=leaves):
                     for x in leaves:
                         x.grad = None
                     fn(*leaves).backward(dout)
@@ -155,7 +154,7 @@ def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True):
                            fwd_bwd_tflops=3.5 * fwd_flops / ms_fb / 1e9)
             except Exception as e:  # an implementation that cannot run the case is a result
                 row["error"] = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            del leaves
+            leaves = None
             torch.cuda.empty_cache()
             if name == "numba_flash":
                 base = next((r for r in rows if (r["case"], r["N"]) == dense_key and r["impl"] == name), None)

@@ -26,6 +26,8 @@
 #             scripts/ab_api.py --old DIR --rounds AB_ROUNDS (bitwise comparison of the outputs, SDPA beside)
 #   ptx       the PTX intrinsic GPU tests (tests/kernels/test_gpu_ptx.py)
 #   host      host time per call (scripts/host_overhead.py)
+#   mods      the attention variants: tests/kernels/test_mods.py + test_gpu_mods.py, then scripts/bench_mods.py
+#             (ours vs FlexAttention and SDPA; MODS_QUICK=1 for N 4096)
 #   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results)
 #
 # Each step's time limit (seconds) can be overridden by LIMIT_<step>=N, e.g. LIMIT_tests=400.
@@ -40,7 +42,7 @@ if [ $# -lt 2 ]; then
 fi
 out=$1; shift
 steps=("$@")
-known=" tests bench forward sanitize ab abapi ptx host fuzz "
+known=" tests bench forward sanitize ab abapi ptx host mods fuzz "
 for s in "${steps[@]}"; do
   case "$known" in *" $s "*) ;; *) echo "unknown step: $s (steps:$known)" >&2; exit 2 ;; esac
 done
@@ -132,6 +134,12 @@ step_ab() {
 step_ptx() { run ptx "$(limit ptx 120)" "${P[@]}" tests/kernels/test_gpu_ptx.py -rfE; }
 
 step_host() { run host "$(limit host 100)" python3 scripts/host_overhead.py --json "$res/host_overhead.json"; }
+
+step_mods() {
+  local n=(); python3 -c "import xdist" 2> /dev/null && n=(-n "${PYTEST_N:-8}")
+  run mods "$(limit mods 240)" "${P[@]}" tests/kernels/test_mods.py tests/kernels/test_gpu_mods.py -rfE "${n[@]}"
+  run mods "$(limit mods 400)" python3 scripts/bench_mods.py --out "$res" ${MODS_QUICK:+--quick}
+}
 
 step_fuzz() {
   local l; l=$(limit fuzz 300)
