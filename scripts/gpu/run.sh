@@ -30,7 +30,8 @@
 #             scripts/ab_api.py --old DIR --rounds AB_ROUNDS (bitwise comparison of the outputs, SDPA beside)
 #   ptx       the PTX intrinsic GPU tests (tests/kernels/test_gpu_ptx.py)
 #   host      host time per call (scripts/host_overhead.py)
-#   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results)
+#   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results) in
+#             FUZZ_JOBS processes (default 8: each new kernel specialisation is seconds of JIT on one core), merged
 #
 # Each step's time limit (seconds) can be overridden by LIMIT_<step>=N, e.g. LIMIT_tests=400.
 # --dry-run prints each step's commands without running them (no GPU needed).
@@ -172,7 +173,7 @@ step_fuzz() {
   local l; l=$(limit fuzz 300)
   # the budget stops drawing 30 s before the limit, so the summary and JSON are still written
   run fuzz "$l" python3 scripts/fuzz.py --problems "${FUZZ_N:-1000}" --seed "${FUZZ_SEED:-0}" --out "$res" \
-    --time-budget-s $((l > 60 ? l - 30 : l * 3 / 4)) --quiet
+    --jobs "${FUZZ_JOBS:-8}" --time-budget-s $((l > 60 ? l - 30 : l * 3 / 4)) --quiet
 }
 
 status=0
