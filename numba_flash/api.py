@@ -489,8 +489,11 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
-        if p.B * p.H * p.n_q == 0:  # no kernel runs, but a kernel that cannot take the inputs is refused all the same
+        if p.B * p.H * p.n_q == 0 or p.n_k == 0:  # no kernel runs, but one that cannot take the inputs is refused
             choose_kernel(p, kernel)
+            if p.n_k == 0 and p.B * p.H * p.n_q:  # no keys: every row is fully masked, O = 0 and L = -inf
+                out_obj = arrays.alloc_like_kind(p.kind, q, p.q_shape, p.dtype, stream, zeroed=True)[0]
+                lse_obj = arrays.full_like_kind(p.kind, q, p.lse_shape, "float32", -math.inf, stream)[0]
         else:
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
             family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))

@@ -188,6 +188,24 @@ def alloc_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, stream, zeroe
     return dev, (dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI))
 
 
+def full_like_kind(kind: str, ref: Any, shape: tuple, dtype: str, value: float, stream):
+    """``alloc_like_kind`` filled with ``value`` by ref's framework (dtype: one NumPy has, e.g. float32); not
+    recorded for plans, so a call that returns it keeps the ordinary path."""
+    if kind == CUPY:
+        import cupy
+
+        with cupy.cuda.Device(ref.device.id):
+            obj = cupy.full(shape, value, dtype=dtype)
+        return obj, view_of(obj, CUPY)
+    if kind == TORCH:
+        import torch
+
+        obj = torch.full(shape, value, dtype=getattr(torch, dtype), device=ref.device)
+        return obj, view_of(obj, TORCH)
+    dev = cuda.to_device(np.full(shape, value, np.dtype(dtype)), stream=stream)
+    return dev, (dev if nb_config.ENABLE_CUDASIM else view_of(dev, CAI))
+
+
 def to_host_kind(kind: str, obj: Any, dtype: str, stream):
     """NumPy inputs get NumPy results (bfloat16 as ml_dtypes.bfloat16 when available)."""
     if kind != NUMPY:

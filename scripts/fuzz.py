@@ -1,13 +1,21 @@
 """Differential fuzz of the public API (forward, backward, decode) against float64.
 
-    python3 scripts/fuzz.py --problems 1000 --seed 0 --out results                 # GPU (PyTorch optional)
+    python3 scripts/fuzz.py --problems 1000 --seed 0 --out results --jobs 8        # GPU (PyTorch optional)
     python3 scripts/fuzz.py --problems 12 --max-n 40 --max-d 40 --seed 0           # CUDA simulator, NumPy only
     python3 scripts/fuzz.py --seed 0 --only-index 57                               # one problem of that draw again
     python3 scripts/fuzz.py --repro "forward dtype=float16 backend=numpy B=1 ... seed=0 idx=57"
 
 Each problem (dtype, shapes, GQA group, causal, softmax_scale, memory layout, and per family
 deterministic / via autograd, or cache lengths / num_splits) is drawn from its own generator seeded
-by (seed, idx), so one index can be rerun alone. Inputs are standard normal, rounded to the dtype.
+by (seed, idx), so one index can be rerun alone. The draw depends on (seed, idx) and the arguments only,
+not on the machine: every value is drawn, in one fixed order, whether the problem uses it or not and
+whatever is installed (the simulator's defaults of --max-work and --max-bh are smaller: pass them to
+draw a GPU run's problems there). What the machine cannot run is then decided per problem (``available``):
+a problem drawn for PyTorch CUDA tensors runs on NumPy arrays where there is no PyTorch CUDA (autograd
+and device lengths becoming the API and host lengths; the summary counts these as 'remapped'), or is
+'skipped' if its float64 references would be too large for the host; a bfloat16 problem on NumPy
+arrays without ml_dtypes is 'skipped' (not run as another dtype: the verdict would be another problem's).
+Inputs are standard normal, rounded to the dtype.
 Checks, as tests/kernels/test_gpu_forward.py and test_gpu_backward.py:
     fp16 / bf16: max |ours - fp64| <= 2 * max |naive same-dtype - fp64| + 1 ulp of max |fp64|
     fp32:        out <= 2e-5 * max(1, max |fp64|) * c, gradients <= 1e-4 * max |fp64| * c
@@ -15,7 +23,14 @@ Checks, as tests/kernels/test_gpu_forward.py and test_gpu_backward.py:
 where c = max(1, max |scaled score| / 16) (an fp32 weight carries |s|·2^-24 relative rounding; the
 tests' inputs have |s| <~ 16). Ours must be finite where fp64 is, rows that see no key must be
 exactly O = 0, L = -inf. A ValueError / TypeError from the API counts as 'refused' and, as every
-drawn problem is valid input, fails the run unless --allow-refusals; any other exception is a failure. Each failure prints one line that --repro takes back. Exit 1 on any failure.
+drawn problem is valid input, fails the run unless --allow-refusals; any other exception is a failure.
+Each failure prints one line that --repro takes back. Exit 1 on any failure.
+
+--out's JSON is rewritten while the draw runs (every few seconds, atomically: a temporary file, then
+os.replace), so a killed run keeps what it ran; SIGTERM stops the draw and writes the summary and the JSON.
+--jobs N runs N processes of this script, process j drawing the indices j mod N with the whole time
+budget each (on a GPU each new kernel specialisation is seconds of JIT compile on one core), and merges
+their results into one summary and one JSON.
 """
 from __future__ import annotations
 
@@ -24,7 +39,11 @@ import json
 import math
 import os
 import platform
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -75,6 +94,8 @@ DEFAULT_BH = None if not SIM else 4  # the simulator runs every block's threads 
 ABS_FLOOR = 1e-6  # degenerate problems (one key: P = 1, dS = 0) have exact-zero references that fp32 sums miss
 MAX_SCORES = 2**28  # B·H·Nq·Nk: 2 GiB per float64 score matrix of the reference
 MAX_HOST_SCORES = 2**24  # the NumPy references run on the host's cores: 128 MiB per matrix
+DTYPES = ("float32", "float16", "bfloat16")
+MAX_B = 4  # batch sizes 1 .. MAX_B
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,25 +106,29 @@ def _log_uniform_int(rng, lo: int, hi: int) -> int:
 
 
 def draw(seed: int, idx: int, args) -> dict:
-    """Problem idx of the draw: a dict of plain values (the spec a FAIL line prints)."""
+    """Problem idx of the draw: a dict of plain values (the spec a FAIL line prints).
+
+    A function of (seed, idx) and the arguments only: every value is drawn, in one fixed order, whether or not
+    the problem uses it (a forward has no splits) and whatever this machine has (``available`` then says
+    what it can run)."""
     rng = np.random.default_rng([seed, idx])
     family = args.families[idx % len(args.families)]
-    backend = "torch" if HAVE_TORCH_CUDA and rng.random() < args.torch_fraction else "numpy"
-    dtypes = ["float32", "float16"] + (["bfloat16"] if backend == "torch" or ml_dtypes is not None else [])
-    dtype = str(rng.choice(dtypes))
+    backend = "torch" if rng.random() < args.torch_fraction else "numpy"
+    dtype = DTYPES[int(rng.integers(len(DTYPES)))]
     common = [x for x in COMMON_D if x <= args.max_d]
-    d = int(rng.choice(common)) if common and rng.random() < 0.5 else _log_uniform_int(rng, 1, args.max_d)
+    pick_common, which_common = rng.random() < 0.5, rng.random()
+    d_log = _log_uniform_int(rng, 1, args.max_d)
+    d = common[int(which_common * len(common))] if common and pick_common else d_log
     g = int(rng.choice([1, 2, 4, 8]))
     Hkv = int(rng.integers(1, 5))
-    B = int(rng.integers(1, 5))
+    B = int(rng.integers(1, MAX_B + 1))
+    decode_n_q = int(rng.integers(1, 5))
+    n_a, n_b = _log_uniform_int(rng, 1, args.max_n), _log_uniform_int(rng, 1, args.max_n)
+    same_n, one_query = rng.random() < 0.2, rng.random() < 0.15
     if family == "decode":
-        n_q = int(rng.integers(1, 5))
-        n_k = _log_uniform_int(rng, 1, args.max_n)
+        n_q, n_k = decode_n_q, n_a
     else:
-        n_q = _log_uniform_int(rng, 1, args.max_n)
-        n_k = n_q if rng.random() < 0.2 else _log_uniform_int(rng, 1, args.max_n)
-        if rng.random() < 0.15:
-            n_q = 1
+        n_q, n_k = (1 if one_query else n_a), (n_a if same_n else n_b)
     # bounded work: B, then Hkv, then the group, then the longer length
     max_bh = args.max_bh or math.inf
     max_scores = MAX_SCORES if backend == "torch" else MAX_HOST_SCORES
@@ -121,26 +146,49 @@ def draw(seed: int, idx: int, args) -> dict:
             n_q = (n_q + 1) // 2
         else:
             break
+    causal = rng.random() < 0.5
+    layout = LAYOUTS[int(rng.integers(len(LAYOUTS)))]
+    default_scale, log_scale = rng.random() < 0.5, rng.uniform(-2, 0.5)
+    deterministic, autograd = rng.random() < 0.5, rng.random() < 0.5
+    auto_splits, n_splits = rng.random() < 0.4, int(rng.integers(1, 9))
+    lens_kind, lens_frac, lens_on_device = rng.random(), rng.random(MAX_B), rng.random() < 0.5
+
     spec = dict(family=family, dtype=dtype, backend=backend, B=B, H=Hkv * g, Hkv=Hkv, Nq=n_q, Nk=n_k, d=d)
-    spec["causal"] = True if family == "decode" else bool(rng.random() < 0.5)
-    spec["layout"] = str(rng.choice(LAYOUTS))
-    spec["scale"] = None if rng.random() < 0.5 else float(f"{10 ** rng.uniform(-2, 0.5):.4g}")
+    spec["causal"] = True if family == "decode" else bool(causal)
+    spec["layout"] = layout
+    spec["scale"] = None if default_scale else float(f"{10 ** log_scale:.4g}")
     if family == "backward":
-        spec["deterministic"] = bool(rng.random() < 0.5)
-        spec["via"] = "autograd" if backend == "torch" and rng.random() < 0.5 else "api"
+        spec["deterministic"] = bool(deterministic)
+        spec["via"] = "autograd" if backend == "torch" and autograd else "api"
     if family == "decode":
-        spec["splits"] = None if rng.random() < 0.4 else int(rng.integers(1, 9))
-        r = rng.random()
-        if r < 0.15:
+        spec["splits"] = None if auto_splits else n_splits
+        if lens_kind < 0.15:
             spec["lens"] = None  # Nmax for every sequence
         else:
-            lens = rng.integers(0, n_k + 1, size=B)
-            if r < 0.3:
+            lens = [int(f * (n_k + 1)) for f in lens_frac[:B]]  # 0 .. n_k
+            if lens_kind < 0.3:
                 lens[0] = n_k
-            spec["lens"] = [int(x) for x in lens]
-        spec["lens_on"] = "device" if backend == "torch" and rng.random() < 0.5 else "host"
+            spec["lens"] = lens
+        spec["lens_on"] = "device" if backend == "torch" and lens_on_device else "host"
     spec["seed"], spec["idx"] = seed, idx
     return spec
+
+
+def available(spec: dict) -> tuple[dict, str]:
+    """(the spec this machine runs, why not: "" when it can). Drawn for PyTorch without PyTorch CUDA here: the same
+    problem on NumPy arrays (autograd and device lengths become the API and host lengths), unless its float64
+    references would be too large for the host (MAX_HOST_SCORES). bfloat16 on NumPy without ml_dtypes: not run."""
+    if spec["backend"] == "torch" and not HAVE_TORCH_CUDA:
+        if spec["B"] * spec["H"] * spec["Nq"] * spec["Nk"] > MAX_HOST_SCORES:
+            return spec, f"unavailable: no PyTorch CUDA, and host references past {MAX_HOST_SCORES} scores"
+        spec = dict(spec, backend="numpy")
+        if spec.get("via") == "autograd":
+            spec["via"] = "api"
+        if spec.get("lens_on") == "device":
+            spec["lens_on"] = "host"
+    if spec["dtype"] == "bfloat16" and spec["backend"] == "numpy" and ml_dtypes is None:
+        return spec, "unavailable: bfloat16 NumPy arrays need ml_dtypes"
+    return spec, ""
 
 
 def format_spec(spec: dict) -> str:
@@ -540,13 +588,162 @@ def versions() -> dict:
     return out
 
 
+VERDICTS = ("passed", "failed", "refused", "skipped")
+WRITE_EVERY_S = 5.0  # the JSON is rewritten (atomically) at most this often while the draw runs, and at the end
+
+
+class Stopped(BaseException):
+    """SIGTERM (run.sh's time limit): stop drawing, write the summary and the JSON of what ran (a BaseException:
+    run_problem's ``except Exception`` must not count it as a failure of ours)."""
+
+
+SIGNALLED = []  # [True] once SIGTERM arrived
+
+
+def _stop(signum, frame):
+    SIGNALLED.append(True)
+    raise Stopped()
+
+
 def summarize(records: list) -> dict:
+    """{"family dtype": {"drawn": n, verdict: n, ...}} over the records."""
     table = defaultdict(Counter)
     for r in records:
         key = f"{r['spec']['family']} {r['spec']['dtype']}"
         table[key]["drawn"] += 1
         table[key][r["verdict"]] += 1
-    return {key: {c: table[key][c] for c in ("drawn", "passed", "failed", "refused")} for key in sorted(table)}
+    return {key: {c: table[key][c] for c in ("drawn", *VERDICTS)} for key in sorted(table)}
+
+
+def _counts_line(name: str, c) -> str:
+    return f"  {name:18s} drawn {c['drawn']:4d}  " + "  ".join(f"{v} {c[v]:4d}" for v in VERDICTS)
+
+
+def print_summary(records: list, wall: float, stopped: bool, jobs: int = 1) -> None:
+    """Per family and dtype, per family, in total; then the refusal and skip reasons, and the remapped problems."""
+    summary = summarize(records)
+    how = ((f", {jobs} processes" if jobs > 1 else "") + (", time budget reached" if stopped else "")
+           + (", stopped by SIGTERM" if SIGNALLED else ""))
+    print(f"\nsummary ({len(records)} problems, {wall:.1f} s wall{how}):")
+    for key, c in summary.items():
+        print(_counts_line(key, c))
+    for fam in FAMILIES:
+        rows = [c for key, c in summary.items() if key.split()[0] == fam]
+        if rows:
+            print(_counts_line(f"{fam} (all)", Counter({k: sum(c[k] for c in rows) for k in ("drawn", *VERDICTS)})))
+    totals = Counter(r["verdict"] for r in records)
+    totals["drawn"] = len(records)
+    print(_counts_line("total", totals))
+    for verdict in ("refused", "skipped"):
+        for msg, n in Counter(r["message"] for r in records if r["verdict"] == verdict).most_common():
+            print(f"  {verdict} x{n}: {msg}")
+    for msg, n in Counter(r["remapped"] for r in records if r.get("remapped")).most_common():
+        print(f"  remapped x{n}: {msg}")
+
+
+def json_doc(args, records: list, wall: float, stopped: bool, **extra) -> dict:
+    return {"device": device_name(), "simulator": SIM, "versions": versions(),
+            "commit": os.environ.get("NUMBA_FLASH_COMMIT"), "args": vars(args), "wall_s": wall,
+            "time_budget_reached": stopped, "stopped_by_sigterm": bool(SIGNALLED), **extra, "summary": summarize(records),
+            "problems": sorted(records, key=lambda r: r["spec"]["idx"])}
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Write doc to path atomically (a temporary file beside it, then os.replace): a kill leaves the last whole file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def run_specs(args, specs, t_start: float, path: str | None) -> tuple[list, bool]:
+    """(records, time budget reached): run the problems in turn, the JSON at path rewritten every WRITE_EVERY_S."""
+    records, stopped, written = [], False, time.perf_counter()
+    try:
+        for drawn in specs:
+            if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
+                stopped = True
+                break
+            spec, why = available(drawn)
+            if why:
+                rec = {"spec": spec, "errors": {}, "bounds": {}, "verdict": "skipped", "message": why, "time_s": 0.0}
+            else:
+                rec = run_problem(spec, inject=args.inject_error)
+            if spec is not drawn:
+                rec["remapped"] = "drawn for PyTorch CUDA, run on NumPy arrays (no PyTorch CUDA here)"
+            records.append(rec)
+            line = format_spec(spec)
+            if rec["verdict"] == "failed":
+                print(f"FAIL {line}: {rec['message']}", flush=True)
+            elif not args.quiet:
+                errs = " ".join(f"{n} {e:.2g}/{rec['bounds'].get(n, math.nan):.2g}" for n, e in rec["errors"].items())
+                print(f"{rec['verdict']:7s} {line} ({rec['time_s']:.2f} s) {errs or rec['message']}", flush=True)
+            if path and time.perf_counter() - written >= WRITE_EVERY_S:
+                write_json(path, json_doc(args, records, time.perf_counter() - t_start, stopped, interrupted=True))
+                written = time.perf_counter()
+    except Stopped:
+        print("stopped by SIGTERM: writing what ran", flush=True)
+    return records, stopped
+
+
+def _worker_argv(args, shard: str, part: str) -> list:
+    """The command line of one --jobs worker: this run's draw, indices shard (I/N), its JSON at part."""
+    argv = [sys.executable, os.path.abspath(__file__), "--problems", args.problems, "--seed", args.seed,
+            "--families", *args.families, "--max-n", args.max_n, "--max-d", args.max_d, "--max-work", args.max_work,
+            "--torch-fraction", args.torch_fraction, "--shard", shard, "--worker-json", part]
+    if args.max_bh is not None:
+        argv += ["--max-bh", args.max_bh]
+    if args.time_budget_s is not None:
+        argv += ["--time-budget-s", args.time_budget_s]
+    argv += [flag for flag, on in (("--quiet", args.quiet), ("--inject-error", args.inject_error)) if on]
+    return [str(a) for a in argv]
+
+
+def _read_part(part: str) -> dict | None:
+    try:
+        with open(part) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_jobs(args, t_start: float, path: str | None) -> tuple[list, bool, list]:
+    """(records, time budget reached, problems of the workers): args.jobs processes of this script, worker j
+    drawing the indices j mod jobs, each with the whole time budget; their JSON merged every WRITE_EVERY_S."""
+    parts_dir = tempfile.mkdtemp(prefix="fuzz-parts-", dir=args.out)
+    parts = [os.path.join(parts_dir, f"part-{j}.json") for j in range(args.jobs)]
+    procs = [subprocess.Popen(_worker_argv(args, f"{j}/{args.jobs}", part)) for j, part in enumerate(parts)]
+
+    def merged():
+        docs = [_read_part(part) for part in parts]
+        records = [r for doc in docs if doc for r in doc["problems"]]
+        return docs, records, any(doc and doc["time_budget_reached"] for doc in docs)
+
+    written = time.perf_counter()
+    try:
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            if path and time.perf_counter() - written >= WRITE_EVERY_S:
+                _, records, stopped = merged()
+                write_json(path, json_doc(args, records, time.perf_counter() - t_start, stopped, interrupted=True,
+                                          jobs=args.jobs))
+                written = time.perf_counter()
+    except Stopped:  # the workers had the same signal (one process group): give them time to write their parts
+        print("stopped by SIGTERM: merging what the workers ran", flush=True)
+        deadline = time.perf_counter() + 10
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+    docs, records, stopped = merged()
+    problems = []
+    for j, (p, doc) in enumerate(zip(procs, docs)):
+        rc = p.wait()
+        if rc != 0 or doc is None or doc.get("interrupted"):
+            problems.append(f"worker {j}/{args.jobs} exited with {rc} ({'no results' if doc is None else 'cut short'})")
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    return records, stopped, problems
 
 
 def main(argv=None) -> int:
@@ -559,65 +756,68 @@ def main(argv=None) -> int:
     ap.add_argument("--max-work", type=int, default=DEFAULT_WORK, help="cap on B·H·Nq·Nk·d per problem")
     ap.add_argument("--max-bh", type=int, default=DEFAULT_BH, help="cap on B·H per problem (simulator: 4)")
     ap.add_argument("--torch-fraction", type=float, default=0.7,
-                    help="share of problems on PyTorch CUDA tensors when there are any (the rest NumPy)")
-    ap.add_argument("--out", help="write DIR/fuzz-<date>.json")
-    ap.add_argument("--time-budget-s", type=float, default=None, help="draw no new problem after this long")
+                    help="share of problems drawn for PyTorch CUDA tensors (the rest NumPy; without PyTorch CUDA "
+                         "they run on NumPy arrays)")
+    ap.add_argument("--out", help="write DIR/fuzz-<date>.json (rewritten as the draw runs)")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="draw no new problem after this long (with --jobs: in each process)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="processes drawing at once (process j: the indices j mod N), merged into one summary and JSON")
+    ap.add_argument("--shard", default=None, help="I/N: only the indices I mod N (what each --jobs process runs)")
     ap.add_argument("--only-index", type=int, default=None, help="run only problem N of the draw")
     ap.add_argument("--repro", default=None, help="run one problem from its FAIL line (or the spec part)")
     ap.add_argument("--quiet", action="store_true", help="print only failures and the summary")
     ap.add_argument("--inject-error", action="store_true", help=argparse.SUPPRESS)  # the fuzz's own test
+    ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)  # a --jobs process: its results file
     ap.add_argument("--allow-refusals", action="store_true",
                     help="a ValueError / TypeError of the API does not fail the run (every draw is valid input)")
     args = ap.parse_args(argv)
-    if not (1 <= args.max_d <= 256 and args.max_n >= 1 and args.problems >= 0):
-        ap.error("need 1 <= --max-d <= 256, --max-n >= 1, --problems >= 0")
+    if not (1 <= args.max_d <= 256 and args.max_n >= 1 and args.problems >= 0 and args.jobs >= 1):
+        ap.error("need 1 <= --max-d <= 256, --max-n >= 1, --problems >= 0, --jobs >= 1")
+    shard, n_shards = 0, 1
+    if args.shard is not None:
+        try:
+            shard, n_shards = (int(x) for x in args.shard.split("/"))
+            assert 0 <= shard < n_shards
+        except (ValueError, AssertionError):
+            ap.error(f"--shard {args.shard!r}: I/N with 0 <= I < N")
+    if args.jobs > 1 and (args.repro or args.only_index is not None or args.shard is not None):
+        ap.error("--jobs draws the whole range: not with --repro, --only-index or --shard")
 
+    signal.signal(signal.SIGTERM, _stop)
     t_start = time.perf_counter()
-    if args.repro:
-        specs = iter([parse_spec(args.repro)])
-    elif args.only_index is not None:
-        specs = iter([draw(args.seed, args.only_index, args)])
-    else:
-        specs = (draw(args.seed, i, args) for i in range(args.problems))
-    records, stopped = [], False
-    print(f"fuzz on {device_name()}: seed {args.seed}, families {' '.join(args.families)}, max n {args.max_n}, "
-          f"max d {args.max_d}, max work {args.max_work}", flush=True)
-    for spec in specs:
-        if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
-            stopped = True
-            break
-        rec = run_problem(spec, inject=args.inject_error)
-        records.append(rec)
-        line = format_spec(spec)
-        if rec["verdict"] == "failed":
-            print(f"FAIL {line}: {rec['message']}", flush=True)
-        elif not args.quiet:
-            errs = " ".join(f"{n} {e:.2g}/{rec['bounds'].get(n, math.nan):.2g}" for n, e in rec["errors"].items())
-            print(f"{rec['verdict']:7s} {line} ({rec['time_s']:.2f} s) {errs or rec['message']}", flush=True)
-    wall = time.perf_counter() - t_start
-
-    summary = summarize(records)
-    print(f"\nsummary ({len(records)} problems, {wall:.1f} s wall{', time budget reached' if stopped else ''}):")
-    for key, c in summary.items():
-        print(f"  {key:18s} drawn {c['drawn']:4d}  passed {c['passed']:4d}  failed {c['failed']:4d}  "
-              f"refused {c['refused']:4d}")
-    totals = Counter(r["verdict"] for r in records)
-    print(f"  {'total':18s} drawn {len(records):4d}  passed {totals['passed']:4d}  failed {totals['failed']:4d}  "
-          f"refused {totals['refused']:4d}")
-    refusals = Counter(r["message"] for r in records if r["verdict"] == "refused")
-    for msg, n in refusals.most_common():
-        print(f"  refused x{n}: {msg}")
-
+    if args.worker_json:  # one process of a --jobs run: no header or summary, its records in its own file
+        specs = (draw(args.seed, i, args) for i in range(shard, args.problems, n_shards))
+        records, stopped = run_specs(args, specs, t_start, args.worker_json)
+        write_json(args.worker_json, json_doc(args, records, time.perf_counter() - t_start, stopped))
+        return 0
+    path = None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"fuzz-{time.strftime('%Y-%m-%d')}.json")
-        doc = {"device": device_name(), "simulator": SIM, "versions": versions(),
-               "commit": os.environ.get("NUMBA_FLASH_COMMIT"), "args": vars(args), "wall_s": wall,
-               "time_budget_reached": stopped, "summary": summary, "problems": records}
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
+    print(f"fuzz on {device_name()}: seed {args.seed}, families {' '.join(args.families)}, max n {args.max_n}, "
+          f"max d {args.max_d}, max work {args.max_work}" + (f", {args.jobs} processes" if args.jobs > 1 else ""),
+          flush=True)
+    problems = []
+    if args.jobs > 1:
+        records, stopped, problems = run_jobs(args, t_start, path)
+    else:
+        if args.repro:
+            specs = iter([parse_spec(args.repro)])
+        elif args.only_index is not None:
+            specs = iter([draw(args.seed, args.only_index, args)])
+        else:
+            specs = (draw(args.seed, i, args) for i in range(shard, args.problems, n_shards))
+        records, stopped = run_specs(args, specs, t_start, path)
+    wall = time.perf_counter() - t_start
+    print_summary(records, wall, stopped, args.jobs)
+    for line in problems:
+        print(f"  {line}")
+    if path:
+        write_json(path, json_doc(args, records, wall, stopped, **({"jobs": args.jobs} if args.jobs > 1 else {})))
         print(f"wrote {path}")
-    return 1 if totals["failed"] or (totals["refused"] and not args.allow_refusals) else 0
+    totals = Counter(r["verdict"] for r in records)
+    return 1 if totals["failed"] or (totals["refused"] and not args.allow_refusals) or problems else 0
 
 
 if __name__ == "__main__":

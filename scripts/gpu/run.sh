@@ -15,8 +15,12 @@
 #   bench     the backward (autograd, fp16 + fp32) and decode quick benchmarks, then the forward suite
 #             (numba-flash bench --quick: the registered suites, JSON and plots)
 #   forward   the full forward benchmark (scripts/bench_forward.py, fp32 and fp16, memory sweep) and its plots
-#   sanitize  compute-sanitizer memcheck over scripts/sanitize_case.py (every kernel family), then racecheck
-#             (SANITIZE_TOOLS="memcheck racecheck synccheck" and SANITIZE_FAMILY=forward|backward|decode choose)
+#   sanitize  compute-sanitizer over scripts/sanitize_case.py (a small case of every shipped kernel build), one tool
+#             after another: SANITIZE_TOOLS (default "memcheck racecheck synccheck initcheck"), each under its own
+#             LIMIT_sanitize (default 110 s), the cases split over SANITIZE_JOBS processes at once (default 12: kernel
+#             builds are most of the time); SANITIZE_FAMILY=forward|backward|decode narrows the cases. Per tool and
+#             process, the sanitizer's summary line, the case count and the exit code go to
+#             results/sanitizer-summary.txt (99: the sanitizer found errors; 1: a wrong result; 124: the time limit)
 #   ab        A/B against another version of the package: AB_OLD=DIR holds a numba_flash extracted by
 #             `mkdir -p DIR && git archive <commit> numba_flash | tar -x -C DIR` (or AB_COMMIT=<commit> with a git
 #             checkout: the runner extracts it to .ab/old). Runs scripts/ab_backward.py --old DIR (AB_SHAPES,
@@ -28,7 +32,8 @@
 #   host      host time per call (scripts/host_overhead.py)
 #   mods      the attention variants: tests/kernels/test_mods.py + test_gpu_mods.py, then scripts/bench_mods.py
 #             (ours vs FlexAttention and SDPA; MODS_QUICK=1 for N 4096)
-#   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results)
+#   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results) in
+#             FUZZ_JOBS processes (default 8: each new kernel specialisation is seconds of JIT on one core), merged into one summary and one JSON
 #
 # Each step's time limit (seconds) can be overridden by LIMIT_<step>=N, e.g. LIMIT_tests=400.
 # --dry-run prints each step's commands without running them (no GPU needed).
@@ -37,7 +42,7 @@ set -u
 dry=0
 if [ "${1:-}" = "--dry-run" ] || [ "${1:-}" = "-n" ]; then dry=1; shift; fi
 if [ $# -lt 2 ]; then
-  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set -u/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1; shift
@@ -96,11 +101,42 @@ step_forward() {
 }
 
 step_sanitize() {
-  local fam=(); [ -n "${SANITIZE_FAMILY:-}" ] && fam=("$SANITIZE_FAMILY")
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    run sanitize "$(limit sanitize 200)" compute-sanitizer --tool "$tool" --print-limit 20 \
-      python3 scripts/sanitize_case.py "${fam[@]}"
+  local l jobs summary=$res/sanitizer-summary.txt status=0 fam=() tool j
+  l=$(limit sanitize 110); jobs=${SANITIZE_JOBS:-12}
+  [ -n "${SANITIZE_FAMILY:-}" ] && fam=("$SANITIZE_FAMILY")
+  mkdir -p "$out/sanitize"
+  [ $dry = 1 ] || echo "# compute-sanitizer, scripts/sanitize_case.py ${fam[*]} in $jobs processes, ${l} s per tool;" \
+    "commit $NUMBA_FLASH_COMMIT, $(date -u +%Y-%m-%d)" > "$summary"
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+    local pids=()
+    for ((j = 0; j < jobs; j++)); do
+      local cmd=(compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 99
+                 python3 scripts/sanitize_case.py "${fam[@]}" --shard "$j/$jobs")
+      local log=$out/sanitize/$tool-$j.log
+      if [ $dry = 1 ]; then echo "[sanitize, ${l}s] $(printf '%q ' "${cmd[@]}")> $log &"; continue; fi
+      echo "== sanitize: ${cmd[*]}" > "$log"
+      timeout --kill-after=10 "$l" "${cmd[@]}" >> "$log" 2>&1 &
+      pids+=($!)
+    done
+    [ $dry = 1 ] && continue
+    local rcs=() total=0
+    for ((j = 0; j < jobs; j++)); do
+      wait "${pids[$j]}"; local rc=$?
+      local log=$out/sanitize/$tool-$j.log
+      echo "rc=$rc" >> "$log"
+      local lines cases
+      lines=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | sed 's/^=* *//' | paste -sd '|' -)
+      cases=$(grep -E "^sanitize_case shard" "$log" | tail -n 1)
+      total=$((total + $(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | grep -oE "SUMMARY: [0-9]+" | awk '{s += $2} END {print s + 0}')))
+      echo "$tool $j/$jobs: ${lines:-no sanitizer summary (cut off?)}; ${cases:-no case count}; rc=$rc" >> "$summary"
+      rcs+=("$rc"); [ "$rc" = 0 ] || status=1
+    done
+    echo "$tool: $total errors/hazards in all; exit codes ${rcs[*]}" | tee -a "$summary"
+    cat "$out/sanitize/$tool"-*.log >> "$out/sanitize.log"
+    pack
   done
+  [ $dry = 1 ] && echo "[sanitize] per tool and process: summary line, case count, exit code -> $summary"
+  return $status
 }
 
 # ab_old: the directory holding the "before" numba_flash (AB_OLD, or AB_COMMIT extracted to .ab/old)
@@ -145,7 +181,7 @@ step_fuzz() {
   local l; l=$(limit fuzz 300)
   # the budget stops drawing 30 s before the limit, so the summary and JSON are still written
   run fuzz "$l" python3 scripts/fuzz.py --problems "${FUZZ_N:-1000}" --seed "${FUZZ_SEED:-0}" --out "$res" \
-    --time-budget-s $((l > 60 ? l - 30 : l * 3 / 4)) --quiet
+    --jobs "${FUZZ_JOBS:-8}" --time-budget-s $((l > 60 ? l - 30 : l * 3 / 4)) --quiet
 }
 
 status=0

@@ -192,12 +192,16 @@ def test_backward_kernel_check_before_empty_shortcut(rng, n_q, n_k):
         backward(q, k, v, q, lse, q, kernel="mma")
 
 
+@pytest.mark.parametrize("kernel,dtype,d", [("auto", np.float32, 8), ("simt", np.float32, 8),
+                                            ("mma", np.float16, 32), ("tf32x3", np.float32, 32)])
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0)])
-def test_backward_empty_sequences(rng, n_q, n_k):
-    q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (n_q, n_k, n_k))
+def test_backward_empty_sequences(rng, n_q, n_k, kernel, dtype, d, deterministic):
+    """Nq = 0 or Nk = 0 with every kernel and either dQ scheme: zero (or empty) gradients, no kernel runs."""
+    q, k, v = (rng.standard_normal((1, 2, n, d)).astype(dtype) for n in (n_q, n_k, n_k))
     o = np.zeros_like(q)
     lse = np.full(q.shape[:-1], -np.inf, np.float32)
-    dq, dk, dv = backward(q, k, v, o, lse, np.ones_like(q))
+    dq, dk, dv = backward(q, k, v, o, lse, np.ones_like(q), kernel=kernel, deterministic=deterministic)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert not dq.any() and not dk.any() and not dv.any()
 

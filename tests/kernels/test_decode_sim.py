@@ -339,6 +339,16 @@ def test_empty_query_block():
     assert out.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_empty_cache(dtype, num_splits):
+    """Nmax = 0 (caches with no slots): every query sees no key, O = 0 and L = -inf, as forward with Nk = 0."""
+    q = np.ones((2, 2, 1, 16), dtype)
+    out, lse = decode(q, np.zeros((2, 1, 0, 16), dtype), np.zeros((2, 1, 0, 16), dtype), num_splits=num_splits)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 2, 1)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
 def test_no_heads():
     """H = Hkv = 0: empty outputs, as forward (the split rule's H // Hkv divided by zero)."""
     out, lse = decode(np.zeros((2, 0, 1, 16), np.float32), np.zeros((2, 0, 5, 16), np.float32),

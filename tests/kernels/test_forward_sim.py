@@ -112,6 +112,26 @@ def test_forward_empty_sequences(rng, n_q, n_k):
         assert np.all(out == 0) and np.all(lse == -np.inf)
 
 
+@pytest.mark.parametrize("kernel,dtype", [("mma", np.float16), ("tf32x3", np.float32), ("tf32", np.float32),
+                                          ("simt", np.float16), ("auto", np.float32)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_no_keys_explicit_kernel(rng, kernel, dtype, causal):
+    """Nk = 0 with a named tensor-core kernel gives O = 0, L = -inf as auto does (it raised on k's zero strides)."""
+    q, k, v = _qkv(rng, 1, 2, 1, 5, 0, 32, dtype=dtype)
+    out, lse = numba_flash.forward(q, k, v, kernel=kernel, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:-1] and lse.dtype == np.float32
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+@pytest.mark.parametrize("kernel,dtype,words", [("mma", np.float32, "float32"), ("tf32x3", np.float16, "float16"),
+                                                ("mma", np.float16, "cp.async")])
+def test_forward_no_keys_still_refuses(rng, kernel, dtype, words):
+    """The empty-keys shortcut comes after the kernel's checks: a kernel that cannot take the problem raises."""
+    q, k, v = _qkv(rng, 1, 2, 1, 5, 0, 12 if words == "cp.async" else 32, dtype=dtype)  # d = 12: 24-byte rows
+    with pytest.raises(ValueError, match=f"kernel='{kernel}' cannot run.*{words}"):
+        numba_flash.forward(q, k, v, kernel=kernel)
+
+
 def test_forward_no_heads(rng):
     """H = 0 with Hkv = 0 gives empty outputs, as the docstring says (the H % Hkv check refused it)."""
     q, k, v = _qkv(rng, 2, 0, 0, 3, 5, 8)
