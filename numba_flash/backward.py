@@ -155,7 +155,8 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
 
 
 def _choose_with_mods(p: Problem, kernel: str, views):
-    """A window, softcap or ALiBi: the mma.sync kernels (dkdv, dq; no wgmma build, no splits) build them."""
+    """A window, softcap or ALiBi: the tensor-core backward builds them (mma.sync dkdv / dq, the wgmma dkdv on
+    sm_90), with dQ by the same schemes as without (dq_scheme; the splits' planes zeroed)."""
     blockers = _mma_blockers(p, None if views is None else views[:3])
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
@@ -165,11 +166,12 @@ def _choose_with_mods(p: Problem, kernel: str, views):
             f"{mods_words(p)}: the backward builds them into the 'mma' kernels only (float16/bfloat16, head dim "
             f"<= 128, sm_80+, 16-byte aligned rows); this call cannot take it: {'; '.join(why)}")
     head_dim = 64 if p.d <= 64 else 128
-    cfg = mma_config(head_dim, mods=True)
+    cfg = mma_config(head_dim)
     (bn, bm), (bq, bk), (an, am) = cfg["dkdv"], cfg["dq"], cfg["dkdv_atomic"]
+    wgmma = ", and wgmma for the dkdv with dQ" if cfg.get("dkdv_wgmma") else ""
     reasons = [
-        f"mma backward with mods: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate); D and "
-        "L·log2(e), then dK/dV over K/V tiles, dQ in the same kernel (deterministic=False) or by a dq kernel",
+        f"mma backward with mods: tensor cores (mma.sync m16n8k16{wgmma}, {p.dtype} in, fp32 accumulate); D and "
+        "L·log2(e), then dK/dV over K/V tiles, and dQ in the same kernel (fp32 planes) or by a dq kernel",
         "mods: " + mods_words(p) + (" (Q and K/V tiles outside every row's window are skipped)"
                                     if p.mods.window else ""),
         f"dkdv with dQ: {an}-key tiles x {am}-query tiles; dkdv without dQ: {bn}-key tiles x {bm}-query tiles; "
@@ -182,12 +184,11 @@ def _choose_with_mods(p: Problem, kernel: str, views):
     return "mma", cfg, reasons
 
 
-def mma_config(head_dim: int, mods: bool = False) -> dict:
+def mma_config(head_dim: int) -> dict:
     """The tensor-core backward's config at a compiled head dim: MMA_BWD_TABLE's entry, with MMA_BWD_WGMMA's
-    overrides on a GPU that has wgmma (sm_90: the dQ-in-dkdv kernel on warpgroup MMA) and in the simulator.
-    mods (a window, softcap or ALiBi): MMA_BWD_TABLE's alone (the wgmma build has no mods)."""
+    overrides on a GPU that has wgmma (sm_90: the dQ-in-dkdv kernel on warpgroup MMA) and in the simulator."""
     tiles = backward_plan.table_tiles(MMA_BWD_TABLE, head_dim)
-    if current_wgmma() and not mods:
+    if current_wgmma():
         tiles.update(backward_plan.table_tiles(MMA_BWD_WGMMA, head_dim))
     return backward_plan.config_from_tiles(tiles, head_dim)
 
@@ -240,8 +241,6 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     if not deterministic:
         return "atomic", None, (f"dQ (deterministic=False): the dkdv kernel ({bn} keys x {bm} queries) adds dS·K "
                                 "into one fp32 plane with atomic adds; the order, hence the last bits, vary")
-    if p.mods.any:
-        return "kernel", None, kernel + f"the splits are not built with {mods_words(p)}"
     if cfg.get("deterministic_dq") != "splits":
         return "kernel", None, kernel + f"the table's choice at head dim {cfg['head_dim']}"
     if p.B * p.H * p.n_q * p.n_k == 0:
@@ -252,8 +251,9 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
         return "kernel", None, kernel + (f"one fp32 plane of dQ ({plane} B) exceeds the splits' scratch budget "
                                          f"({schedule.DQ_SCRATCH_MAX_BYTES} B)")
     slots = _dq_slots(threads, smem, per_sm)
-    splits, ratio = schedule.dq_splits(p.n_q, p.n_k, bn, bm, p.causal, p.H // p.Hkv, p.B * p.Hkv, slots,
-                                       max_splits)
+    # (a window's key blocks each see about as many Q tiles: the model's non-causal work, to first order)
+    splits, ratio = schedule.dq_splits(p.n_q, p.n_k, bn, bm, p.mask_causal and not p.mods.window, p.H // p.Hkv,
+                                       p.B * p.Hkv, slots, max_splits)
     if ratio > schedule.SPLITS_SLOWER_OK:
         return "kernel", None, kernel + (f"{splits} deterministic splits of the {bn}-key dkdv (at most {max_splits} "
                                          f"planes of {plane} B) would take {ratio:.2f}x the atomic grid's time "
@@ -355,8 +355,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
         causal, softmax_scale: as for ``forward`` (mask aligned bottom-right: query i sees key
             j iff j <= i + Nk - Nq; scale defaults to 1/sqrt(d)).
         window_size, softcap, alibi_slopes: as for ``forward`` (the same values the forward had). They run on
-            the "mma" kernels (mma.sync; no wgmma build), dQ by the dq kernel (deterministic) or added
-            atomically (deterministic=False); softcap's gradient is (1 - tanh²), ALiBi's slopes get none.
+            the "mma" kernels (mma.sync, and the wgmma dkdv on sm_90) with dQ as below (the deterministic
+            splits' planes are then zeroed and every launch adds); softcap's gradient is (1 - tanh²), ALiBi's
+            slopes get none.
         kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
             forward would: "mma" for float16/bfloat16 with d <= 128, "tf32x3" for float32 with
             d <= 128 and d % 4 == 0 (each fp32 product as three tf32 products, hi·hi + hi·lo +
@@ -450,7 +451,7 @@ def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kern
             scheme, splits, _ = dq_scheme(p, cfg, deterministic, family)
             planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
             shape = (planes * rows[0], rows[1], cfg["head_dim"])
-            if scheme == "splits":  # each plane's first launch stores; the convert reads only rows it wrote
+            if scheme == "splits" and not p.mods.any:  # each plane's first launch stores; convert reads only those rows
                 dq_acc = arrays.empty_like_kind(p.kind, q, shape, "float32", stream)[1]
             else:
                 dq_acc = _zeros_scratch(p.kind, q, shape, stream) if planes else None

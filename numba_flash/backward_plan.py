@@ -53,8 +53,9 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
     HEAD_DIM); dkdv runs as ceil(n_kb / S) launches of S key blocks per kv head, block x of every launch
     adding into plane x, and the last kernel sums the planes in order: bitwise repeatable (FA2's
     deterministic scheme, its key-block loop on the host).
-    mods, window, softcap, alibi: as mma_forward.launch takes them (blocks/mods.py); with mods the dkdv is
-    mma.sync's (no wgmma build) and there are no splits; causal with a window is the window's right = 0.
+    mods, window, softcap, alibi: as mma_forward.launch takes them (blocks/mods.py); causal with a window is
+    the window's right = 0. With mods the splits' planes must be zeroed (as deterministic=False's one plane):
+    every launch adds, since a window's key blocks do not cover a plane's rows from its first on.
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -63,14 +64,9 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     atomic = dq_acc is not None
     if mods.any:
-        if dq_splits is not None:
-            raise ValueError(f"mods {mods}: no deterministic splits (dq_splits={dq_splits}); take the dq kernel")
         cap_a, cap_b = softcap_args(softcap, softmax_scale)
         scalars += (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
                     alibi if alibi is not None else unused_slopes(l2), float32(1.0 / softmax_scale))
-        if config.get("dkdv_wgmma"):
-            raise ValueError(f"mods {mods}: the wgmma dkdv has none; take MMA_BWD_TABLE's config (backward.mma_config "
-                             "with mods)")
     vec = d % 8 == 0 and all(rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
     if "prep" in kernels:
         bwd_prep.launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)
@@ -93,15 +89,15 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
                              f"{wgmma_backward.BLOCK_M}) tiles (dkdv_atomic), got ({bn}, {bm})")
         defer = ("atomic" if dq_splits is None else "splits") in config.get("dkdv_wgmma_defer_dq", ())
         wgmma_backward.launch(*words, l2, dd, *grads, dq_acc, scalars, head_dim=head_dim, causal=causal, dtype=dtype,
-                              stream=stream, partial_chunk=partial, dq_splits=dq_splits, defer_dq=defer)
+                              stream=stream, partial_chunk=partial, dq_splits=dq_splits, defer_dq=defer, mods=mods)
     elif "dkdv" in kernels:
         mma_dkdv.launch(*words, l2, dd, *grads, scalars, tile=(bn, bm), head_dim=head_dim, causal=causal,
                         dtype=dtype, stream=stream, partial_chunk=partial, dq_acc=dq_acc, dq_splits=dq_splits,
                         mods=mods)
     if atomic:
-        if "dq" in kernels:  # (one zeroed plane: the window's rows no block wrote are zeros)
+        if "dq" in kernels:  # (mods: zeroed planes, every row read; the rows no block wrote are zeros)
             bwd_prep.launch_convert(dtype, vec, dq_acc, _words(dq), n_q, d, softmax_scale, n_k, bn, bm,
-                                    causal and not mods.window, B * H, stream)
+                                    causal and not mods.any, B * H, stream)
         return
     if "dq" in kernels:
         mma_dq.launch(*words, l2, dd, _words(dq), scalars, tile=config["dq"], head_dim=head_dim, causal=causal,

@@ -24,7 +24,7 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
     """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...):
     io elements (16-bit words, or float32 for the 3xTF32 kernels); dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) fp32
     when dkdv also adds up dQ (atomic_dq). mods: a build with a window, softcap or ALiBi also takes MOD_ARGS
-    (left, right, cap_a, cap_b, slopes, 1 / scale) last; it has no deterministic splits."""
+    (left, right, cap_a, cap_b, slopes, 1 / scale) after scale (before a splits build's kb0, plane_rows)."""
     io = types.Array(io, 4, "A")
     rows = types.Array(types.float32, 2, "A")
     grads = (io, io) if kernel == "dkdv" else (io,)
@@ -32,9 +32,7 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
         grads += (types.Array(types.float32, 3, "A"),)
     tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
     if mods:
-        if dq_splits:
-            raise ValueError("a build with mods has no deterministic splits (their planes' row ranges are causal's)")
-        tail = MOD_ARGS
+        tail = MOD_ARGS + tail
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
@@ -58,11 +56,18 @@ def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0,
     element of a plane gets its adds from one lane, launch after launch: the same sums every run. The plane is
     a view (its own base address): as a row offset it cost 40 B of spills. first: whether body takes the
     store-or-add flag as its last argument. mods: the kernel also takes blocks/mods.py's launch arguments
-    (MOD_ARGS) and passes them on after the flag (no splits)."""
+    (MOD_ARGS) and passes them on after the flag; its splits build only adds (dq_splits 1: a window's key
+    blocks do not cover their plane's rows from its first on, so the planes are zeroed and no launch stores)."""
     FIRST_STORES = dq_splits == 2  # a compile-time constant: the other build's stores are pruned
-    if mods and (dq_splits or not first):
-        raise ValueError("dkdv_entry: a build with mods takes no splits and a body with the store-or-add flag")
-    if mods and atomic_dq:
+    if mods and (dq_splits == 2 or not first):
+        raise ValueError("dkdv_entry: a build with mods adds into zeroed planes (no storing build) and takes a body "
+                         "with the store-or-add flag")
+    if mods and atomic_dq and dq_splits:
+        def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a,
+                   cap_b, slopes, inv_scale, kb0, plane_rows):
+            body(q, k, v, dout, l2, dd, dk, dv, dq_acc[cuda.blockIdx.x * plane_rows:], n_q, n_k, d, group,
+                 scale_log2, scale, kb0 + cuda.blockIdx.x, False, left, right, cap_a, cap_b, slopes, inv_scale)
+    elif mods and atomic_dq:
         def kernel(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a,
                    cap_b, slopes, inv_scale):
             body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, cuda.blockIdx.x,
@@ -119,15 +124,17 @@ def check_dq_acc(dq_acc, dq_splits, n_bh, nq_pad, head_dim, n_kb):
         raise ValueError(f"dq_splits={dq_splits}: 1 <= dq_splits <= {n_kb} key blocks")
 
 
-def launch_dq_in_dkdv(build, grid_y, threads, smem, stream, args, scalars, n_kb, dq_splits, plane_rows):
+def launch_dq_in_dkdv(build, grid_y, threads, smem, stream, args, scalars, n_kb, dq_splits, plane_rows,
+                      zeroed=False):
     """The launches of a dkdv kernel that also forms dQ; build(splits) -> its kernel (0: the atomic grid's
     build; 1 / 2: the deterministic splits' adding / storing builds). dq_splits None: one launch of every key
     block, all adding into one plane. Else a launch per dq_splits key blocks, block x of each into plane x:
-    stream order orders the adds; the first launch stores, since nobody zeroed the planes."""
+    stream order orders the adds; the first launch stores, since nobody zeroed the planes (zeroed: the
+    caller did, and every launch adds)."""
     if dq_splits is None:
         launch_kernel(build(0), (n_kb, grid_y), threads, stream, smem, *args, *scalars)
         return
     for kb0 in range(0, n_kb, dq_splits):
-        launch_kernel(build(2 if kb0 == 0 else 1), (min(dq_splits, n_kb - kb0), grid_y), threads, stream, smem,
-                      *args, *scalars, kb0, plane_rows)
+        launch_kernel(build(2 if kb0 == 0 and not zeroed else 1), (min(dq_splits, n_kb - kb0), grid_y), threads,
+                      stream, smem, *args, *scalars, kb0, plane_rows)
 

@@ -115,7 +115,7 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     launch's build, which stores (blocks.entry.dkdv_entry). Builds of their own so that deterministic=False's
     kernel stays as it was (its PTX is pinned in the tests).
 
-    MODS (blocks/mods.py; no splits): a window (the Q tiles between the first and the last that see the block,
+    MODS (blocks/mods.py; the splits' adding build only): a window (the Q tiles between the first and the last that see the block,
     blocks.dkdv.window_schedule; keys past n_k masked, so no clamp), and softcap / ALiBi on each recomputed
     score, the cap's 1 − tanh² on dS."""
     WARPS = BLOCK_N // 16
@@ -371,8 +371,8 @@ def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, m
                    f"dkdv {block_n}x{block_m}")
     if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
         bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True)")
-    if dq_splits and mods.any:
-        bad.append(f"mods {mods}: no deterministic splits (dq_splits={dq_splits})")
+    if dq_splits == 2 and mods.any:
+        bad.append(f"mods {mods}: the splits add into zeroed planes (no storing build, dq_splits={dq_splits})")
     if bad:
         raise ValueError(f"mma backward dkdv ({block_n}, {block_m}, {head_dim}, {dtype}) cannot be built: "
                          f"{'; '.join(bad)}")
@@ -405,4 +405,4 @@ def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dt
     launch_dq_in_dkdv(lambda splits: build(bn, bm, head_dim, bool(causal), dtype, atomic_dq=True, **red, **partial,
                                            **({"dq_splits": splits} if splits else {})),
                       B * Hkv, threads(bn), smem_bytes(bn, bm, head_dim, True), stream, (*args, dq_acc), scalars,
-                      n_kb, dq_splits, B * H)
+                      n_kb, dq_splits, B * H, zeroed=mods.any)

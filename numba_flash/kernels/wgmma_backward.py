@@ -39,8 +39,9 @@ from numba import cuda, float32, uint16, uint32
 from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
-from ..blocks.dkdv import dkdv_common
+from ..blocks.dkdv import dkdv_common, window_schedule
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
+from ..blocks.mods import NO_MODS, Mods, capped, softcap_grad
 from ..blocks.mask import clamps_past_end, mask_kind
 
 BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
@@ -69,7 +70,7 @@ def problems(head_dim: int, dtype: str) -> list[str]:
     return out
 
 
-def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=False):
+def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=False, MODS=NO_MODS):
     """The kernel (before cuda.jit) of blocks.entry.kernel_signature("dkdv", atomic_dq=True,
     dq_splits=bool(DQ_SPLITS)). DQ_SPLITS as mma_dkdv.source's: 0 one plane of adds (deterministic=False),
     1 the splits' adding launches, 2 the first launch's (stores).
@@ -77,7 +78,11 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     DEFER_DQ: step i's dQ product is left in flight through the next step's barrier and prefetch, and added
     before that step issues Sᵀ and dPᵀ (reading its accumulators inside their wgmma stage instead made ptxas
     serialize every wgmma); dSᵀ is double-buffered by step parity, since a warpgroup may still read step i's
-    while the other writes step i + 1's."""
+    while the other writes step i + 1's.
+
+    MODS (blocks/mods.py; the splits' adding build only, into zeroed planes): mma_dkdv.source's window
+    schedule, per-score rules and softcap gradient; the cap's 1 − tanh² waits in registers of its own (sg)
+    while dPᵀ is still in flight in dp."""
     bad = problems(HEAD_DIM, DTYPE)
     if bad:
         raise ValueError("; ".join(bad))
@@ -88,7 +93,9 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     N_STEPS = BLOCK_N // 16  # k-steps of dQ (over the keys)
     DQ_N = HEAD_DIM // 2  # dQ columns per warpgroup
     DQ_TILES = DQ_N // 8
-    CAUSAL = bool(CAUSAL)
+    WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
+    CAUSAL = bool(CAUSAL) and not WINDOW
+    schedule_window = window_schedule(BLOCK_N, BLOCK_M)
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), _, prologue, schedule, step_tile, prefetch, _, store_grads, _ = \
         dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES, PARTIAL_CHUNK, ATOMS=True)
     mma_s = ptx.wgmma(BLOCK_M, DTYPE)
@@ -118,7 +125,8 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
-    CLAMP_P = clamps_past_end(mask_kind(CAUSAL), True)  # this kernel always forms dQ
+    CLAMP_P = clamps_past_end("window" if WINDOW else mask_kind(CAUSAL), True)  # this kernel always forms dQ
+    SG_TILES = Q_TILES if SOFTCAP else 1
 
     @inline_device
     def product_s(smem, acc, a16, b16):
@@ -159,7 +167,8 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
                     red_add2(dq_acc, off, acc_q[j, 2 * half], acc_q[j, 2 * half + 1])
 
     @inline_device
-    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first):
+    def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first,
+                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=WGMMA_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -181,7 +190,10 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         kv16 = base16 + wg * (64 * 128 >> 4)  # this warpgroup's 64 rows of K and V (K-major A)
         key_row = warp * 16 + g  # dSᵀ rows of this lane (+ 8)
 
-        qt0, per_head, steps = schedule(k0, n_q, shift, group)
+        if WINDOW:
+            qt0, per_head, steps = schedule_window(k0, n_q, n_k, shift, group, left, right)
+        else:
+            qt0, per_head, steps = schedule(k0, n_q, shift, group)
         plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
 
         acc_k = cuda.local.array((O_TILES, 4), float32)
@@ -189,6 +201,7 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         s = cuda.local.array((Q_TILES, 4), float32)  # Sᵀ, then Pᵀ
         dp = cuda.local.array((Q_TILES, 4), float32)  # dPᵀ, then dSᵀ
         acc_q = cuda.local.array((DQ_TILES, 4), float32)
+        sg = cuda.local.array((SG_TILES, 4), float32)  # SOFTCAP: 1 − tanh² of each score, for dSᵀ
         for dt in range(O_TILES):
             for r in range(4):
                 acc_k[dt, r] = ZERO
@@ -216,15 +229,35 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
 
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]) while the tensor cores finish dPᵀ
             needs_mask = CAUSAL and kw + 15 > i0 + shift
+            if WINDOW:  # keys past n_k, or an edge of the window, for some (key, query) of the warp's tile
+                needs_mask = (kw + 15 >= n_k or kw + 15 > i0 + shift + right
+                              or kw < i0 + BLOCK_M - 1 + shift - left)
+            slope = ZERO
+            if ALIBI:  # of this step's query head (Ba = 1 broadcasts over the batch)
+                slope = slopes[min(b, slopes.shape[0] - 1), h_kv * group + hh] * inv_scale
             l2_s = (st + SL) >> 1
             d_s = (st + SD) >> 1
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
-                    x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
+                    if SOFTCAP or ALIBI:
+                        x = s[nt, r]
+                        if SOFTCAP:
+                            x = capped(x, cap_a, cap_b)
+                            sg[nt, r] = softcap_grad(x, cap_b)
+                        if ALIBI:
+                            x -= slope * float32(abs(i0 + col + shift - (kw + g + 8 * (r >> 1))))
+                        x = x * scale_log2 - smem_f[l2_s + col]
+                    else:
+                        x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
                     if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
                         x = min(x, ZERO)
-                    if needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
+                    if WINDOW:
+                        key = kw + g + 8 * (r >> 1)
+                        if needs_mask and (key >= n_k or key > i0 + col + shift + right
+                                           or key < i0 + col + shift - left):
+                            x = NEG_INF
+                    elif needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     s[nt, r] = ex2(x)
             wait0()
@@ -232,7 +265,10 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
-                    dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col])
+                    if SOFTCAP:
+                        dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col]) * sg[nt, r]
+                    else:
+                        dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col])
 
             # dV_w += Pᵀ dO_i, dK_w += dSᵀ Q_i (A from registers), and dSᵀ to shared memory for dQ. Every A
             # word is packed, and dSᵀ stored from the same words, before the fence: the PTX ISA leaves an A
@@ -283,25 +319,28 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         hold_o(acc_v)
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
-    return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS)
+    return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any)
 
 
 @lru_cache(maxsize=None)
 def build(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, dq_splits: int = 0,
-          defer_dq: bool = False):
+          defer_dq: bool = False, mods: Mods = NO_MODS):
     """The compiled wgmma dkdv of one specialisation (sm_90 only: wgmma is an sm_90a instruction)."""
-    if dq_splits not in (0, 1, 2):
-        raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores)")
-    kernel = source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq))
-    return cuda.jit(kernel_signature("dkdv", True, bool(dq_splits)))(kernel)
+    if dq_splits not in (0, 1, 2) or (dq_splits == 2 and mods.any):
+        raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores; not with mods)")
+    kernel = source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq), mods)
+    return cuda.jit(kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any))(kernel)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, dq_acc, scalars, *, head_dim, causal, dtype, stream=0,
-           partial_chunk=False, dq_splits=None, defer_dq=False):
+           partial_chunk=False, dq_splits=None, defer_dq=False, mods=NO_MODS):
     """The dK/dV kernel that also forms dQ over every key block (BLOCK_N keys): arguments as
-    mma_dkdv.launch's with dq_acc; defer_dq: the DEFER_DQ build."""
+    mma_dkdv.launch's with dq_acc; defer_dq: the DEFER_DQ build; mods: scalars end with the mods' launch
+    arguments and the splits' planes are zeroed (every launch adds)."""
     B, H = q.shape[0], q.shape[1]
     Hkv, n_k = k.shape[1], k.shape[2]
-    launch_dq_in_dkdv(lambda splits: build(head_dim, bool(causal), dtype, bool(partial_chunk), splits, defer_dq),
+    extra = {"mods": mods} if mods.any else {}  # passed only when on: the others' cache key
+    launch_dq_in_dkdv(lambda splits: build(head_dim, bool(causal), dtype, bool(partial_chunk), splits, defer_dq,
+                                           **extra),
                       B * Hkv, THREADS, smem_bytes(head_dim, defer_dq), stream, (q, k, v, dout, l2, dd, dk, dv, dq_acc),
-                      scalars, (n_k + BLOCK_N - 1) // BLOCK_N, dq_splits, B * H)
+                      scalars, (n_k + BLOCK_N - 1) // BLOCK_N, dq_splits, B * H, zeroed=mods.any)
