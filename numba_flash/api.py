@@ -489,7 +489,10 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
-        if p.B * p.H * p.n_q == 0 or p.n_k == 0:  # no kernel runs, but one that cannot take the inputs is refused
+        # no kernel runs, but one that cannot take the inputs is refused; Nk = 0 with a named kernel too (auto runs
+        # the SIMT kernel there, which writes O = 0, L = -inf, so plans replay it; the tensor-core copies refuse
+        # the empty k, v's zero strides)
+        if p.B * p.H * p.n_q == 0 or (p.n_k == 0 and kernel != "auto"):
             choose_kernel(p, kernel)
             if p.n_k == 0 and p.B * p.H * p.n_q:  # no keys: every row is fully masked, O = 0 and L = -inf
                 out_obj = arrays.alloc_like_kind(p.kind, q, p.q_shape, p.dtype, stream, zeroed=True)[0]

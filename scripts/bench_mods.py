@@ -56,6 +56,25 @@ def cases(shapes):
     ]
 
 
+def flex_mods(left, cap, slopes):
+    """FlexAttention's mask_mod and score_mod of a case (Nq = Nk, causal): closures over plain values, as
+    FlexAttention traces them with the four (five) index arguments only."""
+    import torch
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen = kv_idx <= q_idx
+        return (seen & (kv_idx >= q_idx - left)) if left >= 0 else seen
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score - slopes[h] * (q_idx - kv_idx).abs()
+        return score
+
+    return mask_mod, score_mod
+
+
 def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True):
     import torch
     import torch.nn.functional as F
@@ -78,19 +97,7 @@ def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True):
         pairs = visible_pairs(N, N, causal, window) * B * H
         fwd_flops = 4 * d * pairs
         left = window[0]
-        shift = 0
-
-        def mask_mod(b, h, q_idx, kv_idx, left=left):
-            seen = kv_idx <= q_idx + shift
-            return seen & (kv_idx >= q_idx + shift - left) if left >= 0 else seen
-
-        def score_mod(score, b, h, q_idx, kv_idx, cap=cap, slopes=slopes):
-            if cap:
-                score = cap * torch.tanh(score / cap)
-            if slopes is not None:
-                score = score - slopes[h] * (q_idx + shift - kv_idx).abs()
-            return score
-
+        mask_mod, score_mod = flex_mods(left, cap, slopes)
         block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=N, KV_LEN=N, device="cuda")
         has_score_mod = bool(cap) or alibi
 

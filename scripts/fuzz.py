@@ -6,7 +6,8 @@
     python3 scripts/fuzz.py --repro "forward dtype=float16 backend=numpy B=1 ... seed=0 idx=57"
 
 Each problem (dtype, shapes, GQA group, causal, softmax_scale, memory layout, and per family
-deterministic / via autograd, or cache lengths / num_splits) is drawn from its own generator seeded
+deterministic / via autograd, or cache lengths / num_splits; a sliding window for 60 % of the forward and
+backward problems the mma kernels take: fp16 / bf16, d <= 128, d % 8 == 0, rows 16-byte aligned) is drawn from its own generator seeded
 by (seed, idx), so one index can be rerun alone. The draw depends on (seed, idx) and the arguments only,
 not on the machine: every value is drawn, in one fixed order, whether the problem uses it or not and
 whatever is installed (the simulator's defaults of --max-work and --max-bh are smaller: pass them to
@@ -152,6 +153,7 @@ def draw(seed: int, idx: int, args) -> dict:
     deterministic, autograd = rng.random() < 0.5, rng.random() < 0.5
     auto_splits, n_splits = rng.random() < 0.4, int(rng.integers(1, 9))
     lens_kind, lens_frac, lens_on_device = rng.random(), rng.random(MAX_B), rng.random() < 0.5
+    windowed, left_frac, right_frac, left_open = rng.random() < 0.6, rng.random(), rng.random(), rng.random() < 0.2
 
     spec = dict(family=family, dtype=dtype, backend=backend, B=B, H=Hkv * g, Hkv=Hkv, Nq=n_q, Nk=n_k, d=d)
     spec["causal"] = True if family == "decode" else bool(causal)
@@ -170,8 +172,22 @@ def draw(seed: int, idx: int, args) -> dict:
                 lens[0] = n_k
             spec["lens"] = lens
         spec["lens_on"] = "device" if backend == "torch" and lens_on_device else "host"
+    # a sliding window (flash-attn's window_size) where the mma kernels take it: fp16/bf16, d <= 128 and d % 8 == 0
+    # in a layout whose rows start 16-byte aligned (elsewhere it raises NotImplementedError, by design)
+    if (windowed and family != "decode" and dtype != "float32" and d <= 128 and d % 8 == 0
+            and layout in ("contiguous", "bnhd", "slice_n")):
+        left = -1 if left_open else int(left_frac * (n_k + 8))
+        spec["window"] = f"{left},{0 if spec['causal'] else int(right_frac * (n_k + 8)) - 4}"  # right -4 .. : -1 open
+        if int(spec["window"].split(",")[1]) < -1:
+            spec["window"] = f"{left},-1"
     spec["seed"], spec["idx"] = seed, idx
     return spec
+
+
+def window_of(spec: dict) -> tuple:
+    """The spec's window_size, (-1, -1) when it has none."""
+    w = spec.get("window")
+    return tuple(int(x) for x in w.split(",")) if w else (-1, -1)
 
 
 def available(spec: dict) -> tuple[dict, str]:
@@ -274,14 +290,20 @@ def to_f64(x) -> np.ndarray | object:
 # --------------------------------------------------------------------------------------------
 # References: float64, and the naive same-dtype implementation (S, softmax, P·V in the dtype)
 # --------------------------------------------------------------------------------------------
-def _limits(spec: dict, lens) -> np.ndarray:
-    """(B, Nq): query i of sequence b sees key j iff j <= limit[b, i] (bottom-right causal alignment)."""
+def _limits(spec: dict, lens) -> tuple:
+    """(lo, hi), each (B, Nq): query i of sequence b sees key j iff lo[b, i] <= j <= hi[b, i] (bottom-right
+    alignment; the window's sides >= Nk are unbounded, as flash-attn's API makes them)."""
     n_q, n_k = spec["Nq"], spec["Nk"]
     i = np.arange(n_q)[None, :]
     if spec["family"] == "decode":
         length = np.full(spec["B"], n_k) if lens is None else np.asarray(lens)
-        return i + length[:, None] - n_q
-    return np.broadcast_to(i + n_k - n_q if spec["causal"] else np.full_like(i, n_k - 1), (spec["B"], n_q))
+        return np.zeros((spec["B"], n_q), np.int64), i + length[:, None] - n_q
+    left, right = window_of(spec)
+    left, right = (-1 if left >= n_k else left), (-1 if right >= n_k else right)
+    diag = i + n_k - n_q
+    hi = diag if spec["causal"] else (diag + right if right >= 0 else np.full_like(i, n_k - 1))
+    lo = diag - left if left >= 0 else np.zeros_like(i)
+    return np.broadcast_to(lo, (spec["B"], n_q)), np.broadcast_to(hi, (spec["B"], n_q))
 
 
 class NumpyMath:
@@ -289,8 +311,9 @@ class NumpyMath:
 
     @staticmethod
     def visible(spec, lens):
-        lim = _limits(spec, lens)
-        return np.arange(spec["Nk"])[None, None, None, :] <= lim[:, None, :, None]  # (B, 1, Nq, Nk)
+        lo, hi = _limits(spec, lens)
+        j = np.arange(spec["Nk"])[None, None, None, :]
+        return (j <= hi[:, None, :, None]) & (j >= lo[:, None, :, None])  # (B, 1, Nq, Nk)
 
     @staticmethod
     def zero_stale(x, vis):
@@ -369,8 +392,9 @@ class TorchMath:
 
     @staticmethod
     def visible(spec, lens):
-        lim = torch.from_numpy(np.ascontiguousarray(_limits(spec, lens))).cuda()
-        return torch.arange(spec["Nk"], device="cuda")[None, None, None, :] <= lim[:, None, :, None]
+        lo, hi = (torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in _limits(spec, lens))
+        j = torch.arange(spec["Nk"], device="cuda")[None, None, None, :]
+        return (j <= hi[:, None, :, None]) & (j >= lo[:, None, :, None])
 
     @staticmethod
     def zero_stale(x, vis):
@@ -535,9 +559,9 @@ def run_problem(spec: dict, inject: bool = False) -> dict:
 
 def call_ours(spec, q, k, v, do, lens):
     """The public API on these inputs; results as given (NumPy or torch)."""
-    fam, causal, scale = spec["family"], spec["causal"], spec["scale"]
+    fam, causal, scale, window = spec["family"], spec["causal"], spec["scale"], window_of(spec)
     if fam == "forward":
-        res = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale)
+        res = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
     elif fam == "decode":
         seqlens = None
         if lens is not None:
@@ -549,12 +573,13 @@ def call_ours(spec, q, k, v, do, lens):
         from numba_flash.torch import attention
 
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]  # detach keeps the strides
-        attention(*leaves, causal=causal, softmax_scale=scale, deterministic=spec["deterministic"]).backward(do)
+        attention(*leaves, causal=causal, softmax_scale=scale, deterministic=spec["deterministic"],
+                  window_size=window).backward(do)
         res = tuple(x.grad for x in leaves)
     else:
-        out, lse = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale)
+        out, lse = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
         res = numba_flash.backward(q, k, v, out, lse, do, causal=causal, softmax_scale=scale,
-                                   deterministic=spec["deterministic"])
+                                   deterministic=spec["deterministic"], window_size=window)
     if HAVE_TORCH_CUDA:
         torch.cuda.synchronize()
     return res
