@@ -33,7 +33,7 @@ import importlib
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -103,6 +103,7 @@ class Case:
     shape: tuple = ()  # (B, H, Hkv, Nq, Nk)
     lens: tuple | None = None  # decode: cache lengths
     reached: str = ""  # "" when the API picks this case's build, else what it picks
+    mods: dict = field(default_factory=dict)  # window_size, softcap, alibi (True: slopes of shape (H,))
 
     def label(self) -> str:
         B, H, Hkv, n_q, n_k = self.shape
@@ -111,6 +112,8 @@ class Case:
         if self.family == "decode":
             return text + f" lens {list(self.lens)} splits {self.splits}"
         text += f" causal={self.causal}"
+        if self.mods:
+            text += " " + " ".join(f"{k}={v}" for k, v in self.mods.items())
         return text + (f" deterministic={self.deterministic}" if self.family == "backward" else "")
 
     def covered(self) -> str:
@@ -128,8 +131,11 @@ def _below(hd: int, dims) -> int:
 
 def _problem(case: Case, shape: tuple) -> Problem:
     B, H, Hkv, n_q, n_k = shape
+    m = case.mods
     return Problem(kind="numpy", dtype=case.dtype, q_shape=(B, H, n_q, case.d), B=B, H=H, Hkv=Hkv, n_q=n_q,
-                   n_k=n_k, d=case.d, causal=case.causal, softmax_scale=case.d ** -0.5, device=None)
+                   n_k=n_k, d=case.d, causal=case.causal, softmax_scale=case.d ** -0.5, device=None,
+                   window_size=m.get("window_size", (-1, -1)), softcap=m.get("softcap", 0.0),
+                   alibi_shape=(H,) if m.get("alibi") else None)
 
 
 @contextlib.contextmanager
@@ -215,9 +221,15 @@ def forward_cases() -> list[Case]:
         d = _padded(hd, _below(hd, configs.HEAD_DIMS), 1)
         out.append(Case("forward", "simt", dtype, d, bool(i % 2), [("SIMT_CONFIGS", hd)],
                         f"{cfg.block_q}x{cfg.block_k} {cfg.threads} threads d{hd}"))
+    # the variants (blocks/mods.py): window, softcap and ALiBi builds of the shipped tiles
+    for hd, causal, dtype, mods in ((64, True, "float16", MODS_ALL), (128, False, "bfloat16", MODS_WINDOW)):
+        out.append(Case("forward", "mma", dtype, hd, causal, [("MMA_TABLE", (hd, causal))],
+                        f"{configs.MMA_TABLE[hd, causal]} with {', '.join(mods)}", mods=dict(mods)))
     return out
 
 
+MODS_ALL = {"window_size": (45, 0), "softcap": 5.0, "alibi": True}
+MODS_WINDOW = {"window_size": (60, 17)}
 SCHEME_WORDS = {"kernel": "dkdv + dq kernels", "atomic": "dkdv_atomic, atomic dQ", "splits": "dkdv_atomic, dQ splits"}
 
 
@@ -257,6 +269,15 @@ def backward_cases() -> list[Case]:
         schemes("MMA_BWD_TABLE", (hd,), "mma", hd == 128, wgmma=False)
     for hd in sorted({key[1] for key in configs.MMA_BWD_WGMMA}):  # sm_90: its overrides
         schemes("MMA_BWD_WGMMA", (hd,), "mma", hd == 64, wgmma=True)
+    # the variants on the 16-bit paths: each dQ scheme once, wgmma and mma.sync
+    for wgmma, hd, scheme, mods in ((True, 128, "splits", MODS_ALL), (True, 64, "atomic", MODS_WINDOW),
+                                    (False, 128, "kernel", MODS_ALL), (False, 64, "atomic", MODS_ALL)):
+        table = "MMA_BWD_WGMMA" if wgmma else "MMA_BWD_TABLE"
+        kinds = ("dkdv", "dq") if scheme == "kernel" else ("dkdv_atomic",)
+        tiles = {kind: TABLES[table][kind, hd] for kind in kinds}
+        add("mma", hd, mods is MODS_ALL, scheme, [(table, (kind, hd)) for kind in kinds], tiles, wgmma)
+        out[-1].mods = dict(mods)
+        out[-1].build += f" with {', '.join(mods)}"
     for hd, causal in sorted({key[1:] for key in configs.TF32_BWD_TABLE}):
         schemes("TF32_BWD_TABLE", (hd, causal), "tf32x3", causal)
     for i, (hd, (cfg_kv, cfg_q)) in enumerate(sorted(simt_backward.BACKWARD_CONFIGS.items())):
@@ -317,9 +338,12 @@ def run_case(case: Case, rng) -> tuple[float, float]:
     q, k, v, do = (_host(rng.standard_normal((B, h, n, d)), dt)
                    for h, n in ((H, n_q), (Hkv, n_k), (Hkv, n_k), (H, n_q)))
     q32, k32, v32, do32 = (x.astype(np.float32) for x in (q, k, v, do))  # the reference on the rounded inputs
+    mods = {key: val for key, val in case.mods.items() if key != "alibi"}
+    if case.mods.get("alibi"):
+        mods["alibi_slopes"] = (rng.random(H) * 0.3 + 0.05).astype(np.float32)
     if case.family == "forward":
-        out, _ = numba_flash.forward(q, k, v, causal=case.causal, kernel=case.kernel)
-        ref, _ = reference.standard_attention(q32, k32, v32, causal=case.causal)
+        out, _ = numba_flash.forward(q, k, v, causal=case.causal, kernel=case.kernel, **mods)
+        ref, _ = reference.standard_attention(q32, k32, v32, causal=case.causal, **mods)
         return _err(out, ref), FWD_TOL["tf32" if case.kernel == "tf32" else dt]
     if case.family == "decode":
         lens = np.array(case.lens, np.int32)
@@ -329,12 +353,13 @@ def run_case(case: Case, rng) -> tuple[float, float]:
             ref, _ = reference.standard_attention(q32[b], k32[b, :, :lens[b]], v32[b, :, :lens[b]], causal=True)
             err = max(err, _err(out[b], ref))
         return err, FWD_TOL[dt]
-    out, lse = reference.standard_attention(q32, k32, v32, causal=case.causal)
+    out, lse = reference.standard_attention(q32, k32, v32, causal=case.causal, **mods)
     out, lse = _host(out, dt), lse.astype(np.float32)
-    refs = reference.attention_backward(q32, k32, v32, out.astype(np.float32), lse, do32, causal=case.causal)
+    refs = reference.attention_backward(q32, k32, v32, out.astype(np.float32), lse, do32, causal=case.causal,
+                                        **mods)
     with wgmma_as(case.wgmma):
         grads = numba_flash.backward(q, k, v, out, lse, do, causal=case.causal, kernel=case.kernel,
-                                     deterministic=case.deterministic)
+                                     deterministic=case.deterministic, **mods)
     return max(_err(g, r) for g, r in zip(grads, refs)), BWD_TOL[dt]
 
 
