@@ -378,17 +378,28 @@ def mods_words(p: Problem) -> str:
 
 
 def _choose_with_mods(p: Problem, kernel: str, views):
-    """A window, softcap or ALiBi: the mma kernel builds them (the other families do not have them yet)."""
-    blockers = _mma_blockers(p, views)
-    if kernel not in ("auto", "mma") or blockers:
-        why = [f"kernel={kernel!r} was asked for"] if kernel not in ("auto", "mma") else blockers
+    """A window, softcap or ALiBi: the mma kernel (fp16 / bf16, d <= 128) or the SIMT kernel (any dtype and head
+    dim; auto takes it, with its PerformanceWarning, where mma cannot run); the tf32 kernels have no mods."""
+    if kernel in TF32_KERNELS:
         raise NotImplementedError(
-            f"{mods_words(p)}: built into kernel 'mma' only (float16/bfloat16, head dim <= {MMA_MAX_HEAD_DIM}, "
-            f"sm_80+, 16-byte aligned rows); this call cannot take it: {'; '.join(why)}")
+            f"{mods_words(p)}: not built into kernel={kernel!r}; float32 with them runs on kernel 'simt' (fp32 FMA; "
+            "auto takes it)")
+    blockers = _mma_blockers(p, views)
+    if kernel == "mma" and blockers:
+        raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
+    words = "mods: " + mods_words(p) + (" (tiles outside every row's window are never loaded)" if p.mods.window
+                                        else "")
+    if kernel == "simt" or blockers:
+        kind, cfg, reasons = choose_kernel(_plain(p), "simt", views)
+        if kernel == "auto":  # why not mma (fp32: the tf32 kernels have no mods)
+            why = "; ".join(b for b in blockers if not b.startswith("dtype float32")) or \
+                "float32 with mods: the tf32x3 kernel has none"
+            reasons[-1] = f"{p.dtype} on the SIMT path (fp32 FMA), not tensor cores: {why}"
+        reasons.insert(1, words)
+        return kind, cfg, reasons
     cfg = mma_config(p.d, p.causal)
     kind, reasons = choose_kernel(_plain(p), "mma", views)[::2]
-    reasons.insert(1, "mods: " + mods_words(p) + (" (tiles outside every row's window are never loaded)"
-                                                  if p.mods.window else ""))
+    reasons.insert(1, words)
     return kind, cfg, reasons
 
 
@@ -512,11 +523,15 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
                                    window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
                                    softcap=p.softcap, alibi=alibi)
             elif family in TF32_KERNELS:
-                tf32_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.causal, softmax_scale=p.softmax_scale,
+                tf32_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                     passes=TF32_KERNELS[family], stream=stream, layout_checked=True)
             else:
-                simt_forward.launch(cfg, qd, kd, vd, out4, lse3, causal=p.causal,
-                                    softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream)
+                mods = p.mods
+                alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
+                simt_forward.launch(cfg, qd, kd, vd, out4, lse3, causal=p.mask_causal,
+                                    softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream, mods=mods,
+                                    window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
+                                    softcap=p.softcap, alibi=alibi)
         return (
             arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),
             arrays.to_host_kind(p.kind, lse_obj, "float32", stream),

@@ -456,7 +456,7 @@ def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kern
             else:
                 dq_acc = _zeros_scratch(p.kind, q, shape, stream) if planes else None
             if family == "tf32x3":
-                backward_plan.launch_tf32(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.causal,
+                backward_plan.launch_tf32(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.mask_causal,
                                           softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream,
                                           dq_acc=dq_acc, dq_splits=splits)
             else:
@@ -471,7 +471,7 @@ def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kern
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(
                 cfg, qd, kd, vd, od, dod, lse_d, delta, *grads,
-                causal=p.causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
+                causal=p.mask_causal, softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, stream=stream,
             )
         return tuple(arrays.to_host_kind(kind, obj, p.dtype, stream)
                      for kind, obj in zip(kinds, (dq_obj, dk_obj, dv_obj)))

@@ -225,6 +225,11 @@ def forward_cases() -> list[Case]:
     for hd, causal, dtype, mods in ((64, True, "float16", MODS_ALL), (128, False, "bfloat16", MODS_WINDOW)):
         out.append(Case("forward", "mma", dtype, hd, causal, [("MMA_TABLE", (hd, causal))],
                         f"{configs.MMA_TABLE[hd, causal]} with {', '.join(mods)}", mods=dict(mods)))
+    for hd, causal, dtype, mods in ((64, True, "float32", MODS_ALL), (256, False, "float16", MODS_WINDOW)):
+        cfg = configs.SIMT_CONFIGS[hd]
+        out.append(Case("forward", "simt", dtype, hd, causal, [("SIMT_CONFIGS", hd)],
+                        f"{cfg.block_q}x{cfg.block_k} {cfg.threads} threads d{hd} with {', '.join(mods)}",
+                        mods=dict(mods)))
     return out
 
 

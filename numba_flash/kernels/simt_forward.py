@@ -38,13 +38,17 @@ import ctypes
 
 import numpy as np
 from llvmlite import ir
-from numba.cuda.extending import intrinsic
+from numba.cuda.extending import intrinsic, register_jitable
 
 from .. import ptx
 from ..blocks.numerics import FASTMATH, LN2, LOG2E, STORAGE
 from ..configs import SimtConfig
+from ..blocks.mask import window_rules
+from ..blocks.mods import NO_MODS, Mods, capped, softcap_args
 from ..launch import launch as launch_kernel
+from ..launch import unused_slopes
 from ..ptx import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
+
 
 
 
@@ -81,15 +85,20 @@ def _ldg_twin(src, offset):
 ldg = _ldg_twin if SIMULATOR else _ldg
 
 
-def kernel_signature(dtype: str):
-    """The one signature each specialisation is compiled for: strided 4-D arrays ('A' layout)."""
+def kernel_signature(dtype: str, mods: Mods = NO_MODS):
+    """The one signature each specialisation is compiled for: strided 4-D arrays ('A' layout); with mods also
+    the window bounds, cap_a, cap_b, the ALiBi slopes (Ba, H) and 1 / scale (blocks/mods.py)."""
     io = types.Array(STORAGE[dtype], 4, "A")
     lse = types.Array(types.float32, 3, "A")
-    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+    if not mods.any:
+        return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32, int32, int32, float32, float32,
+                      types.Array(types.float32, 2, "A"), float32)
 
 
-def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
-    """The Python kernel for one specialisation (before cuda.jit; compile_ptx tests use it)."""
+def kernel_source(cfg: SimtConfig, causal: bool, dtype: str, mods: Mods = NO_MODS):
+    """The Python kernel for one specialisation (before cuda.jit; compile_ptx tests use it). mods: a window
+    (its tile range and edges replace causal's), softcap and ALiBi on each score before the mask."""
     BLOCK_Q, BLOCK_K, HEAD_DIM = cfg.block_q, cfg.block_k, cfg.head_dim
     ROW_THREADS, COL_THREADS, THREADS = cfg.row_threads, cfg.col_threads, cfg.threads
     ROWS, S_COLS, O_COLS = cfg.rows_per_thread, cfg.s_cols_per_thread, cfg.o_cols_per_thread
@@ -103,7 +112,9 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
     P_OFF = K_OFF + words["k"] + words["v"]
     RED_OFF = P_OFF + words["p"]
     SHARE_KV = cfg.share_kv
-    CAUSAL = bool(causal)
+    WINDOW, SOFTCAP, ALIBI = bool(mods.window), bool(mods.softcap), bool(mods.alibi)
+    CAUSAL = bool(causal) and not WINDOW
+    window_range, window_edge, window_hidden = window_rules(BLOCK_K, BLOCK_Q)
     BF16 = dtype == "bfloat16"
     ITEMSIZE = 4 if dtype == "float32" else 2
     UNROLL = 4  # inner-product steps per unrolled group (divides every HEAD_DIM and BLOCK_K)
@@ -263,7 +274,9 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             for j in range(N):
                 acc[i, j] = cuda.fma(a[i], b[j], acc[i, j])
 
-    def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+    @register_jitable(inline="never", fastmath=FASTMATH)  # the kernel's fastmath flags (inline_device has none)
+    def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes,
+                     inv_scale):
         smem = cuda.shared.array(0, float32)
         tid = cuda.threadIdx.x
         tr = tid // COL_THREADS
@@ -302,11 +315,17 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                 n_tiles = 0
             else:
                 n_tiles = min(n_tiles, (visible + BLOCK_K - 1) // BLOCK_K)
+        j_first = 0  # the window: tiles left of every row's window are never loaded
+        if WINDOW:
+            j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
+        slope = ZERO
+        if ALIBI:  # (Ba, H): Ba = 1 broadcasts over the batch
+            slope = slopes[min(b, slopes.shape[0] - 1), h] * inv_scale
 
         pre = cuda.local.array((PRE, 4), float32)  # prefetched trips: K_{j+1} or V_j, in turn
-        if PREFETCH_TRIPS and n_tiles > 0:
-            fetch_k(pre, k, b, h_kv, 0, n_k, d, 0, PRE_K)
-        for j in range(n_tiles):
+        if PREFETCH_TRIPS and n_tiles > j_first:
+            fetch_k(pre, k, b, h_kv, j_first * BLOCK_K, n_k, d, 0, PRE_K)
+        for j in range(j_first, n_tiles):
             k0 = j * BLOCK_K
             if PREFETCH_TRIPS:
                 store_k(pre, smem, 0, PRE_K)
@@ -340,12 +359,26 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
             needs_mask = k0 + BLOCK_K > n_k
             if CAUSAL:
                 needs_mask = needs_mask or (k0 + BLOCK_K - 1 > q0 + shift)
+            if WINDOW:
+                needs_mask = window_edge(k0, k0 + BLOCK_K, q0, n_k, shift, left, right)
             for i in range(ROWS):
                 r = (i // 4) * ROW_STEP + 4 * tr + i % 4
                 row_max = NEG_INF
                 for jj in range(S_COLS):
-                    x = s[i, jj] * scale_log2
-                    if needs_mask:
+                    if SOFTCAP or ALIBI:  # (blocks/mods.py: in raw-score units, before the mask)
+                        x = s[i, jj]
+                        if SOFTCAP:
+                            x = capped(x, cap_a, cap_b)
+                        if ALIBI:
+                            x -= slope * float32(abs(q0 + r + shift - (k0 + (jj // 4) * COL_STEP + 4 * tc + jj % 4)))
+                        x = x * scale_log2
+                    else:
+                        x = s[i, jj] * scale_log2
+                    if WINDOW:
+                        if needs_mask and window_hidden(q0 + r, k0 + (jj // 4) * COL_STEP + 4 * tc + jj % 4, n_k, shift,
+                                                        left, right):
+                            x = NEG_INF
+                    elif needs_mask:
                         col = k0 + (jj // 4) * COL_STEP + 4 * tc + jj % 4
                         if col >= n_k or (CAUSAL and col > q0 + r + shift):
                             x = NEG_INF
@@ -429,11 +462,22 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str):
                         else:
                             out[U(b), U(h), U(row), U(col)] = o
 
+    if mods.any:
+        def flash_forward_mods(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes,
+                               inv_scale):
+            forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes,
+                         inv_scale)
+
+        return flash_forward_mods
+
+    def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+        forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, 0, 0, ZERO, ZERO, lse[0], ZERO)
+
     return flash_forward
 
 
 @lru_cache(maxsize=None)
-def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str):
+def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str, mods: Mods = NO_MODS):
     """Compiled kernel for one (config, causal, dtype); cached so each compiles once."""
     problems = cfg.problems()
     if problems:
@@ -444,18 +488,23 @@ def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str):
 
     # A register cap is a ptxas option: the simulator's jit() has no such argument.
     cap = {"max_registers": cfg.max_registers} if cfg.max_registers and not nb_config.ENABLE_CUDASIM else {}
-    return cuda.jit(kernel_signature(dtype), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype))
+    return cuda.jit(kernel_signature(dtype, mods), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype, mods))
 
 
 def launch(cfg: SimtConfig, q, k, v, out, lse, *, causal: bool, softmax_scale: float,
-           dtype: str, d: int, stream=0) -> None:
+           dtype: str, d: int, stream=0, mods: Mods = NO_MODS, window=(0, 0), softcap=0.0, alibi=None) -> None:
     """Launch on device arrays (``launch.DeviceView``s or any CUDA array interface): q/out (B, H, Nq, d),
-    k/v (B, Hkv, Nk, d), lse (B, H, Nq)."""
+    k/v (B, Hkv, Nk, d), lse (B, H, Nq). mods and their values as mma_forward.launch takes them."""
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     if B * H * n_q == 0:
         return
-    kernel = make_forward_kernel(cfg, bool(causal), dtype)
+    kernel = make_forward_kernel(cfg, bool(causal), dtype, mods) if mods.any else \
+        make_forward_kernel(cfg, bool(causal), dtype)
     grid = ((n_q + cfg.block_q - 1) // cfg.block_q, B * H)
-    launch_kernel(kernel, grid, cfg.threads, stream, cfg.smem_bytes,
-                  q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
+    args = (q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
+    if mods.any:
+        cap_a, cap_b = softcap_args(softcap, softmax_scale)
+        args += (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
+                 alibi if alibi is not None else unused_slopes(lse), float32(1.0 / softmax_scale))
+    launch_kernel(kernel, grid, cfg.threads, stream, cfg.smem_bytes, *args)

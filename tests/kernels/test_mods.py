@@ -104,16 +104,22 @@ def test_tiles_outside_every_window_are_never_loaded():
     assert (dk[:, :, :first] == 0).all() and (dv[:, :, :first] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("left,right", [(-1, 0), (-1, -1)])
-def test_trivial_windows_run_the_plain_kernels(left, right):
-    """(-1, 0) is causal and (-1, -1) no window: the same kernels, the same bits."""
-    q, k, v, _ = _inputs(3, 1, 2, 2, 40, 70, 64)
+def test_trivial_windows_run_the_plain_kernels(left, right, dtype):
+    """(-1, 0) is causal and (-1, -1) no window: the same kernels (every family), the same bits, forward and
+    backward."""
+    q, k, v, do = _inputs(3, 1, 2, 2, 40, 70, 64, dtype=np.dtype(dtype))
     causal = right == 0
     a = numba_flash.forward(q, k, v, window_size=(left, right))
     b = numba_flash.forward(q, k, v, causal=causal)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
     assert "mods" not in numba_flash.explain(q, k, v, window_size=(left, right))
+    ga = numba_flash.backward(q, k, v, *a, do, window_size=(left, right))
+    gb = numba_flash.backward(q, k, v, *b, do, causal=causal)
+    for x, y in zip(ga, gb):
+        np.testing.assert_array_equal(x, y)
 
 
 BACKWARD = [  # (B, H, Hkv, Nq, Nk, d, causal, window_size, softcap, alibi, deterministic)
@@ -166,18 +172,49 @@ def test_bad_mods_are_refused(kw, err, match):
         numba_flash.backward(q, k, v, out, lse, do, **kw)
 
 
-@pytest.mark.parametrize("dtype,kernel", [("float32", "auto"), ("float16", "simt"), ("float32", "tf32x3")])
-def test_mods_outside_the_mma_kernels_raise(dtype, kernel):
-    """The variants are built into the mma kernels only: anything else says so, never drops them."""
-    q, k, v, do = _inputs(6, 1, 2, 1, 8, 8, 16, dtype=np.dtype(dtype))
-    with pytest.raises(NotImplementedError, match="sliding window.*kernel 'mma' only"):
+@pytest.mark.parametrize("kernel", ["tf32x3", "tf32"])
+def test_mods_are_not_in_the_tf32_kernels(kernel):
+    """The tf32 kernels have no mods: asked for by name they say so (auto runs float32 with mods on SIMT)."""
+    q, k, v, do = _inputs(6, 1, 2, 1, 8, 8, 16, dtype=np.float32)
+    with pytest.raises(NotImplementedError, match=f"sliding window.*not built into kernel='{kernel}'"):
         numba_flash.forward(q, k, v, window_size=(2, 2), kernel=kernel)
     with pytest.raises(NotImplementedError, match="softcap"):
         numba_flash.explain(q, k, v, softcap=3.0, kernel=kernel)
-    if kernel != "tf32x3":  # (the backward's kernels: auto, mma, simt, tf32x3)
-        out, lse = numba_flash.forward(q, k, v, kernel=kernel)
-        with pytest.raises(NotImplementedError, match="ALiBi"):
-            numba_flash.backward(q, k, v, out, lse, do, alibi_slopes=np.ones(2, np.float32), kernel=kernel)
+
+
+@pytest.mark.parametrize("dtype,kernel", [("float32", "auto"), ("float16", "simt"), ("float32", "tf32x3")])
+def test_backward_mods_outside_the_mma_kernels_raise(dtype, kernel):
+    """The backward builds the variants into the mma kernels only: anything else says so, never drops them."""
+    q, k, v, do = _inputs(6, 1, 2, 1, 8, 8, 16, dtype=np.dtype(dtype))
+    out, lse = numba_flash.forward(q, k, v, kernel="simt")
+    with pytest.raises(NotImplementedError, match="ALiBi.*'mma' kernels only"):
+        numba_flash.backward(q, k, v, out, lse, do, alibi_slopes=np.ones(2, np.float32), kernel=kernel)
+
+
+SIMT_FORWARD = [  # (dtype, d, kernel, causal, window_size, softcap, alibi): the SIMT kernel with mods
+    ("float32", 64, "auto", True, (12, 0), 4.0, "H"),  # auto: float32 with mods runs on SIMT
+    ("float16", 200, "auto", False, (30, 9), 0.0, "BH"),  # d > 128: SIMT
+    ("float16", 64, "simt", False, (-1, -1), 3.0, None),
+]
+
+
+@pytest.mark.parametrize("case", SIMT_FORWARD, ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}-w{c[4]}-cap{c[5]}-{c[6]}")
+def test_simt_forward_variants(case):
+    import warnings
+
+    dtype, d, kernel, causal, window, cap, alibi = case
+    q, k, v, _ = _inputs(9, 2, 2, 1, 45, 77, d, dtype=np.dtype(dtype))
+    mods = dict(causal=causal, window_size=window, softcap=cap, alibi_slopes=_slopes(alibi, 2, 2))
+    assert numba_flash.explain(q, k, v, kernel=kernel, **mods).startswith("simt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", numba_flash.PerformanceWarning)
+        out, lse = numba_flash.forward(q, k, v, kernel=kernel, **mods)
+    o64, l64 = reference.standard_attention(q, k, v, **mods)
+    tol = 2e-5 if dtype == "float32" else 2e-3
+    np.testing.assert_allclose(out.astype(np.float64), o64, atol=tol, rtol=0)
+    fin = np.isfinite(l64)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], l64[fin], atol=1e-4, rtol=0)
 
 
 def test_explain_names_the_mods():
