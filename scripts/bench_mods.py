@@ -87,6 +87,11 @@ def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True):
     from gpu_helpers import attention_mods_torch
 
     tdt = getattr(torch, dtype)
+    import torch._dynamo
+
+    # every case's mods are new closures: a recompile each (past the default limit of 8 dynamo runs it eagerly)
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     flex = torch.compile(flex_attention)
     rows = []
     for label, N, causal, window, cap, alibi in cases(shapes):
