@@ -626,8 +626,10 @@ SIGNALLED = []  # [True] once SIGTERM arrived
 
 
 def _stop(signum, frame):
+    first = not SIGNALLED
     SIGNALLED.append(True)
-    raise Stopped()
+    if first:  # (timeout signals the process group: the parent can get it twice, the second while it merges)
+        raise Stopped()
 
 
 def summarize(records: list) -> dict:

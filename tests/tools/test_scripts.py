@@ -260,9 +260,9 @@ def test_run_sh_dry_run_fuzz(tmp_path):
     proc = run_sh("--dry-run", tmp_path, "fuzz")
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^\[fuzz, 300s\] python3 scripts/fuzz.py --problems 1000 --seed 0 --out \S+ --jobs 8 "
-                     r"--time-budget-s 270 --quiet", proc.stdout, re.M), proc.stdout
+                     r"--time-budget-s 240 --quiet", proc.stdout, re.M), proc.stdout
     more = run_sh("--dry-run", tmp_path, "fuzz", env={"FUZZ_JOBS": "12", "LIMIT_fuzz": "540", "FUZZ_N": "50"})
-    assert "--problems 50 " in more.stdout and "--jobs 12 --time-budget-s 510" in more.stdout
+    assert "--problems 50 " in more.stdout and "--jobs 12 --time-budget-s 480" in more.stdout
 
 
 def test_run_sh_sanitize_summary(tmp_path):
