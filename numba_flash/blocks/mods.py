@@ -1,4 +1,4 @@
-"""Score modifications, written once for every tensor-core family: softcap and ALiBi (flash-attn 2.x's).
+"""Score modifications, written once for every family that has them: softcap and ALiBi (flash-attn 2.x's).
 
 The kernels keep S raw (q·k, unscaled) and fold softmax_scale into the exponent (blocks/softmax.py), so a
 mod of the logit x = scale·s is applied in raw units, s ← mod(scale·s) / scale:
