@@ -52,7 +52,7 @@ class Problem:
     causal: bool
     softmax_scale: float
     device: int | None
-    window_size: tuple = (-1, -1)  # as given (validated): -1 unbounded
+    window_size: tuple = (-1, -1)  # validated; -1 unbounded (a side >= Nk is stored as -1)
     softcap: float = 0.0
     alibi_shape: tuple | None = None  # the slopes' shape, (H,) or (B, H)
 
@@ -78,7 +78,8 @@ def _as_4d(shape: tuple) -> tuple:
 
 def window_pair(window_size: Any) -> tuple:
     """flash-attn's window_size=(left, right) as two Python ints, each -1 (unbounded) or >= 0."""
-    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+    ok = isinstance(window_size, (tuple, list)) or (hasattr(window_size, "ndim") and window_size.ndim == 1)
+    if not ok or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right) of ints, each -1 (unbounded) or >= 0; "
                         f"got {window_size!r}")
     out = []
@@ -94,15 +95,24 @@ def window_pair(window_size: Any) -> tuple:
 def _check_softcap(softcap: Any) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
-    cap = float(softcap)
+    try:
+        cap = float(softcap)
+    except OverflowError:  # an int past the float range: too large, as below
+        cap = math.inf
     if not math.isfinite(cap) or cap < 0:
         raise ValueError(f"softcap must be finite and >= 0 (0.0: off; scores become softcap·tanh(s / softcap)); "
                          f"got {softcap!r}")
     return cap
 
 
-def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device) -> tuple:
-    """The shape of validated ALiBi slopes: float32, (H,) or (B, H), where q is."""
+def _fp32_ratio_ok(x: float) -> bool:
+    """x (a launch argument the kernels take in fp32) is finite and nonzero there."""
+    return 2.0**-126 <= abs(x) < 2.0**128
+
+
+def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device, q_ndim: int = 4) -> tuple:
+    """The shape of validated ALiBi slopes: float32, (H,) or (B, H) (a batch axis needs q's), where q is; NumPy
+    slopes must be finite (device slopes are not read back to check)."""
     kind = arrays.kind_of(alibi_slopes)
     if kind is None:
         raise TypeError(f"alibi_slopes must be a float32 array of shape (H,) or (B, H) ({_ACCEPTED_ARRAYS}); "
@@ -116,8 +126,15 @@ def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device) -> tupl
     if dt != "float32":
         raise TypeError(f"alibi_slopes has dtype {dt}; accepted: float32 (as flash-attn takes them)")
     shape = tuple(arrays.shape_of(alibi_slopes))
-    if shape not in ((H,), (B, H)):
-        raise ValueError(f"alibi_slopes has shape {shape}; accepted: (H,) = ({H},) or (B, H) = ({B}, {H})")
+    accepted = ((H,), (B, H)) if q_ndim == 4 else ((H,),)
+    if shape not in accepted:
+        what = f"(H,) = ({H},) or (B, H) = ({B}, {H})" if q_ndim == 4 else f"(H,) = ({H},) (q has no batch axis)"
+        raise ValueError(f"alibi_slopes has shape {shape}; accepted: {what}")
+    if kind == arrays.NUMPY:
+        import numpy as np
+
+        if not np.isfinite(alibi_slopes).all():
+            raise ValueError("alibi_slopes must be finite; got a NaN or inf (slope · 0 would be NaN at the diagonal)")
     dev = arrays.device_of(alibi_slopes)
     if dev is not None and device is not None and dev != device:
         raise ValueError(f"alibi_slopes is on device {dev} and q on device {device}; put them on one GPU")
@@ -210,8 +227,17 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
                          "or -1 with causal, or causal=False with the window you mean)")
     window = tuple(-1 if side >= n_k else side for side in window)  # flash-attn's rule: a side >= Nk is unbounded
     cap = _check_softcap(softcap)
+    if cap and not (_fp32_ratio_ok(cap / scale) and _fp32_ratio_ok(scale / cap)):
+        raise ValueError(f"softcap = {softcap!r} with softmax_scale = {scale:g}: the kernels take softcap / scale and "
+                         "scale / softcap in fp32; accepted: both between 2**-126 and 2**128, i.e. "
+                         f"{scale * 2.0**-126:.3g} <= softcap < {scale * 2.0**127:.3g}")
     device = known.pop() if known else None
-    alibi_shape = None if alibi_slopes is None else _check_alibi(alibi_slopes, kinds["q"], B, H, device)
+    alibi_shape = None
+    if alibi_slopes is not None:
+        alibi_shape = _check_alibi(alibi_slopes, kinds["q"], B, H, device, len(shapes["q"]))
+        if not _fp32_ratio_ok(1.0 / scale):
+            raise ValueError(f"softmax_scale = {scale:g} with alibi_slopes: the kernels take 1 / scale in fp32; accepted "
+                             "with ALiBi: softmax_scale >= 2**-127")
     return Problem(
         kind=kinds["q"], dtype=dtypes["q"], q_shape=shapes["q"], B=B, H=H, Hkv=Hkv,
         n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
@@ -397,7 +423,7 @@ def _choose_with_mods(p: Problem, kernel: str, views):
             reasons[-1] = f"{p.dtype} on the SIMT path (fp32 FMA), not tensor cores: {why}"
         reasons.insert(1, words)
         return kind, cfg, reasons
-    cfg = mma_config(p.d, p.causal)
+    cfg = mma_config(p.d, p.mask_causal)  # window (-1, 0) with softcap / ALiBi: the causal tiles
     kind, reasons = choose_kernel(_plain(p), "mma", views)[::2]
     reasons.insert(1, words)
     return kind, cfg, reasons
@@ -406,7 +432,7 @@ def _choose_with_mods(p: Problem, kernel: str, views):
 def _plain(p: Problem) -> Problem:
     from dataclasses import replace
 
-    return replace(p, window_size=(-1, -1), softcap=0.0, alibi_shape=None)
+    return replace(p, causal=p.mask_causal, window_size=(-1, -1), softcap=0.0, alibi_shape=None)
 
 
 def _on_device(device: int | None):
@@ -459,8 +485,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
         alibi_slopes: float32 (H,) or (B, H), where q is: adds -slope·|i + Nk - Nq - j| to the (capped)
             scaled score of query i and key j (flash-attn's ALiBi; L includes the whole bias, where
             flash-attn's causal kernels drop the row-constant slope·(i + Nk - Nq) from it).
-            The three run on kernel "mma" (float16 / bfloat16, d <= 128); elsewhere they raise
-            NotImplementedError.
+            The three run on kernel "mma" (float16 / bfloat16, d <= 128) and on "simt" (float32, d > 128,
+            or unaligned rows: auto takes it there, with its PerformanceWarning); "tf32x3" / "tf32" raise
+            NotImplementedError. The backward has them on the mma kernels only.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy

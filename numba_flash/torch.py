@@ -19,7 +19,7 @@ except ImportError as e:  # a clear message instead of a NameError later
         "numba_flash.backward work without it on CuPy, Numba or NumPy arrays"
     ) from e
 
-from .api import forward
+from .api import forward, window_pair
 from .backward import backward
 
 __all__ = ["attention", "FlashAttentionFunction"]
@@ -33,24 +33,25 @@ class FlashAttentionFunction(torch.autograd.Function):
                 alibi_slopes=None):
         out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                            softcap=softcap, alibi_slopes=alibi_slopes)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # the slopes as saved tensors too: autograd then notices an in-place change before the backward
+        ctx.save_for_backward(q, k, v, out, lse, *(() if alibi_slopes is None else (alibi_slopes,)))
         ctx.causal = causal
         ctx.softmax_scale = softmax_scale
         ctx.deterministic = deterministic
-        ctx.mods = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        ctx.mods = dict(window_size=window_size, softcap=softcap)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *slopes = ctx.saved_tensors
         # The kernels read any strides correctly, so a strided dout is used in place. Only a last
         # dim that is not contiguous (e.g. the all-zero strides of the gradient of out.sum(),
         # an expanded scalar) is copied: there each lane would read a scattered element.
         if dout.shape[-1] > 1 and dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal, softmax_scale=ctx.softmax_scale,
-                              deterministic=ctx.deterministic, **ctx.mods)
+                              deterministic=ctx.deterministic, alibi_slopes=slopes[0] if slopes else None, **ctx.mods)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -73,5 +74,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     if alibi_slopes is not None and getattr(alibi_slopes, "requires_grad", False):
         raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
                          "alibi_slopes.detach()")
+    mods = window_pair(window_size) != (-1, -1) or softcap or alibi_slopes is not None
+    if mods and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
+        # the backward has the mods on the mma kernels only: say so now, not at loss.backward()
+        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 128:
+            raise NotImplementedError(
+                f"window_size / softcap / alibi_slopes with gradients: the backward builds them into the mma "
+                f"kernels only (float16/bfloat16, head dim <= 128); got {q.dtype}, head dim {q.shape[-1]} (the "
+                "forward alone runs them, under torch.no_grad())")
     return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic, window_size, softcap,
                                         alibi_slopes)

@@ -246,3 +246,38 @@ def test_backward_variants_through_the_deterministic_splits(monkeypatch):
     for ours, repeat, x, nv in zip(grads, again, exact, naive):
         np.testing.assert_array_equal(ours, repeat)
         _bound(ours.astype(np.float64), x, nv.astype(np.float64), 2e-3 * max(1.0, np.abs(x).max()))
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(softcap=1e39), ValueError, "softcap = 1e\\+39 with softmax_scale"),
+    (dict(softcap=10**400), ValueError, "softcap must be finite"),
+    (dict(softcap=1e-45), ValueError, "softcap = 1e-45 with softmax_scale"),
+    (dict(alibi_slopes=np.array([0.5, np.inf], np.float32)), ValueError, "alibi_slopes must be finite"),
+    (dict(alibi_slopes=np.ones(2, np.float32), softmax_scale=1e-39), ValueError, "1 / scale in fp32"),
+    (dict(window_size={1, 2}), TypeError, "window_size must be a pair"),
+    (dict(window_size={1: 0, 2: 0}), TypeError, "window_size must be a pair"),
+])
+def test_values_the_kernels_cannot_represent_are_refused(kw, err, match):
+    """softcap / scale and scale / softcap, and 1 / scale with ALiBi, are fp32 launch arguments: outside fp32's
+    range the scores became NaN (softcap=1e39: 144 NaNs in O on the simulator); slopes must be finite."""
+    q, k, v, _ = _inputs(10, 1, 2, 1, 5, 5, 16)
+    with pytest.raises(err, match=match):
+        numba_flash.forward(q, k, v, **kw)
+
+
+def test_slopes_with_a_batch_axis_need_q_to_have_one():
+    q, k, v, _ = _inputs(11, 1, 2, 1, 5, 5, 16)
+    with pytest.raises(ValueError, match=r"accepted: \(H,\) = \(2,\) \(q has no batch axis\)"):
+        numba_flash.forward(q[0], k[0], v[0], alibi_slopes=np.ones((1, 2), np.float32))
+    out, _ = numba_flash.forward(q[0], k[0], v[0], alibi_slopes=np.ones(2, np.float32))  # (H,) is fine
+    ref, _ = reference.standard_attention(q[0], k[0], v[0], alibi_slopes=np.ones(2, np.float32))
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=2e-3, rtol=0)
+
+
+def test_causal_window_with_a_score_mod_takes_the_causal_tiles():
+    """window (-1, 0) with softcap is the causal kind: the causal tile config, and explain says what runs."""
+    from numba_flash.configs import MMA_TABLE
+
+    q, k, v, _ = _inputs(12, 1, 2, 1, 40, 40, 64)
+    p = numba_flash.api.validate(q, k, v, window_size=(-1, 0), softcap=3.0)
+    assert numba_flash.api.choose_kernel(p)[1] == MMA_TABLE[64, True]
