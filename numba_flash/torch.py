@@ -20,6 +20,7 @@ except ImportError as e:  # a clear message instead of a NameError later
     ) from e
 
 from .api import forward, window_pair
+from .blocks.mask import window_kind
 from .backward import backward
 
 __all__ = ["attention", "FlashAttentionFunction"]
@@ -74,7 +75,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     if alibi_slopes is not None and getattr(alibi_slopes, "requires_grad", False):
         raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
                          "alibi_slopes.detach()")
-    mods = window_pair(window_size) != (-1, -1) or softcap or alibi_slopes is not None
+    n_k = k.shape[-2] if hasattr(k, "shape") and len(k.shape) >= 2 else 0
+    window = tuple(-1 if side >= n_k else side for side in window_pair(window_size))  # as api.validate has it
+    try:
+        causal_flag = bool(causal)
+    except (TypeError, ValueError):  # not a bool: forward's validation says what is accepted
+        causal_flag = False
+    mods = window_kind(causal_flag, window) == "window" or softcap or alibi_slopes is not None
     if mods and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
         # the backward has the mods on the mma kernels only: say so now, not at loss.backward()
         if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 128:
