@@ -16,7 +16,7 @@ from numba import float32
 
 from . import ptx
 from .blocks.entry import check_dq_acc, rows16
-from .blocks.mods import NO_MODS, softcap_args
+from .blocks.mods import NO_MODS, launch_args
 from .blocks.numerics import LOG2E
 from .blocks.tf32 import head_dim_for, split_round_for_device
 from .configs import TF32_BWD_TABLE
@@ -64,9 +64,7 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
     atomic = dq_acc is not None
     if mods.any:
-        cap_a, cap_b = softcap_args(softcap, softmax_scale)
-        scalars += (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
-                    alibi if alibi is not None else unused_slopes(l2), float32(1.0 / softmax_scale))
+        scalars += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(l2))
     vec = d % 8 == 0 and all(rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
     if "prep" in kernels:
         bwd_prep.launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)

@@ -52,6 +52,27 @@ def softcap_args(softcap: float, softmax_scale: float) -> tuple:
     return softmax_scale / softcap, softcap / softmax_scale
 
 
+def launch_args(window, softcap, softmax_scale, alibi, stand_in) -> tuple:
+    """The six launch arguments of a build with mods: window bounds (blocks/mask.window_bounds), cap_a, cap_b,
+    the slopes (or ``stand_in``, a (1, 1) fp32 view of the call's own scratch when there is no ALiBi: never
+    read, and a pointer plans can find) and 1 / softmax_scale."""
+    cap_a, cap_b = softcap_args(softcap, softmax_scale)
+    return (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
+            alibi if alibi is not None else stand_in, float32(1.0 / softmax_scale))
+
+
+@inline_device
+def head_slope(slopes, b, h, inv_scale):
+    """ALiBi's slope / scale for (batch b, query head h); slopes (Ba, H), Ba = 1 broadcasting over the batch."""
+    return slopes[min(b, slopes.shape[0] - 1), h] * inv_scale
+
+
+@inline_device
+def alibi_bias(slope, row, col, shift):
+    """slope·|row + shift − col| of one score (the fragment form, fragment_mods, avoids the int→float)."""
+    return slope * float32(abs(row + shift - col))
+
+
 @inline_device
 def capped(s, cap_a, cap_b):
     """The softcapped raw score cap_b·tanh(cap_a·s) (libdevice tanhf: its error, ~1 ulp, is far below the

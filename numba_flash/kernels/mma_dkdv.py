@@ -54,8 +54,8 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.dkdv import dkdv_common, stage_words, two_products, window_schedule
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
-from ..blocks.mask import clamps_past_end, mask_kind
-from ..blocks.mods import NO_MODS, Mods, capped, softcap_grad
+from ..blocks.mask import clamps_past_end, mask_kind, window_rules
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
 
 DTYPES = ("float16", "bfloat16")
@@ -146,6 +146,7 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     ZERO = float32(0.0)
     CLAMP_P = clamps_past_end("window" if WINDOW else mask_kind(CAUSAL), ATOMIC_DQ)
     schedule_window = window_schedule(BLOCK_N, BLOCK_M)
+    _, window_edge, window_hidden = window_rules(16, BLOCK_M)  # a warp's 16 keys x the step's queries
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first,
@@ -210,12 +211,11 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries
             # have L2 = +inf. Mask only where this warp's keys cross the tile's diagonal.
             needs_mask = CAUSAL and kw + 15 > i0 + shift
-            if WINDOW:  # keys past n_k, or an edge of the window, for some (key, query) of the warp's tile
-                needs_mask = (kw + 15 >= n_k or kw + 15 > i0 + shift + right
-                              or kw < i0 + BLOCK_M - 1 + shift - left)
+            if WINDOW:  # the warp's 16 keys against the step's BLOCK_M queries (the forward's edge test, transposed)
+                needs_mask = window_edge(kw, kw + 16, i0, n_k, shift, left, right)
             slope = ZERO
-            if ALIBI:  # of this step's query head (Ba = 1 broadcasts over the batch)
-                slope = slopes[min(b, slopes.shape[0] - 1), h_kv * group + hh] * inv_scale
+            if ALIBI:  # of this step's query head
+                slope = head_slope(slopes, b, h_kv * group + hh, inv_scale)
             l2_s = (st + SL) >> 1
             d_s = (st + SD) >> 1
             for nt in range(Q_TILES):
@@ -226,14 +226,12 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                         x = capped(x, cap_a, cap_b)
                         s[nt, r] = x  # the capped score: its 1 − tanh² below
                     if ALIBI:
-                        x -= slope * float32(abs(i0 + col + shift - (kw + g + 8 * (r >> 1))))
+                        x -= alibi_bias(slope, i0 + col, kw + g + 8 * (r >> 1), shift)
                     x = x * scale_log2 - smem_f[l2_s + col]
                     if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
                         x = min(x, ZERO)
                     if WINDOW:
-                        key = kw + g + 8 * (r >> 1)
-                        if needs_mask and (key >= n_k or key > i0 + col + shift + right
-                                           or key < i0 + col + shift - left):
+                        if needs_mask and window_hidden(i0 + col, kw + g + 8 * (r >> 1), n_k, shift, left, right):
                             x = NEG_INF
                     elif needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF

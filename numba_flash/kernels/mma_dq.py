@@ -28,7 +28,7 @@ from ..blocks.copies import tile_copies
 from ..blocks.dkdv import two_products
 from ..blocks.entry import kernel_signature
 from ..blocks.mask import window_rules
-from ..blocks.mods import NO_MODS, Mods, capped, softcap_grad
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
 
 DTYPES = ("float16", "bfloat16")
@@ -85,7 +85,7 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     SK, SV = 0, BLOCK_N * HEAD_DIM
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL = bool(CAUSAL) and not WINDOW
-    window_range, window_edge, _ = window_rules(BLOCK_N, 16)
+    window_range, window_edge, window_hidden = window_rules(BLOCK_N, 16)
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, K_TILES, mma)
@@ -125,7 +125,7 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
             j_first, n_tiles = window_range(q0, min(q0 + BLOCK_M, n_q), n_k, shift, left, right)
         slope = ZERO
         if ALIBI:
-            slope = slopes[min(b, slopes.shape[0] - 1), h] * inv_scale
+            slope = head_slope(slopes, b, h, inv_scale)
 
         mat = lane >> 3
         a_row = warp * 16 + (lane & 15)  # A (Q, dO rows)
@@ -197,13 +197,12 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                         x = capped(x, cap_a, cap_b)
                         s[nt, r] = x  # the capped score: its 1 − tanh² below
                     if ALIBI:
-                        x -= slope * float32(abs(qw + g + 8 * half + shift - (k0 + nt * 8 + 2 * t + (r & 1))))
+                        x -= alibi_bias(slope, qw + g + 8 * half, k0 + nt * 8 + 2 * t + (r & 1), shift)
                     x = x * scale_log2 - l2_r[half]
                     if needs_mask:
                         col = k0 + nt * 8 + 2 * t + (r & 1)
                         if WINDOW:
-                            row = qw + g + 8 * half
-                            if col >= n_k or col > row + shift + right or col < row + shift - left:
+                            if window_hidden(qw + g + 8 * half, col, n_k, shift, left, right):
                                 x = NEG_INF
                         elif col >= n_k or (CAUSAL and col > qw + g + 8 * half + shift):
                             x = NEG_INF

@@ -66,7 +66,7 @@ from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
 from ..blocks.copies import tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
-from ..blocks.mods import NO_MODS, Mods, fragment_mods, softcap_args
+from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 
@@ -253,7 +253,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
         slope = ZERO
         if ALIBI:  # (Ba, H): Ba = 1 broadcasts over the batch
-            slope = alibi[min(b, alibi.shape[0] - 1), h] * inv_scale
+            slope = head_slope(alibi, b, h, inv_scale)
 
         # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
         mat = lane >> 3
@@ -538,9 +538,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
     grid = (B * H, q_tiles) if grid_bh_x else (q_tiles, B * H)
     args = (_words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
-        cap_a, cap_b = softcap_args(softcap, softmax_scale)
-        args += (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
-                 alibi if alibi is not None else unused_slopes(lse), float32(1.0 / softmax_scale))
+        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse))
     launch_kernel(build(tile, bool(causal), dtype, d % 8 != 0, mods), grid, threads(tile), stream, smem_bytes(tile),
                   *args)
 

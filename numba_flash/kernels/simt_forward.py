@@ -44,7 +44,7 @@ from .. import ptx
 from ..blocks.numerics import FASTMATH, LN2, LOG2E, STORAGE
 from ..configs import SimtConfig
 from ..blocks.mask import window_rules
-from ..blocks.mods import NO_MODS, Mods, capped, softcap_args
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, launch_args
 from ..launch import launch as launch_kernel
 from ..launch import unused_slopes
 from ..ptx import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
@@ -320,7 +320,7 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str, mods: Mods = NO_MOD
             j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
         slope = ZERO
         if ALIBI:  # (Ba, H): Ba = 1 broadcasts over the batch
-            slope = slopes[min(b, slopes.shape[0] - 1), h] * inv_scale
+            slope = head_slope(slopes, b, h, inv_scale)
 
         pre = cuda.local.array((PRE, 4), float32)  # prefetched trips: K_{j+1} or V_j, in turn
         if PREFETCH_TRIPS and n_tiles > j_first:
@@ -370,7 +370,7 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str, mods: Mods = NO_MOD
                         if SOFTCAP:
                             x = capped(x, cap_a, cap_b)
                         if ALIBI:
-                            x -= slope * float32(abs(q0 + r + shift - (k0 + (jj // 4) * COL_STEP + 4 * tc + jj % 4)))
+                            x -= alibi_bias(slope, q0 + r, k0 + (jj // 4) * COL_STEP + 4 * tc + jj % 4, shift)
                         x = x * scale_log2
                     else:
                         x = s[i, jj] * scale_log2
@@ -504,7 +504,5 @@ def launch(cfg: SimtConfig, q, k, v, out, lse, *, causal: bool, softmax_scale: f
     grid = ((n_q + cfg.block_q - 1) // cfg.block_q, B * H)
     args = (q, k, v, out, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
-        cap_a, cap_b = softcap_args(softcap, softmax_scale)
-        args += (int(window[0]), int(window[1]), float32(cap_a), float32(cap_b),
-                 alibi if alibi is not None else unused_slopes(lse), float32(1.0 / softmax_scale))
+        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse))
     launch_kernel(kernel, grid, cfg.threads, stream, cfg.smem_bytes, *args)

@@ -41,8 +41,8 @@ from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common, window_schedule
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
-from ..blocks.mods import NO_MODS, Mods, capped, softcap_grad
-from ..blocks.mask import clamps_past_end, mask_kind
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
+from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 
 BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
 THREADS = 256
@@ -96,6 +96,7 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL = bool(CAUSAL) and not WINDOW
     schedule_window = window_schedule(BLOCK_N, BLOCK_M)
+    _, window_edge, window_hidden = window_rules(16, BLOCK_M)  # a warp's 16 keys x the step's queries
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), _, prologue, schedule, step_tile, prefetch, _, store_grads, _ = \
         dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES, PARTIAL_CHUNK, ATOMS=True)
     mma_s = ptx.wgmma(BLOCK_M, DTYPE)
@@ -229,12 +230,11 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
 
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]) while the tensor cores finish dPᵀ
             needs_mask = CAUSAL and kw + 15 > i0 + shift
-            if WINDOW:  # keys past n_k, or an edge of the window, for some (key, query) of the warp's tile
-                needs_mask = (kw + 15 >= n_k or kw + 15 > i0 + shift + right
-                              or kw < i0 + BLOCK_M - 1 + shift - left)
+            if WINDOW:  # the warp's 16 keys against the step's BLOCK_M queries (the forward's edge test, transposed)
+                needs_mask = window_edge(kw, kw + 16, i0, n_k, shift, left, right)
             slope = ZERO
-            if ALIBI:  # of this step's query head (Ba = 1 broadcasts over the batch)
-                slope = slopes[min(b, slopes.shape[0] - 1), h_kv * group + hh] * inv_scale
+            if ALIBI:  # of this step's query head
+                slope = head_slope(slopes, b, h_kv * group + hh, inv_scale)
             l2_s = (st + SL) >> 1
             d_s = (st + SD) >> 1
             for nt in range(Q_TILES):
@@ -246,16 +246,14 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
                             x = capped(x, cap_a, cap_b)
                             sg[nt, r] = softcap_grad(x, cap_b)
                         if ALIBI:
-                            x -= slope * float32(abs(i0 + col + shift - (kw + g + 8 * (r >> 1))))
+                            x -= alibi_bias(slope, i0 + col, kw + g + 8 * (r >> 1), shift)
                         x = x * scale_log2 - smem_f[l2_s + col]
                     else:
                         x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
                     if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
                         x = min(x, ZERO)
                     if WINDOW:
-                        key = kw + g + 8 * (r >> 1)
-                        if needs_mask and (key >= n_k or key > i0 + col + shift + right
-                                           or key < i0 + col + shift - left):
+                        if needs_mask and window_hidden(i0 + col, kw + g + 8 * (r >> 1), n_k, shift, left, right):
                             x = NEG_INF
                     elif needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
