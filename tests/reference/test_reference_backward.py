@@ -24,17 +24,18 @@ EPS = np.finfo(np.float64).eps
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def numeric_gradients(q, k, v, do, causal, h=1e-5):
-    """Central differences of loss = Σ O ∘ dO with respect to every entry of q, k and v."""
+def numeric_gradients(q, k, v, do, kwargs, h=1e-5):
+    """Central differences of loss = Σ O ∘ dO with respect to every entry of q, k and v; kwargs go to
+    standard_attention (causal, window_size, softcap, alibi_slopes: test_reference_variants uses it too)."""
     grads = []
     for x in (q, k, v):
         g = np.zeros_like(x)
         for idx in np.ndindex(x.shape):
             old = x[idx]
             x[idx] = old + h
-            plus = np.sum(standard_attention(q, k, v, causal=causal)[0] * do)
+            plus = np.sum(standard_attention(q, k, v, **kwargs)[0] * do)
             x[idx] = old - h
-            minus = np.sum(standard_attention(q, k, v, causal=causal)[0] * do)
+            minus = np.sum(standard_attention(q, k, v, **kwargs)[0] * do)
             x[idx] = old
             g[idx] = (plus - minus) / (2 * h)
         grads.append(g)
@@ -58,7 +59,7 @@ def test_backward_matches_finite_differences(rng, q_shape, kv_shape, causal):
     O, L = standard_attention(q, k, v, causal=causal)
     do = rng.standard_normal(O.shape)
     analytic = attention_backward(q, k, v, O, L, do, causal=causal)
-    numeric = numeric_gradients(q, k, v, do, causal)
+    numeric = numeric_gradients(q, k, v, do, {"causal": causal})
     tiled = flash_attention_backward(q, k, v, O, L, do, block_q=2, block_k=3, causal=causal)
     for name, a, n, t in zip(("dq", "dk", "dv"), analytic, numeric, tiled):
         assert a.shape == n.shape, name

@@ -36,6 +36,8 @@ from reference import (
     visible_mask,
 )
 
+from test_reference_backward import numeric_gradients  # noqa: E402  (the finite differences, written once)
+
 EPS = np.finfo(np.float64).eps
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -286,23 +288,6 @@ def test_keys_outside_every_window_change_nothing(problem, block_q, block_k):
 
 
 # --- backward: finite differences, and tiled against materialised -----------------------------------
-
-
-def numeric_gradients(q, k, v, do, kwargs, h=1e-5):
-    """Central differences of loss = Σ O ∘ dO with respect to every entry of q, k and v."""
-    grads = []
-    for x in (q, k, v):
-        g = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            old = x[idx]
-            x[idx] = old + h
-            plus = np.sum(standard_attention(q, k, v, **kwargs)[0] * do)
-            x[idx] = old - h
-            minus = np.sum(standard_attention(q, k, v, **kwargs)[0] * do)
-            x[idx] = old
-            g[idx] = (plus - minus) / (2 * h)
-        grads.append(g)
-    return grads
 
 
 FD_CASES = {
