@@ -47,7 +47,7 @@ smem_epilogue  O is normalised, packed and written by 32-bit shared stores into 
                Q tile (only that warp ever reads them), then copied out as 16-byte rows (ld.shared.v4 +
                st.global.v4, a row's chunks on consecutive lanes); launch drops it when out's rows are not
                16-byte aligned.
-warp_skip      (causal) a warp runs the K/V loop only over the tiles its own rows see; past them it only
+warp_skip      (causal) a warp computes only the tiles its own rows see; past them it only
                takes part in the barriers and copies (exact: there p would be 0 and alpha 1).
 """
 from __future__ import annotations
@@ -322,7 +322,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         if WARP_SKIP:
             seen_w = q0 + warp * ROWS_W + ROWS_W + shift  # keys the warp's last row sees
             n_tiles_w = int32(min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K))
-        for j in range(int32(j_first), n_tiles_w):
+        for j in range(int32(j_first), n_tiles):
             k0 = int32(j * BLOCK_K)
             k1 = int32(k0 + BLOCK_K)  # the next tile's first key
             # one barrier: K_j, V_j landed and every warp left tile j-1's buffers
@@ -336,82 +336,72 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                                    col_bytes, kv_dst, k1, n_k)
             cp_commit()
 
-            # S = Q K_jᵀ, one call per k-step (NVVM inlines each; kk becomes a constant: a rolled loop left
-            # every ldmatrix address 64-bit arithmetic on a counter, and no load of step kk+1 under step kk's mma)
-            for nt in range(M_TILES * S_TILES):
-                for r in range(4):
-                    s[nt, r] = ZERO
-            kv_bytes = 2 * kv_buf
-            qk_step(s, q_frag, smem, 0, q_at, k_at, kv_bytes)
-            qk_step(s, q_frag, smem, 1, q_at, k_at, kv_bytes)
-            qk_step(s, q_frag, smem, 2, q_at, k_at, kv_bytes)
-            qk_step(s, q_frag, smem, 3, q_at, k_at, kv_bytes)
-            if QK_STEPS > 4:
-                qk_step(s, q_frag, smem, 4, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 5, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 6, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 7, q_at, k_at, kv_bytes)
-            if QK_STEPS > 8:
-                qk_step(s, q_frag, smem, 8, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 9, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 10, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 11, q_at, k_at, kv_bytes)
-            if QK_STEPS > 12:
-                qk_step(s, q_frag, smem, 12, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 13, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 14, q_at, k_at, kv_bytes)
-                qk_step(s, q_frag, smem, 15, q_at, k_at, kv_bytes)
+            # warp_skip: a warp past its rows' tiles skips the maths (exact: p = 0, alpha = 1) but keeps the
+            # loop, so every warp reaches the one bar.sync above from the same instruction (warp-uniform)
+            if not WARP_SKIP or j < n_tiles_w:
+                # S = Q K_jᵀ, one call per k-step (NVVM inlines each; kk becomes a constant: a rolled loop left
+                # every ldmatrix address 64-bit arithmetic on a counter, and no load of step kk+1 under step kk's mma)
+                for nt in range(M_TILES * S_TILES):
+                    for r in range(4):
+                        s[nt, r] = ZERO
+                kv_bytes = 2 * kv_buf
+                qk_step(s, q_frag, smem, 0, q_at, k_at, kv_bytes)
+                qk_step(s, q_frag, smem, 1, q_at, k_at, kv_bytes)
+                qk_step(s, q_frag, smem, 2, q_at, k_at, kv_bytes)
+                qk_step(s, q_frag, smem, 3, q_at, k_at, kv_bytes)
+                if QK_STEPS > 4:
+                    qk_step(s, q_frag, smem, 4, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 5, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 6, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 7, q_at, k_at, kv_bytes)
+                if QK_STEPS > 8:
+                    qk_step(s, q_frag, smem, 8, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 9, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 10, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 11, q_at, k_at, kv_bytes)
+                if QK_STEPS > 12:
+                    qk_step(s, q_frag, smem, 12, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 13, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 14, q_at, k_at, kv_bytes)
+                    qk_step(s, q_frag, smem, 15, q_at, k_at, kv_bytes)
 
-            if SCORE_MODS:  # softcap, ALiBi: every score, before the mask
-                mod_tile(s, k0, q0 + warp * ROWS_W, shift, g, t, cap_a, cap_b, slope)
-            # Mask only tiles that cross the end of the keys, the diagonal or the window's edges (raw scores).
-            if WINDOW:
-                if window_edge(k0, k1, q0 + warp * ROWS_W, n_k, shift, left, right):
-                    window_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, left, right, g, t)
-            else:
-                needs_mask = k1 > n_k
-                if CAUSAL:
-                    needs_mask = needs_mask or (k1 - 1 > q0 + warp * ROWS_W + shift)
-                if needs_mask:
-                    mask_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, g, t)
+                if SCORE_MODS:  # softcap, ALiBi: every score, before the mask
+                    mod_tile(s, k0, q0 + warp * ROWS_W, shift, g, t, cap_a, cap_b, slope)
+                # Mask only tiles that cross the end of the keys, the diagonal or the window's edges (raw scores).
+                if WINDOW:
+                    if window_edge(k0, k1, q0 + warp * ROWS_W, n_k, shift, left, right):
+                        window_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, left, right, g, t)
+                else:
+                    needs_mask = k1 > n_k
+                    if CAUSAL:
+                        needs_mask = needs_mask or (k1 - 1 > q0 + warp * ROWS_W + shift)
+                    if needs_mask:
+                        mask_tile(s, k0, q0 + warp * ROWS_W, n_k, shift, g, t)
 
-            # Online softmax on the fragments, M moved only past M + RESCALE_LOG2 (blocks/softmax.py).
-            m_nw = cuda.local.array(ROWS_L, float32)
-            softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
+                # Online softmax on the fragments, M moved only past M + RESCALE_LOG2 (blocks/softmax.py).
+                m_nw = cuda.local.array(ROWS_L, float32)
+                softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
 
-            # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
-            p_frag = cuda.local.array((M_TILES, 4), uint32)
-            for kk in range(PV_STEPS):
-                for mt in range(M_TILES):
-                    st = mt * S_TILES + 2 * kk
-                    p_frag[mt, 0] = pack(s[st, 0], s[st, 1])
-                    p_frag[mt, 1] = pack(s[st, 2], s[st, 3])
-                    p_frag[mt, 2] = pack(s[st + 1, 0], s[st + 1, 1])
-                    p_frag[mt, 3] = pack(s[st + 1, 2], s[st + 1, 3])
-                for dp in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldsm_t_at(smem, v_at[dp & 3] + kv_bytes + (dp >> 2) * 128 + kk * (32 * HEAD_DIM))
-                    for mt in range(M_TILES):  # one V fragment, M_TILES m-tiles
-                        a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
-                        dt = mt * O_TILES + 2 * dp
-                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
-                            a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                        acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
-                            a0, a1, a2, a3, b2, b3,
-                            acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
-
-        if WARP_SKIP:  # the tiles this warp does not see: the same barriers and copies, no maths
-            for j in range(n_tiles_w, n_tiles):
-                k0 = int32(j * BLOCK_K)
-                k1 = int32(k0 + BLOCK_K)
-                kv_buf = int32((j & 1) * KV_WORDS)
-                cp_wait(0)
-                cuda.syncthreads()
-                if j < last_tile:
-                    k_next = copy_next(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, k_step,
-                                       col_bytes, kv_dst, k1, n_k)
-                    v_next = copy_next(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, v_step,
-                                       col_bytes, kv_dst, k1, n_k)
-                cp_commit()
+                # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
+                p_frag = cuda.local.array((M_TILES, 4), uint32)
+                for kk in range(PV_STEPS):
+                    for mt in range(M_TILES):
+                        st = mt * S_TILES + 2 * kk
+                        p_frag[mt, 0] = pack(s[st, 0], s[st, 1])
+                        p_frag[mt, 1] = pack(s[st, 2], s[st, 3])
+                        p_frag[mt, 2] = pack(s[st + 1, 0], s[st + 1, 1])
+                        p_frag[mt, 3] = pack(s[st + 1, 2], s[st + 1, 3])
+                    for dp in range(O_TILES // 2):
+                        b0, b1, b2, b3 = ldsm_t_at(smem, v_at[dp & 3] + kv_bytes + (dp >> 2) * 128
+                                                   + kk * (32 * HEAD_DIM))
+                        for mt in range(M_TILES):  # one V fragment, M_TILES m-tiles
+                            a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
+                            dt = mt * O_TILES + 2 * dp
+                            acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
+                                a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                            acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
+                                a0, a1, a2, a3, b2, b3,
+                                acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3])
 
         cp_wait(0)  # nothing may be in flight when the block exits (n_tiles == 0 path included)
         if EPI_SYNC:

@@ -7,6 +7,7 @@ process with NUMBA_ENABLE_CUDASIM=1 when this process does not have it; compile 
 in a child without it (see tests/kernels/test_ptx.py).
 """
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -286,6 +287,23 @@ def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
     report = ptxas_report(text, tmp_path)
     allowed = MMA_SPILL_OK.get((bq, bk, head_dim, mt), 0)
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
+
+
+def test_warp_skip_keeps_one_barrier_per_tile(tmp_path):
+    """warp_skip must not add a barrier instruction: a warp past its rows' tiles takes the same
+    bar.sync as the others (one loop, the maths skipped by a warp-uniform branch). A second loop of
+    barriers for the skipped tiles is undefined for an aligned barrier (compute-sanitizer synccheck:
+    divergent bar.sync), though the H200 gave right results with it."""
+    from numba_flash.configs import MMA_TABLE
+
+    tile = MMA_TABLE[64, True]
+    assert tile.has("warp_skip")  # the build this guards
+    counts = {}
+    for flags in (tile.flags, tile.flags - {"warp_skip"}):
+        source = compile_source(tile.block_q, tile.block_k, 64, True, "float16", mma_forward.m_tiles(tile), flags)
+        text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
+        counts["warp_skip" in flags] = len(re.findall(r"\bbar(?:rier)?\.sync", text))
+    assert counts[True] == counts[False] > 0, counts
 
 
 # --------------------------------------------------------------------------------------------
