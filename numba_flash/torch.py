@@ -1,15 +1,34 @@
-"""PyTorch autograd for numba_flash: ``attention`` runs ``forward`` and, on ``loss.backward()``, ``backward``.
+"""PyTorch ops for numba_flash: ``attention`` runs ``forward`` and, on ``loss.backward()``, ``backward``.
 
     from numba_flash.torch import attention
     out = attention(q, k, v, causal=True)    # CUDA tensors, float32 / float16 / bfloat16
     out.float().square().sum().backward()    # q.grad, k.grad, v.grad from numba_flash.backward
 
-Tensors are viewed, never copied (``__cuda_array_interface__``), and every kernel runs on
-PyTorch's current stream of the tensors' device. The forward saves q, k, v, out and the fp32
-logsumexp L (one number per query row), never the N×N probabilities. Importing this module
-needs PyTorch; the rest of numba_flash does not.
+The kernels are registered as PyTorch custom ops, so ``torch.compile`` (``fullgraph=True``
+included) sees one opaque node per call instead of tracing the Python that launches them:
+
+    torch.ops.numba_flash.fwd(q, k, v, causal, softmax_scale, window_left, window_right, softcap,
+                              alibi_slopes, deterministic) -> (out, lse)
+    torch.ops.numba_flash.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                              window_left, window_right, softcap, alibi_slopes) -> (dq, dk, dv)
+    torch.ops.numba_flash.decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits) -> (out, lse)
+
+Each has a fake (meta) implementation giving the outputs' shapes, dtypes and (contiguous) strides,
+``fwd`` has its autograd formula (``bwd``; ``deterministic`` is the backward's switch, carried by
+the forward op because autograd sees only its inputs) and none of them mutates an input.
+Tensors are viewed, never copied (``__cuda_array_interface__``); every kernel runs on PyTorch's
+current stream of the tensors' device and allocates through PyTorch's allocator, with no host
+synchronisation, so the calls can be captured in a CUDA graph once each shape has run eagerly
+(the first call compiles). The forward saves q, k, v, out and the fp32 logsumexp L (one number
+per query row), never the N×N probabilities. Importing this module needs PyTorch; the rest of
+numba_flash does not.
 """
 from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import numpy as np
 
 try:
     import torch
@@ -20,74 +39,155 @@ except ImportError as e:  # a clear message instead of a NameError later
     ) from e
 
 from .api import forward, window_pair
-from .blocks.mask import window_kind
 from .backward import backward
+from .blocks.mask import window_kind
+from .decode import decode as _decode
 
-__all__ = ["attention", "FlashAttentionFunction"]
+__all__ = ["attention", "decode", "fwd", "bwd", "decode_op"]
+
+Tensor = torch.Tensor
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    """out = softmax(Q Kᵀ · scale) V with a recomputing (FA2) backward; see ``attention``."""
+@torch.library.custom_op("numba_flash::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], window_left: int,
+        window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``numba_flash.forward`` as an op: (out, lse). deterministic is unused here (the backward's)."""
+    return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                   softcap=softcap, alibi_slopes=alibi_slopes)
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic=True, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None):
-        out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                           softcap=softcap, alibi_slopes=alibi_slopes)
-        # the slopes as saved tensors too: autograd then notices an in-place change before the backward
-        ctx.save_for_backward(q, k, v, out, lse, *(() if alibi_slopes is None else (alibi_slopes,)))
-        ctx.causal = causal
-        ctx.softmax_scale = softmax_scale
-        ctx.deterministic = deterministic
-        ctx.mods = dict(window_size=window_size, softcap=softcap)
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse, *slopes = ctx.saved_tensors
-        # The kernels read any strides correctly, so a strided dout is used in place. Only a last
-        # dim that is not contiguous (e.g. the all-zero strides of the gradient of out.sum(),
-        # an expanded scalar) is copied: there each lane would read a scattered element.
-        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal, softmax_scale=ctx.softmax_scale,
-                              deterministic=ctx.deterministic, alibi_slopes=slopes[0] if slopes else None, **ctx.mods)
-        return dq, dk, dv, None, None, None, None, None, None
+@fwd.register_fake
+def _fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("numba_flash::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+        softmax_scale: Optional[float], deterministic: bool, window_left: int, window_right: int, softcap: float,
+        alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``numba_flash.backward`` as an op: (dq, dk, dv)."""
+    # The kernels read any strides correctly, so a strided dout is used in place. Only a last dim that is
+    # not contiguous (e.g. the all-zero strides of the gradient of out.sum(), an expanded scalar) is
+    # copied: there each lane would read a scattered element.
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    return backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale,
+                    deterministic=deterministic, window_size=(window_left, window_right), softcap=softcap,
+                    alibi_slopes=alibi_slopes)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right, softcap,
+              alibi_slopes):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
+    out, lse = output
+    # the slopes as saved tensors too: autograd then notices an in-place change before the backward
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.args = (causal, softmax_scale, deterministic, window_left, window_right, softcap)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    causal, softmax_scale, deterministic, window_left, window_right, softcap = ctx.args
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right,
+                     softcap, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+@torch.library.custom_op("numba_flash::decode", mutates_args=())
+def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
+              softmax_scale: Optional[float], num_splits: Optional[int]) -> tuple[Tensor, Tensor]:
+    """``numba_flash.decode`` as an op: (out, lse)."""
+    return _decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                   num_splits=num_splits)
+
+
+@decode_op.register_fake
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
+def _check_bool(name, x):
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if not isinstance(x, bool):  # the op schema takes a bool; say so before torch's schema error
+        raise TypeError(f"{name} must be a bool; got {x!r}")
+    return x
+
+
+def _check_scale(softmax_scale):
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
+    return float(softmax_scale)  # forward's validation checks the range (an int past float's raises here)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None):
-    """Differentiable exact attention on PyTorch CUDA tensors.
+              alibi_slopes=None, return_lse=False):
+    """Differentiable exact attention on PyTorch CUDA tensors (``torch.ops.numba_flash.fwd``).
 
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
     causal alignment and the default scale are those of ``numba_flash.forward``; returns out
-    (q's shape and dtype). Gradients flow to q, k and v through ``numba_flash.backward``
-    (fp32 accumulation; fp16/bf16, and fp32 as 3xTF32, on tensor cores where ``forward`` would use
-    them, see ``numba_flash.explain_backward``). deterministic=True (default): bitwise repeatable
-    gradients (FA2's deterministic dQ splits, or a separate dQ kernel); False: dq by FA2's atomic adds
-    on the tensor-core paths (last bits vary run to run; fp16 d128 3 % faster than the default on an
-    H200), as ``numba_flash.backward``. window_size, softcap, alibi_slopes: flash-attn's sliding window,
-    softcapping and ALiBi, as ``numba_flash.forward`` (no gradient for the slopes: they are constants, as
-    in flash-attn).
+    (q's shape and dtype), or (out, lse) with return_lse=True (lse float32 of shape q.shape[:-1],
+    natural log, no gradient: as flash-attn's softmax_lse). Gradients flow to q, k and v through
+    ``numba_flash.backward`` (fp32 accumulation; fp16/bf16, and fp32 as 3xTF32, on tensor cores where
+    ``forward`` would use them, see ``numba_flash.explain_backward``). deterministic=True (default):
+    bitwise repeatable gradients (FA2's deterministic dQ splits, or a separate dQ kernel); False: dq by
+    FA2's atomic adds on the tensor-core paths (last bits vary run to run), as ``numba_flash.backward``.
+    window_size, softcap, alibi_slopes: flash-attn's sliding window, softcapping and ALiBi, as
+    ``numba_flash.forward`` (no gradient for the slopes: they are constants, as in flash-attn).
+    causal, deterministic and return_lse are bools, softmax_scale and softcap real numbers (the op
+    schema's types: Python bool and float). Works under ``torch.compile(fullgraph=True)`` and in CUDA graphs.
     Double backward is not supported.
     """
-    if alibi_slopes is not None and getattr(alibi_slopes, "requires_grad", False):
+    causal = _check_bool("causal", causal)
+    deterministic = _check_bool("deterministic", deterministic)
+    _check_bool("return_lse", return_lse)
+    scale = _check_scale(softmax_scale)
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch tensor of shape (H,) or (B, H), on q's device; "
+                        f"got {type(alibi_slopes).__name__}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
         raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
                          "alibi_slopes.detach()")
-    n_k = k.shape[-2] if hasattr(k, "shape") and len(k.shape) >= 2 else 0
-    window = tuple(-1 if side >= n_k else side for side in window_pair(window_size))  # as api.validate has it
-    try:
-        causal_flag = bool(causal)
-    except (TypeError, ValueError):  # not a bool: forward's validation says what is accepted
-        causal_flag = False
-    mods = window_kind(causal_flag, window) == "window" or softcap or alibi_slopes is not None
-    if mods and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
+    left, right = window_pair(window_size)
+    n_k = k.shape[-2] if len(k.shape) >= 2 else 0
+    window = (-1 if left >= n_k else left, -1 if right >= n_k else right)  # as api.validate has it
+    mods = window_kind(causal, window) == "window" or softcap != 0 or alibi_slopes is not None
+    if mods and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # the backward has the mods on the mma kernels only: say so now, not at loss.backward()
         if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 128:
             raise NotImplementedError(
                 f"window_size / softcap / alibi_slopes with gradients: the backward builds them into the mma "
                 f"kernels only (float16/bfloat16, head dim <= 128); got {q.dtype}, head dim {q.shape[-1]} (the "
                 "forward alone runs them, under torch.no_grad())")
-    return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic, window_size, softcap,
-                                        alibi_slopes)
+    out, lse = fwd(q, k, v, causal, scale, left, right, float(softcap), alibi_slopes, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None):
+    """``numba_flash.decode`` on PyTorch CUDA tensors through ``torch.ops.numba_flash.decode``: (out, lse).
+
+    Arguments as ``numba_flash.decode`` (q (B, H, Nq <= 16, d) against the caches (B, Hkv, Nmax, d);
+    cache_seqlens a CUDA int32/int64 tensor of shape (B,) or None); no gradient. The tile config
+    override of ``numba_flash.decode`` is not an op argument.
+    """
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch tensor (int32 or int64, shape (B,), on q's device) or "
+                        f"None; got {type(cache_seqlens).__name__}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
+        raise TypeError(f"num_splits must be a Python int >= 1 or None; got {num_splits!r}")
+    return decode_op(q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits)

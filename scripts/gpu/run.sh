@@ -32,6 +32,8 @@
 #   host      host time per call (scripts/host_overhead.py)
 #   mods      the attention variants: tests/kernels/test_mods.py + test_gpu_mods.py, then scripts/bench_mods.py
 #             (ours vs FlexAttention and SDPA; MODS_QUICK=1 for N 4096)
+#   torch     numba_flash inside PyTorch: scripts/bench_torch.py (the custom-op and transformers tests as PASS/FAIL
+#             lines, host time per call, the compiled 4-layer Llama training step; TORCH_QUICK=1 for B2 N1024)
 #   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results) in
 #             FUZZ_JOBS processes (default 8: each new kernel specialisation is seconds of JIT on one core), merged into one summary and one JSON
 #
@@ -47,7 +49,7 @@ if [ $# -lt 2 ]; then
 fi
 out=$1; shift
 steps=("$@")
-known=" tests bench forward sanitize ab abapi ptx host mods fuzz "
+known=" tests bench forward sanitize ab abapi ptx host mods torch fuzz "
 for s in "${steps[@]}"; do
   case "$known" in *" $s "*) ;; *) echo "unknown step: $s (steps:$known)" >&2; exit 2 ;; esac
 done
@@ -175,6 +177,10 @@ step_mods() {
   local n=(); python3 -c "import xdist" 2> /dev/null && n=(-n "${PYTEST_N:-8}")
   run mods "$(limit mods 240)" "${P[@]}" tests/kernels/test_mods.py tests/kernels/test_gpu_mods.py -rfE "${n[@]}"
   run mods "$(limit mods 400)" python3 scripts/bench_mods.py --out "$res" ${MODS_QUICK:+--quick}
+}
+
+step_torch() {
+  run torch "$(limit torch 420)" python3 scripts/bench_torch.py --out "$res" ${TORCH_QUICK:+--quick}
 }
 
 step_fuzz() {

@@ -1,0 +1,178 @@
+"""numba_flash inside PyTorch models on the GPU: checks (PASS/FAIL) and the compiled training step.
+
+    python3 scripts/bench_torch.py [--out DIR] [--quick]
+
+1. Checks: tests/api/test_torch_ops.py and tests/api/test_transformers.py under pytest (opcheck,
+   torch.compile fullgraph against eager, CUDA graph capture and replay, Llama / Qwen2 / Mistral / GPT-2
+   logits, loss and gradients against sdpa, generation with a cache, the refused masks), one PASS/FAIL
+   line per test with the numbers the tests print.
+2. A 4-layer random-init Llama (bf16, hidden 2048, 16 heads / 4 KV heads, head dim 128), B4 N2048:
+   forward+backward tokens/s, eager and torch.compile'd, with numba_flash and with sdpa (PyTorch's
+   default backend on the GPU), and each compiled model's graph-break count.
+3. Host time per attention call (B1 H1 N128 d64 fp16, where the GPU work is a few microseconds): eager
+   and inside a compiled function, ours and sdpa's.
+Writes torch-DATE.json (date, GPU, command, commit) with --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def checks() -> list:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "-s",
+           "tests/api/test_torch_ops.py", "tests/api/test_transformers.py"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    rows = []
+    for line in r.stdout.splitlines():
+        m = re.match(r"^(PASSED|FAILED|SKIPPED|ERROR)\s+(\S+)(.*)", line)
+        if m:
+            rows.append(dict(result=m.group(1), test=m.group(2), detail=m.group(3).strip(" -")))
+        elif re.search(r": ours [0-9.e+-]+, sdpa", line):
+            rows.append(dict(result="INFO", test="", detail=line.strip()))
+    for row in rows:
+        word = {"PASSED": "PASS", "FAILED": "FAIL", "ERROR": "FAIL"}.get(row["result"], row["result"])
+        print(f"{word:5s} {row['test']} {row['detail']}", flush=True)
+    print(r.stdout.splitlines()[-1] if r.stdout else r.stderr[-2000:], flush=True)
+    return rows
+
+
+def llama(impl: str, quick: bool):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl,
+                                                         dtype=torch.bfloat16).cuda().train()
+
+
+def timed_steps(model, ids, rounds: int) -> float:
+    """Median seconds of forward+backward (labels = ids), after two warm-up steps."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def training_step(quick: bool) -> list:
+    import torch._dynamo as dynamo
+    from numba_flash.integrations import transformers as nf_hf
+
+    name = nf_hf.register()
+    B, N = (2, 1024) if quick else (4, 2048)
+    ids = torch.randint(0, 32000, (B, N), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    rows = []
+    for impl in ("sdpa", name):
+        model = llama(impl, quick)
+        eager = timed_steps(model, ids, 5 if quick else 10)
+        dynamo.reset()
+        breaks = dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count
+        t0 = time.perf_counter()
+        compiled = torch.compile(model)
+        comp = timed_steps(compiled, ids, 5 if quick else 10)
+        wall = time.perf_counter() - t0
+        row = dict(impl=impl, B=B, N=N, eager_s=eager, compiled_s=comp, eager_tok_s=B * N / eager,
+                   compiled_tok_s=B * N / comp, graph_breaks=breaks, compile_and_time_wall_s=wall)
+        rows.append(row)
+        print(f"Llama 4L bf16 B{B} N{N} fwd+bwd {impl:6s}: eager {row['eager_tok_s']:9.0f} tok/s, compiled "
+              f"{row['compiled_tok_s']:9.0f} tok/s, graph breaks {breaks}", flush=True)
+        del model, compiled
+        torch.cuda.empty_cache()
+    return rows
+
+
+def host_time() -> list:
+    from numba_flash.torch import attention
+
+    q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fns = {"numba_flash eager": lambda: attention(q, k, v, causal=True),
+           "sdpa eager": lambda: sdpa(q, k, v, is_causal=True)}
+
+    def loop_ours(q, k, v):
+        o = q
+        for _ in range(20):
+            o = attention(o, k, v, causal=True)
+        return o
+
+    def loop_sdpa(q, k, v):
+        o = q
+        for _ in range(20):
+            o = sdpa(o, k, v, is_causal=True)
+        return o
+
+    compiled = {"numba_flash compiled": torch.compile(loop_ours, fullgraph=True),
+                "sdpa compiled": torch.compile(loop_sdpa, fullgraph=True)}
+    rows = []
+    for label, fn in list(fns.items()) + list(compiled.items()):
+        calls = 20 if label.endswith("compiled") else 1
+        run = (lambda fn=fn: fn(q, k, v)) if calls > 1 else fn
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        host = (time.perf_counter() - t0) / (n * calls)
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) / (n * calls)
+        rows.append(dict(label=label, host_us_per_call=host * 1e6, wall_us_per_call=total * 1e6))
+        print(f"host time per call, {label:22s}: {host * 1e6:6.1f} us (wall incl. GPU {total * 1e6:6.1f} us)",
+              flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-checks", action="store_true")
+    a = ap.parse_args()
+    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
+                  command="python3 " + " ".join(sys.argv), commit=os.environ.get("NUMBA_FLASH_COMMIT", "unknown"),
+                  torch=torch.__version__)
+    try:
+        import transformers
+        result["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if not a.skip_checks:
+        result["checks"] = checks()
+    result["host"] = host_time()
+    result["training_step"] = training_step(a.quick)
+    if a.out:
+        path = Path(a.out) / f"torch-{result['date']}.json"
+        path.write_text(json.dumps(result, indent=1))
+        print("wrote", path)
+    fails = [r for r in result.get("checks", []) if r["result"] in ("FAILED", "ERROR")]
+    print("PASS" if not fails else f"FAIL ({len(fails)} checks)")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

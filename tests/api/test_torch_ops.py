@@ -1,0 +1,244 @@
+"""numba_flash.torch as PyTorch custom ops: torch.compile, opcheck, CUDA graphs.
+
+Without a GPU (PyTorch installed, CUDA or not) the ops are traced on meta tensors: their fake
+implementations give the outputs' shapes, dtypes and strides, and torch.compile(fullgraph=True)
+of a function that calls ``attention`` (forward and backward) has one graph and no break. On a GPU
+(marked gpu) the same ops run for real: torch.library.opcheck, compiled against eager (bitwise:
+the same kernels), and capture and replay in a CUDA graph against eager on fresh inputs.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gpu_helpers import HAVE_TORCH_CUDA, attention_f64_torch, needs_gpu  # noqa: E402
+
+import numba_flash.torch as nft  # noqa: E402
+from numba_flash.torch import attention, decode  # noqa: E402
+
+
+def _meta(*shape, dtype=torch.float16, grad=True):
+    return torch.empty(*shape, device="meta", dtype=dtype).requires_grad_(grad)
+
+
+def test_fake_outputs_have_the_real_outputs_layout():
+    """out (q's shape, contiguous, q's dtype), lse float32 of q.shape[:-1]; gradients like q, k, v."""
+    q = _meta(2, 8, 300, 64).transpose(1, 2)  # a strided (B, N, H, d) view: outputs are still contiguous
+    k, v = _meta(2, 300, 2, 64).transpose(1, 2), _meta(2, 300, 2, 64).transpose(1, 2)
+    out, lse = nft.fwd(q, k, v, True, None, -1, -1, 0.0, None, True)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32 and lse.is_contiguous()
+    dq, dk, dv = nft.bwd(out, q, k, v, out, lse, True, None, True, -1, -1, 0.0, None)
+    for g, x in zip((dq, dk, dv), (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype and g.is_contiguous()
+    o, l_ = nft.decode_op(_meta(3, 8, 4, 128, grad=False), _meta(3, 2, 500, 128, grad=False),
+                          _meta(3, 2, 500, 128, grad=False), None, 0.1, 2)
+    assert o.shape == (3, 8, 4, 128) and l_.shape == (3, 8, 4) and l_.dtype == torch.float32
+
+
+def test_compile_fullgraph_without_graph_breaks():
+    """The issue's failure was dynamo tracing the launcher (torch.Stream.cuda_stream, the plan keys); as ops
+    it sees one node per call: forward, the mods, return_lse and the backward trace into one graph."""
+    import torch._dynamo as dynamo
+
+    q, k, v = _meta(2, 4, 64, 32), _meta(2, 2, 80, 32), _meta(2, 2, 80, 32)
+    slopes = torch.empty(4, device="meta", dtype=torch.float32)
+
+    def f(q, k, v):
+        a = attention(q, k, v, causal=True, window_size=(16, 0), softcap=30.0)
+        b, lse = attention(q, k, v, alibi_slopes=slopes, softmax_scale=0.2, return_lse=True, deterministic=False)
+        return (a.float() * b.float()).sum() + lse.sum()
+
+    dynamo.reset()
+    ex = dynamo.explain(f)(q, k, v)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss.backward()  # the backward graph holds numba_flash::bwd
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(causal="yes"), TypeError, "causal must be a bool"),
+    (dict(causal=np.array([True, False])), TypeError, "causal must be a bool"),
+    (dict(deterministic=1), TypeError, "deterministic must be a bool"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a real number"),
+    (dict(softmax_scale=True), TypeError, "softmax_scale must be a real number"),
+    (dict(softcap=None), TypeError, "softcap must be a real number"),
+    (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a float32 torch tensor"),
+    (dict(window_size={1, 2}), TypeError, "window_size must be a pair"),
+])
+def test_bad_scalar_arguments_are_named(kw, err, match):
+    q, k, v = _meta(1, 4, 16, 32), _meta(1, 4, 16, 32), _meta(1, 4, 16, 32)
+    with pytest.raises(err, match=match):
+        attention(q, k, v, **kw)
+
+
+def test_numpy_scalars_are_accepted():
+    q, k, v = _meta(1, 4, 16, 32), _meta(1, 4, 16, 32), _meta(1, 4, 16, 32)
+    out = attention(q, k, v, causal=np.bool_(True), softmax_scale=np.float32(0.25), softcap=np.float64(20.0))
+    assert out.shape == q.shape
+
+
+def test_decode_refuses_host_lengths():
+    q = _meta(1, 4, 1, 32, grad=False)
+    kc = _meta(1, 4, 64, 32, grad=False)
+    with pytest.raises(TypeError, match="cache_seqlens must be a torch tensor"):
+        decode(q, kc, kc, cache_seqlens=np.array([10], np.int32))
+    with pytest.raises(TypeError, match="num_splits must be a Python int"):
+        decode(q, kc, kc, num_splits=2.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Real GPU
+# --------------------------------------------------------------------------------------------
+gpu = [pytest.mark.gpu, needs_gpu, pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")]
+
+OP_CASES = [  # (dtype, B, H, Hkv, n_q, n_k, d, causal, layout)
+    ("float16", 2, 4, 2, 200, 300, 64, True, "bhnd"),      # GQA, Nq != Nk, causal
+    ("bfloat16", 1, 4, 4, 256, 256, 128, False, "bnhd"),    # (B, N, H, d) storage, transposed views
+    ("float32", 1, 2, 1, 100, 130, 64, True, "bhnd"),      # fp32 (3xTF32 tensor cores), MQA
+]
+
+
+def _inputs(dtype, B, H, Hkv, n_q, n_k, d, layout, seed, grad=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+
+    def mk(h, n):
+        if layout == "bnhd":
+            x = torch.randn(B, n, h, d, device="cuda", generator=g).to(dt).transpose(1, 2)
+        else:
+            x = torch.randn(B, h, n, d, device="cuda", generator=g).to(dt)
+        return x.requires_grad_(grad)
+
+    return mk(H, n_q), mk(Hkv, n_k), mk(Hkv, n_k)
+
+
+def _gpu(fn):
+    for mark in reversed(gpu):
+        fn = mark(fn)
+    return fn
+
+
+@_gpu
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_opcheck(case):
+    """torch.library.opcheck of fwd (schema: no input mutated, outputs alias nothing; fake tensors; autograd
+    registration; AOT dispatch with dynamic shapes, gradients included) and of bwd, at every dtype."""
+    dtype, B, H, Hkv, n_q, n_k, d, causal, layout = case
+    q, k, v = _inputs(dtype, B, H, Hkv, n_q, n_k, d, layout, seed=zlib.crc32(repr(case).encode()))
+    torch.library.opcheck(nft.fwd, (q, k, v, causal, None, -1, -1, 0.0, None, True))
+    with torch.no_grad():
+        out, lse = nft.fwd(q, k, v, causal, None, -1, -1, 0.0, None, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(nft.bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, None, True,
+                                    -1, -1, 0.0, None))
+
+
+@_gpu
+def test_opcheck_mods_and_decode():
+    q, k, v = _inputs("bfloat16", 2, 4, 2, 300, 300, 64, "bhnd", seed=7)
+    slopes = torch.rand(4, device="cuda") * 0.1
+    torch.library.opcheck(nft.fwd, (q, k, v, True, 0.11, 100, 0, 25.0, slopes, True))
+    qd, kc, vc = _inputs("float16", 3, 8, 2, 4, 700, 128, "bhnd", seed=8, grad=False)
+    lens = torch.tensor([700, 1, 333], device="cuda", dtype=torch.int32)
+    torch.library.opcheck(nft.decode_op, (qd, kc, vc, lens, None, None))
+    torch.library.opcheck(nft.decode_op, (qd, kc, vc, None, 0.05, 3))
+
+
+def _train_step(q, k, v, w, **kw):
+    out = attention(q, k, v, **kw)
+    return (out.float() * w).square().sum()
+
+
+@_gpu
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_matches_eager(case):
+    """torch.compile(fullgraph=True, inductor) with no graph break; loss and gradients bitwise eager's (the same
+    kernels on the same inputs; deterministic=True)."""
+    import torch._dynamo as dynamo
+
+    dtype, B, H, Hkv, n_q, n_k, d, causal, layout = case
+    q, k, v = _inputs(dtype, B, H, Hkv, n_q, n_k, d, layout, seed=3)
+    w = torch.randn(q.shape, device="cuda")
+    dynamo.reset()
+    ex = dynamo.explain(_train_step)(q, k, v, w, causal=causal)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    results = []
+    for fn in (_train_step, torch.compile(_train_step, fullgraph=True)):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        loss = fn(*leaves, w, causal=causal)
+        loss.backward()
+        results.append([loss.detach()] + [x.grad for x in leaves])
+    for name, a, b in zip(("loss", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: compiled differs from eager by {(a.double() - b.double()).abs().max()}"
+
+
+def _reference_grads(q, k, v, w, causal):
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    loss = (attention_f64_torch(*leaves, causal)[0] * w.double()).square().sum()
+    loss.backward()
+    return [loss.detach()] + [x.grad for x in leaves]
+
+
+@_gpu
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_graph_capture_and_replay(deterministic):
+    """Forward and backward captured in one torch.cuda.graph, replayed on new inputs copied into the static
+    ones: the result matches eager on those inputs (bitwise with deterministic=True) and float64 by the error
+    rule's scale. Capture fails on a host sync or an allocation outside the graph's pool."""
+    B, H, Hkv, n, d, causal = 2, 8, 2, 512, 128, True
+    q, k, v = _inputs("bfloat16", B, H, Hkv, n, n, d, "bhnd", seed=11)
+    w = torch.randn(q.shape, device="cuda")
+    static = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def step():
+        loss = _train_step(*static, w, causal=causal, deterministic=deterministic)
+        return [loss] + list(torch.autograd.grad(loss, static))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile the kernels, fill the plan cache
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (21, 22):
+        fresh = _inputs("bfloat16", B, H, Hkv, n, n, d, "bhnd", seed=seed, grad=False)
+        with torch.no_grad():
+            for s, x in zip(static, fresh):
+                s.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = [x.detach() for x in step()]
+        ref = _reference_grads(*fresh, w, causal)
+        for name, a, b, r in zip(("loss", "dq", "dk", "dv"), captured, eager, ref):
+            a = a.detach()
+            assert torch.isfinite(a).all(), name
+            if deterministic:
+                assert torch.equal(a, b), name
+            err = (a.double() - r).abs().max().item()
+            assert err <= 0.05 * r.abs().max().item() + 1e-3, f"{name}: replay vs float64 {err:.3e}"
+
+
+@_gpu
+def test_compile_reduce_overhead_uses_cuda_graphs():
+    """mode='reduce-overhead' (inductor's CUDA graph trees) with the ops inside: replays match eager."""
+    q, k, v = _inputs("float16", 1, 4, 4, 256, 256, 64, "bhnd", seed=5, grad=False)
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=True) * 2
+
+    cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        got = cf(q, k, v).clone()
+    assert torch.equal(got, f(q, k, v))
+    assert math.isfinite(got.float().abs().max().item())

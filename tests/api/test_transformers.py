@@ -1,0 +1,191 @@
+"""numba_flash.integrations.transformers with tiny random-init models (no downloads).
+
+Anywhere transformers is installed: the adapter's semantics on the CPU, with numba_flash's two calls
+(attention, decode) replaced by a float64 materialised twin that keeps their conventions (bottom-right
+causal, flash-attn's window, GQA): logits, loss and gradients against transformers' sdpa implementation,
+for Llama, Qwen2, Mistral (sliding window) and GPT-2 configs, greedy generation with a KV cache, and every
+mask the adapter must refuse (padding, packed sequences, a static cache). On a GPU (marked gpu) the same
+models run the real kernels in float32 (3xTF32) and bf16, and compile with fullgraph=True.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from gpu_helpers import HAVE_TORCH_CUDA, attention_mods_torch, needs_gpu  # noqa: E402
+
+from numba_flash.integrations import transformers as nf_hf  # noqa: E402
+
+NAME = nf_hf.register()
+
+
+def _config(family, **over):
+    common = dict(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=24)
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=97, n_embd=128, n_layer=2, n_head=4, n_positions=512)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _model(family, impl, device="cpu", dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(_config(family), attn_implementation=impl,
+                                                         dtype=dtype).to(device).eval()
+
+
+def _twin_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, **kw):
+    """numba_flash.torch.attention's conventions, materialised (float64 on the CPU)."""
+    return attention_mods_torch(q, k, v, causal, softmax_scale, window_size, softcap)
+
+
+def _twin_decode(q, k, v, *, softmax_scale=None, **kw):
+    return attention_mods_torch(q, k, v, True, softmax_scale), None
+
+
+@pytest.fixture
+def twin(monkeypatch):
+    """The adapter's calls into numba_flash, counted and replaced by the twin."""
+    calls = {"attention": 0, "decode": 0}
+
+    def att(*a, **kw):
+        calls["attention"] += 1
+        return _twin_attention(*a, **kw)
+
+    def dec(*a, **kw):
+        calls["decode"] += 1
+        return _twin_decode(*a, **kw)
+
+    monkeypatch.setattr(nf_hf, "attention", att)
+    monkeypatch.setattr(nf_hf, "decode", dec)
+    return calls
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_loss_and_gradients_match_sdpa(family, twin):
+    ids = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(1))
+    results = []
+    for impl in ("sdpa", NAME):
+        model = _model(family, impl)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        results.append((out.logits.detach(), out.loss.detach(), grads))
+    (lg0, l0, g0), (lg1, l1, g1) = results
+    assert twin["attention"] == 2  # one call per layer, ours only
+    torch.testing.assert_close(lg1, lg0, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(l1, l0, rtol=1e-9, atol=1e-9)
+    assert len(g0) == len(g1)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_generation_with_a_cache_matches_sdpa(family, twin):
+    """Prefill (causal), then one query per step against the DynamicCache (numba_flash.decode, or attention
+    with the window: decode has none); the tokens and every step's logits as sdpa's."""
+    ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(2))  # no pad token (0)
+    runs = []
+    for impl in ("sdpa", NAME):
+        model = _model(family, impl)
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                           return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        runs.append(g)
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for a, b in zip(runs[0].logits, runs[1].logits):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+    if family == "llama":
+        assert twin["decode"] == 2 * 7  # 7 decoding steps x 2 layers; the prefill ran attention
+    else:
+        assert twin["decode"] == 0  # Mistral's window: attention every step
+
+
+def test_an_all_true_padding_mask_is_fine_and_padding_is_refused(twin):
+    model = _model("llama", NAME)
+    ids = torch.randint(0, 97, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    model(input_ids=ids, attention_mask=mask)
+    mask[0, :3] = 0
+    with pytest.raises(NotImplementedError, match="padding"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_packed_sequences_are_refused(twin):
+    model = _model("llama", NAME)
+    ids = torch.randint(0, 97, (1, 20))
+    pos = torch.cat([torch.arange(10), torch.arange(10)])[None]  # two documents in one row
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)  # (with a cache transformers does not look)
+
+
+def test_a_static_cache_is_refused(twin):
+    model = _model("llama", NAME)
+    ids = torch.randint(1, 97, (1, 12))
+    with pytest.raises(NotImplementedError, match="static cache|compileable"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0)
+
+
+def test_names_with_flash_are_refused():
+    with pytest.raises(ValueError, match="flash"):
+        nf_hf.register("numba_flash")
+
+
+# --------------------------------------------------------------------------------------------
+# Real GPU: the kernels themselves
+# --------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_models_match_sdpa(family, dtype):
+    """Logits, loss and gradients of the real kernels against sdpa in the same dtype: within 2x sdpa's own error
+    against float64 (+ small), the flash-attention rule applied to the whole model."""
+    dt = getattr(torch, dtype)
+    ids = torch.randint(0, 97, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    outs = {}
+    for impl, d in (("sdpa", torch.float64), ("sdpa", dt), (NAME, dt)):
+        model = _model(family, impl, "cuda", d)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grad = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+        outs[impl, d] = (out.logits.double().detach(), out.loss.double().detach(), grad)
+    truth, theirs, ours = outs["sdpa", torch.float64], outs["sdpa", dt], outs[NAME, dt]
+    for i, name in enumerate(("logits", "loss", "grads")):
+        err = (ours[i] - truth[i]).abs().max().item()
+        ref_err = (theirs[i] - truth[i]).abs().max().item()
+        mag = truth[i].abs().max().item()
+        print(f"{family} {dtype} {name}: ours {err:.3e}, sdpa {ref_err:.3e}, max {mag:.3e}")
+        assert err <= 2 * ref_err + 1e-5 * mag, f"{name}: ours {err:.3e} vs sdpa {ref_err:.3e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@gpu
+def test_gpu_compiled_model_has_no_graph_breaks():
+    import torch._dynamo as dynamo
+
+    model = _model("llama", NAME, "cuda", torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 128), device="cuda")
+    dynamo.reset()
+    ex = dynamo.explain(model)(input_ids=ids)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    eager = model(input_ids=ids).logits
+    compiled = torch.compile(model, fullgraph=True)(input_ids=ids).logits
+    err = (compiled.float() - eager.float()).abs().max().item()
+    assert err <= 0.05 * eager.float().abs().max().item(), err  # inductor fuses the rest in bf16
