@@ -32,6 +32,8 @@ CASES = {
     "fwd f16 N4096 d128": ("forward", torch.float16, 4, 16, 16, 4096, 128, False),
     "fwd f16 N4096 d128 causal": ("forward", torch.float16, 4, 16, 16, 4096, 128, True),
     "fwd f16 N4096 d64": ("forward", torch.float16, 4, 16, 16, 4096, 64, False),
+    "fwd f16 N4096 d64 causal": ("forward", torch.float16, 4, 16, 16, 4096, 64, True),
+    "fwd bf16 N16384 d64 causal": ("forward", torch.bfloat16, 1, 16, 16, 16384, 64, True),
     "fwd bf16 N4096 d128 GQA causal": ("forward", torch.bfloat16, 4, 32, 8, 4096, 128, True),
     "fwd f32 N4096 d128": ("forward", torch.float32, 4, 16, 16, 4096, 128, False),
     "fwd f32 N2048 d256 (simt)": ("forward", torch.float32, 1, 16, 16, 2048, 256, False),

@@ -27,7 +27,8 @@
 #             AB_ROUNDS) and, when AB_MMA_VARIANTS is set, scripts/ab_mma.py --old DIR --variants ...
 #             (AB_MMA_SHAPE: a regex on sweep_mma's shape labels, default 'N4096 d128$')
 #   abapi     A/B of forward, backward and decode through the public API against AB_OLD / AB_COMMIT (as ab):
-#             scripts/ab_api.py --old DIR --rounds AB_ROUNDS (bitwise comparison of the outputs, SDPA beside)
+#             scripts/ab_api.py --old DIR --rounds AB_ROUNDS [--cases AB_CASES] (bitwise comparison of the outputs,
+#             SDPA beside)
 #   ptx       the PTX intrinsic GPU tests (tests/kernels/test_gpu_ptx.py)
 #   host      host time per call (scripts/host_overhead.py)
 #   mods      the attention variants: tests/kernels/test_mods.py + test_gpu_mods.py, then scripts/bench_mods.py
@@ -155,7 +156,8 @@ ab_old() {
 
 step_abapi() {
   local old; ab_old || return $?
-  run abapi "$(limit abapi 420)" python3 scripts/ab_api.py --old "$old" --rounds "${AB_ROUNDS:-3}"
+  local cases=(); [ -n "${AB_CASES:-}" ] && eval "cases=(--cases $AB_CASES)"
+  run abapi "$(limit abapi 420)" python3 scripts/ab_api.py --old "$old" --rounds "${AB_ROUNDS:-3}" "${cases[@]}"
 }
 
 step_ab() {
