@@ -14,6 +14,7 @@ from numba import config as nb_config
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+OPTIONAL = ("cupy", "torch", "transformers")
 
 
 def test_readme_has_examples():
@@ -26,7 +27,12 @@ def test_readme_python_blocks_run():
     for block in BLOCKS:
         if ("cupy" in block or "torch" in block) and nb_config.ENABLE_CUDASIM:
             continue  # device-array examples need a GPU; test_gpu_forward covers them there
-        exec(compile(block, "README.md", "exec"), ns)
+        try:
+            exec(compile(block, "README.md", "exec"), ns)
+        except ModuleNotFoundError as e:  # an optional library (torch, cupy, transformers) this machine lacks
+            if e.name in OPTIONAL:
+                continue
+            raise
         ran += 1
     assert ran >= 1
 
