@@ -19,43 +19,10 @@ except ImportError:  # torch is optional
     HAVE_TORCH_CUDA = False
 
 
-def _masked_scores(q, k, v, causal, scale):
-    """S = q kᵀ · scale with GQA heads repeated and the bottom-right causal mask; returns (S, v)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    H, Hkv = q.shape[-3], k.shape[-3]
-    if H != Hkv:
-        k = k.repeat_interleave(H // Hkv, dim=-3)
-        v = v.repeat_interleave(H // Hkv, dim=-3)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        n_q, n_k = s.shape[-2:]
-        i = torch.arange(n_q, device=q.device)[:, None]
-        j = torch.arange(n_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + n_k - n_q, -math.inf)
-    return s, v
-
-
-def attention_f64_torch(q, k, v, causal, scale=None):
-    """float64 attention on the GPU (torch), same conventions as reference.standard_attention."""
-    s, v = _masked_scores(*(t.double() for t in (q, k, v)), causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
-    return p @ v, lse
-
-
-def attention_naive_same_dtype(q, k, v, causal, scale=None):
-    """The 'naive same-dtype implementation' of the flash-attention error rule: every step in q's dtype."""
-    s, v = _masked_scores(q, k, v, causal, scale)
-    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
-    return torch.nan_to_num(p @ v)
-
-
-def attention_mods_torch(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                         naive=False):
-    """Materialised attention with flash-attn's variants, in q's dtype (naive=True: the error rule's naive
-    same-dtype implementation, softmax in fp32 as torch's) or, for float64 inputs, the truth; differentiable.
-    Query i sees key j iff i + shift - left <= j <= i + shift + right (shift = Nk - Nq, -1 unbounded, causal:
-    right = 0); logits softcap·tanh(s / softcap), then - slope·|i + shift - j|."""
+def _masked_scores(q, k, v, causal, scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """S = q kᵀ · scale with GQA heads repeated, capped (softcap·tanh(s / softcap)), ALiBi's -slope·|i + shift - j|,
+    then masked: query i sees key j iff i + shift - left <= j <= i + shift + right (shift = Nk - Nq, -1 unbounded,
+    causal: right = 0, bottom-right aligned). Returns (S, v with its heads repeated)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     H, Hkv = q.shape[-3], k.shape[-3]
     if H != Hkv:
@@ -73,15 +40,42 @@ def attention_mods_torch(q, k, v, causal=False, scale=None, window_size=(-1, -1)
         s = s - slopes[..., None, None] * (i + shift - j).abs().to(s.dtype)
     left, right = window_size
     right = 0 if causal else right
-    hidden = torch.zeros(n_q, n_k, dtype=torch.bool, device=q.device)
-    if left >= 0:
-        hidden |= j < i + shift - left
-    if right >= 0:
-        hidden |= j > i + shift + right
-    s = s.masked_fill(hidden, -math.inf)
+    if left >= 0 or right >= 0:
+        hidden = torch.zeros(n_q, n_k, dtype=torch.bool, device=q.device)
+        if left >= 0:
+            hidden |= j < i + shift - left
+        if right >= 0:
+            hidden |= j > i + shift + right
+        s = s.masked_fill(hidden, -math.inf)
+    return s, v
+
+
+def _softmax_pv(s, v):
+    """(softmax(S) V, logsumexp S) in S's dtype; a row that sees no key gets O = 0, L = -inf."""
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    return p @ v, lse
+
+
+def attention_f64_torch(q, k, v, causal, scale=None):
+    """float64 attention on the GPU (torch), same conventions as reference.standard_attention."""
+    return _softmax_pv(*_masked_scores(*(t.double() for t in (q, k, v)), causal, scale))
+
+
+def attention_naive_same_dtype(q, k, v, causal, scale=None):
+    """The 'naive same-dtype implementation' of the flash-attention error rule: every step in q's dtype."""
+    s, v = _masked_scores(q, k, v, causal, scale)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.nan_to_num(p @ v)
+
+
+def attention_mods_torch(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                         naive=False):
+    """Materialised attention with flash-attn's variants (``_masked_scores``), in q's dtype (naive=True: the error
+    rule's naive same-dtype implementation, softmax in fp32 as torch's) or, for float64 inputs, the truth;
+    differentiable."""
+    s, v = _masked_scores(q, k, v, causal, scale, window_size, softcap, alibi_slopes)
     if naive:
         p = torch.softmax(s.float(), dim=-1).to(q.dtype)
         return torch.nan_to_num(p) @ v
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
-    return p @ v
+    return _softmax_pv(s, v)[0]
