@@ -5,6 +5,8 @@
     numba-flash explain --shape B H Nq Nk d --dtype float16 [--causal] [--hkv N]
     numba-flash bench [--quick] [--json PATH] [--plots DIR]
     numba-flash plot RESULTS.json --out DIR
+    numba-flash warmup --shape B H Nq Nk d [--dtype float16 ...] [--causal] [--hkv N] [--backward] [--decode]
+    numba-flash cache [--clear]            the on-disk kernel cache (numba_flash.jit_cache): where, how big
 
 Exit status: 0 success; 1 a check failed (demo, trace); 2 bad input, an unsupported case
 (explain prints the error ``forward`` would raise), or a missing optional package.
@@ -633,10 +635,83 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the PNG files")
     p.add_argument("--tiles", type=int, nargs="+", action="append", metavar="N",
                    help="a causal tile grid: Nq Nk [block_q block_k] (repeatable; default 1000 1000 and 300 1000, 64×64)")
+
+    p = sub.add_parser("warmup", help="compile the kernels of a shape into the on-disk cache (GPU)")
+    p.add_argument("--shape", type=int, nargs="+", required=True, metavar="N", help="B H Nq Nk d (or B H N d)")
+    p.add_argument("--dtype", nargs="+", default=["float16"], choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--both", action="store_true", help="causal and not")
+    p.add_argument("--hkv", type=int, help="K/V heads (GQA/MQA; default H)")
+    p.add_argument("--backward", action="store_true", help="the backward's kernels too")
+    p.add_argument("--decode", action="store_true", help="decode's kernels too (Nq <= 16)")
+
+    p = sub.add_parser("cache", help="the on-disk kernel cache: directory, entries, size")
+    p.add_argument("--clear", action="store_true", help="delete the cached kernels")
     return ap
 
 
-COMMANDS = {"demo": cmd_demo, "trace": cmd_trace, "explain": cmd_explain, "bench": cmd_bench, "plot": cmd_plot}
+def cmd_warmup(args, restart_argv) -> int:
+    """Compile (and store in the disk cache) what forward / backward / decode run for these shapes."""
+    backend = detect_backend(False)
+    if not backend.simulator:
+        from numba import cuda
+
+        if not cuda.is_available():
+            backend = Backend(True, f"{backend.reason}, but numba.cuda.is_available() is False")
+    if backend.simulator:
+        raise CLIError(f"warmup compiles GPU kernels; there is no GPU here ({backend.reason})")
+    import numpy as np
+
+    import numba_flash
+    from numba_flash import jit_cache
+
+    B, H, n_q, n_k, d = _explain_shape(args.shape)
+    hkv = H if args.hkv is None else args.hkv
+    rng = np.random.default_rng(0)
+    print(f"cache: {jit_cache.cache_dir()} ({'on' if jit_cache.enabled() else 'off: NUMBA_FLASH_CACHE=0'})")
+    for dtype in args.dtype:
+        for causal in ([False, True] if args.both else [args.causal]):
+            if dtype == "bfloat16":
+                try:
+                    import ml_dtypes
+                except ImportError:
+                    raise CLIError("warmup --dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)") from None
+            storage = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+
+            def arr(*shape):  # NumPy in: copied to the GPU, contiguous rows as most callers pass
+                return rng.standard_normal(shape, dtype=np.float32).astype(storage)
+            before = dict(jit_cache.info())
+            t0 = time.perf_counter()
+            q, k, v = arr(B, H, n_q, d), arr(B, hkv, n_k, d), arr(B, hkv, n_k, d)
+            try:
+                out, lse = numba_flash.forward(q, k, v, causal=causal)
+                if args.backward:
+                    numba_flash.backward(q, k, v, out, lse, arr(B, H, n_q, d), causal=causal)
+                if args.decode and n_q <= 16:
+                    numba_flash.decode(q, k, v)
+            except (TypeError, ValueError, NotImplementedError) as e:
+                raise CLIError(f"--shape {' '.join(map(str, args.shape))} --dtype {dtype}: {type(e).__name__}: {e}")
+            after = jit_cache.info()
+            print(f"{dtype} causal={causal}: {time.perf_counter() - t0:.2f} s, "
+                  f"{after['misses'] - before['misses']} compiled and stored, {after['hits'] - before['hits']} loaded")
+    info = jit_cache.info()
+    print(f"cache: {info['entries']} kernels, {fmt_bytes(info['bytes'])}")
+    return 0
+
+
+def cmd_cache(args, restart_argv) -> int:
+    from numba_flash import jit_cache
+
+    if args.clear:
+        print(f"removed {jit_cache.clear()} kernels from {jit_cache.cache_dir()}")
+        return 0
+    info = jit_cache.info()
+    print(f"dir: {info['dir']}\nenabled: {info['enabled']}\nkernels: {info['entries']} ({fmt_bytes(info['bytes'])})")
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "trace": cmd_trace, "explain": cmd_explain, "bench": cmd_bench, "plot": cmd_plot,
+            "warmup": cmd_warmup, "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,6 +204,7 @@ def install_stubs():
     nb_driver.driver = pytypes.SimpleNamespace(cuKernelSetAttribute=lambda *a: None)
     device = pytypes.SimpleNamespace(MULTIPROCESSOR_COUNT=132, compute_capability=(9, 0), id=0)
     cuda.get_current_device, cuda.is_available, cuda.gpus = (lambda: device), (lambda: True), [device]
+    os.environ["NUMBA_FLASH_CACHE"] = "0"  # stub kernels: nothing may be loaded from or stored to the disk cache
     real_jit = cuda.jit
 
     class Dispatcher:  # what launch._Launcher reads of a compiled kernel

@@ -23,6 +23,9 @@ import re
 import sys
 from pathlib import Path
 
+# the kernels are recorded, never compiled for a device: the on-disk kernel cache stays out of it
+os.environ["NUMBA_FLASH_CACHE"] = "0"
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GOLDEN = HERE / "shipped_ptx.json"

@@ -19,6 +19,7 @@ from ..ptx import inline_device
 from ..blocks.numerics import LOG2E
 from ..blocks.rows import DELTA_LANES, DELTA_ROWS, row_dot_helper
 from ..blocks.schedule import plane_first_row
+from ..jit_cache import compile_kernel
 
 DTYPES = ("float16", "bfloat16", "float32")
 PREP_ROWS, PREP_LANES = DELTA_ROWS, DELTA_LANES  # prep reuses the SIMT backward's row sums
@@ -206,7 +207,7 @@ def _check_dtype(dtype):
 def build_prep(dtype: str):
     """The scalar prep (one element per load)."""
     _check_dtype(dtype)
-    return cuda.jit(prep_signature(dtype))(prep_source(dtype))
+    return compile_kernel(("bwd_prep.prep", dtype), prep_signature(dtype), prep_source(dtype))
 
 
 @lru_cache(maxsize=None)
@@ -216,14 +217,14 @@ def build_prep_vec(dtype: str, head_dim: int):
         raise ValueError(f"vector prep: dtype {dtype!r} not in {DTYPES} or head dim {head_dim} not "
                          "64 / 128 (32 too for float32)")
     source, rows = prep_vec_source(dtype, head_dim)
-    return cuda.jit(prep_signature(dtype))(source), rows
+    return compile_kernel(("bwd_prep.prep_vec", dtype, head_dim), prep_signature(dtype), source), rows
 
 
 @lru_cache(maxsize=None)
 def build_convert(dtype: str, vec: bool = False):
     """The convert kernel (float32: the 3xTF32 backward's dq stays fp32)."""
     _check_dtype(dtype)
-    return cuda.jit(convert_signature(dtype))(convert_source(dtype, vec))
+    return compile_kernel(("bwd_prep.convert", dtype, bool(vec)), convert_signature(dtype), convert_source(dtype, vec))
 
 
 def launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, n_bh, stream):

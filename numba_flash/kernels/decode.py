@@ -87,6 +87,7 @@ from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, head_dim_bucket
 from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, bits_from_f32, f16x2_to_f32, f32_from_bits, inline_device, ld_shared_u32x4
+from ..jit_cache import compile_kernel
 
 # Indices are cast to unsigned before indexing: Numba then skips its negative-index wraparound code.
 U = uint64
@@ -1182,15 +1183,16 @@ def make_split_kernel(cfg: DecodeConfig, vec: bool, split: bool, lens_dtype: str
         raise ValueError(f"decode config {cfg} cannot run: {'; '.join(bad)}")
     if lens_dtype not in LENS_DTYPES:
         raise ValueError(f"cache_seqlens dtype {lens_dtype!r} not in {LENS_DTYPES}")
-    return cuda.jit(kernel_signature(cfg.dtype, lens_dtype), fastmath=FASTMATH)(
-        kernel_source(cfg, bool(vec), bool(split)))
+    return compile_kernel(("decode.split", cfg, bool(vec), bool(split), lens_dtype),
+                          kernel_signature(cfg.dtype, lens_dtype), kernel_source(cfg, bool(vec), bool(split)),
+                          fastmath=FASTMATH)
 
 
 @lru_cache(maxsize=None)
 def make_merge_kernel(dtype: str):
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
-    return cuda.jit(merge_signature(dtype), fastmath=FASTMATH)(merge_source(dtype))
+    return compile_kernel(("decode.merge", dtype), merge_signature(dtype), merge_source(dtype), fastmath=FASTMATH)
 
 
 # --------------------------------------------------------------------------------------------

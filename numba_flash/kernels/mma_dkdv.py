@@ -57,6 +57,7 @@ from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
+from ..jit_cache import compile_kernel
 
 DTYPES = ("float16", "bfloat16")
 DQ_COLS = 32  # columns of dQ_i a warp forms per pass of the dQ phase (16 accumulators per lane)
@@ -377,7 +378,10 @@ def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, m
     kernel = source(block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
                     bool(partial_chunk), int(dq_splits), mods)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    return cuda.jit(kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits), mods=mods.any), **cap)(kernel)
+    key = ("mma_dkdv", block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
+           bool(partial_chunk), int(dq_splits), mods)
+    return compile_kernel(key, kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits), mods=mods.any), kernel,
+                          **cap)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dtype, stream=0,

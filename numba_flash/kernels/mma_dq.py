@@ -30,6 +30,7 @@ from ..blocks.entry import kernel_signature
 from ..blocks.mask import window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
+from ..jit_cache import compile_kernel
 
 DTYPES = ("float16", "bfloat16")
 
@@ -263,7 +264,8 @@ def build(block_m: int, block_n: int, head_dim: int, causal: bool, dtype: str, m
                          f"{'; '.join(bad)}")
     kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods)
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    return cuda.jit(kernel_signature("dq", mods=mods.any), **cap)(kernel)
+    key = ("mma_dq", block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods)
+    return compile_kernel(key, kernel_signature("dq", mods=mods.any), kernel, **cap)
 
 
 def launch(q, k, v, dout, l2, dd, dq, scalars, *, tile, head_dim, causal, dtype, stream=0, partial_chunk=False,

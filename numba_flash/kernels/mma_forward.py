@@ -69,6 +69,7 @@ from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rule
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
+from ..jit_cache import compile_kernel
 
 DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
 FLAGS = ("grid_bh_x", "smem_epilogue", "warp_skip")
@@ -481,7 +482,8 @@ def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mod
     bad = problems(tile, dtype)
     if bad:
         raise ValueError(f"mma forward ({tile}, {dtype}) cannot be built: {'; '.join(bad)}")
-    return cuda.jit(kernel_signature(mods))(kernel_source(tile, bool(causal), dtype, bool(partial_chunk), mods))
+    return compile_kernel(("mma_forward", tile, bool(causal), dtype, bool(partial_chunk), mods),
+                          kernel_signature(mods), kernel_source(tile, bool(causal), dtype, bool(partial_chunk), mods))
 
 
 def _words(x):

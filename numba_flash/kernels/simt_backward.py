@@ -53,6 +53,7 @@ from ..launch import launch as launch_kernel
 from ..blocks.rows import DELTA_LANES, DELTA_ROWS, element_io, row_dot_helper
 from ..ptx import bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
 from ..blocks.numerics import FASTMATH, LOG2E, STORAGE
+from ..jit_cache import compile_kernel
 
 # Unsigned indices: Numba then skips its negative-index wraparound test (see simt_forward).
 U = uint64
@@ -576,7 +577,8 @@ def kernel_source(cfg: BackwardConfig, causal: bool, dtype: str):
 def make_delta_kernel(dtype: str):
     if dtype not in STORAGE:
         raise ValueError(f"dtype {dtype!r} not in {sorted(STORAGE)}")
-    return cuda.jit(delta_signature(dtype), fastmath=FASTMATH)(delta_source(dtype))
+    return compile_kernel(("simt_backward.delta", dtype), delta_signature(dtype), delta_source(dtype),
+                          fastmath=FASTMATH)
 
 
 @lru_cache(maxsize=None)
@@ -588,7 +590,8 @@ def make_backward_kernel(cfg: BackwardConfig, causal: bool, dtype: str):
     if dtype not in STORAGE:
         raise ValueError(f"dtype {dtype!r} not in {sorted(STORAGE)}")
     cap = {} if cfg.max_registers is None or nb_config.ENABLE_CUDASIM else {"max_registers": cfg.max_registers}
-    return cuda.jit(kernel_signature(cfg, dtype), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype))
+    return compile_kernel(("simt_backward", cfg, bool(causal), dtype), kernel_signature(cfg, dtype),
+                          kernel_source(cfg, causal, dtype), fastmath=FASTMATH, **cap)
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, launch_
 from ..launch import launch as launch_kernel
 from ..launch import unused_slopes
 from ..ptx import SIMULATOR, bits_from_f32, f32_from_bits, ld_shared_f32x4, st_shared_f32x4
+from ..jit_cache import compile_kernel
 
 
 
@@ -488,7 +489,8 @@ def make_forward_kernel(cfg: SimtConfig, causal: bool, dtype: str, mods: Mods = 
 
     # A register cap is a ptxas option: the simulator's jit() has no such argument.
     cap = {"max_registers": cfg.max_registers} if cfg.max_registers and not nb_config.ENABLE_CUDASIM else {}
-    return cuda.jit(kernel_signature(dtype, mods), fastmath=FASTMATH, **cap)(kernel_source(cfg, causal, dtype, mods))
+    return compile_kernel(("simt_forward", cfg, bool(causal), dtype, mods), kernel_signature(dtype, mods),
+                          kernel_source(cfg, causal, dtype, mods), fastmath=FASTMATH, **cap)
 
 
 def launch(cfg: SimtConfig, q, k, v, out, lse, *, causal: bool, softmax_scale: float,

@@ -68,6 +68,7 @@ from ..blocks.entry import dkdv_entry, kernel_signature as _signature, launch_dq
 from ..blocks.mask import clamps_past_end, mask_kind
 from ..blocks.schedule import ROW_PAD
 from ..blocks.tf32 import SPLIT_ROUNDS, products
+from ..jit_cache import compile_kernel
 
 KERNELS = ("dkdv", "dq")
 
@@ -684,7 +685,9 @@ def build(kernel, block_own, block_streamed, HEAD_DIM, causal, max_registers=Non
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     fn = source(kernel, block_own, block_streamed, HEAD_DIM, bool(causal), bool(atomic_dq), int(dq_splits),
                 bool(vector_red), split_round)
-    return cuda.jit(kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), **cap)(fn)
+    key = ("tf32_backward", kernel, block_own, block_streamed, HEAD_DIM, bool(causal), bool(atomic_dq),
+           int(dq_splits), bool(vector_red), split_round)
+    return compile_kernel(key, kernel_signature(kernel, bool(atomic_dq), bool(dq_splits)), fn, **cap)
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 from ..blocks.tf32 import SPLIT_ROUNDS, head_dim_for, products, split_round_for_device  # noqa: F401 (re-exported)
 from ..ptx import ld_shared_f32x4, st_shared_f32x4
+from ..jit_cache import compile_kernel
 
 F32 = np.dtype(np.float32)
 PASSES = (1, 3)  # tf32 products per fp32 product: 1 (plain TF32) or 3 (3xTF32, fp32 accuracy)
@@ -444,7 +445,8 @@ def build(tile: Tile, causal: bool, passes: int = 3, split_round: str = "rn"):
     bad = problems(tile, passes)
     if bad:
         raise ValueError(f"tf32 forward ({tile}, passes={passes}) cannot be built: {'; '.join(bad)}")
-    return cuda.jit(kernel_signature())(kernel_source(tile, bool(causal), int(passes), split_round))
+    return compile_kernel(("tf32_forward", tile, bool(causal), int(passes), split_round), kernel_signature(),
+                          kernel_source(tile, bool(causal), int(passes), split_round))
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, passes=3, stream=0, split_round=None,

@@ -43,6 +43,7 @@ from ..blocks.dkdv import dkdv_common, window_schedule
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
+from ..jit_cache import compile_kernel
 
 BLOCK_N, BLOCK_M = 128, 64  # keys per block (2 warpgroups x 64), queries per streamed tile (wgmma's n)
 THREADS = 256
@@ -327,7 +328,9 @@ def build(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, 
     if dq_splits not in (0, 1, 2) or (dq_splits == 2 and mods.any):
         raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores; not with mods)")
     kernel = source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq), mods)
-    return cuda.jit(kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any))(kernel)
+    key = ("wgmma_backward", head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq),
+           mods)
+    return compile_kernel(key, kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any), kernel)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, dq_acc, scalars, *, head_dim, causal, dtype, stream=0,
