@@ -158,6 +158,10 @@ def test_gpu_models_match_sdpa(family, dtype):
     against float64 (+ small), the flash-attention rule applied to the whole model."""
     dt = getattr(torch, dtype)
     ids = torch.randint(0, 97, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    if family == "mistral" and dtype == "float32":  # the fp32 backward (3xTF32) has no window: said up front
+        with pytest.raises(NotImplementedError, match="window_size"):
+            _model(family, NAME, "cuda", dt)(input_ids=ids, labels=ids)
+        return
     outs = {}
     for impl, d in (("sdpa", torch.float64), ("sdpa", dt), (NAME, dt)):
         model = _model(family, impl, "cuda", d)
@@ -183,9 +187,10 @@ def test_gpu_compiled_model_has_no_graph_breaks():
     model = _model("llama", NAME, "cuda", torch.bfloat16)
     ids = torch.randint(0, 97, (2, 128), device="cuda")
     dynamo.reset()
-    ex = dynamo.explain(model)(input_ids=ids)
+    ex = dynamo.explain(model)(input_ids=ids, use_cache=False)
+    print(f"graphs {ex.graph_count}, graph breaks {ex.graph_break_count}")
     assert ex.graph_break_count == 0, ex.break_reasons
-    eager = model(input_ids=ids).logits
-    compiled = torch.compile(model, fullgraph=True)(input_ids=ids).logits
+    eager = model(input_ids=ids, use_cache=False).logits
+    compiled = torch.compile(model, fullgraph=True)(input_ids=ids, use_cache=False).logits
     err = (compiled.float() - eager.float()).abs().max().item()
     assert err <= 0.05 * eager.float().abs().max().item(), err  # inductor fuses the rest in bf16
