@@ -63,7 +63,7 @@ def timed_steps(model, ids, rounds: int) -> float:
     """Median seconds of forward+backward (labels = ids), after two warm-up steps."""
     def step():
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
     for _ in range(2):
         step()
@@ -90,7 +90,7 @@ def training_step(quick: bool) -> list:
         model = llama(impl, quick)
         eager = timed_steps(model, ids, 5 if quick else 10)
         dynamo.reset()
-        breaks = dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count
+        breaks = dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False).graph_break_count
         t0 = time.perf_counter()
         compiled = torch.compile(model)
         comp = timed_steps(compiled, ids, 5 if quick else 10)
