@@ -316,7 +316,7 @@ def _install_recorders(target: str):
     import numba_flash
 
     for info in pkgutil.walk_packages(numba_flash.__path__, "numba_flash."):
-        if info.name.endswith(("torch", "plots", "cli", "bench", "__main__")):
+        if info.name.endswith(("torch", "plots", "cli", "bench", "__main__")) or ".integrations" in info.name:
             continue
         importlib.import_module(info.name)
     for name, mod in list(sys.modules.items()):
