@@ -10,7 +10,8 @@ The file name is a SHA-256 of everything that decides the machine code:
   the kernel's signature and its jit options (fastmath, max_registers);
 - the source of the whole numba_flash package (any edit to a kernel or a building block is a miss);
 - the GPU's compute capability;
-- the versions of Python, numba, numba-cuda, cuda-bindings and the NVVM / nvrtc wheels.
+- the versions of Python, numba, numba-cuda, cuda-bindings and the NVVM / nvrtc wheels, and numba's
+  code-generation settings (NUMBA_OPT and the like).
 
 Where: ``$NUMBA_FLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numba_flash``, else ``~/.cache/numba_flash``.
 ``NUMBA_FLASH_CACHE=0`` turns it off. Under the CUDA simulator nothing is cached (there is no
@@ -93,7 +94,10 @@ def toolchain() -> tuple:
             versions.append((name, metadata.version(name)))
         except metadata.PackageNotFoundError:
             pass
-    return (sys.version.split()[0], tuple(versions), os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""))
+    numba_options = tuple((n, repr(getattr(nb_config, n, None))) for n in ("OPT", "DEBUGINFO_DEFAULT", "CUDA_DEFAULT_PTX_CC",
+                                                                        "FASTMATH", "CUDA_ENABLE_PYNVJITLINK"))
+    return (sys.version.split()[0], tuple(versions), numba_options, os.environ.get("CUDA_HOME", ""),
+            os.environ.get("CUDA_PATH", ""))
 
 
 def _cc() -> tuple:
@@ -160,7 +164,7 @@ def _store(path: Path, kernel) -> None:
         os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
         with _LOCK:
             _STATS["stores"] += 1
-    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:  # a read-only home, say
+    except Exception as e:  # a read-only home, or a kernel that does not pickle: it still runs
         warnings.warn(f"numba_flash.jit_cache: could not write {path} ({type(e).__name__}: {e}); the kernel runs, "
                       "uncached", RuntimeWarning, stacklevel=3)
 
