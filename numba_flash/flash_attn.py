@@ -1,0 +1,144 @@
+"""flash-attn 2.x's public functions on numba_flash: same names, arguments, defaults, layouts and returns.
+
+    from numba_flash.flash_attn import flash_attn_func, flash_attn_with_kvcache
+    out = flash_attn_func(q, k, v, causal=True)          # (batch, seqlen, nheads, headdim) PyTorch CUDA tensors
+
+Layouts are flash-attn's: q (B, Nq, H, d), k / v (B, Nk, Hkv, d), kv (B, Nk, 2, Hkv, d), qkv (B, N, 3, H, d);
+caches (B, Nmax, Hkv, d). They are viewed as numba_flash's (B, H, N, d) without copies (the kernels read any
+strides); the output comes back contiguous in flash-attn's layout (one copy of out: flash-attn returns it
+contiguous and callers .view() it). softmax_lse is (B, H, Nq) float32, as flash-attn's.
+
+Differences from flash-attn, all raised as NotImplementedError naming the argument, never ignored:
+dropout_p > 0, the varlen functions (cu_seqlens), and in flash_attn_with_kvcache rotary embeddings,
+cache_batch_idx, cache_leftpad, block_table (paged caches), window_size / softcap / alibi_slopes, and more
+than 16 queries or a non-causal step of more than one query. return_attn_probs=True returns (out,
+softmax_lse, None): the probabilities are never materialised. causal with window_size right != 0 and -1
+raises ValueError (flash-attn overrides right silently). deterministic defaults to False here as there.
+"""
+from __future__ import annotations
+
+import torch
+
+from .torch import attention, decode
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+DECODE_MAX_QUERIES = 16
+
+
+def _unsupported(what: str):
+    raise NotImplementedError(f"numba_flash.flash_attn: {what} is not supported yet")
+
+
+def _heads_first(x):
+    return x.transpose(-3, -2)  # (B, N, H, d) <-> (B, H, N, d), a view
+
+
+def _check_layout(name, x, ndim):
+    if not isinstance(x, torch.Tensor) or x.dim() != ndim:
+        shape = tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
+        raise ValueError(f"{name} must be a {ndim}-D torch tensor in flash-attn's layout; got {shape}")
+
+
+def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs):
+    if dropout_p:
+        _unsupported(f"dropout_p={dropout_p}")
+    out, lse = attention(_heads_first(q), _heads_first(k), _heads_first(v), causal=causal, softmax_scale=softmax_scale,
+                         deterministic=deterministic, window_size=window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, return_lse=True)
+    out = _heads_first(out).contiguous()
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (B, Nq, H, d), k / v (B, Nk, Hkv, d) -> out (B, Nq, H, d) [, softmax_lse (B, H, Nq), None]."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_layout(name, x, 4)
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (B, Nq, H, d), kv (B, Nk, 2, Hkv, d)."""
+    _check_layout("q", q, 4)
+    _check_layout("kv", kv, 5)
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv must be (B, Nk, 2, Hkv, d); got {tuple(kv.shape)}")
+    return _attend(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """qkv (B, N, 3, H, d)."""
+    _check_layout("qkv", qkv, 5)
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be (B, N, 3, H, d); got {tuple(qkv.shape)}")
+    return _attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(*args, **kwargs):
+    _unsupported("flash_attn_varlen_func (packed sequences with cu_seqlens_q / cu_seqlens_k)")
+
+
+def flash_attn_varlen_kvpacked_func(*args, **kwargs):
+    _unsupported("flash_attn_varlen_kvpacked_func (packed sequences with cu_seqlens_q / cu_seqlens_k)")
+
+
+def flash_attn_varlen_qkvpacked_func(*args, **kwargs):
+    _unsupported("flash_attn_varlen_qkvpacked_func (packed sequences with cu_seqlens)")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """q (B, Nq, H, d) against k_cache / v_cache (B, Nmax, Hkv, d), valid lengths cache_seqlens (int or (B,) int32).
+
+    k / v (B, Nnew, Hkv, d), if given, are written into the caches in place at positions cache_seqlens[b] ...
+    + Nnew - 1 first (flash-attn's append), and attended to with the rest. The queries are the last Nq
+    positions of each sequence (bottom-right causal). Runs ``numba_flash.decode``: Nq <= 16, causal (or one query).
+    """
+    for name, value, off in (("rotary_cos", rotary_cos, None), ("rotary_sin", rotary_sin, None),
+                             ("cache_batch_idx", cache_batch_idx, None), ("cache_leftpad", cache_leftpad, None),
+                             ("block_table (a paged KV cache)", block_table, None), ("alibi_slopes", alibi_slopes, None)):
+        if value is not off:
+            _unsupported(f"flash_attn_with_kvcache {name}")
+    if tuple(window_size) != (-1, -1) or softcap:
+        _unsupported(f"flash_attn_with_kvcache window_size={tuple(window_size)} / softcap={softcap}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_layout(name, x, 4)
+    B, n_q = q.shape[0], q.shape[1]
+    if n_q > DECODE_MAX_QUERIES or not (causal or n_q == 1):
+        _unsupported(f"flash_attn_with_kvcache with {n_q} queries, causal={causal} (decode runs at most "
+                     f"{DECODE_MAX_QUERIES} causal queries per sequence, or one)")
+    if (k is None) != (v is None):
+        raise ValueError("flash_attn_with_kvcache: pass both k and v (the new keys and values) or neither")
+    if cache_seqlens is None:
+        lens = None
+    elif isinstance(cache_seqlens, int):
+        lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        lens = cache_seqlens
+    else:
+        raise TypeError(f"cache_seqlens must be an int or a (B,) int32 tensor; got {type(cache_seqlens).__name__}")
+    if k is not None:
+        _check_layout("k", k, 4)
+        _check_layout("v", v, 4)
+        if lens is None:
+            raise ValueError("flash_attn_with_kvcache: k / v are appended at cache_seqlens; pass cache_seqlens")
+        n_new = k.shape[1]
+        idx = (lens.long()[:, None] + torch.arange(n_new, device=q.device))[:, :, None, None].expand_as(k)
+        # in place, as flash-attn; cache_seqlens + Nnew <= Nmax is the caller's to keep (a check needs a host sync)
+        k_cache.scatter_(1, idx, k)
+        v_cache.scatter_(1, idx, v)
+        lens = (lens + n_new).to(torch.int32)
+    out, lse = decode(_heads_first(q), _heads_first(k_cache), _heads_first(v_cache), cache_seqlens=lens,
+                      softmax_scale=softmax_scale, num_splits=num_splits or None)
+    out = _heads_first(out).contiguous()
+    return (out, lse) if return_softmax_lse else out

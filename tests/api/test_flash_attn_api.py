@@ -1,0 +1,170 @@
+"""numba_flash.flash_attn: flash-attn 2.x's functions, layouts, defaults and returns.
+
+Anywhere PyTorch is installed: the adapter on the CPU with numba_flash's attention and decode replaced by
+float64 materialised twins (their conventions: (B, H, N, d), bottom-right causal, decode's per-sequence
+lengths), against the same attention computed directly in flash-attn's layout; packing, the KV-cache
+append, and every refusal. On a GPU (marked gpu): the real kernels by the flash-attention error rule.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gpu_helpers import HAVE_TORCH_CUDA, attention_mods_torch, needs_gpu  # noqa: E402
+
+import numba_flash.flash_attn as fa  # noqa: E402
+
+
+def _twin_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, return_lse=False, deterministic=True):
+    out = attention_mods_torch(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes)
+    lse = torch.zeros(q.shape[:-1], dtype=torch.float32)  # shape only (the GPU test checks values)
+    return (out, lse) if return_lse else out
+
+
+def _twin_decode(q, k, v, *, cache_seqlens=None, softmax_scale=None, num_splits=None):
+    outs = []
+    for b in range(q.shape[0]):
+        n = k.shape[2] if cache_seqlens is None else int(cache_seqlens[b])
+        outs.append(attention_mods_torch(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], True, softmax_scale))
+    return torch.cat(outs), torch.zeros(q.shape[:-1], dtype=torch.float32)
+
+
+@pytest.fixture
+def twin(monkeypatch):
+    monkeypatch.setattr(fa, "attention", _twin_attention)
+    monkeypatch.setattr(fa, "decode", _twin_decode)
+
+
+def _bnhd(B, N, H, d, seed):
+    return torch.randn(B, N, H, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _ref(q, k, v, **kw):
+    """The same attention in flash-attn's layout, computed directly."""
+    return attention_mods_torch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
+
+
+def test_signatures_are_flash_attns():
+    """Argument names and defaults of flash-attn 2.x (2.6 - 2.8), so keyword calls port unchanged."""
+    params = inspect.signature(fa.flash_attn_func).parameters
+    assert list(params) == ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                            "alibi_slopes", "deterministic", "return_attn_probs"]
+    assert params["deterministic"].default is False and params["window_size"].default == (-1, -1)
+    kvc = inspect.signature(fa.flash_attn_with_kvcache).parameters
+    assert list(kvc)[:8] == ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens"]
+    assert kvc["num_splits"].default == 0 and kvc["return_softmax_lse"].default is False
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_func_layouts_and_returns(twin, causal):
+    q, k, v = _bnhd(2, 50, 4, 32, 1), _bnhd(2, 70, 2, 32, 2), _bnhd(2, 70, 2, 32, 3)
+    out = fa.flash_attn_func(q, k, v, causal=causal, window_size=(20, -1))
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out, _ref(q, k, v, causal=causal, window_size=(20, -1)))
+    out2, lse, probs = fa.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert lse.shape == (2, 4, 50) and probs is None
+    kv = torch.stack([k, v], dim=2)
+    torch.testing.assert_close(fa.flash_attn_kvpacked_func(q, kv, causal=causal), out2)
+    qkv = torch.stack([q, q, q], dim=2)
+    torch.testing.assert_close(fa.flash_attn_qkvpacked_func(qkv, causal=causal, softcap=5.0),
+                               _ref(q, q, q, causal=causal, softcap=5.0))
+
+
+def test_kvcache_appends_in_place_and_attends(twin):
+    B, Nmax, H, Hkv, d = 3, 40, 4, 2, 16
+    k_cache, v_cache = _bnhd(B, Nmax, Hkv, d, 4), _bnhd(B, Nmax, Hkv, d, 5)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    lens = torch.tensor([5, 0, 30], dtype=torch.int32)
+    q, k_new, v_new = _bnhd(B, 2, H, d, 6), _bnhd(B, 2, Hkv, d, 7), _bnhd(B, 2, Hkv, d, 8)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens, causal=True)
+    for b in range(B):
+        n = int(lens[b])
+        assert torch.equal(k_cache[b, n:n + 2], k_new[b]) and torch.equal(v_cache[b, n:n + 2], v_new[b])
+        assert torch.equal(k_cache[b, :n], k0[b, :n]) and torch.equal(k_cache[b, n + 2:], k0[b, n + 2:])
+        ref = _ref(q[b:b + 1], k_cache[b:b + 1, :n + 2], v_cache[b:b + 1, :n + 2], causal=True)
+        torch.testing.assert_close(out[b:b + 1], ref)
+    assert not torch.equal(v_cache, v0)
+    out1, lse = fa.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=7, return_softmax_lse=True)
+    assert out1.shape == (B, 1, H, d) and lse.shape == (B, H, 1)
+    torch.testing.assert_close(out1, _ref(q[:, :1], k_cache[:, :7], v_cache[:, :7]))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, c: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p=0.1"),
+    (lambda q, c: fa.flash_attn_varlen_func(q, q, q, None, None, 8, 8), "cu_seqlens"),
+    (lambda q, c: fa.flash_attn_varlen_kvpacked_func(q, q, None, None, 8, 8), "cu_seqlens"),
+    (lambda q, c: fa.flash_attn_varlen_qkvpacked_func(q, None, 8), "cu_seqlens"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, block_table=torch.zeros(1, 1)), "block_table"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, rotary_cos=torch.zeros(1), rotary_sin=torch.zeros(1)),
+     "rotary_cos"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, cache_leftpad=torch.zeros(1)), "cache_leftpad"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, cache_batch_idx=torch.zeros(1)), "cache_batch_idx"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, window_size=(4, 0)), "window_size"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q, c, c, causal=True), "17 queries"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :2], c, c, causal=False), "causal=False"),
+])
+def test_what_is_not_supported_is_named(twin, call, match):
+    q, c = _bnhd(1, 17, 2, 16, 9), _bnhd(1, 40, 2, 16, 10)
+    with pytest.raises(NotImplementedError, match=match):
+        call(q, c)
+
+
+def test_bad_layouts_are_named(twin):
+    q = _bnhd(1, 8, 2, 16, 11)
+    with pytest.raises(ValueError, match="kv must be"):
+        fa.flash_attn_kvpacked_func(q, torch.stack([q, q, q], dim=2))
+    with pytest.raises(ValueError, match="q must be a 4-D torch tensor"):
+        fa.flash_attn_func(q[0], q, q)
+    with pytest.raises(ValueError, match="pass cache_seqlens"):
+        fa.flash_attn_with_kvcache(q[:, :1], q, q, k=q[:, :1], v=q[:, :1])
+
+
+# --------------------------------------------------------------------------------------------
+# Real GPU
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_func_error_rule_with_gradients(dtype):
+    dt = getattr(torch, dtype)
+    g = torch.Generator("cuda").manual_seed(12)
+    q, k, v = (torch.randn(2, n, h, 64, device="cuda", generator=g).to(dt) for n, h in ((300, 8), (500, 2), (500, 2)))
+    dout = torch.randn_like(q)
+
+    def run(fn, cast):
+        leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout.to(cast))
+        return [out.detach()] + [x.grad for x in leaves]
+
+    ours = run(lambda a, b, c: fa.flash_attn_func(a, b, c, causal=True, window_size=(100, 0)), dt)
+    truth = run(lambda a, b, c: _ref(a, b, c, causal=True, window_size=(100, 0)), torch.float64)
+    naive = run(lambda a, b, c: _ref(a, b, c, causal=True, window_size=(100, 0)), dt)
+    for name, o, t, n in zip(("out", "dq", "dk", "dv"), ours, truth, naive):
+        err, ref_err = (o.double() - t).abs().max().item(), (n.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + torch.finfo(dt).eps * t.abs().max().item(), (name, err, ref_err)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")
+def test_gpu_kvcache_append_and_decode():
+    g = torch.Generator("cuda").manual_seed(13)
+    B, Nmax, H, Hkv, d = 4, 1000, 8, 2, 128
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g).half()  # noqa: E731
+    k_cache, v_cache, q, kn, vn = mk(B, Nmax, Hkv, d), mk(B, Nmax, Hkv, d), mk(B, 3, H, d), mk(B, 3, Hkv, d), mk(B, 3, Hkv, d)
+    lens = torch.tensor([0, 17, 500, 997], device="cuda", dtype=torch.int32)
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, causal=True,
+                                          return_softmax_lse=True)
+    for b in range(B):
+        n = int(lens[b]) + 3
+        ref = _ref(q[b:b + 1].double(), k_cache[b:b + 1, :n].double(), v_cache[b:b + 1, :n].double(), causal=True)
+        assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
+        assert torch.isfinite(lse[b]).all()
+    assert math.isfinite(out.float().abs().max().item())
