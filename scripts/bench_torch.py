@@ -2,10 +2,11 @@
 
     python3 scripts/bench_torch.py [--out DIR] [--quick]
 
-1. Checks: tests/api/test_torch_ops.py and tests/api/test_transformers.py under pytest (opcheck,
-   torch.compile fullgraph against eager, CUDA graph capture and replay, Llama / Qwen2 / Mistral / GPT-2
-   logits, loss and gradients against sdpa, generation with a cache, the refused masks), one PASS/FAIL
-   line per test with the numbers the tests print.
+1. Checks: tests/api/test_torch_ops.py, test_transformers.py, test_flash_attn_api.py and test_jit_cache.py
+   under pytest (opcheck, torch.compile fullgraph against eager, CUDA graph capture and replay, Llama / Qwen2 /
+   Mistral / GPT-2 logits, loss and gradients against sdpa, generation with a cache, the refused masks, the
+   flash-attn API, the kernel cache across two processes), one PASS/FAIL line per test with the numbers the
+   tests print.
 2. A 4-layer random-init Llama (bf16, hidden 2048, 16 heads / 4 KV heads, head dim 128), B4 N2048:
    forward+backward tokens/s, eager and torch.compile'd, with numba_flash and with sdpa (PyTorch's
    default backend on the GPU), and each compiled model's graph-break count.
@@ -33,14 +34,15 @@ sys.path.insert(0, str(ROOT))
 
 def checks() -> list:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "-s",
-           "tests/api/test_torch_ops.py", "tests/api/test_transformers.py"]
+           "tests/api/test_torch_ops.py", "tests/api/test_transformers.py", "tests/api/test_flash_attn_api.py",
+           "tests/api/test_jit_cache.py"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     rows = []
     for line in r.stdout.splitlines():
         m = re.match(r"^(PASSED|FAILED|SKIPPED|ERROR)\s+(\S+)(.*)", line)
         if m:
             rows.append(dict(result=m.group(1), test=m.group(2), detail=m.group(3).strip(" -")))
-        elif re.search(r": ours [0-9.e+-]+, sdpa", line):
+        elif re.search(r": ours [0-9.e+-]+, sdpa|^(cold|warm): |^graphs \d+", line):
             rows.append(dict(result="INFO", test="", detail=line.strip()))
     for row in rows:
         word = {"PASSED": "PASS", "FAILED": "FAIL", "ERROR": "FAIL"}.get(row["result"], row["result"])
