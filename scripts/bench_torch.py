@@ -32,11 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def checks() -> list:
+def checks(out_dir=None) -> list:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "-s",
            "tests/api/test_torch_ops.py", "tests/api/test_transformers.py", "tests/api/test_flash_attn_api.py",
            "tests/api/test_jit_cache.py"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if out_dir:  # the whole pytest output, failures' tracebacks included
+        (Path(out_dir) / f"torch-checks-{datetime.date.today().isoformat()}.txt").write_text(r.stdout + r.stderr)
     rows = []
     for line in r.stdout.splitlines():
         m = re.match(r"^(PASSED|FAILED|SKIPPED|ERROR)\s+(\S+)(.*)", line)
@@ -164,16 +166,21 @@ def main():
     except ImportError:
         pass
     if not a.skip_checks:
-        result["checks"] = checks()
+        result["checks"] = checks(a.out)
     result["host"] = host_time()
-    result["training_step"] = training_step(a.quick)
+    try:
+        result["training_step"] = training_step(a.quick)
+    except Exception as e:  # reported, and the checks and host times are still written
+        result["training_step_error"] = f"{type(e).__name__}: {e}"
+        print("training step failed:", result["training_step_error"][:2000], flush=True)
     if a.out:
         path = Path(a.out) / f"torch-{result['date']}.json"
         path.write_text(json.dumps(result, indent=1))
         print("wrote", path)
     fails = [r for r in result.get("checks", []) if r["result"] in ("FAILED", "ERROR")]
-    print("PASS" if not fails else f"FAIL ({len(fails)} checks)")
-    return 1 if fails else 0
+    bad = len(fails) + ("training_step_error" in result)
+    print("PASS" if not bad else f"FAIL ({len(fails)} checks{', the training step' if 'training_step_error' in result else ''})")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -15,15 +15,17 @@ alignment is numba_flash's, so a query chunk against a longer cache needs no mas
 of at most 16 queries without gradients, window or softcap go to ``numba_flash.torch.decode``.
 
 What is refused with NotImplementedError (never dropped): padding (a 2D attention_mask with a
-False), packed sequences and or/and mask functions, a static cache (keys past the queries' end),
-position biases and attention sinks, dropout, and 4D masks. With a 2D mask, eager calls check it
-on the host (one sync per forward); under torch.compile the check is ``torch._assert_async``, a
-device-side assert.
+False), packed sequences, mask functions other than causal / bidirectional / sliding window (or_masks,
+chunked or block masks, custom ones), a static cache (keys past the queries' end), position biases and
+attention sinks, dropout, and 4D masks. Padding and packing depend on the data: eager calls check them on
+the host (one sync per forward); under torch.compile the check is ``torch._assert_async``, a device-side
+assert.
 """
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
+from transformers import masking_utils as mu
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..torch import attention, decode
@@ -38,25 +40,97 @@ def _refuse(what: str):
                               "attn_implementation='sdpa' for this model or call")
 
 
+def _cells(fn) -> list:
+    return [c.cell_contents for c in (fn.__closure__ or ())]
+
+
+def _closure_codes() -> dict:
+    """The code objects of transformers' mask-function closures, compared by identity (dynamo, tracing a model,
+    gives a closure's code but not always its name)."""
+    codes = {"and": mu.and_masks(mu.causal_mask_function).__code__,
+             "window": mu.sliding_window_overlay(1).__code__,
+             "packed": mu.packed_sequence_mask_function(torch.zeros(1, 1)).__code__}
+    if hasattr(mu, "sliding_window_bidirectional_overlay"):
+        codes["window_bidirectional"] = mu.sliding_window_bidirectional_overlay(1).__code__
+    return codes
+
+
+_CODES = _closure_codes()  # at import: dynamo does not trace into an lru_cache
+
+
+def _mask_parts(fn) -> list:
+    """The pieces of one of transformers' mask functions, an and_masks composition taken apart: "causal",
+    "bidirectional", ("window", w) and ("packed", ids); NotImplementedError for any other piece (or_masks, chunked
+    attention, block overlays, a user's function): only these are the kernels' own masks."""
+    if fn is None or fn is mu.causal_mask_function:
+        return ["causal"]
+    if fn is mu.bidirectional_mask_function:
+        return ["bidirectional"]
+    codes, code = _CODES, getattr(fn, "__code__", None)
+    if code is codes["and"]:
+        (parts,) = [c for c in _cells(fn) if isinstance(c, tuple)]  # and_masks' mask_functions
+        return [p for sub in parts for p in _mask_parts(sub)]
+    if code is codes["window"] or code is codes.get("window_bidirectional"):
+        return [("window", next(c for c in _cells(fn) if isinstance(c, int)))]
+    if code is codes["packed"]:
+        return [("packed", next(c for c in _cells(fn) if isinstance(c, torch.Tensor)))]
+    _refuse("this mask function (or_masks, chunked or block masks, custom mask functions): only causal, "
+            "bidirectional and sliding-window masks are the kernels' own")
+
+
 def mask_interface(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                   attention_mask=None, allow_is_causal_skip=True, allow_is_bidirectional_skip=False, **kwargs):
-    """None where (is_causal, sliding_window) and the key order say everything; else NotImplementedError."""
-    if not (allow_is_causal_skip or allow_is_bidirectional_skip):
-        _refuse("this mask: packed sequences, or/and mask functions, or a compileable (static) cache while "
-                "decoding need an arbitrary mask")
+                   attention_mask=None, local_size=None, **kwargs):
+    """None where (is_causal, sliding_window) and the key order say everything; else NotImplementedError.
+
+    Eager calls take the mask function apart (``_mask_parts``) and check packing and padding on the host. Under
+    torch.compile dynamo cannot read a closure's cells, and transformers hands every batch a packed-sequence id
+    tensor (it cannot look at the values while tracing): there an and_masks composition is checked by its last
+    query row, evaluated on the device and compared with the causal / window row it must be (exact for the
+    packing, causal and window masks transformers builds; a custom and_mask_function that agrees on that row
+    would pass), and padding likewise, each by torch._assert_async (a device-side assert)."""
+    if isinstance(q_offset, torch.Tensor):  # transformers' StaticLayer gives its offset as a tensor
+        _refuse("a static cache (its keys run past the queries: numba_flash aligns the last query with the last key)")
     ends = (q_offset + q_length, kv_offset + kv_length)
     if all(isinstance(x, int) for x in ends) and ends[0] != ends[1]:
         _refuse(f"a cache whose keys end at position {ends[1]} while the queries end at {ends[0]} (a static cache: "
                 "numba_flash aligns the last query with the last key)")
+    if torch.compiler.is_compiling():
+        _check_traced(mask_function, batch_size, q_offset + q_length - 1, kv_length, kv_offset, local_size,
+                      kwargs.get("device"))
+    else:
+        for part in _mask_parts(mask_function):
+            if isinstance(part, tuple) and part[0] == "packed":
+                _check_all(part[1][:, -1] == 0, "packed sequences (several documents in one batch row)")
     if attention_mask is not None:
         if attention_mask.ndim != 2:
             _refuse(f"a {attention_mask.ndim}-D attention mask")
-        padding = attention_mask[:, -kv_length:]
-        if torch.compiler.is_compiling():
-            torch._assert_async(padding.all(), "numba_flash: padding in attention_mask (a False entry); unsupported")
-        elif not bool(padding.all()):
-            _refuse("padding (a False entry in attention_mask): no varlen or padding mask yet")
+        _check_all(attention_mask[:, -kv_length:], "padding (a False entry in attention_mask)")
     return None
+
+
+def _check_traced(fn, batch_size, q_last, kv_length, kv_offset, local_size, device):
+    if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
+        return
+    code = getattr(fn, "__code__", None)
+    if code is not _CODES["and"] and code is not _CODES["window"]:
+        _refuse("this mask function (or_masks, chunked or block masks, custom mask functions): only causal, "
+                "bidirectional and sliding-window masks are the kernels' own")
+    kv = torch.arange(kv_length, device=device)[None, :] + kv_offset
+    b = torch.arange(batch_size, device=device)[:, None]
+    q = torch.full_like(kv, q_last)
+    want = kv <= q
+    if local_size is not None:
+        want = want & (kv > q - local_size)
+    got = fn(b, 0, q, kv)
+    torch._assert_async((got == want).all(), "numba_flash: the mask is not causal / sliding-window (packed "
+                                             "sequences or a custom mask function); unsupported")
+
+
+def _check_all(ok, what):
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok.all(), f"numba_flash: {what}; unsupported")
+    elif not bool(ok.all()):
+        _refuse(f"{what}: no varlen or padding mask yet")
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,

@@ -159,8 +159,8 @@ def _train_step(q, k, v, w, **kw):
 @_gpu
 @pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_compiled_matches_eager(case):
-    """torch.compile(fullgraph=True, inductor) with no graph break; loss and gradients bitwise eager's (the same
-    kernels on the same inputs; deterministic=True)."""
+    """torch.compile(fullgraph=True, inductor) with no graph break; loss and gradients as eager's up to the rounding
+    of inductor's fused loss (its own summation order and dout: the attention kernels are the same)."""
     import torch._dynamo as dynamo
 
     dtype, B, H, Hkv, n_q, n_k, d, causal, layout = case
@@ -175,9 +175,12 @@ def test_compiled_matches_eager(case):
         loss = fn(*leaves, w, causal=causal)
         loss.backward()
         results.append([loss.detach()] + [x.grad for x in leaves])
+    tol = 1e-4 if dtype == "float32" else 1e-2  # of max |eager|; a wrong layout or mask is O(1)
     for name, a, b in zip(("loss", "dq", "dk", "dv"), *results):
         assert torch.isfinite(a).all(), name
-        assert torch.equal(a, b), f"{name}: compiled differs from eager by {(a.double() - b.double()).abs().max()}"
+        err, mag = (a.double() - b.double()).abs().max().item(), b.double().abs().max().item()
+        print(f"{dtype} {name}: compiled vs eager {err:.3e}, max {mag:.3e}")
+        assert err <= tol * mag, f"{name}: compiled differs from eager by {err:.3e} (max {mag:.3e})"
 
 
 def _reference_grads(q, k, v, w, causal):

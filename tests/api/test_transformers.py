@@ -137,6 +137,24 @@ def test_a_static_cache_is_refused(twin):
         model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0)
 
 
+def test_compiled_model_is_one_graph(twin):
+    """Under dynamo transformers passes a packed-sequence id tensor for every batch (it cannot read values while
+    tracing): the adapter's check becomes a device-side assert, not a refusal or a graph break."""
+    import torch._dynamo as dynamo
+
+    model = _model("llama", NAME)
+    ids = torch.randint(0, 97, (2, 40))
+    dynamo.reset()
+    ex = dynamo.explain(model)(input_ids=ids, use_cache=False)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+    eager = model(input_ids=ids, use_cache=False).logits
+    compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(compiled, eager)
+    pos = torch.cat([torch.arange(20), torch.arange(20)])[None].expand(2, -1)  # two documents per row
+    with pytest.raises(RuntimeError, match="numba_flash: the mask is not causal"):
+        torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids, position_ids=pos, use_cache=False)
+
+
 def test_names_with_flash_are_refused():
     with pytest.raises(ValueError, match="flash"):
         nf_hf.register("numba_flash")
