@@ -23,9 +23,6 @@ import re
 import sys
 from pathlib import Path
 
-# the kernels are recorded, never compiled for a device: the on-disk kernel cache stays out of it
-os.environ["NUMBA_FLASH_CACHE"] = "0"
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GOLDEN = HERE / "shipped_ptx.json"
@@ -280,11 +277,16 @@ class _Recorded:
         return sha(self.ptx()) + (f"+maxreg{regs}" if regs else "")
 
 
+# modules that need optional libraries (torch, matplotlib, transformers) or launch nothing
+OPTIONAL_MODULES = ("torch", "flash_attn", "plots", "cli", "bench", "__main__")
+
+
 def _install_recorders(target: str):
     """Patch cuda.jit (kernels only: device functions compile as before), the launch function wherever a
     numba_flash module holds it, and the device-capability questions, for ``target`` ("sm90" / "sm80")."""
     from numba import cuda
 
+    os.environ["NUMBA_FLASH_CACHE"] = "0"  # kernels are recorded, never compiled for a device: no disk cache
     real_jit = cuda.jit
     launched: list = []
 
@@ -316,7 +318,7 @@ def _install_recorders(target: str):
     import numba_flash
 
     for info in pkgutil.walk_packages(numba_flash.__path__, "numba_flash."):
-        if info.name.endswith(("torch", "plots", "cli", "bench", "__main__")) or ".integrations" in info.name:
+        if info.name.endswith(OPTIONAL_MODULES) or ".integrations" in info.name:
             continue
         importlib.import_module(info.name)
     for name, mod in list(sys.modules.items()):

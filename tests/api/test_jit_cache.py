@@ -101,6 +101,7 @@ def fake_gpu(tmp_path, monkeypatch):
         return deco
 
     monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NUMBA_FLASH_CACHE", raising=False)  # another test's process may have turned it off
     monkeypatch.setattr(jc, "enabled", lambda: os.environ.get("NUMBA_FLASH_CACHE", "1") != "0")
     monkeypatch.setattr(jc, "_cc", lambda: (9, 0))
     monkeypatch.setattr(jc.cuda, "jit", jit)
