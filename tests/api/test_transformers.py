@@ -38,9 +38,12 @@ def _config(family, **over):
 
 
 def _model(family, impl, device="cpu", dtype=torch.float64, seed=0):
+    """The same weights for every dtype and implementation: initialised in float32 (an init in another dtype
+    draws other numbers from the same seed), then converted."""
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(_config(family), attn_implementation=impl,
-                                                         dtype=dtype).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_config(_config(family), attn_implementation=impl,
+                                                          dtype=torch.float32)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def _twin_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, **kw):
