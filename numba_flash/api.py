@@ -92,6 +92,11 @@ def window_pair(window_size: Any) -> tuple:
     return tuple(out)
 
 
+def unbounded_past_keys(window: tuple, n_k: int) -> tuple:
+    """flash-attn's rule: a window side >= Nk reaches past every key, so it is unbounded (-1)."""
+    return tuple(-1 if side >= n_k else side for side in window)
+
+
 def _check_softcap(softcap: Any) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
@@ -225,7 +230,7 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
     if causal and window[1] not in (-1, 0):
         raise ValueError(f"causal=True is window_size right = 0; got window_size={window_size!r} (pass right = 0 "
                          "or -1 with causal, or causal=False with the window you mean)")
-    window = tuple(-1 if side >= n_k else side for side in window)  # flash-attn's rule: a side >= Nk is unbounded
+    window = unbounded_past_keys(window, n_k)
     cap = _check_softcap(softcap)
     if cap and not (_fp32_ratio_ok(cap / scale) and _fp32_ratio_ok(scale / cap)):
         raise ValueError(f"softcap = {softcap!r} with softmax_scale = {scale:g}: the kernels take softcap / scale and "

@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--both", action="store_true", help="causal and not")
     p.add_argument("--hkv", type=int, help="K/V heads (GQA/MQA; default H)")
-    p.add_argument("--backward", action="store_true", help="the backward's kernels too")
+    p.add_argument("--backward", action="store_true", help="the backward's kernels too (both dQ schemes)")
     p.add_argument("--decode", action="store_true", help="decode's kernels too (Nq <= 16)")
 
     p = sub.add_parser("cache", help="the on-disk kernel cache: directory, entries, size")
@@ -667,6 +667,10 @@ def cmd_warmup(args, restart_argv) -> int:
 
     B, H, n_q, n_k, d = _explain_shape(args.shape)
     hkv = H if args.hkv is None else args.hkv
+    if args.decode and n_q > 16:
+        raise CLIError(f"--decode with Nq = {n_q}: decode takes at most 16 queries per sequence (give Nq <= 16)")
+    if args.both and args.causal:
+        raise CLIError("--both already warms causal and not; give one of --both and --causal")
     rng = np.random.default_rng(0)
     print(f"cache: {jit_cache.cache_dir()} ({'on' if jit_cache.enabled() else 'off: NUMBA_FLASH_CACHE=0'})")
     for dtype in args.dtype:
@@ -685,15 +689,17 @@ def cmd_warmup(args, restart_argv) -> int:
             q, k, v = arr(B, H, n_q, d), arr(B, hkv, n_k, d), arr(B, hkv, n_k, d)
             try:
                 out, lse = numba_flash.forward(q, k, v, causal=causal)
-                if args.backward:
-                    numba_flash.backward(q, k, v, out, lse, arr(B, H, n_q, d), causal=causal)
+                if args.backward:  # both dQ schemes: deterministic (the default) and atomic (flash-attn's default)
+                    dout = arr(B, H, n_q, d)
+                    for deterministic in (True, False):
+                        numba_flash.backward(q, k, v, out, lse, dout, causal=causal, deterministic=deterministic)
                 if args.decode and n_q <= 16:
                     numba_flash.decode(q, k, v)
             except (TypeError, ValueError, NotImplementedError) as e:
                 raise CLIError(f"--shape {' '.join(map(str, args.shape))} --dtype {dtype}: {type(e).__name__}: {e}")
             after = jit_cache.info()
-            print(f"{dtype} causal={causal}: {time.perf_counter() - t0:.2f} s, "
-                  f"{after['misses'] - before['misses']} compiled and stored, {after['hits'] - before['hits']} loaded")
+            print(f"{dtype} causal={causal}: {time.perf_counter() - t0:.2f} s, {after['misses'] - before['misses']} "
+                  f"compiled ({after['stores'] - before['stores']} stored), {after['hits'] - before['hits']} loaded")
     info = jit_cache.info()
     print(f"cache: {info['entries']} kernels, {fmt_bytes(info['bytes'])}")
     return 0

@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import torch
 
+from .decode import MAX_DECODE_QUERIES
 from .torch import attention, decode
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
-DECODE_MAX_QUERIES = 16
 
 
 def _unsupported(what: str):
-    raise NotImplementedError(f"numba_flash.flash_attn: {what} is not supported yet")
+    raise NotImplementedError(f"numba_flash.flash_attn: {what} is not supported (the kernels do not have it)")
 
 
 def _heads_first(x):
@@ -114,9 +114,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_layout(name, x, 4)
     B, n_q = q.shape[0], q.shape[1]
-    if n_q > DECODE_MAX_QUERIES or not (causal or n_q == 1):
+    if n_q > MAX_DECODE_QUERIES or not (causal or n_q == 1):
         _unsupported(f"flash_attn_with_kvcache with {n_q} queries, causal={causal} (decode runs at most "
-                     f"{DECODE_MAX_QUERIES} causal queries per sequence, or one)")
+                     f"{MAX_DECODE_QUERIES} causal queries per sequence, or one)")
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: pass both k and v (the new keys and values) or neither")
     if cache_seqlens is None:

@@ -10,8 +10,8 @@ The file name is a SHA-256 of everything that decides the machine code:
   the kernel's signature and its jit options (fastmath, max_registers);
 - the source of the whole numba_flash package (any edit to a kernel or a building block is a miss);
 - the GPU's compute capability;
-- the versions of Python, numba, numba-cuda, cuda-bindings and the NVVM / nvrtc wheels, and numba's
-  code-generation settings (NUMBA_OPT and the like).
+- the versions of Python, numba, numba-cuda, cuda-bindings and the NVVM / nvrtc / nvJitLink wheels, and
+  numba's code-generation settings (NUMBA_OPT, NUMBA_CUDA_DEBUGINFO, the default PTX target).
 
 Where: ``$NUMBA_FLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numba_flash``, else ``~/.cache/numba_flash``.
 ``NUMBA_FLASH_CACHE=0`` turns it off. Under the CUDA simulator nothing is cached (there is no
@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from numba import config as nb_config
 from numba import cuda
+from numba.cuda.cudadrv.error import CudaSupportError  # (numba.cuda has no such name under the simulator)
 
 SUFFIX = ".nbk"
 FORMAT = 1  # bump when the file layout changes
@@ -86,16 +87,17 @@ def source_digest() -> str:
 
 @lru_cache(maxsize=1)
 def toolchain() -> tuple:
-    names = ("numba", "numba-cuda", "cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-nvcc", "nvidia-nvjitlink",
-             "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvcc-cu12")
+    names = ("numba", "numba-cuda", "cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-nvcc", "nvidia-nvvm",
+             "nvidia-nvjitlink", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvcc-cu12", "nvidia-nvjitlink-cu12")
     versions = []
     for name in names:
         try:
             versions.append((name, metadata.version(name)))
         except metadata.PackageNotFoundError:
             pass
-    numba_options = tuple((n, repr(getattr(nb_config, n, None))) for n in ("OPT", "DEBUGINFO_DEFAULT", "CUDA_DEFAULT_PTX_CC",
-                                                                        "FASTMATH", "CUDA_ENABLE_PYNVJITLINK"))
+    # what cuda.jit reads from numba's config for a kernel's code (NUMBA_CUDA_DEBUGINFO also turns LTO off)
+    numba_options = tuple((n, repr(getattr(nb_config, n, None))) for n in ("OPT", "CUDA_DEBUGINFO_DEFAULT",
+                                                                        "CUDA_DEFAULT_PTX_CC"))
     return (sys.version.split()[0], tuple(versions), numba_options, os.environ.get("CUDA_HOME", ""),
             os.environ.get("CUDA_PATH", ""))
 
@@ -114,8 +116,13 @@ def _path(key, signature, options) -> Path:
 
 
 def is_cached(key, signature, **options) -> bool:
-    """Whether this specialisation's file exists for the current GPU (False when caching is off)."""
-    return enabled() and _path(key, signature, options).exists()
+    """Whether this specialisation's file exists for the current GPU (False when caching is off or there is no GPU)."""
+    if not enabled():
+        return False
+    try:
+        return _path(key, signature, options).exists()
+    except CudaSupportError:
+        return False
 
 
 def compile_kernel(key, signature, fn, **options):
@@ -128,7 +135,7 @@ def compile_kernel(key, signature, fn, **options):
         return cuda.jit(signature, **options)(fn)
     try:
         path = _path(key, signature, options)
-    except cuda.CudaSupportError:  # no GPU to compile for: whatever cuda.jit does there
+    except CudaSupportError:  # no GPU to compile for: whatever cuda.jit does there
         return cuda.jit(signature, **options)(fn)
     if path.exists():
         try:
@@ -155,6 +162,7 @@ def compile_kernel(key, signature, fn, **options):
 
 
 def _store(path: Path, kernel) -> None:
+    tmp = None
     try:
         data = pickle.dumps(kernel, protocol=pickle.HIGHEST_PROTOCOL)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +173,8 @@ def _store(path: Path, kernel) -> None:
         with _LOCK:
             _STATS["stores"] += 1
     except Exception as e:  # a read-only home, or a kernel that does not pickle: it still runs
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
         warnings.warn(f"numba_flash.jit_cache: could not write {path} ({type(e).__name__}: {e}); the kernel runs, "
                       "uncached", RuntimeWarning, stacklevel=3)
 

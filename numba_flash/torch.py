@@ -38,7 +38,7 @@ except ImportError as e:  # a clear message instead of a NameError later
         "numba_flash.backward work without it on CuPy, Numba or NumPy arrays"
     ) from e
 
-from .api import forward, window_pair
+from .api import forward, unbounded_past_keys, window_pair
 from .backward import backward
 from .blocks.mask import window_kind
 from .decode import decode as _decode
@@ -165,7 +165,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
                          "alibi_slopes.detach()")
     left, right = window_pair(window_size)
     n_k = k.shape[-2] if len(k.shape) >= 2 else 0
-    window = (-1 if left >= n_k else left, -1 if right >= n_k else right)  # as api.validate has it
+    window = unbounded_past_keys((left, right), n_k)
     mods = window_kind(causal, window) == "window" or softcap != 0 or alibi_slopes is not None
     if mods and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # the backward has the mods on the mma kernels only: say so now, not at loss.backward()

@@ -8,15 +8,15 @@
 mask function (AttentionMaskInterface). transformers drops the padding mask of an implementation
 that has no mask entry; this one instead says what it cannot run.
 
-What runs: causal and bidirectional attention, GQA / MQA, sliding windows (``sliding_window``,
+What runs: causal and bidirectional attention, GQA / MQA, causal sliding windows (``sliding_window``,
 HF's: a query sees the sliding_window - 1 keys before it and itself), logit softcapping
 (``softcap``), the model's ``scaling``, and generation with a DynamicCache (bottom-right causal
 alignment is numba_flash's, so a query chunk against a longer cache needs no mask). Decoding steps
 of at most 16 queries without gradients, window or softcap go to ``numba_flash.torch.decode``.
 
 What is refused with NotImplementedError (never dropped): padding (a 2D attention_mask with a
-False), packed sequences, mask functions other than causal / bidirectional / sliding window (or_masks,
-chunked or block masks, custom ones), a static cache (keys past the queries' end), position biases and
+False), packed sequences, mask functions other than causal / bidirectional / causal sliding window
+(or_masks, chunked or block masks, custom ones, bidirectional windows), a static cache (keys past the queries' end), position biases and
 attention sinks, dropout, and 4D masks. Padding and packing depend on the data: eager calls check them on
 the host (one sync per forward); under torch.compile the check is ``torch._assert_async``, a device-side
 assert.
@@ -28,11 +28,11 @@ from transformers import AttentionInterface
 from transformers import masking_utils as mu
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..decode import MAX_DECODE_QUERIES
 from ..torch import attention, decode
 
 # transformers treats an implementation whose name contains "flash" as a hub kernel to download
 NAME = "numba"
-DECODE_MAX_QUERIES = 16  # numba_flash.decode's limit
 
 
 def _refuse(what: str):
@@ -70,8 +70,10 @@ def _mask_parts(fn) -> list:
     if code is codes["and"]:
         (parts,) = [c for c in _cells(fn) if isinstance(c, tuple)]  # and_masks' mask_functions
         return [p for sub in parts for p in _mask_parts(sub)]
-    if code is codes["window"] or code is codes.get("window_bidirectional"):
+    if code is codes["window"]:
         return [("window", next(c for c in _cells(fn) if isinstance(c, int)))]
+    if code is codes.get("window_bidirectional"):
+        _refuse("a bidirectional sliding window (|q - kv| <= w)")
     if code is codes["packed"]:
         return [("packed", next(c for c in _cells(fn) if isinstance(c, torch.Tensor)))]
     _refuse("this mask function (or_masks, chunked or block masks, custom mask functions): only causal, "
@@ -95,8 +97,8 @@ def mask_interface(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
         _refuse(f"a cache whose keys end at position {ends[1]} while the queries end at {ends[0]} (a static cache: "
                 "numba_flash aligns the last query with the last key)")
     if torch.compiler.is_compiling():
-        _check_traced(mask_function, batch_size, q_offset + q_length - 1, kv_length, kv_offset, local_size,
-                      kwargs.get("device"))
+        _check_traced(mask_function, batch_size, q_offset, q_length, kv_length, kv_offset, local_size,
+                      kwargs.get("device"), "allow_is_bidirectional_skip" in kwargs)
     else:
         for part in _mask_parts(mask_function):
             if isinstance(part, tuple) and part[0] == "packed":
@@ -108,29 +110,38 @@ def mask_interface(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     return None
 
 
-def _check_traced(fn, batch_size, q_last, kv_length, kv_offset, local_size, device):
+def _check_traced(fn, batch_size, q_offset, q_length, kv_length, kv_offset, local_size, device, bidirectional):
+    """Under tracing: the mask function evaluated on the device where a packed, chunked or custom and_masks
+    composition differs from the causal / window mask: the last query row, and every query against the key just
+    before it (a document or chunk start hides it)."""
     if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
         return
     code = getattr(fn, "__code__", None)
-    if code is not _CODES["and"] and code is not _CODES["window"]:
-        _refuse("this mask function (or_masks, chunked or block masks, custom mask functions): only causal, "
-                "bidirectional and sliding-window masks are the kernels' own")
-    kv = torch.arange(kv_length, device=device)[None, :] + kv_offset
+    if bidirectional or (code is not _CODES["and"] and code is not _CODES["window"]):
+        _refuse("this mask function under torch.compile (or_masks, chunked or block masks, custom mask functions, "
+                "windows on a bidirectional mask): only causal, bidirectional and causal sliding-window masks are the "
+                "kernels' own")
+    q_last = q_offset + q_length - 1
     b = torch.arange(batch_size, device=device)[:, None]
+    kv = torch.arange(kv_length, device=device)[None, :] + kv_offset
     q = torch.full_like(kv, q_last)
     want = kv <= q
     if local_size is not None:
         want = want & (kv > q - local_size)
-    got = fn(b, 0, q, kv)
-    torch._assert_async((got == want).all(), "numba_flash: the mask is not causal / sliding-window (packed "
-                                             "sequences or a custom mask function); unsupported")
+    ok = (fn(b, 0, q, kv) == want).all()
+    first = max(q_offset, kv_offset + 1)
+    if q_last >= first and (local_size is None or local_size > 1):
+        qs = torch.arange(first, q_last + 1, device=device)[None, :]
+        ok = ok & fn(b, 0, qs, qs - 1).all()
+    torch._assert_async(ok, "numba_flash: the mask is not causal / sliding-window (packed sequences, chunks or a "
+                            "custom mask function); unsupported")
 
 
 def _check_all(ok, what):
     if torch.compiler.is_compiling():
         torch._assert_async(ok.all(), f"numba_flash: {what}; unsupported")
     elif not bool(ok.all()):
-        _refuse(f"{what}: no varlen or padding mask yet")
+        _refuse(f"{what}: the kernels have no varlen or padding mask")
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -149,11 +160,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = bool(causal)
     window = (-1, -1)
     if sliding_window:
-        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+        if not causal:
+            _refuse(f"a bidirectional sliding window (sliding_window={sliding_window})")
+        window = (sliding_window - 1, 0)  # transformers' overlay: kv > q - sliding_window
     cap = float(softcap) if softcap else 0.0
     n_q = query.shape[2]
     grads = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if (causal or n_q == 1) and n_q <= DECODE_MAX_QUERIES and window == (-1, -1) and not cap and not grads:
+    if (causal or n_q == 1) and n_q <= MAX_DECODE_QUERIES and window == (-1, -1) and not cap and not grads:
         out, _ = decode(query, key, value, softmax_scale=scaling)  # bottom-right causal to the end of the cache
     else:
         out = attention(query, key, value, causal=causal, softmax_scale=scaling, window_size=window, softcap=cap)

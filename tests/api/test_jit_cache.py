@@ -148,16 +148,43 @@ def test_off_switch(fake_gpu, tmp_path, monkeypatch):
     assert fake_gpu["compiles"] == 2 and not list(tmp_path.glob("*.nbk"))
 
 
-def test_simulator_and_no_gpu_never_cache(tmp_path, monkeypatch):
-    """Under the simulator there is no machine code; without a GPU there is no device to key on: both are
-    cuda.jit as before, and nothing is written."""
+@pytest.mark.skipif(not jc.nb_config.ENABLE_CUDASIM, reason="the simulator's own path")
+def test_the_simulator_never_caches(tmp_path, monkeypatch):
+    """Under the simulator there is no machine code: builds are cuda.jit's, and nothing is written."""
     monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NUMBA_FLASH_CACHE", raising=False)
     import numpy as np
 
+    from numba_flash.kernels import mma_forward
+
+    assert not jc.enabled()
+    x = np.random.default_rng().standard_normal((1, 2, 16, 16), dtype=np.float32).astype(np.float16)
+    mma_forward.build.cache_clear()  # a fresh build, not one an earlier test left in memory
     import numba_flash
 
-    x = np.random.default_rng().standard_normal((1, 2, 16, 16), dtype=np.float32)
-    numba_flash.forward(x, x, x, causal=True)
+    numba_flash.forward(x, x, x, causal=True, kernel="mma")
+    assert not list(tmp_path.glob("*"))
+
+
+def test_without_a_gpu_builds_are_cuda_jits(fake_gpu, tmp_path, monkeypatch):
+    """No device to key on (CudaSupportError): cuda.jit compiles as it would, nothing is stored or reported cached."""
+    def no_gpu():
+        raise jc.CudaSupportError("no driver")
+
+    monkeypatch.setattr(jc, "_cc", no_gpu)
+    jc.compile_kernel(("fam", 1), SIG, kernel_fn)
+    jc.compile_kernel(("fam", 1), SIG, kernel_fn)
+    assert fake_gpu["compiles"] == 2 and not list(tmp_path.glob("*"))
+    assert not jc.is_cached(("fam", 1), SIG)
+
+
+def test_a_failed_store_leaves_no_file(fake_gpu, tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise pickle.PicklingError("not today")
+
+    monkeypatch.setattr(jc.pickle, "dumps", refuse)
+    with pytest.warns(RuntimeWarning, match="could not write"):
+        jc.compile_kernel(("fam", 1), SIG, kernel_fn)
     assert not list(tmp_path.glob("*"))
 
 

@@ -158,6 +158,19 @@ def test_compiled_model_is_one_graph(twin):
         torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids, position_ids=pos, use_cache=False)
 
 
+def test_compiled_window_model_refuses_packing(twin):
+    """Mistral's window (24) with a last document longer than it: the last query row alone agrees with the window
+    mask, the key before each document's first token does not."""
+    model = _model("mistral", NAME)
+    ids = torch.randint(0, 97, (1, 40))
+    pos = torch.cat([torch.arange(10), torch.arange(30)])[None]
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(input_ids=ids, use_cache=False).logits,
+                               model(input_ids=ids, use_cache=False).logits)
+    with pytest.raises(RuntimeError, match="numba_flash: the mask is not causal"):
+        compiled(input_ids=ids, position_ids=pos, use_cache=False)
+
+
 def test_names_with_flash_are_refused():
     with pytest.raises(ValueError, match="flash"):
         nf_hf.register("numba_flash")
