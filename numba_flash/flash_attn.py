@@ -104,10 +104,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     + Nnew - 1 first (flash-attn's append), and attended to with the rest. The queries are the last Nq
     positions of each sequence (bottom-right causal). Runs ``numba_flash.decode``: Nq <= 16, causal (or one query).
     """
-    for name, value, off in (("rotary_cos", rotary_cos, None), ("rotary_sin", rotary_sin, None),
-                             ("cache_batch_idx", cache_batch_idx, None), ("cache_leftpad", cache_leftpad, None),
-                             ("block_table (a paged KV cache)", block_table, None), ("alibi_slopes", alibi_slopes, None)):
-        if value is not off:
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad), ("block_table (a paged KV cache)", block_table),
+                        ("alibi_slopes", alibi_slopes)):
+        if value is not None:
             _unsupported(f"flash_attn_with_kvcache {name}")
     if tuple(window_size) != (-1, -1) or softcap:
         _unsupported(f"flash_attn_with_kvcache window_size={tuple(window_size)} / softcap={softcap}")

@@ -64,22 +64,14 @@ def llama(impl: str, quick: bool):
 
 
 def timed_steps(model, ids, rounds: int) -> float:
-    """Median seconds of forward+backward (labels = ids), after two warm-up steps."""
+    """Median seconds of forward+backward (labels = ids), after two warm-up steps (numba_flash.bench.time_call)."""
+    from numba_flash.bench import time_call
+
     def step():
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return time_call(step, warmup=2, reps=rounds)[0] / 1e3
 
 
 def training_step(quick: bool) -> list:
