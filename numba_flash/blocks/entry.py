@@ -1,4 +1,7 @@
-"""Entry points of the backward's dK/dV kernels, and the host side of the dQ-in-dkdv launches.
+"""Entry points of the forward and of the backward's dK/dV kernels, and the host side of the dQ-in-dkdv launches.
+
+Every forward family with mods (mma.sync, SIMT) writes one ``forward_body(q, k, v, out, lse, n_q, n_k, d, group,
+scale_log2, left, right, cap_a, cap_b, slopes, inv_scale)`` and gets its kernel from ``forward_entry``.
 
 Every dK/dV family (mma.sync, wgmma, 3xTF32) writes one ``dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc,
 n_q, n_k, d, group, scale_log2, scale, kb[, first])`` for key block ``kb`` and gets its kernels from
@@ -42,6 +45,27 @@ def _at_home(fn, home: dict, name: str):
     out = pytypes.FunctionType(fn.__code__, home, name, fn.__defaults__, fn.__closure__)
     out.__qualname__ = name
     return out
+
+
+def forward_entry(body, home: dict, name: str, mods: bool, slopes_stand_in: str = "lse"):
+    """The forward kernel (before cuda.jit) that runs ``body``, named ``name`` (``name + "_mods"`` with mods) in
+    module ``home``. mods: it takes MOD_ARGS after scale_log2 and passes them on. Without: the body gets constants
+    for them, which its pruned branches never read; slopes_stand_in says what array stands in for the slopes:
+    "lse" itself, or "lse[0]" (its first plane: the SIMT body's slope indexing is typed on a 2-D array)."""
+    zero = float32(0.0)
+    if mods:
+        def kernel(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
+            body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes, inv_scale)
+        return _at_home(kernel, home, name + "_mods")
+    if slopes_stand_in == "lse":
+        def kernel(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+            body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, 0, 0, zero, zero, lse, zero)
+    elif slopes_stand_in == "lse[0]":
+        def kernel(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
+            body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, 0, 0, zero, zero, lse[0], zero)
+    else:
+        raise ValueError(f"forward_entry: slopes_stand_in {slopes_stand_in!r}; accepted 'lse' or 'lse[0]'")
+    return _at_home(kernel, home, name)
 
 
 def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0, first: bool = True,

@@ -64,6 +64,7 @@ from ..launch import address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
+from ..blocks.entry import forward_entry
 from ..blocks.copies import tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
@@ -462,18 +463,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                             if col + e < d:
                                 out[b, h, row, col + e] = smem[src + e]
 
-    if mods.any:
-        def mma_forward_mods(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
-                             inv_scale):
-            forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
-                         inv_scale)
-
-        return mma_forward_mods
-
-    def mma_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
-        forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, 0, 0, ZERO, ZERO, lse, ZERO)
-
-    return mma_forward
+    return forward_entry(forward_body, globals(), "mma_forward", mods.any)
 
 
 @lru_cache(maxsize=None)

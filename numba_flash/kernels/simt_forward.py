@@ -43,6 +43,7 @@ from numba.cuda.extending import intrinsic, register_jitable
 from .. import ptx
 from ..blocks.numerics import FASTMATH, LN2, LOG2E, STORAGE
 from ..configs import SimtConfig
+from ..blocks.entry import forward_entry
 from ..blocks.mask import window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, launch_args
 from ..launch import launch as launch_kernel
@@ -463,18 +464,7 @@ def kernel_source(cfg: SimtConfig, causal: bool, dtype: str, mods: Mods = NO_MOD
                         else:
                             out[U(b), U(h), U(row), U(col)] = o
 
-    if mods.any:
-        def flash_forward_mods(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes,
-                               inv_scale):
-            forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes,
-                         inv_scale)
-
-        return flash_forward_mods
-
-    def flash_forward(q, k, v, out, lse, n_q, n_k, d, group, scale_log2):
-        forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, 0, 0, ZERO, ZERO, lse[0], ZERO)
-
-    return flash_forward
+    return forward_entry(forward_body, globals(), "flash_forward", mods.any, slopes_stand_in="lse[0]")
 
 
 @lru_cache(maxsize=None)
