@@ -7,7 +7,8 @@ See ``forward`` for the full contract and ``explain`` for which kernel runs and 
 from .api import KERNELS, PerformanceWarning, explain, forward, validate
 from .backward import backward, explain_backward
 from .decode import decode
+from .varlen import varlen_backward, varlen_forward
 
-__all__ = ["forward", "backward", "decode", "explain", "explain_backward", "validate", "KERNELS",
-           "PerformanceWarning"]
+__all__ = ["forward", "backward", "decode", "varlen_forward", "varlen_backward", "explain", "explain_backward",
+           "validate", "KERNELS", "PerformanceWarning"]
 __version__ = "0.1.0"

@@ -55,6 +55,7 @@ class Problem:
     window_size: tuple = (-1, -1)  # validated; -1 unbounded (a side >= Nk is stored as -1)
     softcap: float = 0.0
     alibi_shape: tuple | None = None  # the slopes' shape, (H,) or (B, H)
+    varlen: bool = False  # packed sequences (numba_flash.varlen): q_shape (total_q, H, d), B sequences, n_q / n_k the longest
 
     @property
     def mods(self) -> Mods:
@@ -69,7 +70,7 @@ class Problem:
 
     @property
     def lse_shape(self) -> tuple:
-        return self.q_shape[:-1]
+        return (self.H, self.q_shape[0]) if self.varlen else self.q_shape[:-1]  # varlen: flash-attn's (H, total_q)
 
 
 def _as_4d(shape: tuple) -> tuple:
@@ -147,8 +148,11 @@ def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device, q_ndim:
 
 
 def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None, window_size: Any = (-1, -1),
-             softcap: Any = 0.0, alibi_slopes: Any = None) -> Problem:
-    """Check everything about a forward call in one place; raise with what was given and accepted."""
+             softcap: Any = 0.0, alibi_slopes: Any = None, packed: tuple | None = None) -> Problem:
+    """Check everything about a forward call in one place; raise with what was given and accepted.
+
+    packed: (B, max_seqlen_q, max_seqlen_k) of a varlen call (numba_flash.varlen, which checks them): q, k, v are
+    then packed (total, heads, d) arrays of B sequences."""
     kinds = {}
     for name, x in (("q", q), ("k", k), ("v", v)):
         kind = arrays.kind_of(x)
@@ -176,14 +180,23 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
 
     shapes = {n: arrays.shape_of(x) for n, x in (("q", q), ("k", k), ("v", v))}
     for name, shp in shapes.items():
+        if packed is not None and len(shp) != 3:
+            raise ValueError(f"{name} has shape {shp}; varlen takes packed arrays: (total_q, H, d) for q, "
+                             "(total_k, Hkv, d) for k and v")
         if len(shp) not in (2, 3, 4):
             raise ValueError(
                 f"{name} has shape {shp}; accepted: (B, H, N, d), (H, N, d) or (N, d)"
             )
     if not len(shapes["q"]) == len(shapes["k"]) == len(shapes["v"]):
         raise ValueError(f"q, k, v must have the same number of dims; got shapes {shapes['q']}, {shapes['k']}, {shapes['v']}")
-    B, H, n_q, d = _as_4d(shapes["q"])
-    Bk, Hkv, n_k, dk = _as_4d(shapes["k"])
+    if packed is not None:  # (total, heads, d): the lengths are the sequences' (the caller checked them)
+        B, n_q, n_k = packed
+        Bk = B
+        _, H, d = shapes["q"]
+        _, Hkv, dk = shapes["k"]
+    else:
+        B, H, n_q, d = _as_4d(shapes["q"])
+        Bk, Hkv, n_k, dk = _as_4d(shapes["k"])
     if shapes["k"] != shapes["v"]:
         raise ValueError(f"k and v must have the same shape; got k {shapes['k']}, v {shapes['v']}")
     if Bk != B:
@@ -239,14 +252,14 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
     device = known.pop() if known else None
     alibi_shape = None
     if alibi_slopes is not None:
-        alibi_shape = _check_alibi(alibi_slopes, kinds["q"], B, H, device, len(shapes["q"]))
+        alibi_shape = _check_alibi(alibi_slopes, kinds["q"], B, H, device, 4 if packed else len(shapes["q"]))
         if not _fp32_ratio_ok(1.0 / scale):
             raise ValueError(f"softmax_scale = {scale:g} with alibi_slopes: the kernels take 1 / scale in fp32; accepted "
                              "with ALiBi: softmax_scale >= 2**-127")
     return Problem(
         kind=kinds["q"], dtype=dtypes["q"], q_shape=shapes["q"], B=B, H=H, Hkv=Hkv,
         n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
-        device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape,
+        device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape, varlen=packed is not None,
     )
 
 

@@ -116,6 +116,23 @@ def as_4d(dev: Any, ndim: int = 4) -> Any:
     return dev.reshape((1,) * (ndim - dev.ndim) + tuple(dev.shape))  # simulator arrays
 
 
+def packed_as_batch(dev: Any, n_seq: int) -> Any:
+    """A packed varlen array, (total, H, d) or lse's (H, total), as (n_seq, H, total[, d]) with a batch stride
+    of 0: every sequence's view is the whole pack, and the varlen kernels add the sequence's first row."""
+    if dev.ndim == 3:
+        shape, strides = (n_seq, dev.shape[1], dev.shape[0], dev.shape[2]), (0, dev.strides[1], dev.strides[0],
+                                                                           dev.strides[2])
+    elif dev.ndim == 2:
+        shape, strides = (n_seq, *dev.shape), (0, *dev.strides)
+    else:
+        raise ValueError(f"packed_as_batch: a (total, H, d) array or a (H, total) lse, got shape {tuple(dev.shape)}")
+    if isinstance(dev, DeviceView):
+        return DeviceView(dev.ptr, shape, strides, dev.dtype, dev.owner)
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # the simulator's arrays: a numpy view
+
+    return FakeCUDAArray(np.lib.stride_tricks.as_strided(dev._ary, shape, strides), stream=dev.stream)
+
+
 def to_device_view(x: Any, stream, ndim: int = 4) -> Any:
     """An ``ndim``-D device view of x (bfloat16 as uint16 bits); NumPy is copied over.
 

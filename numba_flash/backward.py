@@ -37,14 +37,17 @@ KERNELS = ("auto", "simt", "mma", "tf32x3")
 
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None,
-                      window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None) -> Problem:
-    """``api.validate`` for q, k, v (and the mods), then: out and dout like q, lse float32 of shape q.shape[:-1]."""
+                      window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None,
+                      packed: tuple | None = None) -> Problem:
+    """``api.validate`` for q, k, v (and the mods), then: out and dout like q, lse float32 of shape q.shape[:-1]
+    ((H, total_q) for a varlen call: packed as api.validate takes it)."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes)
+                 alibi_slopes=alibi_slopes, packed=packed)
     wanted = (
         ("out", out, p.q_shape, p.dtype, "q's shape", "q's dtype"),
         ("dout", dout, p.q_shape, p.dtype, "q's shape", "q's dtype"),
-        ("lse", lse, p.lse_shape, "float32", "q.shape[:-1]", "float32, as forward returns it"),
+        ("lse", lse, p.lse_shape, "float32", "(H, total_q)" if p.varlen else "q.shape[:-1]",
+         "float32, as forward returns it"),
     )
     for name, x, shape, dtype, shape_why, dtype_why in wanted:
         kind = arrays.kind_of(x)

@@ -34,7 +34,7 @@ def _words(x):
 
 def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, dtype, d, config,
                stream=0, kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None, mods=NO_MODS, window=(0, 0),
-               softcap=0.0, alibi=None):
+               softcap=0.0, alibi=None, varlen=None):
     """Run prep, dkdv and dq (or convert) on device arrays; the caller has validated the problem and the layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d), all 16-bit (float16, or uint16
@@ -56,9 +56,16 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
     mods, window, softcap, alibi: as mma_forward.launch takes them (blocks/mods.py); causal with a window is
     the window's right = 0. With mods the splits' planes must be zeroed (as deterministic=False's one plane):
     every launch adds, since a window's key blocks do not cover a plane's rows from its first on.
+    varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences (as
+    mma_forward.launch takes it): the arrays are packed ones viewed as batches (arrays.packed_as_batch), the
+    scratch rows and planes those of a dense batch of the longest sequences, and the planes zeroed.
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
+    seqs = None
+    if varlen is not None:
+        n_q, n_k = int(varlen[2]), int(varlen[3])
+        seqs = tuple(varlen[:2])
     head_dim = config["head_dim"]
     partial = bool(d % 8)  # a part-data chunk per row (the sources' PARTIAL_CHUNK)
     scalars = (n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E), float32(softmax_scale))
@@ -67,7 +74,7 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
         scalars += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(l2))
     vec = d % 8 == 0 and all(rows16(_words(x)) for x in (out, dout, dq))  # 16-byte prep and convert
     if "prep" in kernels:
-        bwd_prep.launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream)
+        bwd_prep.launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, B * H, stream, varlen=seqs)
     words = tuple(_words(x) for x in (q, k, v, dout))
     bn, bm = config.get("dkdv_atomic", config["dkdv"]) if atomic else config["dkdv"]
     n_kb = (n_k + bn - 1) // bn
@@ -87,19 +94,20 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
                              f"{wgmma_backward.BLOCK_M}) tiles (dkdv_atomic), got ({bn}, {bm})")
         defer = ("atomic" if dq_splits is None else "splits") in config.get("dkdv_wgmma_defer_dq", ())
         wgmma_backward.launch(*words, l2, dd, *grads, dq_acc, scalars, head_dim=head_dim, causal=causal, dtype=dtype,
-                              stream=stream, partial_chunk=partial, dq_splits=dq_splits, defer_dq=defer, mods=mods)
+                              stream=stream, partial_chunk=partial, dq_splits=dq_splits, defer_dq=defer, mods=mods,
+                              varlen=seqs)
     elif "dkdv" in kernels:
         mma_dkdv.launch(*words, l2, dd, *grads, scalars, tile=(bn, bm), head_dim=head_dim, causal=causal,
                         dtype=dtype, stream=stream, partial_chunk=partial, dq_acc=dq_acc, dq_splits=dq_splits,
-                        mods=mods)
+                        mods=mods, varlen=seqs)
     if atomic:
-        if "dq" in kernels:  # (mods: zeroed planes, every row read; the rows no block wrote are zeros)
+        if "dq" in kernels:  # (mods, varlen: zeroed planes, every row read; the rows no block wrote are zeros)
             bwd_prep.launch_convert(dtype, vec, dq_acc, _words(dq), n_q, d, softmax_scale, n_k, bn, bm,
-                                    causal and not mods.any, B * H, stream)
+                                    causal and not mods.any and seqs is None, B * H, stream, varlen=seqs)
         return
     if "dq" in kernels:
         mma_dq.launch(*words, l2, dd, _words(dq), scalars, tile=config["dq"], head_dim=head_dim, causal=causal,
-                      dtype=dtype, stream=stream, partial_chunk=partial, mods=mods)
+                      dtype=dtype, stream=stream, partial_chunk=partial, mods=mods, varlen=seqs)
 
 
 KERNELS = ("dkdv", "dq", "dkdv_atomic")  # the backward tables' kernel names (configs.py)

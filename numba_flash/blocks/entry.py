@@ -8,6 +8,10 @@ n_q, n_k, d, group, scale_log2, scale, kb[, first])`` for key block ``kb`` and g
 ``dkdv_entry``: the plain build (no dQ), the atomic grid's (every block adds into one plane) and the
 deterministic splits' (key block kb0 + blockIdx.x into plane blockIdx.x). ``kernel_signature`` types them,
 ``launch_dq_in_dkdv`` launches the last two.
+
+``varlen_entry`` turns any of those entries into its varlen (packed sequences) form: the kernel takes
+cu_seqlens_q and cu_seqlens_k too, finds its block's sequence, and runs the dense entry on row views of that
+sequence with its own lengths, so the bodies (their masks, mods and schedules) are the dense ones.
 """
 from __future__ import annotations
 
@@ -16,18 +20,21 @@ import types as pytypes
 from numba import cuda, float32, int32, types
 
 from ..launch import address
+from ..ptx import inline_device
 from ..launch import launch as launch_kernel
 
 
 MOD_ARGS = (int32, int32, float32, float32, types.Array(types.float32, 2, "A"), float32)  # blocks/mods.py's
+VARLEN_ARGS = (types.Array(types.int32, 1, "A"), types.Array(types.int32, 1, "A"))  # cu_seqlens_q, cu_seqlens_k
 
 
 def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = False, io=types.uint16,
-                     mods: bool = False):
+                     mods: bool = False, varlen: bool = False):
     """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...):
     io elements (16-bit words, or float32 for the 3xTF32 kernels); dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) fp32
     when dkdv also adds up dQ (atomic_dq). mods: a build with a window, softcap or ALiBi also takes MOD_ARGS
-    (left, right, cap_a, cap_b, slopes, 1 / scale) after scale (before a splits build's kb0, plane_rows)."""
+    (left, right, cap_a, cap_b, slopes, 1 / scale) after scale (before a splits build's kb0, plane_rows);
+    varlen: cu_seqlens_q and cu_seqlens_k last (varlen_entry)."""
     io = types.Array(io, 4, "A")
     rows = types.Array(types.float32, 2, "A")
     grads = (io, io) if kernel == "dkdv" else (io,)
@@ -36,6 +43,8 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
     tail = (int32, int32) if dq_splits else ()  # kb0, plane_rows (the deterministic splits' launches)
     if mods:
         tail = MOD_ARGS + tail
+    if varlen:
+        tail += VARLEN_ARGS
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
@@ -127,6 +136,76 @@ def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0,
     return _at_home(kernel, home, name)
 
 
+def varlen_rules(tiles: str, block: int = 0, grid_bh_x: bool = False):
+    """(sequence, outside) for varlen_entry. sequence(x): b from blockIdx.y = b·heads + h (blockIdx.x with
+    grid_bh_x), heads = x.shape[1]. outside(n_q, n_k, kb0) by what blockIdx.x (.y with grid_bh_x) counts:
+    "q_tiles" (of ``block`` rows, the heaviest first: the forward's and the dq kernel's order) past n_q,
+    "key_blocks" (kb0 + blockIdx.x, of ``block`` keys) past n_k, or "rows" (never: prep and convert write
+    every padded row)."""
+    if tiles not in ("q_tiles", "key_blocks", "rows"):
+        raise ValueError(f"varlen_rules: tiles {tiles!r}; accepted 'q_tiles', 'key_blocks', 'rows'")
+    Q_TILES, KEY_BLOCKS, BH_X = tiles == "q_tiles", tiles == "key_blocks", bool(grid_bh_x)
+
+    @cuda.jit(device=True, inline=True)  # cuda.jit: the simulator runs it with this module's fake cuda
+    def sequence(x):
+        return (cuda.blockIdx.x if BH_X else cuda.blockIdx.y) // x.shape[1]
+
+    @cuda.jit(device=True, inline=True)
+    def outside(n_q, n_k, kb0):
+        if Q_TILES:
+            q_tile = cuda.gridDim.y - 1 - cuda.blockIdx.y if BH_X else cuda.gridDim.x - 1 - cuda.blockIdx.x
+            return q_tile * block >= n_q
+        if KEY_BLOCKS:
+            return (kb0 + cuda.blockIdx.x) * block >= n_k
+        return False
+
+    return sequence, outside
+
+
+def varlen_entry(kernel, home: dict, q_rows: tuple, k_rows: tuple, sequence, outside, seq_of: str | None = None):
+    """The varlen form of a dense entry ``kernel`` (before cuda.jit, from forward_entry / dkdv_entry or a
+    kernel module's own): the same parameters, then cu_seqlens_q and cu_seqlens_k (int32, B + 1).
+
+    The host passes packed arrays as (B, H, total, d) views whose batch stride is 0, and scratch rows as
+    for a dense batch of B sequences of the longest length (the grids too). The block finds its sequence
+    b = ``sequence(x)``, x the parameter named seq_of (default the first), from blockIdx as the body does (the
+    body's own b then indexes only per-sequence things, the scratch rows and the ALiBi slopes), reads its rows
+    cu_q[b] .. cu_q[b + 1] - 1 and keys cu_k[b] .. cu_k[b + 1] - 1, and returns at once where
+    ``outside(n_q, n_k, kb0)`` (its tile lies past the sequence: kb0 is the splits' first key block, else 0).
+    Else it runs ``kernel`` with the parameters named in q_rows (k_rows) viewed from the sequence's first
+    query (key) row on, and n_q, n_k the sequence's lengths: causal, windows and mods align per sequence."""
+    code = kernel.__code__
+    params = code.co_varnames[:code.co_argcount]
+    seq_of = seq_of or params[0]
+    missing = [n for n in (*q_rows, *k_rows, "n_q", seq_of) if n not in params]
+    if missing:
+        raise ValueError(f"varlen_entry: {kernel.__name__} has no parameters {missing} (it has {params})")
+
+    def arg(n):
+        if n in q_rows:
+            return f"{n}[:, :, q_base:]"
+        if n in k_rows:
+            return f"{n}[:, :, k_base:]"
+        return {"n_q": "n_q_b", "n_k": "n_k_b"}.get(n, n)
+
+    src = (f"def make(inner, sequence, outside):\n"
+           f"    def {kernel.__name__}_varlen({', '.join(params)}, cu_q, cu_k):\n"
+           f"        b = sequence({seq_of})\n"
+           f"        q_base = cu_q[b]\n"
+           f"        k_base = cu_k[b]\n"
+           f"        n_q_b = cu_q[b + 1] - q_base\n"
+           f"        n_k_b = cu_k[b + 1] - k_base\n"
+           f"        if outside(n_q_b, n_k_b, {'kb0' if 'kb0' in params else '0'}):\n"
+           f"            return\n"
+           f"        inner({', '.join(arg(n) for n in params)})\n"
+           f"    return {kernel.__name__}_varlen\n")
+    scope: dict = {}
+    exec(compile(src, f"<varlen_entry {kernel.__name__}>", "exec"), scope)  # the parameter list is the kernel's
+    inner = inline_device(_at_home(kernel, home, kernel.__name__))
+    made = scope["make"](inner, sequence, outside)
+    return _at_home(made, home, made.__name__)
+
+
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
@@ -149,16 +228,16 @@ def check_dq_acc(dq_acc, dq_splits, n_bh, nq_pad, head_dim, n_kb):
 
 
 def launch_dq_in_dkdv(build, grid_y, threads, smem, stream, args, scalars, n_kb, dq_splits, plane_rows,
-                      zeroed=False):
+                      zeroed=False, tail=()):
     """The launches of a dkdv kernel that also forms dQ; build(splits) -> its kernel (0: the atomic grid's
     build; 1 / 2: the deterministic splits' adding / storing builds). dq_splits None: one launch of every key
     block, all adding into one plane. Else a launch per dq_splits key blocks, block x of each into plane x:
     stream order orders the adds; the first launch stores, since nobody zeroed the planes (zeroed: the
-    caller did, and every launch adds)."""
+    caller did, and every launch adds). tail: the varlen builds' last arguments (varlen_entry)."""
     if dq_splits is None:
-        launch_kernel(build(0), (n_kb, grid_y), threads, stream, smem, *args, *scalars)
+        launch_kernel(build(0), (n_kb, grid_y), threads, stream, smem, *args, *scalars, *tail)
         return
     for kb0 in range(0, n_kb, dq_splits):
         launch_kernel(build(2 if kb0 == 0 and not zeroed else 1), (min(dq_splits, n_kb - kb0), grid_y), threads,
-                      stream, smem, *args, *scalars, kb0, plane_rows)
+                      stream, smem, *args, *scalars, kb0, plane_rows, *tail)
 

@@ -5,6 +5,8 @@ float32 (the 3xTF32 kernels) inputs.
 
 prep writes (B·H, NQ_PAD) rows, NQ_PAD = blocks.schedule.padded_rows(Nq), with D = 0 and L2 = +inf past
 Nq, so every query tile's L2 and D arrive by cp.async and a padded query row has P = 0 without a mask.
+Varlen builds (blocks.entry.varlen_entry) read packed rows and write the scratch of a dense batch padded to
+the longest sequence: rows past a sequence's own length are padding as above.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import inline_device
 from ..blocks.numerics import LOG2E
 from ..blocks.rows import DELTA_LANES, DELTA_ROWS, row_dot_helper
+from ..blocks.entry import VARLEN_ARGS, varlen_entry, varlen_rules
 from ..blocks.schedule import plane_first_row
 from ..jit_cache import compile_kernel
 
@@ -26,11 +29,18 @@ PREP_ROWS, PREP_LANES = DELTA_ROWS, DELTA_LANES  # prep reuses the SIMT backward
 CONVERT_THREADS = 256
 
 
-def prep_signature(dtype: str):
-    """out, dout as float16 / uint16 (bf16 bits) / float32, lse, then the scratch rows."""
+def prep_signature(dtype: str, varlen: bool = False):
+    """out, dout as float16 / uint16 (bf16 bits) / float32, lse, then the scratch rows (varlen: then
+    cu_seqlens_q, cu_seqlens_k)."""
     io = types.Array({"float16": types.float16, "float32": types.float32}.get(dtype, types.uint16), 4, "A")
     rows = types.Array(types.float32, 2, "A")
-    return types.void(io, io, types.Array(types.float32, 3, "A"), rows, rows, int32, int32)
+    return types.void(io, io, types.Array(types.float32, 3, "A"), rows, rows, int32, int32,
+                      *(VARLEN_ARGS if varlen else ()))
+
+
+def _varlen(kernel, q_rows):
+    """prep and convert run every block: prep writes the padding rows too."""
+    return varlen_entry(kernel, globals(), q_rows, (), *varlen_rules("rows"), seq_of=q_rows[0])
 
 
 def prep_source(dtype: str):
@@ -54,10 +64,12 @@ def prep_source(dtype: str):
     return backward_prep
 
 
-def convert_signature(dtype: str):
-    """dq_acc fp32 planes, dq as 16-bit words (or float32: the 3xTF32 dQ-in-dkdv), then the scalars."""
+def convert_signature(dtype: str, varlen: bool = False):
+    """dq_acc fp32 planes, dq as 16-bit words (or float32: the 3xTF32 dQ-in-dkdv), then the scalars (varlen:
+    then cu_seqlens_q, cu_seqlens_k)."""
     out = types.Array(types.float32 if dtype == "float32" else types.uint16, 4, "A")
-    return types.void(types.Array(types.float32, 3, "A"), out, int32, int32, float32, int32, int32, int32, int32)
+    return types.void(types.Array(types.float32, 3, "A"), out, int32, int32, float32, int32, int32, int32, int32,
+                      *(VARLEN_ARGS if varlen else ()))
 
 
 
@@ -203,46 +215,64 @@ def _check_dtype(dtype):
         raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
 
 
+def _varlen_key(varlen: bool) -> tuple:
+    return ("varlen",) if varlen else ()  # the dense builds keep their cache keys
+
+
 @lru_cache(maxsize=None)
-def build_prep(dtype: str):
+def build_prep(dtype: str, varlen: bool = False):
     """The scalar prep (one element per load)."""
     _check_dtype(dtype)
-    return compile_kernel(("bwd_prep.prep", dtype), prep_signature(dtype), prep_source(dtype))
+    kernel = prep_source(dtype)
+    return compile_kernel(("bwd_prep.prep", dtype) + _varlen_key(varlen), prep_signature(dtype, varlen),
+                          _varlen(kernel, ("out", "dout", "lse")) if varlen else kernel)
 
 
 @lru_cache(maxsize=None)
-def build_prep_vec(dtype: str, head_dim: int):
+def build_prep_vec(dtype: str, head_dim: int, varlen: bool = False):
     """(kernel, rows per block) of the vector prep."""
     if dtype not in DTYPES or head_dim not in ((32, 64, 128) if dtype == "float32" else (64, 128)):
         raise ValueError(f"vector prep: dtype {dtype!r} not in {DTYPES} or head dim {head_dim} not "
                          "64 / 128 (32 too for float32)")
     source, rows = prep_vec_source(dtype, head_dim)
-    return compile_kernel(("bwd_prep.prep_vec", dtype, head_dim), prep_signature(dtype), source), rows
+    if varlen:
+        source = _varlen(source, ("out", "dout", "lse"))
+    return compile_kernel(("bwd_prep.prep_vec", dtype, head_dim) + _varlen_key(varlen),
+                          prep_signature(dtype, varlen), source), rows
 
 
 @lru_cache(maxsize=None)
-def build_convert(dtype: str, vec: bool = False):
+def build_convert(dtype: str, vec: bool = False, varlen: bool = False):
     """The convert kernel (float32: the 3xTF32 backward's dq stays fp32)."""
     _check_dtype(dtype)
-    return compile_kernel(("bwd_prep.convert", dtype, bool(vec)), convert_signature(dtype), convert_source(dtype, vec))
+    kernel = convert_source(dtype, vec)
+    return compile_kernel(("bwd_prep.convert", dtype, bool(vec)) + _varlen_key(varlen),
+                          convert_signature(dtype, varlen), _varlen(kernel, ("dq",)) if varlen else kernel)
 
 
-def launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, n_bh, stream):
+def launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, n_bh, stream, varlen=None):
     """D and L2 into the scratch rows l2, dd: by 16-byte loads where vec (d a multiple of a chunk's elements,
-    out and dout rows 16-byte aligned), else one element per load."""
+    out and dout rows 16-byte aligned), else one element per load. varlen: (cu_seqlens_q, cu_seqlens_k) with
+    packed out, dout, lse viewed as batches (arrays.packed_as_batch)."""
+    tail, extra = ((varlen[0], varlen[1]), {"varlen": True}) if varlen is not None else ((), {})
     if vec:
-        kernel, rows = build_prep_vec(dtype, head_dim)
-        launch_kernel(kernel, (l2.shape[1] // rows, n_bh), VEC_THREADS, stream, 0, out, dout, lse, l2, dd, n_q, d)
+        kernel, rows = build_prep_vec(dtype, head_dim, **extra)
+        launch_kernel(kernel, (l2.shape[1] // rows, n_bh), VEC_THREADS, stream, 0, out, dout, lse, l2, dd, n_q, d,
+                      *tail)
     else:
-        launch_kernel(build_prep(dtype), (l2.shape[1] // PREP_ROWS, n_bh), PREP_ROWS * PREP_LANES, stream, 0,
-                      out, dout, lse, l2, dd, n_q, d)
+        launch_kernel(build_prep(dtype, **extra), (l2.shape[1] // PREP_ROWS, n_bh), PREP_ROWS * PREP_LANES, stream,
+                      0, out, dout, lse, l2, dd, n_q, d, *tail)
 
 
-def launch_convert(dtype, vec, dq_acc, dq, n_q, d, softmax_scale, n_k, bn, bm, causal, n_bh, stream):
-    """dq = scale · the planes of dq_acc summed in order (convert_source; vec: 8 columns a thread)."""
+def launch_convert(dtype, vec, dq_acc, dq, n_q, d, softmax_scale, n_k, bn, bm, causal, n_bh, stream, varlen=None):
+    """dq = scale · the planes of dq_acc summed in order (convert_source; vec: 8 columns a thread). varlen: as
+    launch_prep's (n_q: the longest sequence's rows; the planes are zeroed, so every plane's rows are read)."""
     threads = CONVERT_THREADS
     per_row = d // 8 if vec else (d + 1) // 2  # threads per row: 8 columns, or a pair, each
-    launch_kernel(build_convert(dtype, **({"vec": True} if vec else {})),
+    tail, extra = ((varlen[0], varlen[1]), {"varlen": True}) if varlen is not None else ((), {})
+    if vec:
+        extra["vec"] = True
+    launch_kernel(build_convert(dtype, **extra),
                   ((n_q * per_row + threads - 1) // threads, n_bh), threads, stream, 0,
-                  dq_acc, dq, n_q, d, float32(softmax_scale), n_k, bn, bm, int(bool(causal)))
+                  dq_acc, dq, n_q, d, float32(softmax_scale), n_k, bn, bm, int(bool(causal)), *tail)
 

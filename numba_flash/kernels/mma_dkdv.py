@@ -53,7 +53,7 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.dkdv import dkdv_common, stage_words, two_products, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
@@ -97,7 +97,7 @@ def problems(block_n: int, block_m: int, head_dim: int, dtype: str) -> list[str]
 
 
 def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RED=True, PARTIAL_CHUNK=False,
-           DQ_SPLITS=0, MODS=NO_MODS):
+           DQ_SPLITS=0, MODS=NO_MODS, VARLEN=False):
     """The dK/dV kernel: BLOCK_N keys per block (one warp per 16), BLOCK_M-row Q/dO tiles streamed.
     PARTIAL_CHUNK (every kernel here; launch() sets it when d % 8 != 0): the copies' source bytes per
     16-byte chunk (mma_forward.kernel_source's flag of that name).
@@ -118,7 +118,9 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
     MODS (blocks/mods.py; the splits' adding build only): a window (the Q tiles between the first and the last that see the block,
     blocks.dkdv.window_schedule; keys past n_k masked, so no clamp), and softcap / ALiBi on each recomputed
-    score, the cap's 1 − tanh² on dS."""
+    score, the cap's 1 − tanh² on dS.
+
+    VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): key blocks past their sequence return."""
     WARPS = BLOCK_N // 16
     THREADS = 32 * WARPS
     Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
@@ -273,7 +275,11 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
-    return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any)
+    kernel = dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any)
+    if not VARLEN:
+        return kernel
+    return varlen_entry(kernel, globals(), ("q", "dout"), ("k", "v", "dk", "dv"), *varlen_rules("key_blocks", BLOCK_N),
+                        seq_of="k")
 
 def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True):
     """The atomic dQ phase of the dK/dV kernel (source with ATOMIC_DQ): from the dSᵀ tile in shared
@@ -359,7 +365,7 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
 @lru_cache(maxsize=None)
 def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, max_registers: int | None = None,
           atomic_dq: bool = False, vector_red: bool = True, partial_chunk: bool = False, dq_splits: int = 0,
-          mods: Mods = NO_MODS):
+          mods: Mods = NO_MODS, varlen: bool = False):
     """The compiled kernel of one specialisation; cached so each compiles once. atomic_dq: the kernel also
     adds dQ into fp32 scratch (FA2's scheme), as red.global.add.v2.f32 (vector_red, sm_90+) or scalar adds.
     partial_chunk: d % 8 != 0. dq_splits (atomic only): the deterministic splits' builds, 1 (adds) or 2 (the
@@ -370,41 +376,48 @@ def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, m
                    f"dkdv {block_n}x{block_m}")
     if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
         bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True)")
-    if dq_splits == 2 and mods.any:
-        bad.append(f"mods {mods}: the splits add into zeroed planes (no storing build, dq_splits={dq_splits})")
+    if dq_splits == 2 and (mods.any or varlen):
+        bad.append(f"{'varlen' if varlen else f'mods {mods}'}: the splits add into zeroed planes (no storing build, "
+                   f"dq_splits={dq_splits})")
     if bad:
         raise ValueError(f"mma backward dkdv ({block_n}, {block_m}, {head_dim}, {dtype}) cannot be built: "
                          f"{'; '.join(bad)}")
     kernel = source(block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
-                    bool(partial_chunk), int(dq_splits), mods)
+                    bool(partial_chunk), int(dq_splits), mods, bool(varlen))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     key = ("mma_dkdv", block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
-           bool(partial_chunk), int(dq_splits), mods)
-    return compile_kernel(key, kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits), mods=mods.any), kernel,
-                          **cap)
+           bool(partial_chunk), int(dq_splits), mods) + (("varlen",) if varlen else ())
+    return compile_kernel(key, kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits), mods=mods.any,
+                                                varlen=bool(varlen)), kernel, **cap)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dtype, stream=0,
-           partial_chunk=False, dq_acc=None, dq_splits=None, mods=NO_MODS):
+           partial_chunk=False, dq_acc=None, dq_splits=None, mods=NO_MODS, varlen=None):
     """The dK/dV kernel over every key block: q, k, v, dout, dk, dv as 16-bit words, l2 and dd prep's
     scratch rows, scalars (n_q, n_k, d, group, scale·log2 e, scale[, the mods' launch arguments]). dq_acc: the
     kernel also forms dQ into it, one zeroed plane with atomic adds (dq_splits None) or dq_splits planes
-    (blocks.entry.launch_dq_in_dkdv)."""
+    (blocks.entry.launch_dq_in_dkdv). varlen: (cu_seqlens_q, cu_seqlens_k) of packed arrays viewed as batches
+    (arrays.packed_as_batch); scalars then hold the longest sequences' lengths, and the splits' planes are
+    zeroed (every launch adds)."""
     bn, bm = tile
     B, H = q.shape[0], q.shape[1]
-    Hkv, n_k = k.shape[1], k.shape[2]
+    Hkv, n_k = k.shape[1], scalars[1]
     n_kb = (n_k + bn - 1) // bn
     partial = {"partial_chunk": True} if partial_chunk else {}  # passed only when on: the others' cache key
     if mods.any:
         partial["mods"] = mods
+    tail = ()
+    if varlen is not None:
+        partial["varlen"] = True
+        tail = tuple(varlen[:2])
     args = (q, k, v, dout, l2, dd, dk, dv)
     if dq_acc is None:
         launch_kernel(build(bn, bm, head_dim, bool(causal), dtype, **partial), (n_kb, B * Hkv), threads(bn), stream,
-                      smem_bytes(bn, bm, head_dim), *args, *scalars)
+                      smem_bytes(bn, bm, head_dim), *args, *scalars, *tail)
         return
     # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
     red = {} if ptx.current_sm90() else {"vector_red": False}
     launch_dq_in_dkdv(lambda splits: build(bn, bm, head_dim, bool(causal), dtype, atomic_dq=True, **red, **partial,
                                            **({"dq_splits": splits} if splits else {})),
                       B * Hkv, threads(bn), smem_bytes(bn, bm, head_dim, True), stream, (*args, dq_acc), scalars,
-                      n_kb, dq_splits, B * H, zeroed=mods.any)
+                      n_kb, dq_splits, B * H, zeroed=mods.any or varlen is not None, tail=tail)

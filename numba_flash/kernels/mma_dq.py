@@ -26,7 +26,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.copies import tile_copies
 from ..blocks.dkdv import two_products
-from ..blocks.entry import kernel_signature
+from ..blocks.entry import kernel_signature, varlen_entry, varlen_rules
 from ..blocks.mask import window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
@@ -68,10 +68,14 @@ def problems(block_m: int, block_n: int, head_dim: int, dtype: str) -> list[str]
     return out
 
 
-def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=NO_MODS):
+def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=NO_MODS, VARLEN=False):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed. MODS
     (blocks/mods.py): the window's tile range and edges (the forward's window_rules), softcap and ALiBi on each
-    recomputed score and the cap's 1 − tanh² on dS; the kernel then takes the mods' launch arguments last."""
+    recomputed score and the cap's 1 − tanh² on dS; the kernel then takes the mods' launch arguments last.
+    VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): Q tiles past their sequence return."""
+    if VARLEN:
+        return varlen_entry(source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK, MODS), globals(),
+                            ("q", "dout", "dq"), ("k", "v"), *varlen_rules("q_tiles", BLOCK_M))
     WARPS = BLOCK_M // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -256,26 +260,31 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
 
 @lru_cache(maxsize=None)
 def build(block_m: int, block_n: int, head_dim: int, causal: bool, dtype: str, max_registers: int | None = None,
-          partial_chunk: bool = False, mods: Mods = NO_MODS):
+          partial_chunk: bool = False, mods: Mods = NO_MODS, varlen: bool = False):
     """The compiled kernel of one specialisation; cached so each compiles once. partial_chunk: d % 8 != 0."""
     bad = problems(block_m, block_n, head_dim, dtype)
     if bad:
         raise ValueError(f"mma backward dq ({block_m}, {block_n}, {head_dim}, {dtype}) cannot be built: "
                          f"{'; '.join(bad)}")
-    kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods)
+    kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods, bool(varlen))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    key = ("mma_dq", block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods)
-    return compile_kernel(key, kernel_signature("dq", mods=mods.any), kernel, **cap)
+    key = ("mma_dq", block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods) + (
+        ("varlen",) if varlen else ())
+    return compile_kernel(key, kernel_signature("dq", mods=mods.any, varlen=bool(varlen)), kernel, **cap)
 
 
 def launch(q, k, v, dout, l2, dd, dq, scalars, *, tile, head_dim, causal, dtype, stream=0, partial_chunk=False,
-           mods=NO_MODS):
+           mods=NO_MODS, varlen=None):
     """The dQ kernel over every query tile: q, k, v, dout, dq as 16-bit words, l2 and dd prep's scratch rows,
-    scalars (n_q, n_k, d, group, scale·log2 e, scale)."""
+    scalars (n_q, n_k, d, group, scale·log2 e, scale); varlen: as mma_dkdv.launch's."""
     bm, bn = tile
-    B, H, n_q = q.shape[0], q.shape[1], q.shape[2]
+    B, H, n_q = q.shape[0], q.shape[1], scalars[0]
     partial = {"partial_chunk": True} if partial_chunk else {}  # passed only when on: the others' cache key
     if mods.any:
         partial["mods"] = mods
+    tail = ()
+    if varlen is not None:
+        partial["varlen"] = True
+        tail = tuple(varlen[:2])
     launch_kernel(build(bm, bn, head_dim, bool(causal), dtype, **partial), ((n_q + bm - 1) // bm, B * H),
-                  threads(bm), stream, smem_bytes(bm, bn, head_dim), q, k, v, dout, l2, dd, dq, *scalars)
+                  threads(bm), stream, smem_bytes(bm, bn, head_dim), q, k, v, dout, l2, dd, dq, *scalars, *tail)

@@ -64,7 +64,7 @@ from ..launch import address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.entry import forward_entry
+from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_entry, varlen_rules
 from ..blocks.copies import tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
@@ -78,16 +78,18 @@ STAGES = 2  # (K, V) buffers: every shipped tile double-buffers
 WORD, F16, F32 = np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32)
 
 
-def kernel_signature(mods: Mods = NO_MODS):
+def kernel_signature(mods: Mods = NO_MODS, varlen: bool = False):
     """Every specialisation takes q, k, v, out as 16-bit words (any strides, last dim unit); one with mods
-    also the window bounds, the softcap's (cap_a, cap_b), the ALiBi slopes (Ba, H) and 1 / softmax_scale."""
+    also the window bounds, the softcap's (cap_a, cap_b), the ALiBi slopes (Ba, H) and 1 / softmax_scale;
+    a varlen one then cu_seqlens_q and cu_seqlens_k (blocks.entry.varlen_entry)."""
     io = types.Array(types.uint16, 4, "A")
     lse = types.Array(types.float32, 3, "A")
+    tail = VARLEN_ARGS if varlen else ()
     if not mods.any:
-        return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32)
+        return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32, *tail)
     slopes = types.Array(types.float32, 2, "A")
     return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32,
-                      int32, int32, float32, float32, slopes, float32)
+                      int32, int32, float32, float32, slopes, float32, *tail)
 
 
 def smem_bytes(tile: Tile) -> int:
@@ -129,8 +131,11 @@ def problems(tile: Tile, dtype: str) -> list:
     return out
 
 
-def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mods: Mods = NO_MODS):
+def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mods: Mods = NO_MODS,
+                  varlen: bool = False):
     """The Python kernel for one specialisation (before cuda.jit; compile tests use it).
+
+    varlen: the packed-sequences entry (blocks.entry.varlen_entry): Q tiles past their sequence return at once.
 
     mods (blocks/mods.py): a window replaces the causal mask (causal=True with a window is its right = 0);
     softcap and ALiBi modify each score before the mask.
@@ -463,17 +468,23 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                             if col + e < d:
                                 out[b, h, row, col + e] = smem[src + e]
 
-    return forward_entry(forward_body, globals(), "mma_forward", mods.any)
+    kernel = forward_entry(forward_body, globals(), "mma_forward", mods.any)
+    if not varlen:
+        return kernel
+    return varlen_entry(kernel, globals(), ("q", "out", "lse"), ("k", "v"),
+                        *varlen_rules("q_tiles", BLOCK_Q, GRID_BH_X))
 
 
 @lru_cache(maxsize=None)
-def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mods: Mods = NO_MODS):
+def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mods: Mods = NO_MODS,
+          varlen: bool = False):
     """The compiled kernel for one specialisation; cached so each compiles once."""
     bad = problems(tile, dtype)
     if bad:
         raise ValueError(f"mma forward ({tile}, {dtype}) cannot be built: {'; '.join(bad)}")
-    return compile_kernel(("mma_forward", tile, bool(causal), dtype, bool(partial_chunk), mods),
-                          kernel_signature(mods), kernel_source(tile, bool(causal), dtype, bool(partial_chunk), mods))
+    key = ("mma_forward", tile, bool(causal), dtype, bool(partial_chunk), mods) + (("varlen",) if varlen else ())
+    return compile_kernel(key, kernel_signature(mods, varlen),
+                          kernel_source(tile, bool(causal), dtype, bool(partial_chunk), mods, varlen))
 
 
 def _words(x):
@@ -482,7 +493,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, layout_checked=False, mods=NO_MODS,
-           window=(0, 0), softcap=0.0, alibi=None):
+           window=(0, 0), softcap=0.0, alibi=None, varlen=None):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -497,9 +508,14 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
     that has made them (numba_flash.forward: they are per-call host time).
     mods (blocks/mods.py) with their values: window (left, right) as blocks/mask.window_bounds gives them,
     softcap > 0, alibi a float32 (Ba, H) device array of slopes (Ba = 1 or B).
+    varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences: q, k, v,
+    out, lse are then views of the packed arrays with a batch stride of 0 (B = the number of sequences,
+    Nq / Nk = the packed totals), and the grid covers max_seqlen_q rows of every sequence.
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
+    if varlen is not None:
+        n_q, n_k = int(varlen[2]), int(varlen[3])
     dtype = "bfloat16" if q.dtype == WORD else "float16"
     if not layout_checked:  # numba_flash.forward has checked strides and alignment already
         _check_layout(q, k, v, out, lse, d, tile.head_dim)
@@ -521,8 +537,12 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
     args = (_words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
         args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse))
-    launch_kernel(build(tile, bool(causal), dtype, d % 8 != 0, mods), grid, threads(tile), stream, smem_bytes(tile),
-                  *args)
+    extra = {}
+    if varlen is not None:
+        args += (varlen[0], varlen[1])
+        extra["varlen"] = True  # passed only when on: the dense builds keep their cache key
+    launch_kernel(build(tile, bool(causal), dtype, d % 8 != 0, mods, **extra), grid, threads(tile), stream,
+                  smem_bytes(tile), *args)
 
 
 

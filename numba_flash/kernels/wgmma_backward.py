@@ -40,7 +40,7 @@ from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..jit_cache import compile_kernel
@@ -71,7 +71,7 @@ def problems(head_dim: int, dtype: str) -> list[str]:
     return out
 
 
-def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=False, MODS=NO_MODS):
+def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=False, MODS=NO_MODS, VARLEN=False):
     """The kernel (before cuda.jit) of blocks.entry.kernel_signature("dkdv", atomic_dq=True,
     dq_splits=bool(DQ_SPLITS)). DQ_SPLITS as mma_dkdv.source's: 0 one plane of adds (deterministic=False),
     1 the splits' adding launches, 2 the first launch's (stores).
@@ -318,30 +318,40 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         hold_o(acc_v)
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
 
-    return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any)
+    kernel = dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any)
+    if not VARLEN:
+        return kernel
+    return varlen_entry(kernel, globals(), ("q", "dout"), ("k", "v", "dk", "dv"), *varlen_rules("key_blocks", BLOCK_N),
+                        seq_of="k")  # key blocks past their sequence return
 
 
 @lru_cache(maxsize=None)
 def build(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, dq_splits: int = 0,
-          defer_dq: bool = False, mods: Mods = NO_MODS):
+          defer_dq: bool = False, mods: Mods = NO_MODS, varlen: bool = False):
     """The compiled wgmma dkdv of one specialisation (sm_90 only: wgmma is an sm_90a instruction)."""
-    if dq_splits not in (0, 1, 2) or (dq_splits == 2 and mods.any):
-        raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores; not with mods)")
-    kernel = source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq), mods)
+    if dq_splits not in (0, 1, 2) or (dq_splits == 2 and (mods.any or varlen)):
+        raise ValueError(f"dq_splits={dq_splits!r}: 0, 1 (adds) or 2 (the first launch: stores; not with mods or "
+                         "varlen)")
+    kernel = source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq), mods,
+                    bool(varlen))
     key = ("wgmma_backward", head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq),
-           mods)
-    return compile_kernel(key, kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any), kernel)
+           mods) + (("varlen",) if varlen else ())
+    return compile_kernel(key, kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any, varlen=bool(varlen)),
+                          kernel)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, dq_acc, scalars, *, head_dim, causal, dtype, stream=0,
-           partial_chunk=False, dq_splits=None, defer_dq=False, mods=NO_MODS):
+           partial_chunk=False, dq_splits=None, defer_dq=False, mods=NO_MODS, varlen=None):
     """The dK/dV kernel that also forms dQ over every key block (BLOCK_N keys): arguments as
     mma_dkdv.launch's with dq_acc; defer_dq: the DEFER_DQ build; mods: scalars end with the mods' launch
-    arguments and the splits' planes are zeroed (every launch adds)."""
+    arguments and the splits' planes are zeroed (every launch adds); varlen: as mma_dkdv.launch's."""
     B, H = q.shape[0], q.shape[1]
-    Hkv, n_k = k.shape[1], k.shape[2]
+    Hkv, n_k = k.shape[1], scalars[1]
     extra = {"mods": mods} if mods.any else {}  # passed only when on: the others' cache key
+    if varlen is not None:
+        extra["varlen"] = True
     launch_dq_in_dkdv(lambda splits: build(head_dim, bool(causal), dtype, bool(partial_chunk), splits, defer_dq,
                                            **extra),
                       B * Hkv, THREADS, smem_bytes(head_dim, defer_dq), stream, (q, k, v, dout, l2, dd, dk, dv, dq_acc),
-                      scalars, (n_k + BLOCK_N - 1) // BLOCK_N, dq_splits, B * H, zeroed=mods.any)
+                      scalars, (n_k + BLOCK_N - 1) // BLOCK_N, dq_splits, B * H, zeroed=mods.any or varlen is not None,
+                      tail=() if varlen is None else tuple(varlen[:2]))
