@@ -7,6 +7,7 @@ Attention (``reference.attention``): ``standard_attention`` (materialises S and 
 ``flash_attention`` (the FA2 tile loop, 3.6.6), with the tile-plan helpers the kernels mirror.
 Backward (``reference.backward``): ``attention_backward`` and ``flash_attention_backward`` (3.6.7).
 Decode (``reference.decode``): split-KV ``decode_partials`` + ``merge_partials`` = ``decode_attention``.
+Varlen (``reference.varlen``): ``varlen_attention`` and ``varlen_attention_backward``, packed sequences one by one.
 Trace (``reference.trace``): ``online_softmax_trace`` and ``format_trace`` (3.6.5).
 Cost models (``reference.costs``): bytes, FLOPs and roofline figures for the exercises.
 
@@ -45,9 +46,12 @@ from .softmax import (
     online_softmax_step,
     standard_softmax,
 )
+from .varlen import varlen_attention, varlen_attention_backward
 from .trace import OnlineSoftmaxTrace, TraceStep, format_trace, online_softmax_trace
 
 __all__ = [
+    "varlen_attention",
+    "varlen_attention_backward",
     "decode_attention",
     "decode_partials",
     "merge_partials",
