@@ -8,8 +8,11 @@ caches (B, Nmax, Hkv, d). They are viewed as numba_flash's (B, H, N, d) without 
 strides); the output comes back contiguous in flash-attn's layout (one copy of out: flash-attn returns it
 contiguous and callers .view() it). softmax_lse is (B, H, Nq) float32, as flash-attn's.
 
+The varlen functions take packed (total, nheads, headdim) tensors with cu_seqlens and return the packed out
+and softmax_lse (H, total_q), as flash-attn's; their offsets are checked on the device (torch._assert_async).
+
 Differences from flash-attn, all raised as NotImplementedError naming the argument, never ignored:
-dropout_p > 0, the varlen functions (cu_seqlens), and in flash_attn_with_kvcache rotary embeddings,
+dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary embeddings,
 cache_batch_idx, cache_leftpad, block_table (paged caches), window_size / softcap / alibi_slopes, and more
 than 16 queries or a non-causal step of more than one query. return_attn_probs=True returns (out,
 softmax_lse, None): the probabilities are never materialised. causal with window_size right != 0 and -1
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .decode import MAX_DECODE_QUERIES
-from .torch import attention, decode
+from .torch import attention, decode, varlen_attention
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
@@ -82,16 +85,50 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                    alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_func(*args, **kwargs):
-    _unsupported("flash_attn_varlen_func (packed sequences with cu_seqlens_q / cu_seqlens_k)")
+def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table=None):
+    if dropout_p:
+        _unsupported(f"dropout_p={dropout_p}")
+    if block_table is not None:
+        _unsupported("flash_attn_varlen_func block_table (a paged KV cache)")
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size,
+                                softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
+    return (out, lse, None) if return_attn_probs else out
 
 
-def flash_attn_varlen_kvpacked_func(*args, **kwargs):
-    _unsupported("flash_attn_varlen_kvpacked_func (packed sequences with cu_seqlens_q / cu_seqlens_k)")
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """q (total_q, H, d), k / v (total_k, Hkv, d), cu_seqlens int32 (B + 1,) -> out (total_q, H, d)
+    [, softmax_lse (H, total_q), None]: numba_flash.torch.varlen_attention, per sequence as flash-attn."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_layout(name, x, 3)
+    return _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                          causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
 
 
-def flash_attn_varlen_qkvpacked_func(*args, **kwargs):
-    _unsupported("flash_attn_varlen_qkvpacked_func (packed sequences with cu_seqlens)")
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (total_q, H, d), kv (total_k, 2, Hkv, d)."""
+    _check_layout("q", q, 3)
+    _check_layout("kv", kv, 4)
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must be (total_k, 2, Hkv, d); got {tuple(kv.shape)}")
+    return _attend_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv (total, 3, H, d), one cu_seqlens for queries and keys."""
+    _check_layout("qkv", qkv, 4)
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be (total, 3, H, d); got {tuple(qkv.shape)}")
+    return _attend_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

@@ -12,6 +12,12 @@ included) sees one opaque node per call instead of tracing the Python that launc
     torch.ops.numba_flash.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
                               window_left, window_right, softcap, alibi_slopes) -> (dq, dk, dv)
     torch.ops.numba_flash.decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits) -> (out, lse)
+    torch.ops.numba_flash.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                     softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                                     deterministic) -> (out, lse)
+    torch.ops.numba_flash.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, causal, softmax_scale, deterministic, window_left,
+                                     window_right, softcap, alibi_slopes) -> (dq, dk, dv)
 
 Each has a fake (meta) implementation giving the outputs' shapes, dtypes and (contiguous) strides,
 ``fwd`` has its autograd formula (``bwd``; ``deterministic`` is the backward's switch, carried by
@@ -42,8 +48,9 @@ from .api import forward, unbounded_past_keys, window_pair
 from .backward import backward
 from .blocks.mask import window_kind
 from .decode import decode as _decode
+from .varlen import varlen_backward, varlen_forward
 
-__all__ = ["attention", "decode", "fwd", "bwd", "decode_op"]
+__all__ = ["attention", "decode", "varlen_attention", "fwd", "bwd", "decode_op", "varlen_fwd", "varlen_bwd"]
 
 Tensor = torch.Tensor
 
@@ -115,6 +122,64 @@ def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Option
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("numba_flash::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+               softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``numba_flash.varlen_forward`` as an op: (out, lse (H, total_q)). The offsets are not read back here
+    (varlen_attention asserts them on the device); deterministic is the backward's."""
+    return varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                          softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
+                          alibi_slopes=alibi_slopes, check_seqlens=False)
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     window_left, window_right, softcap, alibi_slopes, deterministic):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("numba_flash::varlen_bwd", mutates_args=())
+def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
+               deterministic: bool, window_left: int, window_right: int, softcap: float,
+               alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``numba_flash.varlen_backward`` as an op: (dq, dk, dv)."""
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:  # as bwd: only a scattered last dim is copied
+        dout = dout.contiguous()
+    return varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                           window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                           check_seqlens=False)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+     deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.args = (max_q, max_k, causal, softmax_scale, deterministic, window_left, window_right, softcap)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    max_q, max_k, causal, softmax_scale, deterministic, window_left, window_right, softcap = ctx.args
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic,
+                            window_left, window_right, softcap, alibi_slopes)
+    return (dq, dk, dv) + (None,) * 11
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def _check_bool(name, x):
@@ -191,3 +256,51 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
         raise TypeError(f"num_splits must be a Python int >= 1 or None; got {num_splits!r}")
     return decode_op(q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits)
+
+
+def _assert_offsets(name, cu, total, max_seqlen, max_name):
+    """The offsets' checks of numba_flash.varlen.check_seqlens as device-side asserts (no host sync)."""
+    lens = cu[1:] - cu[:-1]
+    ok = (cu[0] == 0) & (cu[-1] == total) & (lens >= 0).all() & (lens <= max_seqlen).all()
+    torch._assert_async(ok, f"numba_flash.varlen_attention: {name} must start at 0, never decrease, end at the "
+                            f"packed total ({total}) and hold no sequence longer than {max_name} ({max_seqlen})")
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, deterministic=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     return_lse=False):
+    """Differentiable attention over packed sequences (``torch.ops.numba_flash.varlen_fwd``).
+
+    q (total_q, H, d), k / v (total_k, Hkv, d) float16 / bfloat16 CUDA tensors; cu_seqlens_q / cu_seqlens_k int32
+    CUDA tensors (B + 1,); max_seqlen_q / max_seqlen_k ints (flash-attn's varlen arguments; see
+    ``numba_flash.varlen_forward`` for the rest). Returns out (total_q, H, d), or (out, lse (H, total_q)) with
+    return_lse=True. The offsets are checked on the device by ``torch._assert_async`` (a bad one fails the
+    stream's next synchronisation with a device-side assert), never read back, so the call works under
+    ``torch.compile(fullgraph=True)`` and in CUDA graphs. Gradients through ``numba_flash.varlen_backward``.
+    """
+    causal = _check_bool("causal", causal)
+    deterministic = _check_bool("deterministic", deterministic)
+    _check_bool("return_lse", return_lse)
+    scale = _check_scale(softmax_scale)
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1 or x.shape[0] < 2:
+            what = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name} must be an int32 torch tensor of shape (B + 1,) on q's device; got {what}")
+    for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, torch.SymInt)):
+            raise TypeError(f"{name} must be an int (the longest sequence's length); got {x!r}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch tensor of shape (H,) or (B, H), on q's device; "
+                        f"got {type(alibi_slopes).__name__}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
+                         "alibi_slopes.detach()")
+    left, right = unbounded_past_keys(window_pair(window_size), max_seqlen_k)
+    if q.dim() == 3 and k.dim() == 3:  # (validation of the rest is the op's, with the offsets' shapes)
+        _assert_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        _assert_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                          left, right, float(softcap), alibi_slopes, deterministic)
+    return (out, lse) if return_lse else out

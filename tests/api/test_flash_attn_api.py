@@ -34,10 +34,24 @@ def _twin_decode(q, k, v, *, cache_seqlens=None, softmax_scale=None, num_splits=
     return torch.cat(outs), torch.zeros(q.shape[:-1], dtype=torch.float32)
 
 
+def _twin_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, return_lse=False, deterministic=True):
+    out = torch.zeros_like(q)
+    for b in range(len(cu_q) - 1):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        assert rq.stop - rq.start <= max_q and rk.stop - rk.start <= max_k
+        out[rq] = _twin_attention(q[rq].transpose(0, 1), k[rk].transpose(0, 1), v[rk].transpose(0, 1),
+                                  causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                  softcap=softcap).transpose(0, 1)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)  # shape only (the GPU test checks values)
+    return (out, lse) if return_lse else out
+
+
 @pytest.fixture
 def twin(monkeypatch):
     monkeypatch.setattr(fa, "attention", _twin_attention)
     monkeypatch.setattr(fa, "decode", _twin_decode)
+    monkeypatch.setattr(fa, "varlen_attention", _twin_varlen)
 
 
 def _bnhd(B, N, H, d, seed):
@@ -55,6 +69,12 @@ def test_signatures_are_flash_attns():
     assert list(params) == ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
                             "alibi_slopes", "deterministic", "return_attn_probs"]
     assert params["deterministic"].default is False and params["window_size"].default == (-1, -1)
+    vl = inspect.signature(fa.flash_attn_varlen_func).parameters
+    assert list(vl) == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+                        "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                        "return_attn_probs", "block_table"]
+    assert list(inspect.signature(fa.flash_attn_varlen_qkvpacked_func).parameters)[:4] == [
+        "qkv", "cu_seqlens", "max_seqlen", "dropout_p"]
     kvc = inspect.signature(fa.flash_attn_with_kvcache).parameters
     assert list(kvc)[:8] == ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens"]
     assert kvc["num_splits"].default == 0 and kvc["return_softmax_lse"].default is False
@@ -73,6 +93,26 @@ def test_func_layouts_and_returns(twin, causal):
     qkv = torch.stack([q, q, q], dim=2)
     torch.testing.assert_close(fa.flash_attn_qkvpacked_func(qkv, causal=causal, softcap=5.0),
                                _ref(q, q, q, causal=causal, softcap=5.0))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_layouts_and_returns(twin, causal):
+    lens = [5, 30, 12]
+    cu = torch.tensor([0, 5, 35, 47], dtype=torch.int32)
+    q, k, v = (torch.randn(47, h, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+               for h, s in ((4, 1), (2, 2), (2, 3)))
+    out, lse, probs = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                                return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (4, 47) and probs is None
+    for b in range(3):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        ref = _ref(q[None, s], k[None, s], v[None, s], causal=causal)[0]
+        torch.testing.assert_close(out[s], ref)
+    torch.testing.assert_close(fa.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 30, 30,
+                                                                  causal=causal), out)
+    qkv = torch.stack([q, q, q], 1)
+    torch.testing.assert_close(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 30, causal=causal),
+                               fa.flash_attn_varlen_func(q, q, q, cu, cu, 30, 30, causal=causal))
 
 
 def test_kvcache_appends_in_place_and_attends(twin):
@@ -96,9 +136,9 @@ def test_kvcache_appends_in_place_and_attends(twin):
 
 @pytest.mark.parametrize("call, match", [
     (lambda q, c: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p=0.1"),
-    (lambda q, c: fa.flash_attn_varlen_func(q, q, q, None, None, 8, 8), "cu_seqlens"),
-    (lambda q, c: fa.flash_attn_varlen_kvpacked_func(q, q, None, None, 8, 8), "cu_seqlens"),
-    (lambda q, c: fa.flash_attn_varlen_qkvpacked_func(q, None, 8), "cu_seqlens"),
+    (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, dropout_p=0.1), "dropout_p=0.1"),
+    (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, block_table=torch.zeros(1, 1)),
+     "block_table"),
     (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, block_table=torch.zeros(1, 1)), "block_table"),
     (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, rotary_cos=torch.zeros(1), rotary_sin=torch.zeros(1)),
      "rotary_cos"),
@@ -146,6 +186,45 @@ def test_gpu_func_error_rule_with_gradients(dtype):
     ours = run(lambda a, b, c: fa.flash_attn_func(a, b, c, causal=True, window_size=(100, 0)), dt)
     truth = run(lambda a, b, c: _ref(a, b, c, causal=True, window_size=(100, 0)), torch.float64)
     naive = run(lambda a, b, c: _ref(a, b, c, causal=True, window_size=(100, 0)), dt)
+    for name, o, t, n in zip(("out", "dq", "dk", "dv"), ours, truth, naive):
+        err, ref_err = (o.double() - t).abs().max().item(), (n.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + torch.finfo(dt).eps * t.abs().max().item(), (name, err, ref_err)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_varlen_error_rule_with_gradients(dtype):
+    """flash_attn_varlen_func with gradients, each sequence against the dense reference of its own rows."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator("cuda").manual_seed(14)
+    lens_q, lens_k = [1, 300, 0, 129, 640], [7, 300, 5, 100, 640]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", generator=g)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+
+    def run(cast, fn):
+        leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout.to(cast))
+        return [out.detach()] + [x.grad for x in leaves]
+
+    def per_sequence(a, b, c):
+        outs = []
+        for i in range(len(lens_q)):
+            rq, rk = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            if rk.stop == rk.start:
+                outs.append(torch.zeros_like(a[rq]) + 0 * b.sum() + 0 * c.sum())
+                continue
+            outs.append(_ref(a[None, rq], b[None, rk], c[None, rk], causal=True, softcap=20.0)[0])
+        return torch.cat(outs)
+
+    ours = run(dt, lambda a, b, c: fa.flash_attn_varlen_func(a, b, c, cu_q, cu_k, 640, 640, causal=True,
+                                                             softcap=20.0, deterministic=True))
+    truth, naive = run(torch.float64, per_sequence), run(dt, per_sequence)
     for name, o, t, n in zip(("out", "dq", "dk", "dv"), ours, truth, naive):
         err, ref_err = (o.double() - t).abs().max().item(), (n.double() - t).abs().max().item()
         assert err <= 2 * ref_err + torch.finfo(dt).eps * t.abs().max().item(), (name, err, ref_err)

@@ -249,3 +249,45 @@ def test_compile_reduce_overhead_uses_cuda_graphs():
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])  # the graph was captured
     assert torch.equal(got, f(q, k, v))
     assert math.isfinite(got.float().abs().max().item())
+
+
+def test_varlen_fake_outputs_and_compile_without_graph_breaks():
+    """varlen_fwd's fake gives out like q and lse (H, total_q); varlen_attention (the offsets' device asserts
+    included) and its backward trace into one graph."""
+    import torch._dynamo as dynamo
+
+    q, k, v = _meta(300, 8, 64), _meta(200, 2, 64), _meta(200, 2, 64)
+    cu_q = torch.empty(4, device="meta", dtype=torch.int32)
+    cu_k = torch.empty(4, device="meta", dtype=torch.int32)
+    out, lse = nft.varlen_fwd(q, k, v, cu_q, cu_k, 150, 100, True, None, -1, -1, 0.0, None, True)
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (8, 300) and lse.dtype == torch.float32
+    grads = nft.varlen_bwd(out, q, k, v, out, lse, cu_q, cu_k, 150, 100, True, None, True, -1, -1, 0.0, None)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+    def f(q, k, v):
+        o = nft.varlen_attention(q, k, v, cu_q, cu_k, 150, 100, causal=True, window_size=(32, 0))
+        return o.float().sum()
+
+    dynamo.reset()
+    ex = dynamo.explain(f)(q, k, v)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+    torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(cu_seqlens_q=np.array([0, 8], np.int32)), TypeError, "cu_seqlens_q must be an int32 torch tensor"),
+    (dict(cu_seqlens_k=torch.empty(2, device="meta", dtype=torch.int64)), TypeError,
+     r"cu_seqlens_k must be an int32 torch tensor of shape \(B \+ 1,\) on q's device; got torch.int64"),
+    (dict(max_seqlen_q=8.0), TypeError, "max_seqlen_q must be an int"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+])
+def test_varlen_bad_arguments_are_named(kw, err, match):
+    q = _meta(8, 4, 32)
+    args = dict(cu_seqlens_q=torch.empty(2, device="meta", dtype=torch.int32),
+                cu_seqlens_k=torch.empty(2, device="meta", dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=8)
+    args.update(kw)
+    causal = args.pop("causal", False)
+    with pytest.raises(err, match=match):
+        nft.varlen_attention(q, q, q, args["cu_seqlens_q"], args["cu_seqlens_k"], args["max_seqlen_q"],
+                             args["max_seqlen_k"], causal=causal)
