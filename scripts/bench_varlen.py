@@ -81,8 +81,8 @@ def per_sequence_sdpa(q, k, v, cu, lens):
     outs = []
     for b in range(len(lens)):
         s = slice(int(cu[b]), int(cu[b + 1]))
-        outs.append(F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
-                                                   is_causal=True).transpose(0, 1))
+        q_b, k_b, v_b = (x[s].transpose(0, 1)[None] for x in (q, k, v))  # (1, H, Nb, d) views
+        outs.append(F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True)[0].transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -98,10 +98,21 @@ def error_vs_fp64(out, q, k, v, cu, lens):
     return err
 
 
+def _run(backward, leaves0, dout, f):
+    if not backward:
+        with torch.no_grad():
+            return f(*leaves0)
+    leaves = [x.detach().requires_grad_() for x in leaves0]
+    out = f(*leaves)
+    out.backward(dout)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--probe", action="store_true", help="also the rows that split the gap to dense into causes")
     args = ap.parse_args()
     H, d, dtype = 16, 128, torch.bfloat16
     n_seq, lo, hi = (16, 128, 2048) if args.quick else (64, 128, 8192)
@@ -110,14 +121,14 @@ def main() -> None:
     flops = visible_flops(lens, H, d)
     rows = []
 
-    def measure(name, fn, flop):
+    def measure(name, fn, flop, on_pack=True):
         row = {"case": name}
         try:
             out = fn(False)
-            row["error_vs_fp64"] = error_vs_fp64(out, q, k, v, cu, lens) if name != "numba_flash dense" else None
-            row["forward_ms"] = time_call(lambda: fn(False))
+            row["error_vs_fp64"] = error_vs_fp64(out, q, k, v, cu, lens) if on_pack else None
+            row["forward_ms"] = time_call(lambda: fn(False))[0]
             row["forward_tflops"] = flop / row["forward_ms"] / 1e9
-            row["fwd_bwd_ms"] = time_call(lambda: fn(True))
+            row["fwd_bwd_ms"] = time_call(lambda: fn(True))[0]
             row["fwd_bwd_tflops"] = 3.5 * flop / row["fwd_bwd_ms"] / 1e9
         except Exception as e:  # a backend that cannot run here is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -157,8 +168,36 @@ def main() -> None:
         out.backward(dod)
         return out
 
-    measure("numba_flash dense", dense, B * 4 * H * d * N * (N + 1) / 2)
+    dense_flops = B * 4 * H * d * N * (N + 1) / 2
+    measure("numba_flash dense", dense, dense_flops, on_pack=False)
     ours, ref = rows[0], rows[-1]
+    if args.probe:  # what the gap to dense is made of: the packed layout, the varlen entry, the dQ scheme
+        qt, kt, vt, dot = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (qd, kd, vd, dod))  # (B, N, H, d)
+
+        def dense_token_major(backward):
+            if not backward:
+                with torch.no_grad():
+                    return attention(qt, kt, vt, causal=True)
+            leaves = [x.detach().requires_grad_() for x in (qt, kt, vt)]
+            out = attention(*leaves, causal=True)
+            out.backward(dot)
+            return out
+
+        measure("numba_flash dense, token-major (B, N, H, d) layout", dense_token_major, dense_flops, on_pack=False)
+        cu_eq = torch.arange(0, B * N + 1, N, dtype=torch.int32, device="cuda")
+        pk = [x.transpose(1, 2).reshape(B * N, H, d) for x in (qd, kd, vd)]
+        measure(f"numba_flash varlen, {B} sequences of {N}",
+                lambda bw: _run(bw, pk, dod.transpose(1, 2).reshape(B * N, H, d),
+                                lambda a, b, c: varlen_attention(a, b, c, cu_eq, cu_eq, N, N, causal=True)),
+                dense_flops, on_pack=False)
+        from numba_flash import varlen as nf_varlen
+        real = nf_varlen.dq_scheme
+        for splits in (1, 2, 4):
+            nf_varlen.dq_scheme = lambda p, cfg, det, s=splits: ("splits", s, "forced")
+            measure(f"numba_flash varlen, dQ by {splits} deterministic splits (forced)",
+                    with_grad(lambda a, b, c: varlen_attention(a, b, c, cu, cu, max_len, max_len, causal=True)),
+                    flops)
+        nf_varlen.dq_scheme = real
     ratios = {k: ours[k] / ref[k] for k in ("forward_tflops", "fwd_bwd_tflops") if k in ours and k in ref}
     print("varlen / dense TFLOP/s:", json.dumps(ratios))
     result = {"meta": metadata(" ".join(["python3", "scripts/bench_varlen.py"] + sys.argv[1:]), simulator=False),
