@@ -158,6 +158,49 @@ def cases() -> dict:
                             out[f"bwd-mma/d{hd}/{'causal' if causal else 'full'}/{dtype}/{target}/{scheme}/d{d}"] = \
                                 (target, call)
 
+    # --- varlen (packed sequences): the tensor-core forward and backward with the varlen entry -----------
+    def varlen_arrays(dtype, hd, n_splits):
+        from numba_flash.arrays import packed_as_batch
+        from numba_flash.blocks.schedule import padded_rows
+
+        view = _views()
+        st, n_seq, total = storage[dtype], 3, 700
+        pk = lambda heads, st=st: packed_as_batch(view((total, heads, hd), st), n_seq)  # noqa: E731
+        rows = padded_rows(n_q)
+        arr = dict(q=pk(H), k=pk(Hkv), v=pk(Hkv), out=pk(H), dout=pk(H), dq=pk(H), dk=pk(Hkv), dv=pk(Hkv),
+                   lse=packed_as_batch(view((H, total), "float32"), n_seq),
+                   l2=view((n_seq * H, rows), "float32"), dd=view((n_seq * H, rows), "float32"),
+                   dq_acc=view((max(n_splits, 1) * n_seq * H, rows, hd), "float32"))
+        cu = (view((n_seq + 1,), "int32"), view((n_seq + 1,), "int32"))
+        return arr, (*cu, n_q, n_k)
+
+    for (hd, causal) in sorted(configs.MMA_TABLE):
+        dtype = "bfloat16" if causal else "float16"
+
+        def call(hd=hd, causal=causal, dtype=dtype):
+            from numba_flash import api
+            from numba_flash.kernels import mma_forward
+
+            a, varlen = varlen_arrays(dtype, hd, 0)
+            mma_forward.launch(a["q"], a["k"], a["v"], a["out"], a["lse"], api.mma_config(hd, causal), causal=causal,
+                               softmax_scale=0.1, layout_checked=True, varlen=varlen)
+        out[f"fwd-mma-varlen/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
+    for target, hd, causal, scheme in (("sm90", 128, True, "splits"), ("sm90", 128, True, "atomic"),
+                                       ("sm90", 64, False, "kernel"), ("sm80", 128, True, "atomic")):
+        def call(hd=hd, causal=causal, scheme=scheme):
+            import importlib
+
+            from numba_flash import backward_plan
+
+            cfg = importlib.import_module("numba_flash.backward").mma_config(hd)
+            n_splits = 2 if scheme == "splits" else 0
+            a, varlen = varlen_arrays("bfloat16", hd, n_splits)
+            backward_plan.launch_mma(a["q"], a["k"], a["v"], a["out"], a["dout"], a["lse"], a["l2"], a["dd"], a["dq"],
+                                     a["dk"], a["dv"], causal=causal, softmax_scale=0.1, dtype="bfloat16", d=hd,
+                                     config=cfg, dq_acc=None if scheme == "kernel" else a["dq_acc"],
+                                     dq_splits=n_splits or None, varlen=varlen)
+        out[f"bwd-mma-varlen/d{hd}/{'causal' if causal else 'full'}/bfloat16/{target}/{scheme}"] = (target, call)
+
     # --- backward: tf32x3 (fp32 on tensor cores) ---------------------------------------------------
     for target in ("sm90", "sm80"):
         for (hd, causal) in sorted({key[1:] for key in configs.TF32_BWD_TABLE}):

@@ -142,16 +142,22 @@ def dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, P
             cp_async(smem, st + SD + 8 * (tid - ROW_CHUNKS), dd, row + 4 * (tid - ROW_CHUNKS))
 
     @inline_device
-    def prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad):
+    def prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad, q_base=0,
+                 k_base=0):
         """K_j, V_j and step 0's stage as one cp.async group; returns this thread's copy plan of the Q and dO
         tiles of query head h_kv·group (offsets, source bytes per copy, shared offset), kept for the loop's
-        stages so a step only adds its head's and rows' offsets."""
+        stages so a step only adds its head's and rows' offsets. q_base, k_base: the sequence's first query and
+        key rows (varlen; 0 in a dense batch), folded into the plan's offsets."""
         k_off, k_rs, col_bytes, dst0 = copy_plan(k, b, h_kv, d)
         v_off, v_rs, _, _ = copy_plan(v, b, h_kv, d)
+        k_off += k_base * k_rs
+        v_off += k_base * v_rs
         load_tile_fast(smem, SK, k, k_off + k0 * k_rs, k_rs, col_bytes, dst0, k0, n_k, KV_COPIES)
         load_tile_fast(smem, SV, v, v_off + k0 * v_rs, v_rs, col_bytes, dst0, k0, n_k, KV_COPIES)
-        q_off, _, _, q_dst0 = copy_plan_q(q, b, h_kv * group, d)
-        do_off, _, _, _ = copy_plan_q(dout, b, h_kv * group, d)
+        q_off, q_rs, _, q_dst0 = copy_plan_q(q, b, h_kv * group, d)
+        do_off, do_rs, _, _ = copy_plan_q(dout, b, h_kv * group, d)
+        q_off += q_base * q_rs
+        do_off += q_base * do_rs
         plan = (q_off, do_off, int32(col_bytes), q_dst0 if ATOMS else dst0)  # 0..16: one register, not a 64-bit pair
         if steps > 0:
             load_stage(smem, STAGE0, q, dout, l2, dd, plan, b, h_kv * group, int32(0), qt0 * BLOCK_M, n_q, nq_pad)
@@ -205,9 +211,9 @@ def dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, P
         return row * BLOCK_M + ((chunk ^ (row & 7)) << 3)
 
     @inline_device
-    def store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, col0, n_k, d, scale):
+    def store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, col0, n_k, d, scale, k_base=0):
         """dV = Σ Pᵀ dO, dK = scale · Σ dSᵀ Q of rows kw + g (+ 8), columns col0.., rounded to 16 bits;
-        keys past n_k and columns past d are not stored."""
+        keys past n_k and columns past d are not stored (rows from k_base on: varlen)."""
         for half in range(2):
             row = kw + g + 8 * half
             if row < n_k:
@@ -216,11 +222,11 @@ def dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, P
                     bits_v = pack(acc_v[dt, 2 * half], acc_v[dt, 2 * half + 1])
                     bits_k = pack(acc_k[dt, 2 * half] * scale, acc_k[dt, 2 * half + 1] * scale)
                     if col < d:
-                        dv[b, h_kv, row, col] = uint16(bits_v & 0xFFFF)
-                        dk[b, h_kv, row, col] = uint16(bits_k & 0xFFFF)
+                        dv[b, h_kv, k_base + row, col] = uint16(bits_v & 0xFFFF)
+                        dk[b, h_kv, k_base + row, col] = uint16(bits_k & 0xFFFF)
                     if col + 1 < d:
-                        dv[b, h_kv, row, col + 1] = uint16(bits_v >> 16)
-                        dk[b, h_kv, row, col + 1] = uint16(bits_k >> 16)
+                        dv[b, h_kv, k_base + row, col + 1] = uint16(bits_v >> 16)
+                        dk[b, h_kv, k_base + row, col + 1] = uint16(bits_k >> 16)
 
     layout = (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, EXTRA0)
     return layout, swizzle, prologue, schedule, step_tile, prefetch, swizzle_m, store_grads, dv_dk_step

@@ -15,6 +15,7 @@ sequence with its own lengths, so the bodies (their masks, mods and schedules) a
 """
 from __future__ import annotations
 
+import inspect
 import types as pytypes
 
 from numba import cuda, float32, int32, types
@@ -162,39 +163,70 @@ def varlen_rules(tiles: str, block: int = 0, grid_bh_x: bool = False):
     return sequence, outside
 
 
-def varlen_entry(kernel, home: dict, q_rows: tuple, k_rows: tuple, sequence, outside, seq_of: str | None = None):
-    """The varlen form of a dense entry ``kernel`` (before cuda.jit, from forward_entry / dkdv_entry or a
-    kernel module's own): the same parameters, then cu_seqlens_q and cu_seqlens_k (int32, B + 1).
+def with_row_bases(body, home: dict):
+    """body (which takes q_base, k_base last, with defaults 0) as a body whose n_q and n_k arrive as pairs
+    (length, first row) from varlen_entry through an unchanged dense entry, which only forwards them."""
+    params = list(inspect.signature(body).parameters.values())
+    names = [p.name for p in params if p.name not in ("q_base", "k_base")]
+    if "n_q" not in names or "n_k" not in names or len(names) != len(params) - 2:
+        raise ValueError(f"with_row_bases: {body.__name__} needs n_q, n_k and q_base, k_base last; it has {names}")
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    head = ", ".join(f"{n}=d_{n}" if n in defaults else n for n in names)
+    call = ", ".join({"n_q": "n_q[0]", "n_k": "n_k[0]"}.get(n, n) for n in names)
+    src = (f"def make(body, {', '.join('d_' + n for n in defaults) or '_'}):\n"
+           f"    def {body.__name__}_rows({head}):\n"
+           f"        body({call}, n_q[1], n_k[1])\n"
+           f"    return {body.__name__}_rows\n")
+    scope: dict = {}
+    exec(compile(src, f"<with_row_bases {body.__name__}>", "exec"), scope)  # the parameter list is the body's
+    made = scope["make"](body, *(defaults.values() or (None,)))
+    return inline_device(_at_home(made, home, made.__name__))
 
-    The host passes packed arrays as (B, H, total, d) views whose batch stride is 0, and scratch rows as
-    for a dense batch of B sequences of the longest length (the grids too). The block finds its sequence
+
+def varlen_entry(kernel, home: dict, sequence, outside, seq_of: str | None = None, slice_rows: tuple | None = None):
+    """The varlen form of a dense entry ``kernel`` (before cuda.jit): the same parameters, then cu_seqlens_q and
+    cu_seqlens_k (int32, B + 1).
+
+    The host passes packed arrays as (B, H, total, d) views whose batch stride is 0, and scratch rows as for a
+    dense batch of B sequences of the longest length (the grids too). The block finds its sequence
     b = ``sequence(x)``, x the parameter named seq_of (default the first), from blockIdx as the body does (the
-    body's own b then indexes only per-sequence things, the scratch rows and the ALiBi slopes), reads its rows
+    body's own b then indexes only per-sequence things: the scratch rows and the ALiBi slopes), reads its rows
     cu_q[b] .. cu_q[b + 1] - 1 and keys cu_k[b] .. cu_k[b + 1] - 1, and returns at once where
     ``outside(n_q, n_k, kb0)`` (its tile lies past the sequence: kb0 is the splits' first key block, else 0).
-    Else it runs ``kernel`` with the parameters named in q_rows (k_rows) viewed from the sequence's first
-    query (key) row on, and n_q, n_k the sequence's lengths: causal, windows and mods align per sequence."""
+    Else it runs ``kernel`` with the sequence's lengths for n_q and n_k, causal, windows and mods then
+    aligning per sequence, and its first rows one of two ways:
+
+    * slice_rows None: n_q and n_k go in as pairs (length, first row), for an entry whose body is
+      ``with_row_bases``' (the body adds the first rows to its own offsets: the arrays stay kernel
+      parameters, which ptxas reloads for free, where sliced views held five more 64-bit pointers through
+      the K/V loop and the forward spilled 64 bytes instead of 24);
+    * slice_rows (q_rows, k_rows): the parameters named there are viewed from the sequence's first query
+      (key) row on (prep and convert: short kernels with registers to spare)."""
     code = kernel.__code__
     params = code.co_varnames[:code.co_argcount]
     seq_of = seq_of or params[0]
+    q_rows, k_rows = slice_rows or ((), ())
     missing = [n for n in (*q_rows, *k_rows, "n_q", seq_of) if n not in params]
     if missing:
         raise ValueError(f"varlen_entry: {kernel.__name__} has no parameters {missing} (it has {params})")
+    lengths = {"n_q": "n_q_b", "n_k": "n_k_b"} if slice_rows else {"n_q": "(n_q_b, q_base)", "n_k": "(n_k_b, k_base)"}
 
     def arg(n):
         if n in q_rows:
             return f"{n}[:, :, q_base:]"
         if n in k_rows:
             return f"{n}[:, :, k_base:]"
-        return {"n_q": "n_q_b", "n_k": "n_k_b"}.get(n, n)
+        return lengths.get(n, n)
 
-    src = (f"def make(inner, sequence, outside):\n"
+    # everything int32, as the dense kernels take the lengths: int32 - int32 is int64 in Numba, and the body's
+    # per-score compares and row checks ran in 64-bit
+    src = (f"def make(inner, sequence, outside, int32):\n"
            f"    def {kernel.__name__}_varlen({', '.join(params)}, cu_q, cu_k):\n"
            f"        b = sequence({seq_of})\n"
            f"        q_base = cu_q[b]\n"
            f"        k_base = cu_k[b]\n"
-           f"        n_q_b = cu_q[b + 1] - q_base\n"
-           f"        n_k_b = cu_k[b + 1] - k_base\n"
+           f"        n_q_b = int32(cu_q[b + 1] - q_base)\n"
+           f"        n_k_b = int32(cu_k[b + 1] - k_base)\n"
            f"        if outside(n_q_b, n_k_b, {'kb0' if 'kb0' in params else '0'}):\n"
            f"            return\n"
            f"        inner({', '.join(arg(n) for n in params)})\n"
@@ -202,7 +234,7 @@ def varlen_entry(kernel, home: dict, q_rows: tuple, k_rows: tuple, sequence, out
     scope: dict = {}
     exec(compile(src, f"<varlen_entry {kernel.__name__}>", "exec"), scope)  # the parameter list is the kernel's
     inner = inline_device(_at_home(kernel, home, kernel.__name__))
-    made = scope["make"](inner, sequence, outside)
+    made = scope["make"](inner, sequence, outside, int32)
     return _at_home(made, home, made.__name__)
 
 

@@ -40,7 +40,7 @@ def prep_signature(dtype: str, varlen: bool = False):
 
 def _varlen(kernel, q_rows):
     """prep and convert run every block: prep writes the padding rows too."""
-    return varlen_entry(kernel, globals(), q_rows, (), *varlen_rules("rows"), seq_of=q_rows[0])
+    return varlen_entry(kernel, globals(), *varlen_rules("rows"), seq_of=q_rows[0], slice_rows=(q_rows, ()))
 
 
 def prep_source(dtype: str):

@@ -53,7 +53,7 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.dkdv import dkdv_common, stage_words, two_products, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules, with_row_bases
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
@@ -153,7 +153,7 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first,
-                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO):
+                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO, q_base=0, k_base=0):
         """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc (the plane this
         block adds into: the splits pass a view from its first row), stored instead of added where first.
         left .. inv_scale: the mods' launch arguments (MODS builds only)."""
@@ -189,7 +189,8 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
         t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
         ds_lane = swizzle_m(warp * 16 + g, 0) + 2 * t  # dSᵀ pair (key 16w + g, queries 8 nt + 2t): ^ (nt << 3)
 
-        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
+        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad, q_base,
+                        k_base)
 
         acc_k = cuda.local.array((O_TILES, 4), float32)
         acc_v = cuda.local.array((O_TILES, 4), float32)
@@ -273,13 +274,13 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
 
-        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
+        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
-    kernel = dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any)
     if not VARLEN:
-        return kernel
-    return varlen_entry(kernel, globals(), ("q", "dout"), ("k", "v", "dk", "dv"), *varlen_rules("key_blocks", BLOCK_N),
-                        seq_of="k")
+        return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any)
+    kernel = dkdv_entry(with_row_bases(dkdv_body, globals()), globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS,
+                        mods=MODS.any)
+    return varlen_entry(kernel, globals(), *varlen_rules("key_blocks", BLOCK_N), seq_of="k")  # key blocks past it return
 
 def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True):
     """The atomic dQ phase of the dK/dV kernel (source with ATOMIC_DQ): from the dSᵀ tile in shared

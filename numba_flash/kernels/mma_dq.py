@@ -26,7 +26,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.copies import tile_copies
 from ..blocks.dkdv import two_products
-from ..blocks.entry import kernel_signature, varlen_entry, varlen_rules
+from ..blocks.entry import kernel_signature, varlen_entry, varlen_rules, with_row_bases
 from ..blocks.mask import window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
@@ -73,9 +73,7 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     (blocks/mods.py): the window's tile range and edges (the forward's window_rules), softcap and ALiBi on each
     recomputed score and the cap's 1 − tanh² on dS; the kernel then takes the mods' launch arguments last.
     VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): Q tiles past their sequence return."""
-    if VARLEN:
-        return varlen_entry(source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK, MODS), globals(),
-                            ("q", "dout", "dq"), ("k", "v"), *varlen_rules("q_tiles", BLOCK_M))
+
     WARPS = BLOCK_M // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -104,7 +102,8 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
 
     @inline_device
     def dq_body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b, slopes,
-                inv_scale):
+                inv_scale, q_base=0, k_base=0):
+        # q_base, k_base: the first query and key row of the block's sequence (varlen; 0 in a dense batch)
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -146,6 +145,10 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
         do_off, do_rs, _, _ = copy_plan(dout, b, h, d)
         k_next, k_rs, _, _ = copy_plan(k, b, h_kv, d)
         v_next, v_rs, _, _ = copy_plan(v, b, h_kv, d)
+        q_off += q_base * q_rs
+        do_off += q_base * do_rs
+        k_next += k_base * k_rs
+        v_next += k_base * v_rs
         if WINDOW:
             k_next += j_first * BLOCK_N * k_rs
             v_next += j_first * BLOCK_N * v_rs
@@ -240,22 +243,26 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                     col = dt * 8 + 2 * t
                     bits = pack(acc[dt, 2 * half] * scale, acc[dt, 2 * half + 1] * scale)
                     if col < d:
-                        dq[b, h, row, col] = uint16(bits & 0xFFFF)
+                        dq[b, h, q_base + row, col] = uint16(bits & 0xFFFF)
                     if col + 1 < d:
-                        dq[b, h, row, col + 1] = uint16(bits >> 16)
+                        dq[b, h, q_base + row, col + 1] = uint16(bits >> 16)
 
+    body = with_row_bases(dq_body, globals()) if VARLEN else dq_body
     if MODS.any:
         def mma_dq_mods(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
                         slopes, inv_scale):
-            dq_body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
-                    slopes, inv_scale)
+            body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
+                 slopes, inv_scale)
 
-        return mma_dq_mods
+        kernel = mma_dq_mods
+    else:
+        def mma_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
+            body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, 0, 0, ZERO, ZERO, l2, ZERO)
 
-    def mma_dq(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale):
-        dq_body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, 0, 0, ZERO, ZERO, l2, ZERO)
-
-    return mma_dq
+        kernel = mma_dq
+    if VARLEN:  # Q tiles past their sequence return
+        return varlen_entry(kernel, globals(), *varlen_rules("q_tiles", BLOCK_M))
+    return kernel
 
 
 @lru_cache(maxsize=None)

@@ -64,7 +64,7 @@ from ..launch import address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_entry, varlen_rules
+from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_entry, varlen_rules, with_row_bases
 from ..blocks.copies import tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
@@ -228,7 +228,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                     s[nt + 1, 0], s[nt + 1, 1], s[nt + 1, 2], s[nt + 1, 3])
 
     @inline_device
-    def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale):
+    def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale,
+                     q_base=0, k_base=0):
+        # q_base, k_base: the first query and key row of the block's sequence (varlen; 0 in a dense batch)
         # One dynamic allocation, Q | K0 | V0 | K1 | V1 at word offsets (offsets, not slices: a slice of a
         # dynamic array is clamped to its run-time length); 128-row tiles at d = 128 need 64 KiB, over the
         # 48 KiB static limit.
@@ -284,6 +286,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         # constant per copied tile (no row × stride multiply in the loop)
         k_next, k_stride, col_bytes, kv_dst = copy_plan(k, b, h_kv, d)
         v_next, v_stride, _, _ = copy_plan(v, b, h_kv, d)
+        k_next += k_base * k_stride
+        v_next += k_base * v_stride
         k_step = BLOCK_K * k_stride
         v_step = BLOCK_K * v_stride
         if WINDOW:
@@ -292,7 +296,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
         # Prologue: Q, K_0 and V_0 as one group.
         q_src, q_stride, _, q_dst = copy_plan(q, b, h, d)
-        load_tile_fast(smem, SQ, q, q_src + q0 * q_stride, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
+        load_tile_fast(smem, SQ, q, q_src + (q_base + q0) * q_stride, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         if n_tiles > j_first:
             k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, j_first * BLOCK_K, n_k)
             v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, j_first * BLOCK_K, n_k)
@@ -425,9 +429,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             if SMEM_EPILOGUE:
                 if row < n_q and t == 0:
                     if l_row != ZERO:
-                        lse[b, h, row] = row_lse(m_i[mr], l_row)
+                        lse[b, h, q_base + row] = row_lse(m_i[mr], l_row)
                     else:
-                        lse[b, h, row] = NEG_INF
+                        lse[b, h, q_base + row] = NEG_INF
                 if mr == 0:
                     syncwarp()  # every lane is past its last ldmatrix of these Q rows
                 row_t = warp * ROWS_W + 8 * mr + g  # the warp's own rows of the Q tile
@@ -437,16 +441,16 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             elif row < n_q:
                 if t == 0:
                     if l_row != ZERO:
-                        lse[b, h, row] = row_lse(m_i[mr], l_row)
+                        lse[b, h, q_base + row] = row_lse(m_i[mr], l_row)
                     else:
-                        lse[b, h, row] = NEG_INF
+                        lse[b, h, q_base + row] = NEG_INF
                 for dt in range(O_TILES):
                     col = dt * 8 + 2 * t
                     bits = pack(acc[a0_ + dt, 2 * half] * inv_l, acc[a0_ + dt, 2 * half + 1] * inv_l)
                     if col < d:
-                        out[b, h, row, col] = uint16(bits & 0xFFFF)
+                        out[b, h, q_base + row, col] = uint16(bits & 0xFFFF)
                     if col + 1 < d:
-                        out[b, h, row, col + 1] = uint16(bits >> 16)
+                        out[b, h, q_base + row, col + 1] = uint16(bits >> 16)
         if SMEM_EPILOGUE:  # the warp's O rows, 16 bytes per lane per store, a row's chunks on adjacent lanes
             syncwarp()
             o_base = b * (out.strides[0] // 2) + h * (out.strides[1] // 2)
@@ -462,17 +466,16 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                     src = SQ + swizzle(row_t, chunk)
                     if col + 8 <= d:
                         w0, w1, w2, w3 = ld_shared_v4(smem, src)
-                        st_global_v4(out, o_base + row * o_stride + col, w0, w1, w2, w3)
+                        st_global_v4(out, o_base + (q_base + row) * o_stride + col, w0, w1, w2, w3)
                     else:  # d not a multiple of 8: the chunk's first d - col elements one by one
                         for e in range(8):
                             if col + e < d:
-                                out[b, h, row, col + e] = smem[src + e]
+                                out[b, h, q_base + row, col + e] = smem[src + e]
 
-    kernel = forward_entry(forward_body, globals(), "mma_forward", mods.any)
     if not varlen:
-        return kernel
-    return varlen_entry(kernel, globals(), ("q", "out", "lse"), ("k", "v"),
-                        *varlen_rules("q_tiles", BLOCK_Q, GRID_BH_X))
+        return forward_entry(forward_body, globals(), "mma_forward", mods.any)
+    kernel = forward_entry(with_row_bases(forward_body, globals()), globals(), "mma_forward", mods.any)
+    return varlen_entry(kernel, globals(), *varlen_rules("q_tiles", BLOCK_Q, GRID_BH_X))
 
 
 @lru_cache(maxsize=None)

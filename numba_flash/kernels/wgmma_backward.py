@@ -40,7 +40,7 @@ from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules, with_row_bases
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..jit_cache import compile_kernel
@@ -170,7 +170,7 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first,
-                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO):
+                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO, q_base=0, k_base=0):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=WGMMA_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -196,7 +196,8 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
             qt0, per_head, steps = schedule_window(k0, n_q, n_k, shift, group, left, right)
         else:
             qt0, per_head, steps = schedule(k0, n_q, shift, group)
-        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad)
+        plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad, q_base,
+                        k_base)
 
         acc_k = cuda.local.array((O_TILES, 4), float32)
         acc_v = cuda.local.array((O_TILES, 4), float32)
@@ -316,13 +317,13 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
         hold_o(acc_k)
         hold_o(acc_v)
-        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale)
+        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
-    kernel = dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any)
     if not VARLEN:
-        return kernel
-    return varlen_entry(kernel, globals(), ("q", "dout"), ("k", "v", "dk", "dv"), *varlen_rules("key_blocks", BLOCK_N),
-                        seq_of="k")  # key blocks past their sequence return
+        return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any)
+    kernel = dkdv_entry(with_row_bases(dkdv_body, globals()), globals(), "wgmma_dkdv", True, DQ_SPLITS,
+                        mods=MODS.any)
+    return varlen_entry(kernel, globals(), *varlen_rules("key_blocks", BLOCK_N), seq_of="k")  # key blocks past it return
 
 
 @lru_cache(maxsize=None)
