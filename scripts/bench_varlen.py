@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also the rows that split the gap to dense into causes")
+    ap.add_argument("--ab", type=int, default=0, help="interleaved rounds of the forward: dense, token-major, varlen")
     args = ap.parse_args()
     H, d, dtype = 16, 128, torch.bfloat16
     n_seq, lo, hi = (16, 128, 2048) if args.quick else (64, 128, 8192)
@@ -171,6 +172,33 @@ def main() -> None:
     dense_flops = B * 4 * H * d * N * (N + 1) / 2
     measure("numba_flash dense", dense, dense_flops, on_pack=False)
     ours, ref = rows[0], rows[-1]
+    if args.ab:  # interleaved rounds in this process: the forward's cost of the varlen entry and of the op
+        import numpy as np
+
+        import numba_flash
+
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (qd, kd, vd))  # (B, N, H, d) memory
+        pk = [x.reshape(B * N, H, d) for x in (qt, kt, vt)]
+        cu_eq = torch.arange(0, B * N + 1, N, dtype=torch.int32, device="cuda")
+        variants = {
+            "dense (B, H, N, d), numba_flash.forward": lambda: numba_flash.forward(qd, kd, vd, causal=True),
+            "dense token-major views, numba_flash.forward":
+                lambda: numba_flash.forward(*(x.transpose(1, 2) for x in (qt, kt, vt)), causal=True),
+            f"varlen {B} x {N}, numba_flash.varlen_forward (no offset check)":
+                lambda: numba_flash.varlen_forward(*pk, cu_eq, cu_eq, N, N, causal=True, check_seqlens=False),
+            f"varlen {B} x {N}, numba_flash.torch.varlen_attention":
+                lambda: varlen_attention(*pk, cu_eq, cu_eq, N, N, causal=True),
+        }
+        times = {name: [] for name in variants}
+        with torch.no_grad():
+            for _ in range(args.ab):
+                for name, fn in variants.items():
+                    times[name].append(time_call(fn, reps=5)[0])
+        ab = {name: {"ms": float(np.median(t)), "tflops": dense_flops / float(np.median(t)) / 1e9}
+              for name, t in times.items()}
+        for name, r in ab.items():
+            print(f"A/B {name}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s", flush=True)
+        rows.append({"case": f"A/B forward, {args.ab} interleaved rounds", "variants": ab})
     if args.probe:  # what the gap to dense is made of: the packed layout, the varlen entry, the dQ scheme
         qt, kt, vt, dot = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (qd, kd, vd, dod))  # (B, N, H, d)
 
