@@ -218,10 +218,10 @@ def _dq_slots(threads: int, smem: int, smem_per_sm: int) -> int:
     return max(per_sm, 1) * _sm_count()
 
 
-def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -> tuple:
+def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma", scratch_max: int | None = None) -> tuple:
     """How the tensor-core backward (family "mma" or "tf32x3") gets dQ: ("atomic", None) for
     deterministic=False; for the default ("splits", S) where the table allows it, S planes fit in
-    schedule.DQ_SCRATCH_MAX_BYTES and S deterministic splits are predicted within SPLITS_SLOWER_OK of the
+    scratch_max bytes (default schedule.DQ_SCRATCH_MAX_BYTES) and S deterministic splits are predicted within SPLITS_SLOWER_OK of the
     atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why. Both modes take
     the dq kernel where the table has no "dkdv_atomic" tile or the device's blocks lack its shared memory."""
     kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
@@ -249,10 +249,11 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma") -
     if p.B * p.H * p.n_q * p.n_k == 0:
         return "kernel", None, kernel + "an empty problem (no kernel runs)"
     plane = p.B * p.H * schedule.padded_rows(p.n_q) * cfg["head_dim"] * 4
-    max_splits = min(schedule.MAX_DQ_SPLITS, schedule.DQ_SCRATCH_MAX_BYTES // plane)
+    budget = schedule.DQ_SCRATCH_MAX_BYTES if scratch_max is None else scratch_max
+    max_splits = min(schedule.MAX_DQ_SPLITS, budget // plane)
     if max_splits < 1:
         return "kernel", None, kernel + (f"one fp32 plane of dQ ({plane} B) exceeds the splits' scratch budget "
-                                         f"({schedule.DQ_SCRATCH_MAX_BYTES} B)")
+                                         f"({budget} B)")
     slots = _dq_slots(threads, smem, per_sm)
     # (a window's key blocks each see about as many Q tiles: the model's non-causal work, to first order)
     splits, ratio = schedule.dq_splits(p.n_q, p.n_k, bn, bm, p.mask_causal and not p.mods.window, p.H // p.Hkv,

@@ -126,6 +126,18 @@ def _refuse(p, family: str, reasons: list, what: str) -> None:
             f"sm_80+, 16-byte aligned rows); this call would run {family!r}: {reasons[-1]}")
 
 
+VARLEN_SPLITS_PLANES = 2  # the deterministic splits may always take this many dQ planes (bench_varlen: 2 is best)
+
+
+def _splits_budget(p, cfg) -> int:
+    """The dQ splits' scratch budget: the dense one (schedule.DQ_SCRATCH_MAX_BYTES), or VARLEN_SPLITS_PLANES planes
+    where those are larger. A pack's plane covers B sequences of the longest length, so long packs pass the dense
+    budget at once; the dq kernel they would fall back to ran the 64 x 128..8192 pack at 0.78 of the dense
+    backward's TFLOP/s, two forced splits at 0.95 (benchmarks/DESIGN.md)."""
+    plane = p.B * p.H * schedule.padded_rows(p.n_q) * cfg["head_dim"] * 4
+    return max(schedule.DQ_SCRATCH_MAX_BYTES, VARLEN_SPLITS_PLANES * plane)
+
+
 def _views(xs, stream, B):
     """Device views of packed (total, heads, d) arrays as batches of B sequences (arrays.packed_as_batch)."""
     return tuple(arrays.packed_as_batch(arrays.to_device_view(x, stream, ndim=3), B) for x in xs)
@@ -193,7 +205,8 @@ def varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seq
     deterministic: as ``numba_flash.backward`` (True: bitwise repeatable, the deterministic dQ splits or the dq
     kernel; False: dQ by atomic adds). dk, dv are summed over each GQA group. The scratch is that of a dense
     batch of B sequences of max_seqlen_q rows: two fp32 numbers per row, plus where the dK/dV kernel forms dQ
-    one fp32 (B·H, max_seqlen_q padded to 128, 64 or 128) plane per split.
+    one fp32 (B·H, max_seqlen_q padded to 128, 64 or 128) plane per split (the splits take at most the dense
+    budget of 1 GiB or two planes, whichever is more; 64 sequences of up to 8192 rows, H = 16: 4.3 GB a plane).
     """
     left, right = window_pair(window_size)
     p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -221,7 +234,7 @@ def varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seq
             rows = (p.B * p.H, schedule.padded_rows(p.n_q))  # L·log2(e) and D of a dense batch of the longest
             _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            scheme, splits, _ = dq_scheme(p, cfg, deterministic)
+            scheme, splits, _ = dq_scheme(p, cfg, deterministic, scratch_max=_splits_budget(p, cfg))
             planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
             dq_acc = _zeros_scratch(p.kind, q, (planes * rows[0], rows[1], cfg["head_dim"]), stream) if planes \
                 else None  # zeroed: blocks past a sequence add nothing to their plane

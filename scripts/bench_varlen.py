@@ -221,7 +221,7 @@ def main() -> None:
         from numba_flash import varlen as nf_varlen
         real = nf_varlen.dq_scheme
         for splits in (1, 2, 4):
-            nf_varlen.dq_scheme = lambda p, cfg, det, s=splits: ("splits", s, "forced")
+            nf_varlen.dq_scheme = lambda p, cfg, det, s=splits, **kw: ("splits", s, "forced")
             measure(f"numba_flash varlen, dQ by {splits} deterministic splits (forced)",
                     with_grad(lambda a, b, c: varlen_attention(a, b, c, cu, cu, max_len, max_len, causal=True)),
                     flops)

@@ -90,8 +90,24 @@ def test_varlen_backward_dq_schemes(scheme, monkeypatch):
     """deterministic=False's atomic plane, and the separate dq kernel (forced here: the splits are the default
     wherever they fit)."""
     if scheme == "kernel":
-        monkeypatch.setattr(nf_varlen, "dq_scheme", lambda p, cfg, det: ("kernel", None, "forced"))
+        monkeypatch.setattr(nf_varlen, "dq_scheme", lambda p, cfg, det, **kw: ("kernel", None, "forced"))
     _check(_pack(2, [20, 70], [30, 70], 2, 1, 64), dict(causal=True), det=scheme != "atomic")
+
+
+def test_long_packs_keep_the_deterministic_splits():
+    """64 sequences of up to 8192 rows, H = 16, d = 128: a dQ plane (4.3 GB) is past the dense splits' 1 GiB, which
+    would take the dq kernel; varlen lets the splits have two planes (no kernel runs here: the choice only)."""
+    import importlib
+
+    backward = importlib.import_module("numba_flash.backward")  # the module (the package exports the function)
+    n_seq, H, d = 64, 16, 128
+    q = np.zeros((n_seq, H, d), np.float16)  # one row a sequence: only the shapes and the longest length matter
+    cu = np.arange(n_seq + 1, dtype=np.int32)
+    p = nf_varlen._problem(q, q, q, cu, cu, 8192, 8192, True, None, (-1, -1), 0.0, None, False)
+    cfg = backward.mma_config(128)
+    assert backward.dq_scheme(p, cfg, True)[0] == "kernel"
+    scheme, splits, why = backward.dq_scheme(p, cfg, True, scratch_max=nf_varlen._splits_budget(p, cfg))
+    assert scheme == "splits" and 1 <= splits <= nf_varlen.VARLEN_SPLITS_PLANES, why
 
 
 def test_keys_of_other_sequences_have_no_effect():
