@@ -197,9 +197,8 @@ def varlen_entry(kernel, home: dict, sequence, outside, seq_of: str | None = Non
     aligning per sequence, and its first rows one of two ways:
 
     * slice_rows None: n_q and n_k go in as pairs (length, first row), for an entry whose body is
-      ``with_row_bases``' (the body adds the first rows to its own offsets: the arrays stay kernel
-      parameters, which ptxas reloads for free, where sliced views held five more 64-bit pointers through
-      the K/V loop and the forward spilled 64 bytes instead of 24);
+      ``with_row_bases``' (the body adds the first rows to its own offsets and stores, addressing the
+      kernel's own arrays as the dense build does);
     * slice_rows (q_rows, k_rows): the parameters named there are viewed from the sequence's first query
       (key) row on (prep and convert: short kernels with registers to spare)."""
     code = kernel.__code__
@@ -218,8 +217,8 @@ def varlen_entry(kernel, home: dict, sequence, outside, seq_of: str | None = Non
             return f"{n}[:, :, k_base:]"
         return lengths.get(n, n)
 
-    # everything int32, as the dense kernels take the lengths: int32 - int32 is int64 in Numba, and the body's
-    # per-score compares and row checks ran in 64-bit
+    # the lengths as int32, as the dense kernels take them (int32 - int32 is int64 in Numba; ptxas -v, the d128
+    # causal forward: 44 B spilled instead of 48)
     src = (f"def make(inner, sequence, outside, int32):\n"
            f"    def {kernel.__name__}_varlen({', '.join(params)}, cu_q, cu_k):\n"
            f"        b = sequence({seq_of})\n"
