@@ -85,6 +85,8 @@ def window_pair(window_size: Any) -> tuple:
                         f"got {window_size!r}")
     out = []
     for side, x in zip(("left", "right"), window_size):
+        if not isinstance(x, numbers.Integral) and getattr(x, "ndim", None) == 0 and hasattr(x, "item"):
+            x = x.item()  # a 0-d tensor or array (flash-attn's tests draw the window with torch.randint)
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise TypeError(f"window_size {side} must be an int (-1 for unbounded, or >= 0); got {x!r} in {window_size!r}")
         if x < -1:

@@ -86,11 +86,9 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
 
 def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table=None):
+                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
     if dropout_p:
         _unsupported(f"dropout_p={dropout_p}")
-    if block_table is not None:
-        _unsupported("flash_attn_varlen_func block_table (a paged KV cache)")
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size,
                                 softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
@@ -102,10 +100,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """q (total_q, H, d), k / v (total_k, Hkv, d), cu_seqlens int32 (B + 1,) -> out (total_q, H, d)
     [, softmax_lse (H, total_q), None]: numba_flash.torch.varlen_attention, per sequence as flash-attn."""
+    if block_table is not None:  # before the layout: a paged cache is (num_blocks, page, Hkv, d)
+        _unsupported("flash_attn_varlen_func block_table (a paged KV cache)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_layout(name, x, 3)
     return _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                          causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
+                          causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

@@ -6,3 +6,20 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     """flash-attn's key-block size, used only to decode its dropout mask (S_dmask); numba_flash has no dropout,
     so a call that would need it has raised NotImplementedError before."""
     return 128 if head_dim <= 64 else 64
+
+
+class _Internal:
+    """flash-attn internals a few tests call directly (the CUDA extension's ops): numba_flash has none."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"numba_flash: flash-attn's internal {self.name} (its CUDA extension's op)")
+
+    def __getattr__(self, attr):
+        raise NotImplementedError(f"numba_flash: flash-attn's internal {self.name}.{attr} (its CUDA extension)")
+
+
+_flash_attn_varlen_forward = _Internal("_flash_attn_varlen_forward")
+flash_attn_gpu = _Internal("flash_attn_gpu")
