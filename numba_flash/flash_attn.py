@@ -15,13 +15,15 @@ Differences from flash-attn, all raised as NotImplementedError naming the argume
 dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary embeddings,
 cache_batch_idx, cache_leftpad, block_table (paged caches), window_size / softcap / alibi_slopes, and more
 than 16 queries or a non-causal step of more than one query. return_attn_probs=True returns (out,
-softmax_lse, None): the probabilities are never materialised. causal with window_size right != 0 and -1
-raises ValueError (flash-attn overrides right silently). deterministic defaults to False here as there.
+softmax_lse, None): the probabilities are never materialised. causal=True makes window_size's right 0, as
+flash-attn's kernels do (whatever right was passed; numba_flash.forward itself refuses a right other than 0 or
+-1 with causal). deterministic defaults to False here as there.
 """
 from __future__ import annotations
 
 import torch
 
+from .api import window_pair
 from .decode import MAX_DECODE_QUERIES
 from .torch import attention, decode, varlen_attention
 
@@ -44,10 +46,17 @@ def _check_layout(name, x, ndim):
         raise ValueError(f"{name} must be a {ndim}-D torch tensor in flash-attn's layout; got {shape}")
 
 
+def _window(causal, window_size):
+    """flash-attn's rule: causal is right = 0 (its interface sets it so before the kernels)."""
+    left, right = window_pair(window_size)
+    return (left, 0) if causal else (left, right)
+
+
 def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs):
     if dropout_p:
         _unsupported(f"dropout_p={dropout_p}")
+    window_size = _window(causal, window_size)
     out, lse = attention(_heads_first(q), _heads_first(k), _heads_first(v), causal=causal, softmax_scale=softmax_scale,
                          deterministic=deterministic, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, return_lse=True)
@@ -89,6 +98,7 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
     if dropout_p:
         _unsupported(f"dropout_p={dropout_p}")
+    window_size = _window(causal, window_size)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size,
                                 softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)

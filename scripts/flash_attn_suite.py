@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--timeout", type=int, default=420, help="seconds for the whole pytest run")
+    ap.add_argument("--select", default="", help="pytest -k expression over the suite's tests")
     ap.add_argument("--source", default="", help="where the test file came from (repository@commit), for the record")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -113,7 +114,7 @@ def main() -> None:
     env = dict(os.environ, FA_SUITE_PER=str(args.per_function), FA_SUITE_SEED=str(args.seed), FA_SUITE_OUT=str(work),
                PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(args.jobs),
-           str(work / "test_flash_attn.py")]
+           str(work / "test_flash_attn.py")] + (["-k", args.select] if args.select else [])
     try:
         r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout)
         tail = r.stdout[-1500:]

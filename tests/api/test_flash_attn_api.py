@@ -86,6 +86,9 @@ def test_func_layouts_and_returns(twin, causal):
     out = fa.flash_attn_func(q, k, v, causal=causal, window_size=(20, -1))
     assert out.shape == q.shape and out.is_contiguous()
     torch.testing.assert_close(out, _ref(q, k, v, causal=causal, window_size=(20, -1)))
+    # flash-attn's rule: causal is right = 0, whatever right was given (numba_flash.forward refuses it)
+    torch.testing.assert_close(fa.flash_attn_func(q, k, v, causal=causal, window_size=(20, 7)),
+                               _ref(q, k, v, causal=causal, window_size=(20, 0 if causal else 7)))
     out2, lse, probs = fa.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert lse.shape == (2, 4, 50) and probs is None
     kv = torch.stack([k, v], dim=2)
@@ -110,9 +113,10 @@ def test_varlen_layouts_and_returns(twin, causal):
         torch.testing.assert_close(out[s], ref)
     torch.testing.assert_close(fa.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 30, 30,
                                                                   causal=causal), out)
-    qkv = torch.stack([q, q, q], 1)
+    k4, v4 = (torch.randn(47, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (4, 5))
+    qkv = torch.stack([q, k4, v4], 1)  # distinct q, k, v: a mix-up of the three would show
     torch.testing.assert_close(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 30, causal=causal),
-                               fa.flash_attn_varlen_func(q, q, q, cu, cu, 30, 30, causal=causal))
+                               fa.flash_attn_varlen_func(q, k4, v4, cu, cu, 30, 30, causal=causal))
 
 
 def test_kvcache_appends_in_place_and_attends(twin):
