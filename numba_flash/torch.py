@@ -148,7 +148,10 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                deterministic: bool, window_left: int, window_right: int, softcap: float,
                alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``numba_flash.varlen_backward`` as an op: (dq, dk, dv)."""
-    if dout.shape[-1] > 1 and dout.stride(-1) != 1:  # as bwd: only a scattered last dim is copied
+    # varlen runs on the mma kernels only (no SIMT fallback to take a dout cp.async cannot read): rows that are
+    # not 16-byte aligned are copied
+    item = dout.element_size()
+    if dout.stride(-1) != 1 or dout.data_ptr() % 16 or any(st * item % 16 for st in dout.stride()[:-1]):
         dout = dout.contiguous()
     return varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,

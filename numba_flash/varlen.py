@@ -11,7 +11,8 @@ cu_seqlens_k[b + 1] - 1. Nothing is padded or copied: the kernels are the dense 
 varlen entry (blocks.entry.varlen_entry) that finds each block's sequence and runs the dense body on it, so
 causal (bottom-right per sequence), sliding windows, softcap and ALiBi ((H,) or (B, H) slopes) mean per
 sequence what they mean for one dense sequence. The grids cover max_seqlen_q rows (keys) of every sequence;
-blocks past their sequence's end return at once.
+blocks whose tile lies past their sequence's end return at once (the backward's prep and convert run every block:
+they write the padding rows of the scratch).
 """
 from __future__ import annotations
 
@@ -120,22 +121,32 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_si
 
 
 def _refuse(p, family: str, reasons: list, what: str) -> None:
+    """NotImplementedError unless the dispatch chose the mma kernels (the only ones with a varlen entry)."""
     if family != "mma":
         raise NotImplementedError(
             f"varlen {what}: built into the 'mma' tensor-core kernels only (float16/bfloat16, head dim <= 128, "
             f"sm_80+, 16-byte aligned rows); this call would run {family!r}: {reasons[-1]}")
 
 
-VARLEN_SPLITS_PLANES = 2  # the deterministic splits may always take this many dQ planes (bench_varlen: 2 is best)
+SCRATCH_PER_DQ = 4  # the dQ planes may take at most this many times the packed dQ's fp32 bytes (or 1 GiB)
 
 
-def _splits_budget(p, cfg) -> int:
-    """The dQ splits' scratch budget: the dense one (schedule.DQ_SCRATCH_MAX_BYTES), or VARLEN_SPLITS_PLANES planes
-    where those are larger. A pack's plane covers B sequences of the longest length, so long packs pass the dense
-    budget at once; the dq kernel they would fall back to ran the 64 x 128..8192 pack at 0.78 of the dense
-    backward's TFLOP/s, two forced splits at 0.95 (benchmarks/DESIGN.md)."""
+def dq_for_pack(p, cfg, deterministic: bool) -> tuple:
+    """backward.dq_scheme for a pack, whose scratch is that of B sequences of the longest length.
+
+    A long pack's plane passes the dense splits' 1 GiB budget at once (64 sequences of up to 8192 rows, H16
+    d128: 4.3 GB), which would send it to the dq kernel: at 0.78 of the dense forward+backward's TFLOP/s where
+    one split ran at 0.93 (benchmarks/DESIGN.md). So the splits may take one plane past that budget, and every
+    dQ-in-dkdv scheme at most SCRATCH_PER_DQ times the packed dQ (fp32) or 1 GiB: a lopsided pack (one long
+    sequence among many short ones), whose plane is mostly padding, takes the dq kernel (no planes) instead,
+    with deterministic=False too."""
     plane = p.B * p.H * schedule.padded_rows(p.n_q) * cfg["head_dim"] * 4
-    return max(schedule.DQ_SCRATCH_MAX_BYTES, VARLEN_SPLITS_PLANES * plane)
+    cap = max(schedule.DQ_SCRATCH_MAX_BYTES, SCRATCH_PER_DQ * p.q_shape[0] * p.H * cfg["head_dim"] * 4)
+    if plane > cap and "dkdv_atomic" in cfg:
+        return "kernel", None, (f"dQ: a separate dq kernel over Q tiles: one fp32 plane of dQ for {p.B} sequences "
+                                f"of {p.n_q} rows ({plane} B) is past {SCRATCH_PER_DQ} x the packed dQ's fp32 "
+                                f"bytes or 1 GiB ({cap} B)")
+    return dq_scheme(p, cfg, deterministic, scratch_max=max(schedule.DQ_SCRATCH_MAX_BYTES, plane))
 
 
 def _views(xs, stream, B):
@@ -159,8 +170,10 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             alibi_slopes (H,) or (B, H)).
         check_seqlens: True (default) reads the offsets and checks them (0 first, never decreasing, the totals
             last, no sequence past its max): device offsets are copied to the host, which waits for the stream.
-            False skips that (as flash-attn, which never checks): wrong offsets then give wrong rows, not an
-            error. numba_flash.torch checks on the device instead (asynchronous asserts).
+            False skips that (as flash-attn, which never checks): wrong offsets are then not an error but
+            reads and writes outside the arrays (an offset past the packed total), or rows left as whatever
+            the allocator returned (rows no sequence covers). numba_flash.torch checks on the device instead
+            (asynchronous asserts).
 
     Returns:
         out (total_q, H, d) of q's dtype and kind, and lse float32 (H, total_q) (flash-attn's packed layout;
@@ -177,6 +190,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
+        if not (p.q_shape[0] * p.H and arrays.shape_of(k)[0]):  # no kernel runs; one that cannot take it refuses
+            _refuse(p, *choose_kernel(p, "auto")[::2], "forward")
         if p.q_shape[0] * p.H and not arrays.shape_of(k)[0]:  # no keys at all: every row sees none
             out_obj = arrays.alloc_like_kind(p.kind, q, p.q_shape, p.dtype, stream, zeroed=True)[0]
             lse_obj = arrays.full_like_kind(p.kind, q, p.lse_shape, "float32", -np.inf, stream)[0]
@@ -205,8 +220,8 @@ def varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seq
     deterministic: as ``numba_flash.backward`` (True: bitwise repeatable, the deterministic dQ splits or the dq
     kernel; False: dQ by atomic adds). dk, dv are summed over each GQA group. The scratch is that of a dense
     batch of B sequences of max_seqlen_q rows: two fp32 numbers per row, plus where the dK/dV kernel forms dQ
-    one fp32 (B·H, max_seqlen_q padded to 128, 64 or 128) plane per split (the splits take at most the dense
-    budget of 1 GiB or two planes, whichever is more; 64 sequences of up to 8192 rows, H = 16: 4.3 GB a plane).
+    one fp32 (B·H, max_seqlen_q padded to 128, 64 or 128) plane per split (64 sequences of up to 8192 rows,
+    H = 16: 4.3 GB a plane; ``dq_for_pack`` says how many, and where the planes would be mostly padding, none).
     """
     left, right = window_pair(window_size)
     p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -220,6 +235,8 @@ def varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seq
         # every packed row belongs to a sequence (check_seqlens), whose blocks write all its rows; with no
         # queries or no keys at all no kernel runs and the gradients are zeros
         run = bool(p.q_shape[0] * p.H and kv_shape[0])
+        if not run:  # no kernel runs, but one that cannot take the inputs is refused all the same
+            _refuse(p, *choose_backward(p, "auto")[::2], "backward")
         alloc = arrays.empty_like_kind if run else arrays.zeros_like_kind
         dq_obj, dq_dev = alloc(kinds[0], q, p.q_shape, p.dtype, stream)
         dk_obj, dk_dev = alloc(kinds[1], k, kv_shape, p.dtype, stream)
@@ -234,7 +251,7 @@ def varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seq
             rows = (p.B * p.H, schedule.padded_rows(p.n_q))  # L·log2(e) and D of a dense batch of the longest
             _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            scheme, splits, _ = dq_scheme(p, cfg, deterministic, scratch_max=_splits_budget(p, cfg))
+            scheme, splits, _ = dq_for_pack(p, cfg, deterministic)
             planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
             dq_acc = _zeros_scratch(p.kind, q, (planes * rows[0], rows[1], cfg["head_dim"]), stream) if planes \
                 else None  # zeroed: blocks past a sequence add nothing to their plane

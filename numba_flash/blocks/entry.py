@@ -10,8 +10,8 @@ deterministic splits' (key block kb0 + blockIdx.x into plane blockIdx.x). ``kern
 ``launch_dq_in_dkdv`` launches the last two.
 
 ``varlen_entry`` turns any of those entries into its varlen (packed sequences) form: the kernel takes
-cu_seqlens_q and cu_seqlens_k too, finds its block's sequence, and runs the dense entry on row views of that
-sequence with its own lengths, so the bodies (their masks, mods and schedules) are the dense ones.
+cu_seqlens_q and cu_seqlens_k too, finds its block's sequence, and runs the dense entry with that sequence's
+lengths and first rows (``with_row_bases``), so the bodies (their masks, mods and schedules) are the dense ones.
 """
 from __future__ import annotations
 

@@ -94,20 +94,29 @@ def test_varlen_backward_dq_schemes(scheme, monkeypatch):
     _check(_pack(2, [20, 70], [30, 70], 2, 1, 64), dict(causal=True), det=scheme != "atomic")
 
 
-def test_long_packs_keep_the_deterministic_splits():
+def test_long_packs_keep_the_deterministic_splits_and_lopsided_ones_take_no_planes():
     """64 sequences of up to 8192 rows, H = 16, d = 128: a dQ plane (4.3 GB) is past the dense splits' 1 GiB, which
-    would take the dq kernel; varlen lets the splits have two planes (no kernel runs here: the choice only)."""
+    would take the dq kernel; a pack may take one plane past it. One long sequence among many short ones (a plane
+    mostly padding, 69 GB) takes the dq kernel in both modes. (No kernel runs here: the choice only.)"""
     import importlib
 
     backward = importlib.import_module("numba_flash.backward")  # the module (the package exports the function)
-    n_seq, H, d = 64, 16, 128
-    q = np.zeros((n_seq, H, d), np.float16)  # one row a sequence: only the shapes and the longest length matter
-    cu = np.arange(n_seq + 1, dtype=np.int32)
-    p = nf_varlen._problem(q, q, q, cu, cu, 8192, 8192, True, None, (-1, -1), 0.0, None, False)
     cfg = backward.mma_config(128)
-    assert backward.dq_scheme(p, cfg, True)[0] == "kernel"
-    scheme, splits, why = backward.dq_scheme(p, cfg, True, scratch_max=nf_varlen._splits_budget(p, cfg))
-    assert scheme == "splits" and 1 <= splits <= nf_varlen.VARLEN_SPLITS_PLANES, why
+
+    def problem(n_seq, total, max_len):
+        q = np.zeros((total, 16, 128), np.float16)  # only the shapes and the longest length matter here
+        cu = np.linspace(0, total, n_seq + 1).astype(np.int32)
+        return nf_varlen._problem(q, q, q, cu, cu, max_len, max_len, True, None, (-1, -1), 0.0, None, False)
+
+    long_pack = problem(64, 64 * 4096, 8192)
+    assert backward.dq_scheme(long_pack, cfg, True)[0] == "kernel"
+    scheme, splits, why = nf_varlen.dq_for_pack(long_pack, cfg, True)
+    assert scheme == "splits" and splits == 1, why
+    assert nf_varlen.dq_for_pack(long_pack, cfg, False)[0] == "atomic"
+    lopsided = problem(256, 65536, 32768)
+    for det in (True, False):
+        scheme, _, why = nf_varlen.dq_for_pack(lopsided, cfg, det)
+        assert scheme == "kernel" and "past 4 x the packed dQ" in why, why
 
 
 def test_keys_of_other_sequences_have_no_effect():
@@ -179,6 +188,19 @@ def test_bad_varlen_input_is_refused(change, err, match):
         q, k, v = (x.astype(np.float32) for x in (q, k, v))
     with pytest.raises(err, match=match):
         numba_flash.varlen_forward(q, k, v, cu_q, cu_k, change.get("max_q", 5), change.get("max_k", 5))
+
+
+def test_no_keys_or_no_queries_still_refuse_what_varlen_cannot_run():
+    """No kernel runs when the pack has no keys (or no queries), but float32 is refused all the same."""
+    cu0 = np.zeros(3, np.int32)
+    cu, q, k, v = _small()
+    q32, k0 = q.astype(np.float32), np.zeros((0, 2, 16), np.float32)
+    with pytest.raises(NotImplementedError, match="varlen forward"):
+        numba_flash.varlen_forward(q32, k0, k0, cu, cu0, 5, 0)
+    out, lse = numba_flash.varlen_forward(q, k0.astype(np.float16), k0.astype(np.float16), cu, cu0, 5, 0)
+    assert (out == 0).all() and np.isneginf(lse).all()
+    with pytest.raises(NotImplementedError, match="varlen backward"):
+        numba_flash.varlen_backward(q32, k0, k0, q32, lse, q32, cu, cu0, 5, 0)
 
 
 def test_unchecked_offsets_skip_the_host_read(monkeypatch):
