@@ -4,7 +4,7 @@ The functions are numba_flash.flash_attn's; bert_padding, flash_attn_interface a
 the suite imports besides them, written here in plain PyTorch (scripts/flash_attn_suite.py puts this directory
 first on the path).
 """
-from numba_flash.flash_attn import (  # noqa: F401
+from numba_flash.flash_attn import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -13,3 +13,6 @@ from numba_flash.flash_attn import (  # noqa: F401
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]

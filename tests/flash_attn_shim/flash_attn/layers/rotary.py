@@ -9,7 +9,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     pairs (GPT-J); the rest unchanged."""
     if cu_seqlens is not None:
         raise NotImplementedError("apply_rotary_emb with cu_seqlens (the suite's varlen rotary is not used here)")
-    batch, seqlen = x.shape[0], x.shape[1]
+    seqlen = x.shape[1]
     ro = cos.shape[-1] * 2
     pos = torch.arange(seqlen, device=x.device)[None, :] + (
         seqlen_offsets[:, None] if isinstance(seqlen_offsets, torch.Tensor) else seqlen_offsets)
