@@ -137,6 +137,11 @@ def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0,
     return _at_home(kernel, home, name)
 
 
+def varlen_key(varlen: bool) -> tuple:
+    """What a varlen build adds to its cache key (nothing for the dense builds: their keys stay as they were)."""
+    return ("varlen",) if varlen else ()
+
+
 def varlen_rules(tiles: str, block: int = 0, grid_bh_x: bool = False):
     """(sequence, outside) for varlen_entry. sequence(x): b from blockIdx.y = b·heads + h (blockIdx.x with
     grid_bh_x), heads = x.shape[1]. outside(n_q, n_k, kb0) by what blockIdx.x (.y with grid_bh_x) counts:

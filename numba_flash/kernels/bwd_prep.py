@@ -20,7 +20,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import inline_device
 from ..blocks.numerics import LOG2E
 from ..blocks.rows import DELTA_LANES, DELTA_ROWS, row_dot_helper
-from ..blocks.entry import VARLEN_ARGS, varlen_entry, varlen_rules
+from ..blocks.entry import VARLEN_ARGS, varlen_entry, varlen_key, varlen_rules
 from ..blocks.schedule import plane_first_row
 from ..jit_cache import compile_kernel
 
@@ -215,16 +215,12 @@ def _check_dtype(dtype):
         raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
 
 
-def _varlen_key(varlen: bool) -> tuple:
-    return ("varlen",) if varlen else ()  # the dense builds keep their cache keys
-
-
 @lru_cache(maxsize=None)
 def build_prep(dtype: str, varlen: bool = False):
     """The scalar prep (one element per load)."""
     _check_dtype(dtype)
     kernel = prep_source(dtype)
-    return compile_kernel(("bwd_prep.prep", dtype) + _varlen_key(varlen), prep_signature(dtype, varlen),
+    return compile_kernel(("bwd_prep.prep", dtype) + varlen_key(varlen), prep_signature(dtype, varlen),
                           _varlen(kernel, ("out", "dout", "lse")) if varlen else kernel)
 
 
@@ -237,7 +233,7 @@ def build_prep_vec(dtype: str, head_dim: int, varlen: bool = False):
     source, rows = prep_vec_source(dtype, head_dim)
     if varlen:
         source = _varlen(source, ("out", "dout", "lse"))
-    return compile_kernel(("bwd_prep.prep_vec", dtype, head_dim) + _varlen_key(varlen),
+    return compile_kernel(("bwd_prep.prep_vec", dtype, head_dim) + varlen_key(varlen),
                           prep_signature(dtype, varlen), source), rows
 
 
@@ -246,7 +242,7 @@ def build_convert(dtype: str, vec: bool = False, varlen: bool = False):
     """The convert kernel (float32: the 3xTF32 backward's dq stays fp32)."""
     _check_dtype(dtype)
     kernel = convert_source(dtype, vec)
-    return compile_kernel(("bwd_prep.convert", dtype, bool(vec)) + _varlen_key(varlen),
+    return compile_kernel(("bwd_prep.convert", dtype, bool(vec)) + varlen_key(varlen),
                           convert_signature(dtype, varlen), _varlen(kernel, ("dq",)) if varlen else kernel)
 
 

@@ -53,7 +53,8 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.dkdv import dkdv_common, stage_words, two_products, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules, with_row_bases
+from ..blocks.entry import (dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_key, varlen_rules,
+                             with_row_bases)
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
@@ -387,7 +388,7 @@ def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, m
                     bool(partial_chunk), int(dq_splits), mods, bool(varlen))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     key = ("mma_dkdv", block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
-           bool(partial_chunk), int(dq_splits), mods) + (("varlen",) if varlen else ())
+           bool(partial_chunk), int(dq_splits), mods) + varlen_key(varlen)
     return compile_kernel(key, kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits), mods=mods.any,
                                                 varlen=bool(varlen)), kernel, **cap)
 

@@ -26,7 +26,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.copies import tile_copies
 from ..blocks.dkdv import two_products
-from ..blocks.entry import kernel_signature, varlen_entry, varlen_rules, with_row_bases
+from ..blocks.entry import kernel_signature, varlen_entry, varlen_key, varlen_rules, with_row_bases
 from ..blocks.mask import window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
@@ -275,8 +275,7 @@ def build(block_m: int, block_n: int, head_dim: int, causal: bool, dtype: str, m
                          f"{'; '.join(bad)}")
     kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods, bool(varlen))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
-    key = ("mma_dq", block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods) + (
-        ("varlen",) if varlen else ())
+    key = ("mma_dq", block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods) + varlen_key(varlen)
     return compile_kernel(key, kernel_signature("dq", mods=mods.any, varlen=bool(varlen)), kernel, **cap)
 
 

@@ -64,7 +64,7 @@ from ..launch import address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_entry, varlen_rules, with_row_bases
+from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_entry, varlen_key, varlen_rules, with_row_bases
 from ..blocks.copies import tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
@@ -485,7 +485,7 @@ def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mod
     bad = problems(tile, dtype)
     if bad:
         raise ValueError(f"mma forward ({tile}, {dtype}) cannot be built: {'; '.join(bad)}")
-    key = ("mma_forward", tile, bool(causal), dtype, bool(partial_chunk), mods) + (("varlen",) if varlen else ())
+    key = ("mma_forward", tile, bool(causal), dtype, bool(partial_chunk), mods) + varlen_key(varlen)
     return compile_kernel(key, kernel_signature(mods, varlen),
                           kernel_source(tile, bool(causal), dtype, bool(partial_chunk), mods, varlen))
 

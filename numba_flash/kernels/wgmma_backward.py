@@ -40,7 +40,8 @@ from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_rules, with_row_bases
+from ..blocks.entry import (dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_key, varlen_rules,
+                             with_row_bases)
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..jit_cache import compile_kernel
@@ -336,7 +337,7 @@ def build(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, 
     kernel = source(head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq), mods,
                     bool(varlen))
     key = ("wgmma_backward", head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq),
-           mods) + (("varlen",) if varlen else ())
+           mods) + varlen_key(varlen)
     return compile_kernel(key, kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any, varlen=bool(varlen)),
                           kernel)
 
