@@ -292,6 +292,7 @@ CI_PATTERNS = (
     r"^bwd-simt/d(64|256)/causal/float32$", r"^bwd-simt/d128/full/float16$",
     r"^decode/d128/float16/.*/(contiguous|strided)/splits(1|4)/sm90$", r"^decode/d64/float32/rows1-.*/splits4/sm80$",
     r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$",
+    r"^fwd-mma-varlen/d128/causal/bfloat16$", r"^bwd-mma-varlen/d128/causal/bfloat16/sm90/splits$",
 )
 
 
