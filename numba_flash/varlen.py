@@ -101,6 +101,8 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_si
     max_q = _check_max("max_seqlen_q", max_q)
     max_k = _check_max("max_seqlen_k", max_k)
     kind_q = arrays.kind_of(q)
+    if kind_q is None or (kind_q == arrays.TORCH and not q.is_cuda):  # before the offsets are compared with it
+        _validate(q, k, v)  # raises, naming q and what is accepted
     device = arrays.device_of(q)
     B = _check_cu("cu_seqlens_q", cu_q, kind_q, device)
     Bk = _check_cu("cu_seqlens_k", cu_k, kind_q, device)

@@ -219,13 +219,13 @@ def main() -> None:
                                 lambda a, b, c: varlen_attention(a, b, c, cu_eq, cu_eq, N, N, causal=True)),
                 dense_flops, on_pack=False)
         from numba_flash import varlen as nf_varlen
-        real = nf_varlen.dq_scheme
+        real = nf_varlen.dq_for_pack
         for splits in (1, 2, 4):
-            nf_varlen.dq_scheme = lambda p, cfg, det, s=splits, **kw: ("splits", s, "forced")
+            nf_varlen.dq_for_pack = lambda p, cfg, det, s=splits: ("splits", s, "forced")
             measure(f"numba_flash varlen, dQ by {splits} deterministic splits (forced)",
                     with_grad(lambda a, b, c: varlen_attention(a, b, c, cu, cu, max_len, max_len, causal=True)),
                     flops)
-        nf_varlen.dq_scheme = real
+        nf_varlen.dq_for_pack = real
     ratios = {k: ours[k] / ref[k] for k in ("forward_tflops", "fwd_bwd_tflops") if k in ours and k in ref}
     print("varlen / dense TFLOP/s:", json.dumps(ratios))
     result = {"meta": metadata(" ".join(["python3", "scripts/bench_varlen.py"] + sys.argv[1:]), simulator=False),

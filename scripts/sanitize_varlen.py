@@ -32,7 +32,7 @@ SCHEMES = ("splits", "atomic", "kernel")
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    real = nf_varlen.dq_scheme
+    real = nf_varlen.dq_for_pack
     bad = 0
     for i, (lens_q, lens_k, H, Hkv, d, causal, mods) in enumerate(PACKS):
         cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -49,14 +49,14 @@ def main() -> int:
         for scheme in SCHEMES:
             det = scheme != "atomic"
             forced = {"splits": ("splits", 2, "forced"), "kernel": ("kernel", None, "forced")}.get(scheme)
-            nf_varlen.dq_scheme = real if forced is None else (lambda p, cfg, d_, f=forced, **k_: f)
+            nf_varlen.dq_for_pack = real if forced is None else (lambda p, cfg, d_, f=forced: f)
             grads = numba_flash.varlen_backward(q, k, v, out, lse, do, *args, deterministic=det, **kw)
             err = max(np.abs(g.astype(np.float64) - x).max() / max(1.0, np.abs(x).max()) for g, x in zip(grads, exact))
             ok = err_o < 1e-2 and err < 2e-2 and np.isfinite(out).all()
             bad += not ok
             print(f"{'ok' if ok else 'WRONG'} varlen pack {i} H{H}/{Hkv} d{d} causal={causal} {mods} dQ {scheme}: "
                   f"|out - fp64| {err_o:.2e}, grads (relative) {err:.2e}", flush=True)
-    nf_varlen.dq_scheme = real
+    nf_varlen.dq_for_pack = real
     print(f"{len(PACKS) * len(SCHEMES)} cases, {bad} wrong")
     return 1 if bad else 0
 

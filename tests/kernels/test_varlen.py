@@ -85,13 +85,16 @@ def test_varlen_mods_align_per_sequence():
                                                     alibi_slopes=slopes))
 
 
-@pytest.mark.parametrize("scheme", ["atomic", "kernel"])
+@pytest.mark.parametrize("scheme", ["atomic", "kernel", "splits1"])
 def test_varlen_backward_dq_schemes(scheme, monkeypatch):
-    """deterministic=False's atomic plane, and the separate dq kernel (forced here: the splits are the default
-    wherever they fit)."""
-    if scheme == "kernel":
-        monkeypatch.setattr(nf_varlen, "dq_scheme", lambda p, cfg, det, **kw: ("kernel", None, "forced"))
-    _check(_pack(2, [20, 70], [30, 70], 2, 1, 64), dict(causal=True), det=scheme != "atomic")
+    """deterministic=False's atomic plane, the separate dq kernel, and one deterministic split with 150 keys in a
+    sequence (two launches of the 128-key wgmma dkdv, the second from kb0 = 1, where the first sequence has no
+    key block: it returns), each forced here."""
+    forced = {"kernel": ("kernel", None, "forced"), "splits1": ("splits", 1, "forced")}.get(scheme)
+    if forced:
+        monkeypatch.setattr(nf_varlen, "dq_for_pack", lambda p, cfg, det: forced)
+    lens_k = [30, 150] if scheme == "splits1" else [30, 70]
+    _check(_pack(2, [20, 70], lens_k, 2, 1, 64), dict(causal=True), det=scheme != "atomic")
 
 
 def test_long_packs_keep_the_deterministic_splits_and_lopsided_ones_take_no_planes():
