@@ -40,9 +40,10 @@ def _twin_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_sca
     for b in range(len(cu_q) - 1):
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         assert rq.stop - rq.start <= max_q and rk.stop - rk.start <= max_k
-        out[rq] = _twin_attention(q[rq].transpose(0, 1), k[rk].transpose(0, 1), v[rk].transpose(0, 1),
+        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b])
+        out[rq] = _twin_attention(q[rq].transpose(0, 1)[None], k[rk].transpose(0, 1)[None], v[rk].transpose(0, 1)[None],
                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                  softcap=softcap).transpose(0, 1)
+                                  softcap=softcap, alibi_slopes=slopes)[0].transpose(0, 1)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)  # shape only (the GPU test checks values)
     return (out, lse) if return_lse else out
 
@@ -113,6 +114,14 @@ def test_varlen_layouts_and_returns(twin, causal):
         torch.testing.assert_close(out[s], ref)
     torch.testing.assert_close(fa.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 30, 30,
                                                                   causal=causal), out)
+    slopes = torch.rand(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))  # (B, H)
+    mods = dict(causal=causal, window_size=(6, 3), alibi_slopes=slopes, softcap=4.0)
+    out_m = fa.flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, **mods)
+    for b in range(3):  # per sequence, its own slopes; causal makes the window's right 0 (flash-attn's rule)
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        ref = _ref(q[None, s], k[None, s], v[None, s], causal=causal, window_size=(6, 0 if causal else 3),
+                   alibi_slopes=slopes[b:b + 1], softcap=4.0)[0]
+        torch.testing.assert_close(out_m[s], ref)
     k4, v4 = (torch.randn(47, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (4, 5))
     qkv = torch.stack([q, k4, v4], 1)  # distinct q, k, v: a mix-up of the three would show
     torch.testing.assert_close(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 30, causal=causal),

@@ -77,12 +77,16 @@ def test_varlen_matches_the_reference_per_sequence(causal):
     _check(_pack(0, LENS_Q, LENS_K, 2, 1, 64), dict(causal=causal))
 
 
-def test_varlen_mods_align_per_sequence():
-    """A causal window, softcap and per-sequence ALiBi slopes (B, H), d = 40 (a part-data copy per row)."""
+@pytest.mark.parametrize("slopes, Hkv, d, window, causal", [
+    ("BH", 2, 40, (12, 0), True),  # per-sequence slopes, d = 40: a part-data copy per row
+    ("H", 1, 64, (8, 4), False),   # GQA, a window on both sides
+], ids=["causal-window-BH-slopes-d40", "window-both-sides-H-slopes-gqa"])
+def test_varlen_mods_align_per_sequence(slopes, Hkv, d, window, causal):
+    """A window, softcap and ALiBi ((B, H) or (H,) slopes) per sequence."""
     B, H = len(LENS_Q), 2
-    slopes = (np.random.default_rng(5).random((B, H)) * 0.5 + 0.05).astype(np.float32)
-    _check(_pack(1, LENS_Q, LENS_K, H, 2, 40), dict(causal=True, window_size=(12, 0), softcap=3.0,
-                                                    alibi_slopes=slopes))
+    alibi = (np.random.default_rng(5).random((B, H) if slopes == "BH" else (H,)) * 0.5 + 0.05).astype(np.float32)
+    _check(_pack(1, LENS_Q, LENS_K, H, Hkv, d), dict(causal=causal, window_size=window, softcap=3.0,
+                                                     alibi_slopes=alibi))
 
 
 @pytest.mark.parametrize("scheme", ["atomic", "kernel", "splits1"])
@@ -122,21 +126,27 @@ def test_long_packs_keep_the_deterministic_splits_and_lopsided_ones_take_no_plan
         assert scheme == "kernel" and "past 4 x the packed dQ" in why, why
 
 
-def test_keys_of_other_sequences_have_no_effect():
-    """The second sequence's rows see only its own keys: NaN in every other sequence's k and v changes
-    nothing in its out, lse and gradients, and its dk, dv stay finite."""
+def test_other_sequences_have_no_effect():
+    """The second sequence sees only its own rows: NaN in every other sequence's q, k, v and dout leaves its out,
+    lse and gradients bitwise what they are without the NaN."""
     cu_q, cu_k, q, k, v, do = _pack(3, [20, 50, 10], [30, 45, 20], 2, 1, 64)
-    s = slice(cu_k[1], cu_k[2])
-    k_p, v_p = np.full_like(k, np.nan), np.full_like(v, np.nan)
-    k_p[s], v_p[s] = k[s], v[s]
+    rows, keys = slice(cu_q[1], cu_q[2]), slice(cu_k[1], cu_k[2])
+
+    def poisoned(x, s):
+        y = np.full_like(x, np.nan)
+        y[s] = x[s]
+        return y
+
     args = (cu_q, cu_k, 50, 45)
-    rows = slice(cu_q[1], cu_q[2])
-    out, lse = numba_flash.varlen_forward(q, k_p, v_p, *args, causal=True)
+    q_p, do_p, k_p, v_p = poisoned(q, rows), poisoned(do, rows), poisoned(k, keys), poisoned(v, keys)
+    out, lse = numba_flash.varlen_forward(q_p, k_p, v_p, *args, causal=True)
     clean, clean_lse = numba_flash.varlen_forward(q, k, v, *args, causal=True)
     np.testing.assert_array_equal(out[rows], clean[rows])
     np.testing.assert_array_equal(lse[:, rows], clean_lse[:, rows])
-    dq, dk, dv = numba_flash.varlen_backward(q, k_p, v_p, out, lse, do, *args, causal=True)
-    assert np.isfinite(dq[rows]).all() and np.isfinite(dk[s]).all() and np.isfinite(dv[s]).all()
+    grads = numba_flash.varlen_backward(q_p, k_p, v_p, out, lse, do_p, *args, causal=True)
+    clean_grads = numba_flash.varlen_backward(q, k, v, clean, clean_lse, do, *args, causal=True)
+    for g, c, s in zip(grads, clean_grads, (rows, keys, keys)):
+        np.testing.assert_array_equal(g[s], c[s])
 
 
 @pytest.mark.skipif(ml_dtypes is None, reason="NumPy bfloat16 needs ml_dtypes")
