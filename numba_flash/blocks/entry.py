@@ -172,8 +172,8 @@ def with_row_bases(body, home: dict):
     """body (which takes q_base, k_base last, with defaults 0) as a body whose n_q and n_k arrive as pairs
     (length, first row) from varlen_entry through an unchanged dense entry, which only forwards them."""
     params = list(inspect.signature(body).parameters.values())
-    names = [p.name for p in params if p.name not in ("q_base", "k_base")]
-    if "n_q" not in names or "n_k" not in names or len(names) != len(params) - 2:
+    names = [p.name for p in params[:-2]]
+    if "n_q" not in names or "n_k" not in names or [p.name for p in params[-2:]] != ["q_base", "k_base"]:
         raise ValueError(f"with_row_bases: {body.__name__} needs n_q, n_k and q_base, k_base last; it has {names}")
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     head = ", ".join(f"{n}=d_{n}" if n in defaults else n for n in names)
