@@ -118,34 +118,41 @@ def _fp32_ratio_ok(x: float) -> bool:
     return 2.0**-126 <= abs(x) < 2.0**128
 
 
+def side_array(name: str, x: Any, kind_q: str, device, dtype: str, shape_words: str) -> tuple:
+    """The shape of an array argument beside q, k, v (the ALiBi slopes, varlen's offsets), after the checks they
+    share: one of the accepted kinds, on the GPU where q is (one device) or NumPy with NumPy q, readable, and of
+    ``dtype`` (shape_words: the accepted shape, for the message)."""
+    kind = arrays.kind_of(x)
+    if kind is None:
+        raise TypeError(f"{name} must be a {dtype} array of shape {shape_words} ({_ACCEPTED_ARRAYS}); "
+                        f"got {type(x).__module__}.{type(x).__name__}")
+    if (kind == arrays.NUMPY) != (kind_q == arrays.NUMPY):
+        raise TypeError(f"{name} is a {kind} array and q a {kind_q} array: pass both on the GPU, or both NumPy")
+    if kind == arrays.TORCH and not x.is_cuda:
+        raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor")
+    arrays.refuse_unreadable(name, x, kind)
+    dt = arrays.dtype_name(x)
+    if dt != dtype:
+        raise TypeError(f"{name} has dtype {dt}; accepted: {dtype} (as flash-attn takes it)")
+    dev = arrays.device_of(x)
+    if dev is not None and device is not None and dev != device:
+        raise ValueError(f"{name} is on device {dev} and q on device {device}; put them on one GPU")
+    return tuple(arrays.shape_of(x))
+
+
 def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device, q_ndim: int = 4) -> tuple:
     """The shape of validated ALiBi slopes: float32, (H,) or (B, H) (a batch axis needs q's), where q is; NumPy
     slopes must be finite (device slopes are not read back to check)."""
-    kind = arrays.kind_of(alibi_slopes)
-    if kind is None:
-        raise TypeError(f"alibi_slopes must be a float32 array of shape (H,) or (B, H) ({_ACCEPTED_ARRAYS}); "
-                        f"got {type(alibi_slopes).__module__}.{type(alibi_slopes).__name__}")
-    if (kind == arrays.NUMPY) != (kind_q == arrays.NUMPY):
-        raise TypeError(f"alibi_slopes is a {kind} array and q a {kind_q} array: pass both on the GPU, or both NumPy")
-    if kind == arrays.TORCH and not alibi_slopes.is_cuda:
-        raise TypeError(f"alibi_slopes is a PyTorch tensor on {alibi_slopes.device}; pass a CUDA tensor")
-    arrays.refuse_unreadable("alibi_slopes", alibi_slopes, kind)
-    dt = arrays.dtype_name(alibi_slopes)
-    if dt != "float32":
-        raise TypeError(f"alibi_slopes has dtype {dt}; accepted: float32 (as flash-attn takes them)")
-    shape = tuple(arrays.shape_of(alibi_slopes))
+    shape = side_array("alibi_slopes", alibi_slopes, kind_q, device, "float32", "(H,) or (B, H)")
     accepted = ((H,), (B, H)) if q_ndim == 4 else ((H,),)
     if shape not in accepted:
         what = f"(H,) = ({H},) or (B, H) = ({B}, {H})" if q_ndim == 4 else f"(H,) = ({H},) (q has no batch axis)"
         raise ValueError(f"alibi_slopes has shape {shape}; accepted: {what}")
-    if kind == arrays.NUMPY:
+    if arrays.kind_of(alibi_slopes) == arrays.NUMPY:
         import numpy as np
 
         if not np.isfinite(alibi_slopes).all():
             raise ValueError("alibi_slopes must be finite; got a NaN or inf (slope · 0 would be NaN at the diagonal)")
-    dev = arrays.device_of(alibi_slopes)
-    if dev is not None and device is not None and dev != device:
-        raise ValueError(f"alibi_slopes is on device {dev} and q on device {device}; put them on one GPU")
     return shape
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays, backward_plan
-from .api import _ACCEPTED_ARRAYS, _on_device, choose_kernel, window_pair
+from .api import _on_device, choose_kernel, side_array, window_pair
 from .api import validate as _validate
 from .backward import _zeros_scratch, choose_backward, dq_scheme, validate_backward
 from .blocks import schedule
@@ -42,24 +42,9 @@ def _check_max(name: str, x: Any) -> int:
 
 def _check_cu(name: str, cu: Any, kind_q: str, device) -> int:
     """B, the number of sequences, of a cu_seqlens array: int32, 1-D, B + 1 >= 2 entries, where q is."""
-    kind = arrays.kind_of(cu)
-    if kind is None:
-        raise TypeError(f"{name} must be an int32 array of shape (B + 1,) ({_ACCEPTED_ARRAYS}); got "
-                        f"{type(cu).__module__}.{type(cu).__name__}")
-    if (kind == arrays.NUMPY) != (kind_q == arrays.NUMPY):
-        raise TypeError(f"{name} is a {kind} array and q a {kind_q} array: pass both on the GPU, or both NumPy")
-    if kind == arrays.TORCH and not cu.is_cuda:
-        raise TypeError(f"{name} is a PyTorch tensor on {cu.device}; pass a CUDA tensor")
-    arrays.refuse_unreadable(name, cu, kind)
-    dt = arrays.dtype_name(cu)
-    if dt != "int32":
-        raise TypeError(f"{name} has dtype {dt}; accepted: int32 (as flash-attn takes it)")
-    shape = tuple(arrays.shape_of(cu))
+    shape = side_array(name, cu, kind_q, device, "int32", "(B + 1,)")
     if len(shape) != 1 or shape[0] < 2:
         raise ValueError(f"{name} has shape {shape}; accepted: (B + 1,) with B >= 1 sequences")
-    dev = arrays.device_of(cu)
-    if dev is not None and device is not None and dev != device:
-        raise ValueError(f"{name} is on device {dev} and q on device {device}; put them on one GPU")
     return shape[0] - 1
 
 
