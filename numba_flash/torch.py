@@ -201,6 +201,18 @@ def _check_scale(softmax_scale):
     return float(softmax_scale)  # forward's validation checks the range (an int past float's raises here)
 
 
+def _check_mods(softcap, alibi_slopes):
+    """softcap a real number and alibi_slopes a torch tensor without grad (the op schema's types), before the op."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch tensor of shape (H,) or (B, H), on q's device; "
+                        f"got {type(alibi_slopes).__name__}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
+                         "alibi_slopes.detach()")
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, return_lse=False):
     """Differentiable exact attention on PyTorch CUDA tensors (``torch.ops.numba_flash.fwd``).
@@ -223,14 +235,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     deterministic = _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
     scale = _check_scale(softmax_scale)
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
-    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a float32 torch tensor of shape (H,) or (B, H), on q's device; "
-                        f"got {type(alibi_slopes).__name__}")
-    if alibi_slopes is not None and alibi_slopes.requires_grad:
-        raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
-                         "alibi_slopes.detach()")
+    _check_mods(softcap, alibi_slopes)
     left, right = window_pair(window_size)
     n_k = k.shape[-2] if len(k.shape) >= 2 else 0
     window = unbounded_past_keys((left, right), n_k)
@@ -285,8 +290,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     deterministic = _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
     scale = _check_scale(softmax_scale)
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
+    _check_mods(softcap, alibi_slopes)
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1 or x.shape[0] < 2:
             what = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -294,12 +298,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, torch.SymInt)):
             raise TypeError(f"{name} must be an int (the longest sequence's length); got {x!r}")
-    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a float32 torch tensor of shape (H,) or (B, H), on q's device; "
-                        f"got {type(alibi_slopes).__name__}")
-    if alibi_slopes is not None and alibi_slopes.requires_grad:
-        raise ValueError("alibi_slopes requires grad; the kernels give none for the slopes (as flash-attn): pass "
-                         "alibi_slopes.detach()")
     left, right = unbounded_past_keys(window_pair(window_size), max_seqlen_k)
     if q.dim() == 3 and k.dim() == 3:  # (validation of the rest is the op's, with the offsets' shapes)
         _assert_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
