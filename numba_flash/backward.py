@@ -342,6 +342,20 @@ def _zeros_scratch(kind: str, ref: Any, shape: tuple, stream):
     return arrays.zeros_like_kind(kind, ref, shape, "float32", stream)[1]
 
 
+def tensor_core_scratch(p: Problem, q, cfg: dict, scheme: str, splits, stream) -> tuple:
+    """(l2, dd, dq_acc): fp32 L·log2(e) and D rows (B·H, NQ_PAD) and the dQ planes of dq_scheme's choice (None
+    for the dq kernel). The planes are zeroed unless the splits' first launch stores each (no mods, not varlen:
+    a window's or a pack's key blocks do not cover a plane's rows from its first on)."""
+    rows = (p.B * p.H, schedule.padded_rows(p.n_q))
+    l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)[1]
+    dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)[1]
+    planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
+    shape = (planes * rows[0], rows[1], cfg["head_dim"])
+    if scheme == "splits" and not p.mods.any and not p.varlen:  # convert reads only the rows a first launch stored
+        return l2, dd, arrays.empty_like_kind(p.kind, q, shape, "float32", stream)[1]
+    return l2, dd, (_zeros_scratch(p.kind, q, shape, stream) if planes else None)
+
+
 def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True,
              window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from the saved L.
@@ -449,16 +463,8 @@ def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kern
         lse_d = arrays.to_device_view(lse, stream, ndim=3)
         grads = (arrays.as_4d(dq_dev), arrays.as_4d(dk_dev), arrays.as_4d(dv_dev))
         if family in ("tf32x3", "mma"):
-            rows = (p.B * p.H, schedule.padded_rows(p.n_q))  # L·log2(e) and D, scratch
-            _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             scheme, splits, _ = dq_scheme(p, cfg, deterministic, family)
-            planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
-            shape = (planes * rows[0], rows[1], cfg["head_dim"])
-            if scheme == "splits" and not p.mods.any:  # each plane's first launch stores; convert reads only those rows
-                dq_acc = arrays.empty_like_kind(p.kind, q, shape, "float32", stream)[1]
-            else:
-                dq_acc = _zeros_scratch(p.kind, q, shape, stream) if planes else None
+            l2, dd, dq_acc = tensor_core_scratch(p, q, cfg, scheme, splits, stream)
             if family == "tf32x3":
                 backward_plan.launch_tf32(qd, kd, vd, od, dod, lse_d, l2, dd, *grads, causal=p.mask_causal,
                                           softmax_scale=p.softmax_scale, d=p.d, config=cfg, stream=stream,

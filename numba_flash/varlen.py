@@ -24,7 +24,7 @@ import numpy as np
 from . import arrays, backward_plan
 from .api import _on_device, choose_kernel, side_array, window_pair
 from .api import validate as _validate
-from .backward import _zeros_scratch, choose_backward, dq_scheme, validate_backward
+from .backward import choose_backward, dq_scheme, tensor_core_scratch, validate_backward
 from .blocks import schedule
 from .blocks.mask import window_bounds
 from .kernels import mma_forward
@@ -235,13 +235,9 @@ def varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seq
             cu = tuple(arrays.to_device_view(x, stream, ndim=1) for x in (cu_seqlens_q, cu_seqlens_k))
             lse_b = arrays.packed_as_batch(arrays.to_device_view(lse, stream, ndim=2), p.B)
             grads = tuple(arrays.packed_as_batch(x, p.B) for x in (dq_dev, dk_dev, dv_dev))
-            rows = (p.B * p.H, schedule.padded_rows(p.n_q))  # L·log2(e) and D of a dense batch of the longest
-            _, l2 = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
-            _, dd = arrays.empty_like_kind(p.kind, q, rows, "float32", stream)
             scheme, splits, _ = dq_for_pack(p, cfg, deterministic)
-            planes = {"atomic": 1, "splits": splits, "kernel": 0}[scheme]
-            dq_acc = _zeros_scratch(p.kind, q, (planes * rows[0], rows[1], cfg["head_dim"]), stream) if planes \
-                else None  # zeroed: blocks past a sequence add nothing to their plane
+            # a dense batch's scratch for B sequences of the longest length; the planes zeroed
+            l2, dd, dq_acc = tensor_core_scratch(p, q, cfg, scheme, splits, stream)
             alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
             mods = p.mods
             backward_plan.launch_mma(qd, kd, vd, od, dod, lse_b, l2, dd, *grads, causal=p.mask_causal,

@@ -137,15 +137,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     def with_grad(f):
-        def run(backward):
-            if not backward:
-                with torch.no_grad():
-                    return f(q, k, v)
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-            out = f(*leaves)
-            out.backward(do)
-            return out
-        return run
+        return lambda backward: _run(backward, (q, k, v), do, f)
 
     measure("numba_flash varlen", with_grad(lambda a, b, c: varlen_attention(a, b, c, cu, cu, max_len, max_len,
                                                                              causal=True)), flops)
@@ -160,14 +152,11 @@ def main() -> None:
     gd = torch.Generator("cuda").manual_seed(1)
     qd, kd, vd, dod = (torch.randn(B, H, N, d, device="cuda", generator=gd, dtype=dtype) for _ in range(4))
 
+    def causal_attention(a, b, c):
+        return attention(a, b, c, causal=True)
+
     def dense(backward):
-        if not backward:
-            with torch.no_grad():
-                return attention(qd, kd, vd, causal=True)
-        leaves = [x.detach().requires_grad_() for x in (qd, kd, vd)]
-        out = attention(*leaves, causal=True)
-        out.backward(dod)
-        return out
+        return _run(backward, (qd, kd, vd), dod, causal_attention)
 
     dense_flops = B * 4 * H * d * N * (N + 1) / 2
     measure("numba_flash dense", dense, dense_flops, on_pack=False)
@@ -203,13 +192,7 @@ def main() -> None:
         qt, kt, vt, dot = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (qd, kd, vd, dod))  # (B, N, H, d)
 
         def dense_token_major(backward):
-            if not backward:
-                with torch.no_grad():
-                    return attention(qt, kt, vt, causal=True)
-            leaves = [x.detach().requires_grad_() for x in (qt, kt, vt)]
-            out = attention(*leaves, causal=True)
-            out.backward(dot)
-            return out
+            return _run(backward, (qt, kt, vt), dot, causal_attention)
 
         measure("numba_flash dense, token-major (B, N, H, d) layout", dense_token_major, dense_flops, on_pack=False)
         cu_eq = torch.arange(0, B * N + 1, N, dtype=torch.int32, device="cuda")

@@ -57,11 +57,17 @@ def _at_home(fn, home: dict, name: str):
     return out
 
 
-def forward_entry(body, home: dict, name: str, mods: bool, slopes_stand_in: str = "lse"):
+def forward_entry(body, home: dict, name: str, mods: bool, slopes_stand_in: str = "lse", varlen: bool = False,
+                  block_q: int = 0, grid_bh_x: bool = False):
     """The forward kernel (before cuda.jit) that runs ``body``, named ``name`` (``name + "_mods"`` with mods) in
     module ``home``. mods: it takes MOD_ARGS after scale_log2 and passes them on. Without: the body gets constants
     for them, which its pruned branches never read; slopes_stand_in says what array stands in for the slopes:
-    "lse" itself, or "lse[0]" (its first plane: the SIMT body's slope indexing is typed on a 2-D array)."""
+    "lse" itself, or "lse[0]" (its first plane: the SIMT body's slope indexing is typed on a 2-D array).
+    varlen: the packed-sequences form (varlen_entry; body takes q_base, k_base last), its Q tiles of block_q rows
+    in the grid order grid_bh_x says."""
+    if varlen:
+        kernel = forward_entry(with_row_bases(body, home), home, name, mods, slopes_stand_in)
+        return varlen_entry(kernel, home, *varlen_rules("q_tiles", block_q, grid_bh_x))
     zero = float32(0.0)
     if mods:
         def kernel(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
@@ -79,7 +85,7 @@ def forward_entry(body, home: dict, name: str, mods: bool, slopes_stand_in: str 
 
 
 def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0, first: bool = True,
-               stand_in: str = "l2", mods: bool = False):
+               stand_in: str = "l2", mods: bool = False, varlen_block_n: int = 0):
     """The kernel (before cuda.jit) that runs ``body`` for its block, named ``name`` in module ``home``
     (the caller's globals()). atomic_dq False: dq_acc is never touched and ``stand_in`` ("l2" or "dk") takes
     its place. atomic_dq with dq_splits 0: every block adds into one plane (the order of the adds, hence the
@@ -91,7 +97,12 @@ def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0,
     a view (its own base address): as a row offset it cost 40 B of spills. first: whether body takes the
     store-or-add flag as its last argument. mods: the kernel also takes blocks/mods.py's launch arguments
     (MOD_ARGS) and passes them on after the flag; its splits build only adds (dq_splits 1: a window's key
-    blocks do not cover their plane's rows from its first on, so the planes are zeroed and no launch stores)."""
+    blocks do not cover their plane's rows from its first on, so the planes are zeroed and no launch stores).
+    varlen_block_n > 0: the packed-sequences form (varlen_entry; body takes q_base, k_base last), key blocks of
+    that many keys."""
+    if varlen_block_n:
+        kernel = dkdv_entry(with_row_bases(body, home), home, name, atomic_dq, dq_splits, first, stand_in, mods)
+        return varlen_entry(kernel, home, *varlen_rules("key_blocks", varlen_block_n), seq_of="k")
     FIRST_STORES = dq_splits == 2  # a compile-time constant: the other build's stores are pruned
     if mods and (dq_splits == 2 or not first):
         raise ValueError("dkdv_entry: a build with mods adds into zeroed planes (no storing build) and takes a body "

@@ -53,8 +53,7 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.dkdv import dkdv_common, stage_words, two_products, window_schedule
-from ..blocks.entry import (dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_key, varlen_rules,
-                             with_row_bases)
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.schedule import ROW_PAD
@@ -277,11 +276,9 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
-    if not VARLEN:
-        return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any)
-    kernel = dkdv_entry(with_row_bases(dkdv_body, globals()), globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS,
-                        mods=MODS.any)
-    return varlen_entry(kernel, globals(), *varlen_rules("key_blocks", BLOCK_N), seq_of="k")  # key blocks past it return
+    # VARLEN: the packed-sequences form, key blocks past their sequence return
+    return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any,
+                      varlen_block_n=BLOCK_N if VARLEN else 0)
 
 def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizzle_m, VECTOR_RED=True):
     """The atomic dQ phase of the dK/dV kernel (source with ATOMIC_DQ): from the dSᵀ tile in shared

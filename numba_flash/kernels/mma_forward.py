@@ -64,7 +64,7 @@ from ..launch import address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_entry, varlen_key, varlen_rules, with_row_bases
+from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_key
 from ..blocks.copies import tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
@@ -472,10 +472,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                             if col + e < d:
                                 out[b, h, q_base + row, col + e] = smem[src + e]
 
-    if not varlen:
-        return forward_entry(forward_body, globals(), "mma_forward", mods.any)
-    kernel = forward_entry(with_row_bases(forward_body, globals()), globals(), "mma_forward", mods.any)
-    return varlen_entry(kernel, globals(), *varlen_rules("q_tiles", BLOCK_Q, GRID_BH_X))
+    return forward_entry(forward_body, globals(), "mma_forward", mods.any, varlen=varlen, block_q=BLOCK_Q,
+                         grid_bh_x=GRID_BH_X)
 
 
 @lru_cache(maxsize=None)

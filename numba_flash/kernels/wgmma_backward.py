@@ -40,8 +40,7 @@ from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common, window_schedule
-from ..blocks.entry import (dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_entry, varlen_key, varlen_rules,
-                             with_row_bases)
+from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..jit_cache import compile_kernel
@@ -320,11 +319,9 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         hold_o(acc_v)
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
-    if not VARLEN:
-        return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any)
-    kernel = dkdv_entry(with_row_bases(dkdv_body, globals()), globals(), "wgmma_dkdv", True, DQ_SPLITS,
-                        mods=MODS.any)
-    return varlen_entry(kernel, globals(), *varlen_rules("key_blocks", BLOCK_N), seq_of="k")  # key blocks past it return
+    # VARLEN: the packed-sequences form, key blocks past their sequence return
+    return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any,
+                      varlen_block_n=BLOCK_N if VARLEN else 0)
 
 
 @lru_cache(maxsize=None)

@@ -180,6 +180,21 @@ def test_bad_layouts_are_named(twin):
 # --------------------------------------------------------------------------------------------
 # Real GPU
 # --------------------------------------------------------------------------------------------
+def _grads(fn, leaves, dout, cast):
+    """[out, dq, dk, dv] of fn on copies of leaves cast to ``cast``, backward from dout."""
+    leaves = [x.detach().to(cast).requires_grad_() for x in leaves]
+    out = fn(*leaves)
+    out.backward(dout.to(cast))
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def _error_rule(ours, truth, naive, dt):
+    """flash-attention's rule on out and each gradient: error <= 2 x naive's + eps · max."""
+    for name, o, t, n in zip(("out", "dq", "dk", "dv"), ours, truth, naive):
+        err, ref_err = (o.double() - t).abs().max().item(), (n.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + torch.finfo(dt).eps * t.abs().max().item(), (name, err, ref_err)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")
@@ -190,18 +205,9 @@ def test_gpu_func_error_rule_with_gradients(dtype):
     q, k, v = (torch.randn(2, n, h, 64, device="cuda", generator=g).to(dt) for n, h in ((300, 8), (500, 2), (500, 2)))
     dout = torch.randn_like(q)
 
-    def run(fn, cast):
-        leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(dout.to(cast))
-        return [out.detach()] + [x.grad for x in leaves]
-
-    ours = run(lambda a, b, c: fa.flash_attn_func(a, b, c, causal=True, window_size=(100, 0)), dt)
-    truth = run(lambda a, b, c: _ref(a, b, c, causal=True, window_size=(100, 0)), torch.float64)
-    naive = run(lambda a, b, c: _ref(a, b, c, causal=True, window_size=(100, 0)), dt)
-    for name, o, t, n in zip(("out", "dq", "dk", "dv"), ours, truth, naive):
-        err, ref_err = (o.double() - t).abs().max().item(), (n.double() - t).abs().max().item()
-        assert err <= 2 * ref_err + torch.finfo(dt).eps * t.abs().max().item(), (name, err, ref_err)
+    ref = lambda a, b, c: _ref(a, b, c, causal=True, window_size=(100, 0))  # noqa: E731
+    ours = _grads(lambda a, b, c: fa.flash_attn_func(a, b, c, causal=True, window_size=(100, 0)), (q, k, v), dout, dt)
+    _error_rule(ours, _grads(ref, (q, k, v), dout, torch.float64), _grads(ref, (q, k, v), dout, dt), dt)
 
 
 @pytest.mark.gpu
@@ -219,12 +225,6 @@ def test_gpu_varlen_error_rule_with_gradients(dtype):
     k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", generator=g) for _ in range(2))
     dout = torch.randn_like(q)
 
-    def run(cast, fn):
-        leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(dout.to(cast))
-        return [out.detach()] + [x.grad for x in leaves]
-
     def per_sequence(a, b, c):
         outs = []
         for i in range(len(lens_q)):
@@ -235,12 +235,10 @@ def test_gpu_varlen_error_rule_with_gradients(dtype):
             outs.append(_ref(a[None, rq], b[None, rk], c[None, rk], causal=True, softcap=20.0)[0])
         return torch.cat(outs)
 
-    ours = run(dt, lambda a, b, c: fa.flash_attn_varlen_func(a, b, c, cu_q, cu_k, 640, 640, causal=True,
-                                                             softcap=20.0, deterministic=True))
-    truth, naive = run(torch.float64, per_sequence), run(dt, per_sequence)
-    for name, o, t, n in zip(("out", "dq", "dk", "dv"), ours, truth, naive):
-        err, ref_err = (o.double() - t).abs().max().item(), (n.double() - t).abs().max().item()
-        assert err <= 2 * ref_err + torch.finfo(dt).eps * t.abs().max().item(), (name, err, ref_err)
+    ours = _grads(lambda a, b, c: fa.flash_attn_varlen_func(a, b, c, cu_q, cu_k, 640, 640, causal=True, softcap=20.0,
+                                                            deterministic=True), (q, k, v), dout, dt)
+    _error_rule(ours, _grads(per_sequence, (q, k, v), dout, torch.float64), _grads(per_sequence, (q, k, v), dout, dt),
+                dt)
 
 
 @pytest.mark.gpu
