@@ -12,12 +12,14 @@ from numba import cuda
 from . import arrays, plans, ptx
 from .blocks.mask import window_bounds, window_kind
 from .blocks.mods import Mods
-from .configs import MAX_HEAD_DIM, MMA_TABLE, TF32_TABLE, simt_config
+from .configs import MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_TABLE, TF32_TABLE, simt_config
 from .kernels import mma_forward, simt_forward, tf32_forward
 from .launch import SIM_LOCK, address, current_device_id
 
 KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
-MMA_MAX_HEAD_DIM = 128
+MMA_MAX_HEAD_DIM = MMA_HEAD_DIMS[-1]  # the tensor-core forward (fp16 / bf16)
+MMA_BWD_MAX_HEAD_DIM = 128  # the tensor-core backward: dK, dV of 16 keys x d in one warp's registers
+TF32_MAX_HEAD_DIM = 128
 TF32_KERNELS = {"tf32x3": 3, "tf32": 1}  # kernel name: tf32 products per fp32 product
 GRID_Y_MAX = 65535
 # The kernels form s·scale·log2(e) in fp32 (at most ~2**128): a scale <= 2**64 keeps it finite for every
@@ -272,13 +274,14 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
     )
 
 
-def _mma_blockers(p: Problem, views=None) -> list[str]:
-    """Why the tensor-core kernel cannot take this problem (empty when it can)."""
+def _mma_blockers(p: Problem, views=None, max_head_dim: int = MMA_MAX_HEAD_DIM) -> list[str]:
+    """Why the tensor-core kernel cannot take this problem (empty when it can); max_head_dim: the forward's
+    (the backward passes MMA_BWD_MAX_HEAD_DIM)."""
     out = []
     if p.dtype not in mma_forward.DTYPES:
         out.append(f"dtype {p.dtype}: kernel 'mma' takes float16/bfloat16 (float32 has kernel='tf32x3')")
-    if p.d > MMA_MAX_HEAD_DIM:
-        out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
+    if p.d > max_head_dim:
+        out.append(f"head dim {p.d} > {max_head_dim}")
     if not nb_config.ENABLE_CUDASIM and cuda.is_available():
         cc = ptx.compute_capability(p.device)  # None (Numba, CAI arrays): the current device
         if cc < (8, 0):
@@ -310,8 +313,8 @@ def _tf32_blockers(p: Problem, views=None) -> list[str]:
     out = []
     if p.dtype != "float32":
         out.append(f"dtype {p.dtype}: the tf32 kernels take float32 (float16/bfloat16 have kernel='mma')")
-    if p.d > MMA_MAX_HEAD_DIM:
-        out.append(f"head dim {p.d} > {MMA_MAX_HEAD_DIM}")
+    if p.d > TF32_MAX_HEAD_DIM:
+        out.append(f"head dim {p.d} > {TF32_MAX_HEAD_DIM}")
     if not nb_config.ENABLE_CUDASIM and cuda.is_available():
         cc = ptx.compute_capability(p.device)
         if cc < (8, 0):
@@ -328,7 +331,7 @@ def tf32_config(d: int, causal: bool):
 
 def mma_config(d: int, causal: bool):
     """Tensor-core tile (configs.MMA_TABLE, from the H200 sweeps): the Tile mma_forward.launch takes."""
-    return MMA_TABLE[64 if d <= 64 else 128, bool(causal)]
+    return MMA_TABLE[next(hd for hd in MMA_HEAD_DIMS if hd >= d), bool(causal)]
 
 
 _TF32_VARIANT_WORDS = {"presplit": "K/V split into tf32 hi/lo once per tile, not per warp",

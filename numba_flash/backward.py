@@ -22,8 +22,8 @@ from numba import cuda
 from . import arrays, backward_plan, plans
 from dataclasses import replace
 
-from .api import (_ACCEPTED_ARRAYS, PerformanceWarning, Problem, _mma_blockers, _on_device, _tf32_blockers, mods_words,
-                  validate, window_pair)
+from .api import (_ACCEPTED_ARRAYS, MMA_BWD_MAX_HEAD_DIM, PerformanceWarning, Problem, _mma_blockers, _on_device,
+                  _tf32_blockers, mods_words, validate, window_pair)
 from .blocks.mask import window_bounds
 from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM, SMEM_PER_BLOCK_MAX
 from .decode import _sm_count
@@ -94,7 +94,7 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             raise ValueError("kernel='tf32x3' cannot run this backward: " + "; ".join(tf32_blockers))
         if not tf32_blockers:
             return _choose_tf32x3(p)
-    blockers = _mma_blockers(p, None if views is None else views[:3])
+    blockers = _mma_blockers(p, None if views is None else views[:3], MMA_BWD_MAX_HEAD_DIM)
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
     if kernel == "mma" and blockers:
@@ -160,7 +160,7 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
 def _choose_with_mods(p: Problem, kernel: str, views):
     """A window, softcap or ALiBi: the tensor-core backward builds them (mma.sync dkdv / dq, the wgmma dkdv on
     sm_90), with dQ by the same schemes as without (dq_scheme; the splits' planes zeroed)."""
-    blockers = _mma_blockers(p, None if views is None else views[:3])
+    blockers = _mma_blockers(p, None if views is None else views[:3], MMA_BWD_MAX_HEAD_DIM)
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
     if kernel not in ("auto", "mma") or blockers:

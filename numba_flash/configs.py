@@ -157,7 +157,13 @@ MMA_TABLE = {
     (64, True): Tile(128, 64, 64, warps=4, stages=2, flags={"grid_bh_x", "warp_skip", "smem_epilogue"}),
     (128, False): Tile(128, 64, 128, warps=4, stages=2, flags={"smem_epilogue"}),
     (128, True): Tile(128, 64, 128, warps=4, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
+    # d = 192 and 256: one m-tile per warp (acc alone is HEAD_DIM / 2 fp32 per lane), 8 warps (PROVISIONAL)
+    (192, False): Tile(128, 64, 192, warps=8, stages=2, flags={"smem_epilogue"}),
+    (192, True): Tile(128, 64, 192, warps=8, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
+    (256, False): Tile(128, 64, 256, warps=8, stages=2, flags={"smem_epilogue"}),
+    (256, True): Tile(128, 64, 256, warps=8, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
 }
+MMA_HEAD_DIMS = sorted({hd for hd, _ in MMA_TABLE})  # the forward's compiled head dims: d is padded up to one
 # (block_q, block_k, head_dim, m-tiles per warp): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 /
 # bf16) of a shipped tile measured faster anyway: d128 causal 24 B (stored and loaded, f16 and bf16); the
 # others spill nothing. The allowance is exactly that.

@@ -19,9 +19,21 @@ def atom_offset(row, chunk, rows):
     return (chunk >> 3) * rows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3)
 
 
+def copy_threads(HEAD_DIM, THREADS):
+    """Threads that issue a tile's copies, each keeping one 16-byte chunk of its rows for every copy: all of them
+    where THREADS is a multiple of the row's HEAD_DIM / 8 chunks; otherwise (d = 192: 24 chunks) a power of two
+    rows per pass, so that a pass divides any multiple of 16 rows (256 threads: 8 rows, 192 threads copy)."""
+    chunks = HEAD_DIM // 8
+    if THREADS % chunks == 0:
+        return THREADS
+    rows = 1 << ((THREADS // chunks).bit_length() - 1) if THREADS >= chunks else 0
+    return rows * chunks
+
+
 def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
     """(swizzle, load_tile, copy_plan, load_tile_fast): the swizzled 16-bit tile layout and the cp.async
-    copies of rows into it, for any kernel of THREADS threads (the tensor-core backward uses them too).
+    copies of rows into it, for any kernel of THREADS threads (the tensor-core backward uses them too); COPIES
+    (a tile's copies per thread) counts over copy_threads(HEAD_DIM, THREADS) threads.
 
     swizzle(row, chunk): element offset of 16-byte chunk ``chunk`` of tile row ``row`` (chunks XOR
     row % 8). load_tile(smem, tile0, src, b, h, row0, n_rows, d, COPIES): rows row0.. of src[b, h]
@@ -34,7 +46,11 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
     wgmma's column atoms of a tile of ATOM_ROWS rows (atom_offset: 64 columns an atom)."""
     CHUNKS = HEAD_DIM // 8
     ROW_WORDS = 64 if ATOM_ROWS else HEAD_DIM  # words from a row to the next in the same columns
-    ROW_STEP = THREADS // CHUNKS  # rows between a thread's successive copies (load_tile_fast)
+    COPY_THREADS = copy_threads(HEAD_DIM, THREADS)
+    if not COPY_THREADS:
+        raise ValueError(f"{THREADS} threads cannot copy rows of {CHUNKS} 16-byte chunks (fewer threads than chunks)")
+    ALL_COPY = COPY_THREADS == THREADS  # else threads COPY_THREADS.. issue no copies
+    ROW_STEP = COPY_THREADS // CHUNKS  # rows between a thread's successive copies (load_tile_fast)
     SWIZZLE_FIXED = ROW_STEP % 8 == 0  # then a thread's copies share row % 8: one swizzle for all
     cp_async = ptx.cp_async_16_zfill
     cp_zero_if = ptx.cp_async_16_zero_if
@@ -53,8 +69,8 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
         tid = cuda.threadIdx.x
         row_stride = src.strides[2] // 2
         base = b * (src.strides[0] // 2) + h * (src.strides[1] // 2)
-        for i in range(COPIES):
-            c = tid + i * THREADS
+        for i in range(COPIES if ALL_COPY or tid < COPY_THREADS else 0):
+            c = tid + i * COPY_THREADS
             r = c // CHUNKS
             chunk = c - r * CHUNKS
             col = chunk * 8
@@ -100,6 +116,8 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
         thread's first source offset for row0 (callers step it by a constant per tile); zeros past
         n_rows / d."""
         r0 = thread_x() // CHUNKS
+        if not ALL_COPY and thread_x() >= COPY_THREADS:
+            return
         if int32(row0 + COPIES * ROW_STEP) <= n_rows:  # the whole tile is inside: no row checks
             for i in range(COPIES):
                 dst = tile0 + (dst0 + i * ROW_STEP * ROW_WORDS if SWIZZLE_FIXED else swizzle(

@@ -13,7 +13,7 @@ from numba import cuda, float32, int32, uint16
 
 from .. import ptx
 from ..ptx import inline_device
-from .copies import tile_copies
+from .copies import copy_threads, tile_copies
 
 
 def stage_words(block_m: int, head_dim: int) -> int:
@@ -104,8 +104,8 @@ def dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, OUT_TILES, P
     STAGE = -(-(2 * BLOCK_M * HEAD_DIM + 4 * BLOCK_M) // 512) * 512 if ATOMS else stage_words(BLOCK_M, HEAD_DIM)
     SQ, SDO, SL, SD = 0, BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM, 2 * BLOCK_M * HEAD_DIM + 2 * BLOCK_M
     EXTRA0 = STAGE0 + 2 * STAGE
-    Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // THREADS
-    KV_COPIES = BLOCK_N * (HEAD_DIM // 8) // THREADS
+    Q_COPIES = BLOCK_M * (HEAD_DIM // 8) // copy_threads(HEAD_DIM, THREADS)
+    KV_COPIES = BLOCK_N * (HEAD_DIM // 8) // copy_threads(HEAD_DIM, THREADS)
     ROW_CHUNKS = BLOCK_M // 4  # 16-byte copies per row vector of L2 or D
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK, BLOCK_N if ATOMS else 0)
     # the streamed tiles' copies (another instance only for ATOMS: their atoms hold BLOCK_M rows)

@@ -24,7 +24,7 @@ from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
-from ..blocks.copies import tile_copies
+from ..blocks.copies import copy_threads, tile_copies
 from ..blocks.dkdv import two_products
 from ..blocks.entry import kernel_signature, varlen_entry, varlen_key, varlen_rules, with_row_bases
 from ..blocks.mask import window_rules
@@ -77,8 +77,8 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     WARPS = BLOCK_M // 16
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
-    Q_COPIES = BLOCK_M * CHUNKS // THREADS
-    KV_COPIES = BLOCK_N * CHUNKS // THREADS
+    Q_COPIES = BLOCK_M * CHUNKS // copy_threads(HEAD_DIM, THREADS)
+    KV_COPIES = BLOCK_N * CHUNKS // copy_threads(HEAD_DIM, THREADS)
     K_TILES = BLOCK_N // 8  # n-tiles of S / dP (key columns)
     N_STEPS = BLOCK_N // 16  # k-steps of dQ (over the keys)
     O_TILES = HEAD_DIM // 8  # n-tiles of dQ

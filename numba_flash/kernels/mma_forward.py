@@ -65,7 +65,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
 from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_key
-from ..blocks.copies import tile_copies
+from ..blocks.copies import copy_threads, tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
 from ..blocks.numerics import LOG2E
@@ -123,9 +123,10 @@ def problems(tile: Tile, dtype: str) -> list:
     unknown = sorted(tile.flags - set(FLAGS))
     if unknown:
         out.append(f"flags {unknown}: not among {FLAGS}")
+    copying = copy_threads(hd, threads(tile)) if hd % 64 == 0 and tile.warps else 0
     for name, rows in (("Q", bq), ("K/V", bk)):
-        if (rows * hd // 8) % max(threads(tile), 1):
-            out.append(f"{name} tile of {rows}x{hd} is not a whole number of 16-byte copies per thread")
+        if not copying or (rows * hd // 8) % copying:
+            out.append(f"{name} tile of {rows}x{hd} is not a whole number of 16-byte copies per copying thread")
     if smem_bytes(tile) > SMEM_PER_BLOCK_MAX:
         out.append(f"{smem_bytes(tile)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out
@@ -154,8 +155,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     WARPS = BLOCK_Q // ROWS_W
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
-    Q_COPIES = BLOCK_Q * CHUNKS // THREADS  # cp.async per thread per tile
-    KV_COPIES = BLOCK_K * CHUNKS // THREADS
+    Q_COPIES = BLOCK_Q * CHUNKS // copy_threads(HEAD_DIM, THREADS)  # cp.async per copying thread per tile
+    KV_COPIES = BLOCK_K * CHUNKS // copy_threads(HEAD_DIM, THREADS)
     QK_STEPS = HEAD_DIM // 16  # k-steps of S = Q Kᵀ
     S_TILES = BLOCK_K // 8  # n-tiles of S
     PV_STEPS = BLOCK_K // 16  # k-steps of O += P V

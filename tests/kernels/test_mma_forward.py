@@ -64,8 +64,10 @@ def from_bits(o, dtype):
 
 
 def tile_of(d, HEAD_DIM=None, BLOCK_Q=64, BLOCK_K=64, M_TILES=1, flags=()):
-    """The mma Tile of these sizes (HEAD_DIM: 64 for d <= 64, else 128) and flags."""
-    return Tile(BLOCK_Q, BLOCK_K, HEAD_DIM or (64 if d <= 64 else 128), warps=BLOCK_Q // (16 * M_TILES),
+    """The mma Tile of these sizes (HEAD_DIM: the forward's compiled head dim for d) and flags."""
+    from numba_flash.configs import MMA_HEAD_DIMS
+
+    return Tile(BLOCK_Q, BLOCK_K, HEAD_DIM or next(h for h in MMA_HEAD_DIMS if h >= d), warps=BLOCK_Q // (16 * M_TILES),
                 stages=mma_forward.STAGES, flags=flags)
 
 
@@ -161,6 +163,27 @@ def test_head_dim_128_sim():
 
 
 @in_simulator
+@pytest.mark.parametrize("d,dtype", [(256, "float16"), (160, "bfloat16")])
+def test_large_head_dims_sim(d, dtype):
+    """d = 256 (16 k-steps of Q·Kᵀ, 32 O n-tiles: acc alone 128 fp32 per lane) and 160 padded to 192 (24 chunks
+    a row: three 8-chunk swizzle groups), causal with Nq < Nk, GQA, a tail tile of each."""
+    r = run_forward(1, 2, 1, 21, 45, d, True, dtype, seed=d, BLOCK_Q=32, BLOCK_K=32)
+    assert_close(*r, dtype)
+
+
+@in_simulator
+def test_head_dim_192_threads_not_a_multiple_of_the_chunks_sim():
+    """d = 192 with 8 warps: 256 threads over rows of 24 chunks, so 192 threads copy (8 rows a pass) and the
+    other 64 issue none (blocks.copies.copy_threads); 4 warps (96 copy) too, a tail K/V tile each."""
+    from numba_flash.blocks.copies import copy_threads
+
+    assert copy_threads(192, 256) == 192 and copy_threads(192, 128) == 96 and copy_threads(256, 256) == 256
+    for bq in (128, 64):
+        r = run_forward(1, 1, 1, 30, 50, 192, False, "float16", seed=bq, BLOCK_Q=bq, BLOCK_K=32)
+        assert_close(*r, "float16")
+
+
+@in_simulator
 def test_small_tiles_sim():
     """BLOCK_Q = 32 (2 warps), BLOCK_K = 32 (4 K/V tiles: both buffers of the pair used twice), causal."""
     r = run_forward(1, 1, 1, 40, 100, 64, True, "float16", seed=6, BLOCK_Q=32, BLOCK_K=32)
@@ -212,7 +235,7 @@ def test_shipped_configs_are_valid():
 
     for tile in MMA_TABLE.values():
         assert mma_forward.problems(tile, "float16") == [], tile  # 128 x 64 at d = 128: 96 KiB, dynamic smem
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 192, 256):
         assert mma_forward.problems(tile_of(head_dim), "bfloat16") == []
     assert "shared memory" in " ".join(mma_forward.problems(tile_of(128, BLOCK_Q=256, BLOCK_K=256), "float16"))
     assert "stages" in " ".join(mma_forward.problems(tile_of(64).with_(stages=1), "float16"))
@@ -267,7 +290,7 @@ def test_head_dim_128_register_budget(tmp_path):
     assert report["registers"] <= 224, report["text"]  # 2 blocks (8 warps) per SM need <= 256 at 128 threads
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
@@ -316,7 +339,7 @@ gpu = [pytest.mark.gpu, needs_gpu]
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 40, 96])
+@pytest.mark.parametrize("d", [64, 128, 40, 96, 160, 192, 200, 256])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300), (1, 2, 1, 129, 517), (1, 3, 3, 517, 129), (1, 2, 2, 1, 77)])
 @pytest.mark.gpu
 @needs_gpu

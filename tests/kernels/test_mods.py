@@ -32,6 +32,7 @@ FORWARD = [
     (2, 2, 1, 33, 50, 64, True, (-1, -1), 0.0, "BH"),
     (1, 2, 1, 65, 47, 40, False, (7, 3), 2.0, "H"),  # d = 40: a part-data copy per row
     (1, 2, 2, 150, 90, 128, False, (0, 0), 0.0, None),  # Nq > Nk: rows before the shift see nothing
+    (1, 2, 1, 40, 70, 200, True, (25, 0), 3.0, "H"),  # d = 200 -> 256: the 8-warp 128-row tile
 ]
 
 
@@ -193,7 +194,7 @@ def test_backward_mods_outside_the_mma_kernels_raise(dtype, kernel):
 
 SIMT_FORWARD = [  # (dtype, d, kernel, causal, window_size, softcap, alibi): the SIMT kernel with mods
     ("float32", 64, "auto", True, (12, 0), 4.0, "H"),  # auto: float32 with mods runs on SIMT
-    ("float16", 200, "auto", False, (30, 9), 0.0, "BH"),  # d > 128: SIMT
+    ("float32", 200, "auto", False, (30, 9), 0.0, "BH"),  # float32, d > 128: SIMT
     ("float16", 64, "simt", False, (-1, -1), 3.0, None),
 ]
 
