@@ -48,6 +48,9 @@ D128C = "f16 B4H16 N4096 d128 causal"
 D64 = "f16 B4H16 N4096 d64"
 D64C = "f16 B4H16 N4096 d64 causal"
 BF16 = "bf16 B1H16 N16384 d128"
+D192, D192C = "f16 B4H16 N4096 d192", "f16 B4H16 N4096 d192 causal"
+D256, D256C = "f16 B4H16 N4096 d256", "f16 B4H16 N4096 d256 causal"
+BF16_256 = "bf16 B4H16 N4096 d256"
 WORDS = {"grid": "grid_bh_x", "epi": "smem_epilogue", "skip": "warp_skip"}
 
 
@@ -72,6 +75,30 @@ VARIANTS = {
         ("64x64 mt2", tile(128, 64, 64, 2)),
         ("64x32", tile(128, 64, 32), D128_FIRST),
     ],
+    # d = 192 and 256: one m-tile per warp (acc alone is d / 2 fp32 per lane); "pad256" runs d = 192 on the d = 256 build
+    192: [
+        ("128x64 8w epi", tile(192, 128, 64, 1, "epi"), D192),
+        ("128x64 8w grid+epi", tile(192, 128, 64, 1, "grid+epi"), D192C),
+        ("128x64 8w grid+skip+epi", tile(192, 128, 64, 1, "grid+skip+epi"), D192C),
+        ("128x64 8w", tile(192, 128, 64)),
+        ("64x64 epi", tile(192, 64, 64, 1, "epi")),
+        ("128x32 8w epi", tile(192, 128, 32, 1, "epi")),
+        ("64x32 epi", tile(192, 64, 32, 1, "epi")),
+        ("64x32 grid+epi", tile(192, 64, 32, 1, "grid+epi"), D192C),
+        ("pad256 128x64 8w epi", tile(256, 128, 64, 1, "epi"), D192),
+        ("pad256 128x64 8w grid+epi", tile(256, 128, 64, 1, "grid+epi"), D192C),
+    ],
+    256: [
+        ("128x64 8w epi", tile(256, 128, 64, 1, "epi"), (D256, BF16_256)),
+        ("128x64 8w grid+epi", tile(256, 128, 64, 1, "grid+epi"), D256C),
+        ("128x64 8w grid+skip+epi", tile(256, 128, 64, 1, "grid+skip+epi"), D256C),
+        ("128x64 8w", tile(256, 128, 64)),
+        ("64x64 epi", tile(256, 64, 64, 1, "epi")),
+        ("128x32 8w epi", tile(256, 128, 32, 1, "epi")),
+        ("64x32 epi", tile(256, 64, 32, 1, "epi")),
+        ("64x32 grid+epi", tile(256, 64, 32, 1, "grid+epi"), D256C),
+        ("128x32 8w grid+epi", tile(256, 128, 32, 1, "grid+epi"), D256C),
+    ],
     64: [
         ("128x64 mt2 epi", tile(64, 128, 64, 2, "epi"), D64),  # shipped non-causal
         ("128x64 mt2 grid+skip+epi", tile(64, 128, 64, 2, "grid+skip+epi"), D64C),  # shipped causal
@@ -95,6 +122,11 @@ SHAPES = [
     ("f16 B4H16 N4096 d64", torch.float16, 4, 16, 4096, 64, False),
     ("f16 B4H16 N4096 d64 causal", torch.float16, 4, 16, 4096, 64, True),
     ("bf16 B1H16 N16384 d128", torch.bfloat16, 1, 16, 16384, 128, False),
+    (D192, torch.float16, 4, 16, 4096, 192, False),
+    (D192C, torch.float16, 4, 16, 4096, 192, True),
+    (D256, torch.float16, 4, 16, 4096, 256, False),
+    (D256C, torch.float16, 4, 16, 4096, 256, True),
+    (BF16_256, torch.bfloat16, 4, 16, 4096, 256, False),
     ("f16 B4H16 N1024 d64 (overhead)", torch.float16, 4, 16, 1024, 64, False),
 ]
 OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
@@ -161,6 +193,38 @@ def kernel_info(kernel, cfg, head_dim):
     return dict(regs=regs, local_bytes=local, smem_bytes=smem, blocks_per_sm=blocks, warps_per_sm=(blocks or 0) * warps)
 
 
+def selected(args):
+    """(tile, causal, dtype name) of every variant the shape and variant regexes select."""
+    builds = set()
+    for label, dtype, B, H, N, d, causal in SHAPES:
+        if label in OVERHEAD_ONLY or (args.shapes and not re.search(args.shapes, label)):
+            continue
+        for name, cfg, *only in VARIANTS[min(h for h in VARIANTS if h >= d)]:
+            if only and label not in ((only[0],) if isinstance(only[0], str) else only[0]):
+                continue
+            if not args.variants or re.search(args.variants, name):
+                builds.add((cfg, bool(causal), "bfloat16" if dtype == torch.bfloat16 else "float16"))
+    return sorted(builds, key=str)
+
+
+def _build(spec):
+    cfg, causal, dtype = spec
+    t0 = time.time()
+    mma_forward.build(cfg, causal, dtype)
+    return f"{cfg} causal={causal} {dtype}: {time.time() - t0:.1f} s"
+
+
+def precompile(builds, jobs):
+    """Compile the builds in ``jobs`` spawned processes (each its own CUDA context); the sweep's own build() calls
+    then load them from numba_flash's kernel cache."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        for line in pool.map(_build, builds):
+            print(f"# compiled {line}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warmup", type=int, default=3)
@@ -168,10 +232,15 @@ def main(argv=None):
     ap.add_argument("--max-seconds", type=float, default=150.0, help="start no new variant after this")
     ap.add_argument("--shapes", default=None, help="regex: only shapes whose label matches (re.search)")
     ap.add_argument("--variants", default=None, help="regex: only variants whose name matches (re.search)")
+    ap.add_argument("--precompile-jobs", type=int, default=0,
+                    help="compile every selected variant first in this many processes (into the on-disk kernel cache)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("sweep_mma.py needs a CUDA GPU with torch")
     t_start = time.time()
+    if args.precompile_jobs:
+        precompile(selected(args), args.precompile_jobs)
+        print(f"# precompiled in {time.time() - t_start:.1f} s", flush=True)
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     print(f"# sweep_mma on {gpu}, torch {torch.__version__}, numba_flash at {numba_flash.__file__}")
@@ -190,31 +259,32 @@ def main(argv=None):
                              tflops=flops / t_sdpa / 1e9, max_abs_err=0.0))
             print(f"{label:34s} {'torch SDPA':18s} {t_sdpa:8.3f} ms {flops / t_sdpa / 1e9:7.1f} TFLOP/s", flush=True)
 
-        # Host overhead of the default config: direct kernel call vs launch vs numba_flash.forward.
-        try:
-            hd = 64 if d <= 64 else 128
-            cfg0 = tile(hd, 64, 64)
-            kern = kernel_for(cfg0, hd, causal, dtype)
-            grid = ((N + 63) // 64, B * H)
-            words = [x if x.dtype == np.uint16 else x.view(np.uint16) for x in (qn, kn, vn, on)]
-            sl2 = float32(scale * mma_forward.LOG2E)
-            t_kernel = time_ms(lambda: kern[grid, 128, 0, mma_forward.smem_bytes(cfg0)](*words, ln, N, N, d, 1, sl2), args.warmup, args.iters)
-            t_launch = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, cfg0, causal=causal, softmax_scale=scale),
-                               args.warmup, args.iters)
-            t_fwd = time_ms(lambda: numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale),
-                            args.warmup, args.iters)
-            overhead.append(dict(shape=label, kernel_ms=t_kernel, launch_ms=t_launch, forward_ms=t_fwd,
-                                 tflops_kernel=flops / t_kernel / 1e9, tflops_forward=flops / t_fwd / 1e9))
-            print(f"{label:34s} overhead: kernel[] {t_kernel:.3f} ms, launch {t_launch:.3f} ms, "
-                  f"forward {t_fwd:.3f} ms ({flops / t_kernel / 1e9:.1f} vs {flops / t_fwd / 1e9:.1f} TFLOP/s)",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001
-            overhead.append(dict(shape=label, error=repr(e)))
-            print(f"{label:34s} overhead: FAILED {e!r}", flush=True)
+        # Host overhead of the default config (d <= 128): direct kernel call vs launch vs numba_flash.forward.
+        if d <= 128:
+            try:
+                hd = 64 if d <= 64 else 128
+                cfg0 = tile(hd, 64, 64)
+                kern = kernel_for(cfg0, hd, causal, dtype)
+                grid = ((N + 63) // 64, B * H)
+                words = [x if x.dtype == np.uint16 else x.view(np.uint16) for x in (qn, kn, vn, on)]
+                sl2 = float32(scale * mma_forward.LOG2E)
+                t_kernel = time_ms(lambda: kern[grid, 128, 0, mma_forward.smem_bytes(cfg0)](*words, ln, N, N, d, 1, sl2), args.warmup, args.iters)
+                t_launch = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, cfg0, causal=causal, softmax_scale=scale),
+                                   args.warmup, args.iters)
+                t_fwd = time_ms(lambda: numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale),
+                                args.warmup, args.iters)
+                overhead.append(dict(shape=label, kernel_ms=t_kernel, launch_ms=t_launch, forward_ms=t_fwd,
+                                     tflops_kernel=flops / t_kernel / 1e9, tflops_forward=flops / t_fwd / 1e9))
+                print(f"{label:34s} overhead: kernel[] {t_kernel:.3f} ms, launch {t_launch:.3f} ms, "
+                      f"forward {t_fwd:.3f} ms ({flops / t_kernel / 1e9:.1f} vs {flops / t_fwd / 1e9:.1f} TFLOP/s)",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                overhead.append(dict(shape=label, error=repr(e)))
+                print(f"{label:34s} overhead: FAILED {e!r}", flush=True)
         if label in OVERHEAD_ONLY:
             continue
 
-        for name, cfg, *only in VARIANTS[64 if d <= 64 else 128]:
+        for name, cfg, *only in VARIANTS[min(h for h in VARIANTS if h >= d)]:
             if only and label not in ((only[0],) if isinstance(only[0], str) else only[0]):
                 continue
             if args.variants and not re.search(args.variants, name):
@@ -231,8 +301,8 @@ def main(argv=None):
                 row["max_abs_err"] = err
                 ms = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, cfg, causal=causal, softmax_scale=scale), args.warmup, args.iters)
                 row.update(ms=ms, tflops=flops / ms / 1e9)
-                kern = kernel_for(cfg, 64 if d <= 64 else 128, causal, dtype)
-                row.update(kernel_info(kern, cfg, 64 if d <= 64 else 128))
+                kern = kernel_for(cfg, cfg.head_dim, causal, dtype)
+                row.update(kernel_info(kern, cfg, cfg.head_dim))
                 print(f"{label:34s} {name:18s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  err {err:.2e}"
                       f"{'' if row['ok'] else ' BAD'}  regs {row['regs']} local {row['local_bytes']} "
                       f"blocks/SM {row['blocks_per_sm']}  (compile+1st {row['compile_s']:.1f}s)", flush=True)

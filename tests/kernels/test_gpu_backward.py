@@ -34,6 +34,9 @@ CASES = [  # (dtype, Hkv, n_q, n_k, d, causal), B = 2, H = 4
     ("float16", 2, 1024, 1024, 64, True),
     ("bfloat16", 2, 2048, 2048, 128, True),
     ("bfloat16", 4, 513, 1000, 64, False),
+    # d > 128: the tensor-core forward's O and L feed the SIMT backward (fp32, PerformanceWarning)
+    ("float16", 2, 1000, 1000, 256, True),
+    ("bfloat16", 4, 513, 700, 192, False),
 ]
 
 

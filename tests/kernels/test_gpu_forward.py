@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, needs_gpu,
               pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="GPU tests build inputs with PyTorch")]
 
 LENGTHS = [(1, 1), (1, 4096), (129, 257), (300, 100), (4096, 4096)]
-HEAD_DIMS = [32, 64, 96, 128, 256]
+HEAD_DIMS = [32, 64, 96, 128, 192, 256]
 
 
 def _inputs(B, H, Hkv, n_q, n_k, d, dtype, seed, scale=1.0):
