@@ -1,6 +1,7 @@
 """Public entry points: one validation function, then dispatch to a kernel family."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from numba import cuda
 from . import arrays, plans, ptx
 from .blocks.mask import window_bounds, window_kind
 from .blocks.mods import Mods
-from .configs import MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_TABLE, TF32_TABLE, simt_config
+from .configs import (MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_SMALL_SMEM, MMA_TABLE, SMEM_PER_BLOCK_MAX, SMEM_PER_SM, TF32_TABLE,
+                      simt_config)
 from .kernels import mma_forward, simt_forward, tf32_forward
 from .launch import SIM_LOCK, address, current_device_id
 
@@ -330,8 +332,28 @@ def tf32_config(d: int, causal: bool):
 
 
 def mma_config(d: int, causal: bool):
-    """Tensor-core tile (configs.MMA_TABLE, from the H200 sweeps): the Tile mma_forward.launch takes."""
-    return MMA_TABLE[next(hd for hd in MMA_HEAD_DIMS if hd >= d), bool(causal)]
+    """Tensor-core tile (configs.MMA_TABLE, from the H200 sweeps): the Tile mma_forward.launch takes; on a GPU with
+    less shared memory per block than that tile needs (sm_80: 163 KiB, sm_86 / sm_89: 99 KiB), MMA_SMALL_SMEM's."""
+    key = next(hd for hd in MMA_HEAD_DIMS if hd >= d), bool(causal)
+    tile = MMA_TABLE[key]
+    if key in MMA_SMALL_SMEM and mma_forward.smem_bytes(tile) > _device_smem()[0]:
+        return MMA_SMALL_SMEM[key]
+    return tile
+
+
+def _device_smem() -> tuple:
+    """(opt-in shared memory per block, shared memory per SM) of the current device; the simulator, no GPU (explain
+    on shapes) and device stand-ins without the attributes: an H200's."""
+    if nb_config.ENABLE_CUDASIM or not cuda.is_available():
+        return SMEM_PER_BLOCK_MAX, SMEM_PER_SM
+    return _device_smem_of(current_device_id())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_of(device_id) -> tuple:  # one driver query per device
+    dev = cuda.get_current_device()
+    return (int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", SMEM_PER_BLOCK_MAX)),
+            int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", SMEM_PER_SM)))
 
 
 _TF32_VARIANT_WORDS = {"presplit": "K/V split into tf32 hi/lo once per tile, not per warp",
@@ -434,7 +456,7 @@ def mods_words(p: Problem) -> str:
 
 
 def _choose_with_mods(p: Problem, kernel: str, views):
-    """A window, softcap or ALiBi: the mma kernel (fp16 / bf16, d <= 128) or the SIMT kernel (any dtype and head
+    """A window, softcap or ALiBi: the mma kernel (fp16 / bf16, d <= 256) or the SIMT kernel (any dtype and head
     dim; auto takes it, with its PerformanceWarning, where mma cannot run); the tf32 kernels have no mods."""
     if kernel in TF32_KERNELS:
         raise NotImplementedError(
@@ -497,8 +519,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
         softmax_scale: default 1/sqrt(d) with the user's d; 0 < softmax_scale <= 2**64 (the kernels
             form score·scale·log2(e) in fp32; see MAX_SOFTMAX_SCALE).
         kernel: "auto" (default), "mma", "tf32x3", "tf32" or "simt". Auto runs a tensor-core kernel
-            for d <= 128 on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async):
-            "mma" (mma.sync, fp32 accumulation) for float16/bfloat16, "tf32x3" for float32 (each
+            on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async): "mma" (mma.sync,
+            fp32 accumulation) for float16/bfloat16 with d <= 256, "tf32x3" for float32 with d <= 128 (each
             fp32 product as three tf32 products, hi·hi + hi·lo + lo·hi: errors at the level of fp32
             FMA, as PyTorch SDPA's memory-efficient kernel computes fp32). Otherwise the SIMT kernel
             (fp32 FMA), with a ``PerformanceWarning``. "tf32" (float32 only, never chosen by auto)
@@ -515,9 +537,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
         alibi_slopes: float32 (H,) or (B, H), where q is: adds -slope·|i + Nk - Nq - j| to the (capped)
             scaled score of query i and key j (flash-attn's ALiBi; L includes the whole bias, where
             flash-attn's causal kernels drop the row-constant slope·(i + Nk - Nq) from it).
-            The three run on kernel "mma" (float16 / bfloat16, d <= 128) and on "simt" (float32, d > 128,
+            The three run on kernel "mma" (float16 / bfloat16) and on "simt" (float32,
             or unaligned rows: auto takes it there, with its PerformanceWarning); "tf32x3" / "tf32" raise
-            NotImplementedError. The backward has them on the mma kernels only.
+            NotImplementedError. The backward has them on the mma kernels only (d <= 128).
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy

@@ -12,26 +12,23 @@ forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch au
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 from numba import config as nb_config
-from numba import cuda
 
 from . import arrays, backward_plan, plans
 from dataclasses import replace
 
-from .api import (_ACCEPTED_ARRAYS, MMA_BWD_MAX_HEAD_DIM, PerformanceWarning, Problem, _mma_blockers, _on_device,
-                  _tf32_blockers, mods_words, validate, window_pair)
+from .api import (_ACCEPTED_ARRAYS, MMA_BWD_MAX_HEAD_DIM, PerformanceWarning, Problem, _device_smem, _mma_blockers,
+                  _on_device, _tf32_blockers, mods_words, validate, window_pair)
 from .blocks.mask import window_bounds
-from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM, SMEM_PER_BLOCK_MAX
+from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM
 from .decode import _sm_count
-from .kernels.decode import SMEM_PER_SM
 from .blocks import schedule
 from .kernels import mma_dkdv, mma_dq, simt_backward, tf32_backward, wgmma_backward
 from .ptx import current_wgmma
-from .launch import address, current_device_id
+from .launch import address
 
 KERNELS = ("auto", "simt", "mma", "tf32x3")
 
@@ -76,7 +73,7 @@ def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_s
 def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
     """(family, config, reasons): which backward kernels run for a validated problem, and why.
 
-    The tensor-core path takes what the tensor-core forward takes (float16/bfloat16, d <= 128,
+    The tensor-core path takes what the tensor-core forward takes, up to d = 128 (float16/bfloat16,
     sm_80+, cp.async-able layouts), with dout's layout checked as well: ``views`` = device views of
     (q, k, v, dout), or None to assume contiguous arrays (explain on NumPy inputs).
     """
@@ -194,21 +191,6 @@ def mma_config(head_dim: int) -> dict:
     if current_wgmma():
         tiles.update(backward_plan.table_tiles(MMA_BWD_WGMMA, head_dim))
     return backward_plan.config_from_tiles(tiles, head_dim)
-
-
-def _device_smem() -> tuple:
-    """(opt-in shared memory per block, shared memory per SM) of the current device; the simulator and
-    device stand-ins without the attributes: an H200's."""
-    if nb_config.ENABLE_CUDASIM:
-        return SMEM_PER_BLOCK_MAX, SMEM_PER_SM
-    return _device_smem_of(current_device_id())
-
-
-@functools.lru_cache(maxsize=None)
-def _device_smem_of(device_id) -> tuple:  # one driver query per device
-    dev = cuda.get_current_device()
-    return (int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", SMEM_PER_BLOCK_MAX)),
-            int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", SMEM_PER_SM)))
 
 
 def _dq_slots(threads: int, smem: int, smem_per_sm: int) -> int:

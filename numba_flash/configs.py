@@ -12,6 +12,7 @@ from .tiles import Tile
 
 MAX_HEAD_DIM = 256
 SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_80 / sm_90 opt-in maximum of dynamic shared memory per block
+SMEM_PER_SM = 228 * 1024  # H100 / H200; 1 KiB of it is reserved per resident block
 SMEM_STATIC_MAX = 48 * 1024      # above this a kernel must opt in (cuFuncSetAttribute)
 REGS_PER_SM = 65536
 
@@ -157,11 +158,25 @@ MMA_TABLE = {
     (64, True): Tile(128, 64, 64, warps=4, stages=2, flags={"grid_bh_x", "warp_skip", "smem_epilogue"}),
     (128, False): Tile(128, 64, 128, warps=4, stages=2, flags={"smem_epilogue"}),
     (128, True): Tile(128, 64, 128, warps=4, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
-    # d = 192 and 256: one m-tile per warp (acc alone is HEAD_DIM / 2 fp32 per lane), 8 warps (PROVISIONAL)
+    # d = 192 and 256: one m-tile per warp (acc alone is HEAD_DIM / 2 fp32 per lane), 8 warps x 16 rows, one block
+    # per SM (192 KiB of shared memory at d = 256). H200 sweep (results/sweep-mma-2026-12-03-d192-d256.txt, fp16
+    # B4 H16 N4096, TFLOP/s): d256 128x64 epi 319.2 vs 64x32 (2 blocks/SM) 297.3, no epi 308.0, 128x32 279.5,
+    # 64x64 271.8; causal grid+epi 299.2 (+skip 300.1, within the spread); d192 128x64 epi 314.2 vs 64x32 293.8
+    # and d192 run on the d256 build 235.1; causal grid+epi 290.5. SDPA's default (cuDNN) in the same run: 703.3
+    # / 616.3 (d256), 674.7 / 589.0 (d192).
     (192, False): Tile(128, 64, 192, warps=8, stages=2, flags={"smem_epilogue"}),
     (192, True): Tile(128, 64, 192, warps=8, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
     (256, False): Tile(128, 64, 256, warps=8, stages=2, flags={"smem_epilogue"}),
     (256, True): Tile(128, 64, 256, warps=8, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
+}
+# GPUs with less shared memory per block than MMA_TABLE's d = 192 / 256 tiles need (sm_80 163 KiB, sm_86 / sm_89
+# 99 KiB): 4 warps of 16 rows x 32 keys in 72 / 96 KiB, the sweep's best tile that fits (H200: d256 297.3, causal with
+# grid_bh_x 286.0; d192 293.8, causal 271.4 TFLOP/s). Not measured on those GPUs.
+MMA_SMALL_SMEM = {
+    (192, False): Tile(64, 32, 192, warps=4, stages=2, flags={"smem_epilogue"}),
+    (192, True): Tile(64, 32, 192, warps=4, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
+    (256, False): Tile(64, 32, 256, warps=4, stages=2, flags={"smem_epilogue"}),
+    (256, True): Tile(64, 32, 256, warps=4, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
 }
 MMA_HEAD_DIMS = sorted({hd for hd, _ in MMA_TABLE})  # the forward's compiled head dims: d is padded up to one
 # (block_q, block_k, head_dim, m-tiles per warp): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 /

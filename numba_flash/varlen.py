@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays, backward_plan
-from .api import _on_device, choose_kernel, side_array, window_pair
+from .api import MMA_BWD_MAX_HEAD_DIM, MMA_MAX_HEAD_DIM, _on_device, choose_kernel, side_array, window_pair
 from .api import validate as _validate
 from .backward import choose_backward, dq_scheme, tensor_core_scratch, validate_backward
 from .blocks import schedule
@@ -111,7 +111,8 @@ def _refuse(p, family: str, reasons: list, what: str) -> None:
     """NotImplementedError unless the dispatch chose the mma kernels (the only ones with a varlen entry)."""
     if family != "mma":
         raise NotImplementedError(
-            f"varlen {what}: built into the 'mma' tensor-core kernels only (float16/bfloat16, head dim <= 128, "
+            f"varlen {what}: built into the 'mma' tensor-core kernels only (float16/bfloat16, head dim <= "
+            f"{MMA_BWD_MAX_HEAD_DIM if what == 'backward' else MMA_MAX_HEAD_DIM}, "
             f"sm_80+, 16-byte aligned rows); this call would run {family!r}: {reasons[-1]}")
 
 

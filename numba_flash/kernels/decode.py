@@ -83,7 +83,7 @@ from functools import lru_cache
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
 from .. import ptx
-from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, head_dim_bucket
+from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, SMEM_PER_SM, head_dim_bucket
 from ..launch import address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, bits_from_f32, f16x2_to_f32, f32_from_bits, inline_device, ld_shared_u32x4
@@ -102,7 +102,6 @@ Q_STORAGE = {"float32": types.float32, "float16": types.float16, "bfloat16": typ
 KV_STORAGE = {"float32": types.float32, "float16": types.uint16, "bfloat16": types.uint16}
 LENS_DTYPES = ("int32", "int64")
 FASTMATH = {"contract", "arcp", "afn"}  # never the flags that change -inf / nan: masking needs -inf
-SMEM_PER_SM = 228 * 1024  # H100 / H200; 1 KiB of it is reserved per resident block
 MERGE_THREADS = 128
 
 

@@ -533,3 +533,21 @@ def test_explain_says_when_a_row_ends_in_a_part_data_copy(rng):
                         causal=False, softmax_scale=0.125, device=None)
         family, _, reasons = api.choose_kernel(p, "auto", (padded, padded, padded))
         assert family == "mma" and any("part data" in r for r in reasons) == partial, (d, reasons)
+
+
+def test_large_head_dims_fit_gpus_with_less_shared_memory(monkeypatch):
+    """d = 192 / 256 take the 8-warp 128x64 tile (up to 192 KiB) where the GPU gives a block that much (H200), and
+    MMA_SMALL_SMEM's 64x32 tile (96 KiB at most) on an sm_86 / sm_89 (99 KiB); other head dims keep theirs."""
+    import importlib
+
+    from numba_flash.configs import MMA_SMALL_SMEM, MMA_TABLE
+
+    api = importlib.import_module("numba_flash.api")
+    assert api.mma_config(200, False) == MMA_TABLE[256, False] and api.mma_config(130, True) == MMA_TABLE[192, True]
+    monkeypatch.setattr(api, "_device_smem", lambda: (99 * 1024, 100 * 1024))
+    for (hd, causal), tile in MMA_SMALL_SMEM.items():
+        assert api.mma_config(hd, causal) == tile and mma_forward.smem_bytes(tile) <= 99 * 1024
+        assert mma_forward.problems(tile, "bfloat16") == []
+    assert api.mma_config(128, True) == MMA_TABLE[128, True]  # 96 KiB: fits
+    q = np.zeros((1, 2, 64, 256), np.float16)
+    assert "64x32 tiles" in api.explain(q, q, q)
