@@ -34,7 +34,7 @@ from numba import cuda, float32  # noqa: E402
 
 import numba_flash  # noqa: E402
 from numba_flash import bench  # noqa: E402
-from numba_flash.kernels import mma_forward  # noqa: E402
+from numba_flash.kernels import mma_forward, wgmma_forward  # noqa: E402
 from numba_flash.tiles import Tile  # noqa: E402
 
 # (name, Tile for mma_forward.launch[, the only shapes: a label or a tuple of labels]); order = priority (a
@@ -52,6 +52,17 @@ D192, D192C = "f16 B4H16 N4096 d192", "f16 B4H16 N4096 d192 causal"
 D256, D256C = "f16 B4H16 N4096 d256", "f16 B4H16 N4096 d256 causal"
 BF16_256 = "bf16 B4H16 N4096 d256"
 WORDS = {"grid": "grid_bh_x", "epi": "smem_epilogue", "skip": "warp_skip"}
+
+
+def family(cfg):
+    """The kernel module of a variant: kernels/wgmma_forward.py for the "wg" ones (flag wgmma), else mma_forward."""
+    return wgmma_forward if cfg.has("wgmma") else mma_forward
+
+
+def wg(hd, bq, bk, flags=""):
+    """A wgmma_forward Tile: bq / 64 warpgroups of 64 rows, bk keys, flags as tile()'s."""
+    return Tile(bq, bk, hd, warps=bq // 16, stages=wgmma_forward.STAGES,
+                flags={"wgmma"} | {WORDS[f] for f in flags.split("+") if f})
 
 
 def tile(hd, bq, bk, mt=1, flags=""):
@@ -74,7 +85,14 @@ VARIANTS = {
         ("128x32 mt2", tile(128, 128, 32, 2)),
         ("64x64 mt2", tile(128, 64, 64, 2)),
         ("64x32", tile(128, 64, 32), D128_FIRST),
+        ("wg 128x128", wg(128, 128, 128), (D128_FIRST, BF16)),
+        ("wg 128x64", wg(128, 128, 64), (D128_FIRST, BF16)),
+        ("wg 128x176", wg(128, 128, 176), D128_FIRST),
+        ("wg 64x128", wg(128, 64, 128), D128_FIRST),
+        ("wg 128x128 grid", wg(128, 128, 128, "grid"), D128C),
+        ("wg 128x64 grid", wg(128, 128, 64, "grid"), D128C),
     ],
+    # "wg": kernels/wgmma_forward.py (sm_90), two warpgroups of 64 rows unless 64 rows
     # d = 192 and 256: one m-tile per warp (acc alone is d / 2 fp32 per lane); "pad256" runs d = 192 on the d = 256 build
     192: [
         ("128x64 8w epi", tile(192, 128, 64, 1, "epi"), D192),
@@ -87,6 +105,11 @@ VARIANTS = {
         ("64x32 grid+epi", tile(192, 64, 32, 1, "grid+epi"), D192C),
         ("pad256 128x64 8w epi", tile(256, 128, 64, 1, "epi"), D192),
         ("pad256 128x64 8w grid+epi", tile(256, 128, 64, 1, "grid+epi"), D192C),
+        ("wg 128x96", wg(192, 128, 96), D192),
+        ("wg 128x64", wg(192, 128, 64), D192),
+        ("wg 128x128", wg(192, 128, 128), D192),
+        ("wg 128x96 grid", wg(192, 128, 96, "grid"), D192C),
+        ("wg 128x64 grid", wg(192, 128, 64, "grid"), D192C),
     ],
     256: [
         ("128x64 8w epi", tile(256, 128, 64, 1, "epi"), (D256, BF16_256)),
@@ -98,6 +121,12 @@ VARIANTS = {
         ("64x32 epi", tile(256, 64, 32, 1, "epi")),
         ("64x32 grid+epi", tile(256, 64, 32, 1, "grid+epi"), D256C),
         ("128x32 8w grid+epi", tile(256, 128, 32, 1, "grid+epi"), D256C),
+        ("wg 128x64", wg(256, 128, 64), (D256, BF16_256)),
+        ("wg 128x80", wg(256, 128, 80), D256),
+        ("wg 128x32", wg(256, 128, 32), D256),
+        ("wg 64x64", wg(256, 64, 64), D256),
+        ("wg 128x64 grid", wg(256, 128, 64, "grid"), D256C),
+        ("wg 128x80 grid", wg(256, 128, 80, "grid"), D256C),
     ],
     64: [
         ("128x64 mt2 epi", tile(64, 128, 64, 2, "epi"), D64),  # shipped non-causal
@@ -112,6 +141,11 @@ VARIANTS = {
         ("64x64 mt2", tile(64, 64, 64, 2)),
         ("128x64 8w", tile(64, 128, 64)),
         ("64x128", tile(64, 64, 128)),
+        ("wg 128x128", wg(64, 128, 128), D64),
+        ("wg 128x192", wg(64, 128, 192), D64),
+        ("wg 128x64", wg(64, 128, 64), D64),
+        ("wg 128x128 grid", wg(64, 128, 128, "grid"), D64C),
+        ("wg 128x64 grid", wg(64, 128, 64, "grid"), D64C),
     ],
 }
 
@@ -134,7 +168,7 @@ OVERHEAD_ONLY = {"f16 B4H16 N1024 d64 (overhead)"}
 
 def kernel_for(cfg, head_dim, causal, dtype):
     """The compiled kernel launch() uses for the tile cfg (the same key as launch's call, so the lru_cache hits)."""
-    return mma_forward.build(cfg, bool(causal), "bfloat16" if dtype == torch.bfloat16 else "float16")
+    return family(cfg).build(cfg, bool(causal), "bfloat16" if dtype == torch.bfloat16 else "float16")
 
 
 def as_numba(t):
@@ -158,7 +192,7 @@ def shape_inputs(B, H, N, d, dtype, causal):
 def launch_and_check(views, out, ref, dtype, causal, scale, cfg):
     """One launch of cfg into out (views: Numba q, k, v, out, lse); (max |O - ref|, within tolerance)."""
     out.zero_()
-    mma_forward.launch(*views, cfg, causal=causal, softmax_scale=scale)
+    family(cfg).launch(*views, cfg, causal=causal, softmax_scale=scale)
     torch.cuda.synchronize()
     err = (out.float() - ref).abs().max().item()
     return err, bool(math.isfinite(err) and err < (2e-2 if dtype == torch.float16 else 6e-2))
@@ -181,7 +215,7 @@ def kernel_info(kernel, cfg, head_dim):
     local = one(lambda: kernel.get_local_mem_per_thread())
     smem = one(lambda: kernel.get_shared_mem_per_block())
     # the tiles live in dynamic shared memory, which the getter does not count
-    smem = (smem or 0) + mma_forward.smem_bytes(cfg)
+    smem = (smem or 0) + family(cfg).smem_bytes(cfg)
     warps = cfg.warps
     blocks = None
     if regs:
@@ -210,7 +244,7 @@ def selected(args):
 def _build(spec):
     cfg, causal, dtype = spec
     t0 = time.time()
-    mma_forward.build(cfg, causal, dtype)
+    family(cfg).build(cfg, causal, dtype)
     return f"{cfg} causal={causal} {dtype}: {time.time() - t0:.1f} s"
 
 
@@ -299,7 +333,8 @@ def main(argv=None):
                 err, row["ok"] = launch_and_check((qn, kn, vn, on, ln), out, ref, dtype, causal, scale, cfg)
                 row["compile_s"] = time.time() - t0
                 row["max_abs_err"] = err
-                ms = time_ms(lambda: mma_forward.launch(qn, kn, vn, on, ln, cfg, causal=causal, softmax_scale=scale), args.warmup, args.iters)
+                ms = time_ms(lambda: family(cfg).launch(qn, kn, vn, on, ln, cfg, causal=causal, softmax_scale=scale),
+                             args.warmup, args.iters)
                 row.update(ms=ms, tflops=flops / ms / 1e9)
                 kern = kernel_for(cfg, cfg.head_dim, causal, dtype)
                 row.update(kernel_info(kern, cfg, cfg.head_dim))
