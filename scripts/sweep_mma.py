@@ -107,7 +107,6 @@ VARIANTS = {
         ("pad256 128x64 8w grid+epi", tile(256, 128, 64, 1, "grid+epi"), D192C),
         ("wg 128x96", wg(192, 128, 96), D192),
         ("wg 128x64", wg(192, 128, 64), D192),
-        ("wg 128x128", wg(192, 128, 128), D192),
         ("wg 128x96 grid", wg(192, 128, 96, "grid"), D192C),
         ("wg 128x64 grid", wg(192, 128, 64, "grid"), D192C),
     ],
@@ -244,7 +243,10 @@ def selected(args):
 def _build(spec):
     cfg, causal, dtype = spec
     t0 = time.time()
-    family(cfg).build(cfg, causal, dtype)
+    try:
+        family(cfg).build(cfg, causal, dtype)
+    except ValueError as e:  # a variant that cannot be built: the sweep records its error when it gets there
+        return f"{cfg} causal={causal} {dtype}: not built ({e})"
     return f"{cfg} causal={causal} {dtype}: {time.time() - t0:.1f} s"
 
 

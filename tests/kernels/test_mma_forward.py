@@ -72,8 +72,9 @@ def tile_of(d, HEAD_DIM=None, BLOCK_Q=64, BLOCK_K=64, M_TILES=1, flags=()):
 
 
 def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, scale=None, pad_to=None, big=1.0,
-                k_ramp=None, tile=None, **config):
-    """mma_forward.launch on device arrays; returns (O, L) as float64 and the float64 reference.
+                k_ramp=None, tile=None, launch=None, **config):
+    """mma_forward.launch (or ``launch``, a kernel module's launch of the same arguments) on device arrays; returns
+    (O, L) as float64 and the float64 reference.
 
     tile: the Tile to launch (default: tile_of(d, HEAD_DIM, **config)).
 
@@ -102,7 +103,7 @@ def run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=0, HEAD_DIM=None, sc
     out = cuda.to_device(np.zeros((B, H, n_q, d), device[0].dtype))
     lse = cuda.to_device(np.zeros((B, H, n_q), np.float32))
     tile = tile or tile_of(d, HEAD_DIM, **config)
-    mma_forward.launch(*device, out, lse, tile, causal=causal, softmax_scale=scale)
+    (launch or mma_forward.launch)(*device, out, lse, tile, causal=causal, softmax_scale=scale)
     o_ref, lse_ref = attention_f64(*values, causal, scale)
     return from_bits(out.copy_to_host(), dtype), lse.copy_to_host().astype(np.float64), o_ref, lse_ref
 
