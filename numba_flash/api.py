@@ -13,9 +13,9 @@ from numba import cuda
 from . import arrays, plans, ptx
 from .blocks.mask import window_bounds, window_kind
 from .blocks.mods import Mods
-from .configs import (MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_SMALL_SMEM, MMA_TABLE, SMEM_PER_BLOCK_MAX, SMEM_PER_SM, TF32_TABLE,
-                      simt_config)
-from .kernels import mma_forward, simt_forward, tf32_forward
+from .configs import (MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_SMALL_SMEM, MMA_TABLE, MMA_WGMMA, SMEM_PER_BLOCK_MAX,
+                      SMEM_PER_SM, TF32_TABLE, simt_config)
+from .kernels import mma_forward, simt_forward, tf32_forward, wgmma_forward
 from .launch import SIM_LOCK, address, current_device_id
 
 KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
@@ -335,10 +335,24 @@ def mma_config(d: int, causal: bool):
     """Tensor-core tile (configs.MMA_TABLE, from the H200 sweeps): the Tile mma_forward.launch takes; on a GPU with
     less shared memory per block than that tile needs (sm_80: 163 KiB, sm_86 / sm_89: 99 KiB), MMA_SMALL_SMEM's."""
     key = next(hd for hd in MMA_HEAD_DIMS if hd >= d), bool(causal)
+    if key in MMA_WGMMA and _wgmma_here():
+        return MMA_WGMMA[key]
     tile = MMA_TABLE[key]
     if key in MMA_SMALL_SMEM and mma_forward.smem_bytes(tile) > _device_smem()[0]:
         return MMA_SMALL_SMEM[key]
     return tile
+
+
+def _wgmma_here() -> bool:
+    """The current device has warpgroup MMA (sm_90; the simulator's twins too); False without a GPU (explain on
+    shapes describes the mma.sync tiles every sm_80+ GPU runs)."""
+    return bool(nb_config.ENABLE_CUDASIM or cuda.is_available()) and ptx.current_wgmma()
+
+
+def launch_mma_forward(q, k, v, out, lse, tile, **kw):
+    """The tensor-core forward of a tile from mma_config: kernels/wgmma_forward.py for a "wgmma" tile, else
+    kernels/mma_forward.py (keyword arguments: their launch's)."""
+    return (wgmma_forward if tile.has("wgmma") else mma_forward).launch(q, k, v, out, lse, tile, **kw)
 
 
 def _device_smem() -> tuple:
@@ -408,9 +422,14 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     if kernel in ("auto", "mma") and not blockers:
         cfg = mma_config(p.d, p.causal)
         head_dim, m_tiles = cfg.head_dim, mma_forward.m_tiles(cfg)
-        reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
-                   f"{cfg.block_q}x{cfg.block_k} tiles, {cfg.warps} warps x {16 * m_tiles} rows, "
-                   f"head dim {head_dim}"]
+        if cfg.has("wgmma"):
+            reasons = [f"mma: tensor cores (sm_90 warpgroup MMA: wgmma.mma_async m64n{cfg.block_k}k16 for Q·Kᵀ, "
+                       f"m64n{head_dim}k16 for P·V with P from registers; {p.dtype} in, fp32 accumulate), "
+                       f"{cfg.block_q}x{cfg.block_k} tiles, {cfg.warps // 4} warpgroups x 64 rows, head dim {head_dim}"]
+        else:
+            reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
+                       f"{cfg.block_q}x{cfg.block_k} tiles, {cfg.warps} warps x {16 * m_tiles} rows, "
+                       f"head dim {head_dim}"]
         variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
         reasons.append("variants: " + "; ".join(variants))
         if cfg.has("smem_epilogue") and p.d % 8:  # out is ours, contiguous: rows of 2·d bytes
@@ -597,7 +616,7 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
             if family == "mma":
                 mods = p.mods
                 alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
-                mma_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
+                launch_mma_forward(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                    stream=stream, layout_checked=True, mods=mods,
                                    window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
                                    softcap=p.softcap, alibi=alibi)

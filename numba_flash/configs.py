@@ -178,6 +178,24 @@ MMA_SMALL_SMEM = {
     (256, False): Tile(64, 32, 256, warps=4, stages=2, flags={"smem_epilogue"}),
     (256, True): Tile(64, 32, 256, warps=4, stages=2, flags={"grid_bh_x", "smem_epilogue"}),
 }
+# sm_90 (H100 / H200) overrides MMA_TABLE with the forward on warpgroup MMA (kernels/wgmma_forward.py; flag "wgmma":
+# wgmma is sm_90a only), two warpgroups of 64 rows. H200 sweep (results/sweep-mma-2026-12-03-wgmma.txt, fp16 B4 H16
+# N4096 unless noted, TFLOP/s, the mma.sync tile of MMA_TABLE in the same run): d128 128x128 422.3 vs 381.3 (128x176
+# 419.9, 128x64 389.6); bf16 B1 N16384 d128 468.3 vs 401.9; causal d128 128x64 + grid_bh_x 311.7 vs 309.3 (128x128
+# 298.3); d64 128x64 347.2 vs 304.5 (128x128 294.4), causal 288.3 vs 257.2; d192 128x96 434.9 vs 290.5, causal 364.8
+# vs 291.8; d256 128x64 469.4 vs 284.2 (bf16 474.7 vs 308.7), causal 128x80 391.1 vs 303.2 (128x64 389.9). SDPA's
+# default (cuDNN) in that run: 642.1 / 683.8 / 535.6 (d128), 458.6 / 387.4 (d64), 665.6 / 582.2 (d192), 696.0 /
+# 608.5 (d256).
+MMA_WGMMA = {
+    (64, False): Tile(128, 64, 64, warps=8, stages=2, flags={"wgmma"}),
+    (64, True): Tile(128, 64, 64, warps=8, stages=2, flags={"wgmma", "grid_bh_x"}),
+    (128, False): Tile(128, 128, 128, warps=8, stages=2, flags={"wgmma"}),
+    (128, True): Tile(128, 64, 128, warps=8, stages=2, flags={"wgmma", "grid_bh_x"}),
+    (192, False): Tile(128, 96, 192, warps=8, stages=2, flags={"wgmma"}),
+    (192, True): Tile(128, 96, 192, warps=8, stages=2, flags={"wgmma", "grid_bh_x"}),
+    (256, False): Tile(128, 64, 256, warps=8, stages=2, flags={"wgmma"}),
+    (256, True): Tile(128, 80, 256, warps=8, stages=2, flags={"wgmma", "grid_bh_x"}),
+}
 MMA_HEAD_DIMS = sorted({hd for hd, _ in MMA_TABLE})  # the forward's compiled head dims: d is padded up to one
 # (block_q, block_k, head_dim, m-tiles per warp): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 /
 # bf16) of a shipped tile measured faster anyway: d128 causal 24 B (stored and loaded, f16 and bf16); the

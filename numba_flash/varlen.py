@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 
 from . import arrays, backward_plan
-from .api import MMA_BWD_MAX_HEAD_DIM, MMA_MAX_HEAD_DIM, _on_device, choose_kernel, side_array, window_pair
+from .api import (MMA_BWD_MAX_HEAD_DIM, MMA_MAX_HEAD_DIM, _on_device, choose_kernel, launch_mma_forward, side_array,
+                  window_pair)
 from .api import validate as _validate
 from .backward import choose_backward, dq_scheme, tensor_core_scratch, validate_backward
 from .blocks import schedule
 from .blocks.mask import window_bounds
-from .kernels import mma_forward
 
 __all__ = ["varlen_forward", "varlen_backward", "check_seqlens"]
 
@@ -191,7 +191,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
             out_b, lse_b = arrays.packed_as_batch(out_dev, p.B), arrays.packed_as_batch(lse_dev, p.B)
             mods = p.mods
-            mma_forward.launch(qd, kd, vd, out_b, lse_b, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
+            launch_mma_forward(qd, kd, vd, out_b, lse_b, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                stream=stream, layout_checked=True, mods=mods,
                                window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
                                softcap=p.softcap, alibi=alibi, varlen=(*cu, p.n_q, p.n_k))

@@ -96,6 +96,19 @@ def cases() -> dict:
                                        softmax_scale=0.1, layout_checked=True)
                 out[f"fwd-mma/d{hd}/{'causal' if causal else 'full'}/{dtype}/d{d}"] = call
 
+    # --- forward: wgmma (fp16 / bf16 on sm_90) ---------------------------------------------
+    for (hd, causal) in sorted(configs.MMA_WGMMA):
+        for dtype in ("float16", "bfloat16"):
+            for d in (hd, hd - 4):
+                def call(hd=hd, causal=causal, dtype=dtype, d=d):
+                    from numba_flash.kernels import wgmma_forward
+
+                    view, q, k, v = qkv(dtype, d)
+                    out_, lse = view(q.shape, storage[dtype]), view(q.shape[:3], "float32")
+                    wgmma_forward.launch(q, k, v, out_, lse, configs.MMA_WGMMA[hd, causal], causal=causal,
+                                         softmax_scale=0.1, layout_checked=True)
+                out[f"fwd-wgmma/d{hd}/{'causal' if causal else 'full'}/{dtype}/d{d}"] = call
+
     # --- forward: tf32x3 and tf32 (fp32 on tensor cores) ------------------------------------
     for (hd, causal) in sorted(configs.TF32_TABLE):
         for passes in (3, 1):
@@ -185,6 +198,14 @@ def cases() -> dict:
             mma_forward.launch(a["q"], a["k"], a["v"], a["out"], a["lse"], api.mma_config(hd, causal), causal=causal,
                                softmax_scale=0.1, layout_checked=True, varlen=varlen)
         out[f"fwd-mma-varlen/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
+
+        def call(hd=hd, causal=causal, dtype=dtype):
+            from numba_flash.kernels import wgmma_forward
+
+            a, varlen = varlen_arrays(dtype, hd, 0)
+            wgmma_forward.launch(a["q"], a["k"], a["v"], a["out"], a["lse"], configs.MMA_WGMMA[hd, causal],
+                                 causal=causal, softmax_scale=0.1, layout_checked=True, varlen=varlen)
+        out[f"fwd-wgmma-varlen/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
     for target, hd, causal, scheme in (("sm90", 128, True, "splits"), ("sm90", 128, True, "atomic"),
                                        ("sm90", 64, False, "kernel"), ("sm80", 128, True, "atomic")):
         def call(hd=hd, causal=causal, scheme=scheme):
@@ -283,6 +304,8 @@ def cases() -> dict:
 # The CI subset: one or two cases of every family and build kind (the full set takes ~N minutes)
 CI_PATTERNS = (
     r"^fwd-mma/d(64|128)/(full|causal)/float16/d(64|128)$", r"^fwd-mma/d128/causal/bfloat16/d124$",
+    r"^fwd-mma/d256/causal/bfloat16/d256$", r"^fwd-wgmma/d(128|256)/(full|causal)/float16/d(128|256)$",
+    r"^fwd-wgmma/d64/causal/bfloat16/d60$", r"^fwd-wgmma-varlen/d128/causal/bfloat16$",
     r"^fwd-tf32x3/d(64|128)/(full|causal)/float32/rn$", r"^fwd-tf32x1/d128/full/float32/rn$",
     r"^fwd-tf32x3/d32/full/float32/rna$",
     r"^fwd-simt/d(64|256)/causal/float32$", r"^fwd-simt/d128/full/bfloat16$",

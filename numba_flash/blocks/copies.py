@@ -5,7 +5,10 @@ ldmatrix phase hits 8 distinct bank groups) and wgmma's 128-byte-swizzled column
 an atom, 1024-byte aligned). A thread's copy plan is computed once per kernel; a whole tile then
 costs one add per copy, and only a sequence's last tile pays for row clamps.
 """
+import numpy as np
 from numba import cuda, int32
+
+from ..launch import address
 
 from .. import ptx
 from ..ptx import inline_device
@@ -133,3 +136,25 @@ def tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK=False, ATOM_ROWS=0):
                 copy16(smem, dst, src, src_off, col_bytes if row < n_rows else 0)
 
     return swizzle, load_tile, copy_plan, load_tile_fast
+
+
+_F16, _WORD, _F32 = np.dtype(np.float16), np.dtype(np.uint16), np.dtype(np.float32)
+
+
+def check_layout(q, k, v, out, lse, d, HEAD_DIM):
+    """The layout the 16-bit forward kernels' cp.async copies need (mma_forward, wgmma_forward), on the host."""
+    if d > HEAD_DIM:
+        raise ValueError(f"head dim {d} > HEAD_DIM={HEAD_DIM}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"H={q.shape[1]} is not a multiple of Hkv={k.shape[1]}")
+    if len({x.dtype for x in (q, k, v, out)}) != 1 or q.dtype not in (_F16, _WORD):
+        raise ValueError(f"q, k, v, out must share dtype float16 or uint16 (bf16 bits); got {[x.dtype for x in (q, k, v, out)]}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if x.strides[-1] != 2:
+            raise ValueError(f"{name}: last dim must have unit stride, strides are {x.strides}")
+        if name != "out" and any(s % 16 for s in x.strides[:-1]):
+            raise ValueError(f"{name}: strides {x.strides} (bytes) must be multiples of 16 for cp.async; pad the rows")
+        if name != "out" and address(x) % 16:
+            raise ValueError(f"{name}: data pointer is not 16-byte aligned")
+    if lse.dtype != _F32:
+        raise ValueError(f"lse must be float32, got {lse.dtype}")

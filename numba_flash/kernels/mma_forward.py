@@ -65,7 +65,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..tiles import Tile
 from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_key
-from ..blocks.copies import copy_threads, tile_copies
+from ..blocks.copies import check_layout, copy_threads, tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
 from ..blocks.numerics import LOG2E
@@ -75,7 +75,7 @@ from ..jit_cache import compile_kernel
 DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
 FLAGS = ("grid_bh_x", "smem_epilogue", "warp_skip")
 STAGES = 2  # (K, V) buffers: every shipped tile double-buffers
-WORD, F16, F32 = np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32)
+WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which select the bf16 build)
 
 
 def kernel_signature(mods: Mods = NO_MODS, varlen: bool = False):
@@ -520,7 +520,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
         n_q, n_k = int(varlen[2]), int(varlen[3])
     dtype = "bfloat16" if q.dtype == WORD else "float16"
     if not layout_checked:  # numba_flash.forward has checked strides and alignment already
-        _check_layout(q, k, v, out, lse, d, tile.head_dim)
+        check_layout(q, k, v, out, lse, d, tile.head_dim)
     if B * H * n_q == 0:
         return
     if not softmax_scale > 0:
@@ -545,22 +545,3 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
         extra["varlen"] = True  # passed only when on: the dense builds keep their cache key
     launch_kernel(build(tile, bool(causal), dtype, d % 8 != 0, mods, **extra), grid, threads(tile), stream,
                   smem_bytes(tile), *args)
-
-
-
-def _check_layout(q, k, v, out, lse, d, HEAD_DIM):
-    if d > HEAD_DIM:
-        raise ValueError(f"head dim {d} > HEAD_DIM={HEAD_DIM}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"H={q.shape[1]} is not a multiple of Hkv={k.shape[1]}")
-    if len({x.dtype for x in (q, k, v, out)}) != 1 or q.dtype not in (F16, WORD):
-        raise ValueError(f"q, k, v, out must share dtype float16 or uint16 (bf16 bits); got {[x.dtype for x in (q, k, v, out)]}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if x.strides[-1] != 2:
-            raise ValueError(f"{name}: last dim must have unit stride, strides are {x.strides}")
-        if name != "out" and any(s % 16 for s in x.strides[:-1]):
-            raise ValueError(f"{name}: strides {x.strides} (bytes) must be multiples of 16 for cp.async; pad the rows")
-        if name != "out" and address(x) % 16:
-            raise ValueError(f"{name}: data pointer is not 16-byte aligned")
-    if lse.dtype != F32:
-        raise ValueError(f"lse must be float32, got {lse.dtype}")

@@ -41,7 +41,7 @@ from ..launch import unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..tiles import Tile
-from ..blocks.copies import copy_threads, tile_copies
+from ..blocks.copies import check_layout, copy_threads, tile_copies
 from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_key
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
@@ -303,16 +303,16 @@ def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mod
                           kernel_source(tile, bool(causal), dtype, bool(partial_chunk), mods, varlen))
 
 
-def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mods=NO_MODS, window=(0, 0),
-           softcap=0.0, alibi=None, varlen=None):
-    """Run the wgmma forward on device arrays the caller has validated (numba_flash.forward: layout, dtypes,
-    strides and alignment as mma_forward.launch needs them). Arguments as mma_forward.launch's."""
+def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, layout_checked=False, mods=NO_MODS,
+           window=(0, 0), softcap=0.0, alibi=None, varlen=None):
+    """Run the wgmma forward on device arrays; arguments as mma_forward.launch's (the layout its cp.async copies
+    need, checked unless layout_checked). O is stored from the fragments (no shared-memory epilogue)."""
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
     if varlen is not None:
         n_q, n_k = int(varlen[2]), int(varlen[3])
-    if d > tile.head_dim:
-        raise ValueError(f"head dim {d} > the tile's {tile.head_dim}")
+    if not layout_checked:
+        check_layout(q, k, v, out, lse, d, tile.head_dim)
     if B * H * n_q == 0:
         return
     if not softmax_scale > 0:

@@ -510,10 +510,11 @@ def test_explain_names_the_shipped_variants(rng):
     """explain lists each flag configs.MMA_TABLE ships for the shape (and none it does not), and what every
     mma tile does."""
     import numba_flash
-    from numba_flash.api import _MMA_ALWAYS, _VARIANT_WORDS
+    from numba_flash.api import _MMA_ALWAYS, _VARIANT_WORDS, mma_config
     from numba_flash.configs import MMA_TABLE
 
-    for (d, causal), tile in MMA_TABLE.items():
+    for d, causal in MMA_TABLE:
+        tile = mma_config(d, causal)  # MMA_TABLE's, or on sm_90 MMA_WGMMA's
         q = rng.standard_normal((1, 2, 64, d)).astype(np.float16)
         text = numba_flash.explain(q, q, q, causal=causal)
         assert text.startswith("mma:"), text

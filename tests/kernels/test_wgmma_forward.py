@@ -34,6 +34,23 @@ def test_wgmma_forward_sim(d, dtype, causal, tile):
     assert_close(*r, dtype)
 
 
+@in_simulator
+def test_sm90_forward_takes_the_wgmma_tiles(rng):
+    """Where wgmma exists (sm_90, and the simulator's twins), forward's fp16 / bf16 tiles are MMA_WGMMA's, explain
+    says so, and every one of them can be built; mma.sync's stay for the head dims MMA_WGMMA lacks."""
+    import numpy as np
+
+    from numba_flash import api
+    from numba_flash.configs import MMA_TABLE, MMA_WGMMA
+
+    assert set(MMA_WGMMA) == set(MMA_TABLE)
+    for (hd, causal), tile in MMA_WGMMA.items():
+        assert api.mma_config(hd, causal) == tile and wgmma_forward.problems(tile, "bfloat16") == []
+    q = rng.standard_normal((1, 2, 64, 128)).astype(np.float16)
+    text = api.explain(q, q, q)
+    assert "wgmma.mma_async m64n128k16" in text and "2 warpgroups x 64 rows" in text, text
+
+
 def test_problems():
     assert wgmma_forward.problems(Tile(128, 128, 128, warps=8, stages=2), "float16") == []
     assert "warpgroups" in " ".join(wgmma_forward.problems(Tile(96, 64, 128, warps=6, stages=2), "float16"))
