@@ -7,15 +7,16 @@
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_case.py --case 31        # one case of --list
 
 The cases are derived from the shipped tables, so a new entry gets a case of its own:
-    forward   configs.MMA_TABLE (float16 and bfloat16), configs.TF32_TABLE (kernel 'tf32x3' and 'tf32'),
+    forward   configs.MMA_TABLE (float16 and bfloat16; what sm_80-89 run), configs.MMA_WGMMA (sm_90's wgmma
+              forward), configs.TF32_TABLE (kernel 'tf32x3' and 'tf32'),
               configs.SIMT_CONFIGS (kernel 'simt', every compiled head dim)
     backward  configs.MMA_BWD_TABLE (its dkdv + dq kernels: deterministic=True where dQ takes the dq kernel;
               its dkdv_atomic: deterministic=False, the atomic grid, and where flagged deterministic_splits,
               deterministic=True by the splits), configs.MMA_BWD_WGMMA (sm_90: the wgmma dkdv_atomic, atomic and
               splits), configs.TF32_BWD_TABLE (likewise, per head dim and causal), simt_backward.BACKWARD_CONFIGS
     decode    the warp-split and the block-wide kernel (kernels/decode.decode_config), one split and several
-On sm_90 backward.mma_config takes MMA_BWD_WGMMA's dkdv_atomic over MMA_BWD_TABLE's (ptx.current_wgmma); the
-mma.sync cases turn that off for their call (they are what sm_80-89 GPUs run), the wgmma cases need it (they are
+On sm_90 api.mma_config takes MMA_WGMMA's tiles over MMA_TABLE's, and backward.mma_config MMA_BWD_WGMMA's
+dkdv_atomic over MMA_BWD_TABLE's (ptx.current_wgmma); the mma.sync cases turn that off for their call (they are what sm_80-89 GPUs run), the wgmma cases need it (they are
 skipped with a note on other GPUs). How dQ is formed also depends on the problem (backward.dq_scheme: too few
 blocks for the splits take the dq kernel), so each case takes the first of a few small shapes on which the API
 picks the build it is meant for; before running, each case checks that the API picks it (else it counts as
@@ -70,6 +71,7 @@ FAMILIES = ("forward", "backward", "decode")
 # What the cases cover, by name: every key of each must be covered (tests/tools/test_scripts.py checks it).
 TABLES = {
     "MMA_TABLE": configs.MMA_TABLE,
+    "MMA_WGMMA": configs.MMA_WGMMA,
     "TF32_TABLE": configs.TF32_TABLE,
     "SIMT_CONFIGS": configs.SIMT_CONFIGS,
     "MMA_BWD_TABLE": configs.MMA_BWD_TABLE,
@@ -78,7 +80,7 @@ TABLES = {
     "SIMT_BWD_CONFIGS": simt_backward.BACKWARD_CONFIGS,
     "DECODE": {(kind, splits): None for kind in ("warp_split", "block") for splits in ("one split", "splits")},
 }
-MMA_HEAD_DIMS, TF32_HEAD_DIMS = (64, 128), (32, 64, 128)  # the compiled head dims (api.mma_config, tf32.head_dim_for)
+MMA_HEAD_DIMS, TF32_HEAD_DIMS = tuple(configs.MMA_HEAD_DIMS), (32, 64, 128)  # compiled (api.mma_config, tf32.head_dim_for)
 # (B, H, Hkv, Nq, Nk): each case takes the first (from a rotating start) on which the API picks its build
 SHAPES = [(1, 2, 1, 150, 200), (2, 2, 1, 200, 130), (1, 4, 2, 70, 133), (1, 2, 1, 33, 20), (1, 1, 1, 20, 33),
           (1, 4, 1, 300, 260)]
@@ -98,7 +100,7 @@ class Case:
     build: str  # what runs, in words (the tile, the dQ scheme)
     deterministic: bool | None = None  # backward
     scheme: str | None = None  # backward tensor cores: the dQ scheme dq_scheme should pick
-    wgmma: bool | None = None  # backward mma: with sm_90's MMA_BWD_WGMMA overrides, or without
+    wgmma: bool | None = None  # mma: with sm_90's MMA_WGMMA / MMA_BWD_WGMMA overrides, or without
     splits: int | None = None  # decode: num_splits
     shape: tuple = ()  # (B, H, Hkv, Nq, Nk)
     lens: tuple | None = None  # decode: cache lengths
@@ -140,23 +142,25 @@ def _problem(case: Case, shape: tuple) -> Problem:
 
 @contextlib.contextmanager
 def wgmma_as(on: bool | None):
-    """backward.mma_config with (True) or without (False) sm_90's MMA_BWD_WGMMA overrides; None: as the GPU says."""
-    if on is None or on == ptx.current_wgmma():
+    """api.mma_config and backward.mma_config with (True) or without (False) sm_90's MMA_WGMMA / MMA_BWD_WGMMA
+    overrides; None: as the GPU says."""
+    if on is None:
         yield
         return
-    saved = bwd.current_wgmma
-    bwd.current_wgmma = lambda: on
+    saved = bwd.current_wgmma, api._wgmma_here
+    bwd.current_wgmma = api._wgmma_here = lambda: on
     try:
         yield
     finally:
-        bwd.current_wgmma = saved
+        bwd.current_wgmma, api._wgmma_here = saved
 
 
 def picks(case: Case, shape: tuple) -> str:
     """What the API runs for this case on this shape, compared with the case's build: "" when it is the one."""
     p = _problem(case, shape)
     if case.family == "forward":
-        family, cfg, _ = api.choose_kernel(p, case.kernel)
+        with wgmma_as(case.wgmma):
+            family, cfg, _ = api.choose_kernel(p, case.kernel)
         table, key = case.covers[0]
         return "" if family == case.kernel and cfg == TABLES[table][key] else f"{family} {cfg}"
     if case.family == "decode":
@@ -205,10 +209,11 @@ def _place(case: Case, start: int) -> Case:
 
 def forward_cases() -> list[Case]:
     out = []
-    for (hd, causal), tile in sorted(configs.MMA_TABLE.items()):
-        for dtype in ("float16", "bfloat16"):  # one build each; float16 with a padded head dim
-            d = _padded(hd, _below(hd, MMA_HEAD_DIMS), 8) if dtype == "float16" else hd
-            out.append(Case("forward", "mma", dtype, d, causal, [("MMA_TABLE", (hd, causal))], str(tile)))
+    for table, wgmma in (("MMA_TABLE", False), ("MMA_WGMMA", True)):  # mma.sync (sm_80-89), wgmma (sm_90)
+        for (hd, causal), tile in sorted(TABLES[table].items()):
+            for dtype in ("float16", "bfloat16"):  # one build each; float16 with a padded head dim
+                d = _padded(hd, _below(hd, MMA_HEAD_DIMS), 8) if dtype == "float16" else hd
+                out.append(Case("forward", "mma", dtype, d, causal, [(table, (hd, causal))], str(tile), wgmma=wgmma))
     for kernel in ("tf32x3", "tf32"):
         for (hd, causal), tile in sorted(configs.TF32_TABLE.items()):
             d = _padded(hd, _below(hd, TF32_HEAD_DIMS), 4) if causal else hd
@@ -222,9 +227,11 @@ def forward_cases() -> list[Case]:
         out.append(Case("forward", "simt", dtype, d, bool(i % 2), [("SIMT_CONFIGS", hd)],
                         f"{cfg.block_q}x{cfg.block_k} {cfg.threads} threads d{hd}"))
     # the variants (blocks/mods.py): window, softcap and ALiBi builds of the shipped tiles
-    for hd, causal, dtype, mods in ((64, True, "float16", MODS_ALL), (128, False, "bfloat16", MODS_WINDOW)):
-        out.append(Case("forward", "mma", dtype, hd, causal, [("MMA_TABLE", (hd, causal))],
-                        f"{configs.MMA_TABLE[hd, causal]} with {', '.join(mods)}", mods=dict(mods)))
+    for table, wgmma in (("MMA_TABLE", False), ("MMA_WGMMA", True)):
+        for hd, causal, dtype, mods in ((64, True, "float16", MODS_ALL), (128, False, "bfloat16", MODS_WINDOW),
+                                        (256, True, "bfloat16", MODS_ALL)):
+            out.append(Case("forward", "mma", dtype, hd, causal, [(table, (hd, causal))],
+                            f"{TABLES[table][hd, causal]} with {', '.join(mods)}", mods=dict(mods), wgmma=wgmma))
     for hd, causal, dtype, mods in ((64, True, "float32", MODS_ALL), (256, False, "float16", MODS_WINDOW)):
         cfg = configs.SIMT_CONFIGS[hd]
         out.append(Case("forward", "simt", dtype, hd, causal, [("SIMT_CONFIGS", hd)],
@@ -347,7 +354,8 @@ def run_case(case: Case, rng) -> tuple[float, float]:
     if case.mods.get("alibi"):
         mods["alibi_slopes"] = (rng.random(H) * 0.3 + 0.05).astype(np.float32)
     if case.family == "forward":
-        out, _ = numba_flash.forward(q, k, v, causal=case.causal, kernel=case.kernel, **mods)
+        with wgmma_as(case.wgmma):
+            out, _ = numba_flash.forward(q, k, v, causal=case.causal, kernel=case.kernel, **mods)
         ref, _ = reference.standard_attention(q32, k32, v32, causal=case.causal, **mods)
         return _err(out, ref), FWD_TOL["tf32" if case.kernel == "tf32" else dt]
     if case.family == "decode":
@@ -372,7 +380,7 @@ def skip_reason(case: Case) -> str:
     if case.dtype == "bfloat16" and ml_dtypes is None:
         return "bfloat16 needs ml_dtypes (NumPy bf16), not installed"
     if case.wgmma and not ptx.current_wgmma():
-        return "the wgmma backward needs an sm_90 GPU"
+        return f"the wgmma {case.family} needs an sm_90 GPU"
     return ""
 
 
