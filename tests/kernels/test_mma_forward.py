@@ -545,6 +545,7 @@ def test_large_head_dims_fit_gpus_with_less_shared_memory(monkeypatch):
     from numba_flash.configs import MMA_SMALL_SMEM, MMA_TABLE
 
     api = importlib.import_module("numba_flash.api")
+    monkeypatch.setattr(api, "_wgmma_here", lambda: False)  # a GPU without wgmma (sm_80-89)
     assert api.mma_config(200, False) == MMA_TABLE[256, False] and api.mma_config(130, True) == MMA_TABLE[192, True]
     monkeypatch.setattr(api, "_device_smem", lambda: (99 * 1024, 100 * 1024))
     for (hd, causal), tile in MMA_SMALL_SMEM.items():

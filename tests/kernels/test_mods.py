@@ -277,8 +277,6 @@ def test_slopes_with_a_batch_axis_need_q_to_have_one():
 
 def test_causal_window_with_a_score_mod_takes_the_causal_tiles():
     """window (-1, 0) with softcap is the causal kind: the causal tile config, and explain says what runs."""
-    from numba_flash.configs import MMA_TABLE
-
     q, k, v, _ = _inputs(12, 1, 2, 1, 40, 40, 64)
     p = numba_flash.api.validate(q, k, v, window_size=(-1, 0), softcap=3.0)
-    assert numba_flash.api.choose_kernel(p)[1] == MMA_TABLE[64, True]
+    assert numba_flash.api.choose_kernel(p)[1] == numba_flash.api.mma_config(64, True)
