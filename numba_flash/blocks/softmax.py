@@ -124,3 +124,49 @@ def fragment_softmax(S_TILES: int, O_TILES: int, M_TILES: int = 1):
             l_i[mr] += exp_row(s, mr, m_or_zero(m_i[mr]), scale_log2)
 
     return tile_row_max, exp_row, quad_row_sum, step_lazy
+
+
+def fragment_softmax_deferred(S_TILES: int, O_TILES: int, M_TILES: int = 1):
+    """The lazy step split in two, for a kernel whose previous P·V product may still be running on acc (the
+    wgmma forward's overlap): (step_p, rescale_acc).
+
+        step_p(s, m_i, l_i, m_nw, alpha, scale_log2) -> bool   M moved, l_i scaled, P formed in s and summed;
+                                                               alpha[mr] = 2^(M_old - M_new) (1 where M held)
+        rescale_acc(acc, alpha)                                acc *= alpha, row by row, once acc has retired
+
+    The same recurrence as fragment_softmax's step_lazy, with the rescale of acc moved past the point where the
+    caller waits for the product that writes acc; step_p returns whether any row moved (else alpha is all 1)."""
+    ROWS_L = 2 * M_TILES
+    ex2 = ptx.ex2_approx
+    RESCALE = float32(RESCALE_LOG2)
+    tile_row_max, exp_row, _, _ = fragment_softmax(S_TILES, O_TILES, M_TILES)
+
+    @inline_device
+    def step_p(s, m_i, l_i, m_nw, alpha, scale_log2):
+        rescale = False
+        for mr in range(ROWS_L):
+            m_c = tile_row_max(s, mr) * scale_log2
+            m_nw[mr] = m_c if m_c > m_i[mr] + RESCALE else m_i[mr]
+            rescale |= m_nw[mr] != m_i[mr]
+        for mr in range(ROWS_L):
+            alpha[mr] = ONE
+        if rescale:
+            for mr in range(ROWS_L):
+                if m_nw[mr] != m_i[mr]:
+                    alpha[mr] = ex2(m_i[mr] - m_nw[mr])  # 0 where the row saw nothing before (acc, l_i are 0)
+                    l_i[mr] *= alpha[mr]
+                    m_i[mr] = m_nw[mr]
+        for mr in range(ROWS_L):
+            l_i[mr] += exp_row(s, mr, m_or_zero(m_i[mr]), scale_log2)
+        return rescale
+
+    @inline_device
+    def rescale_acc(acc, alpha):
+        for mr in range(ROWS_L):
+            half = mr & 1
+            a0_ = (mr >> 1) * O_TILES
+            for dt in range(O_TILES):
+                acc[a0_ + dt, 2 * half] *= alpha[mr]
+                acc[a0_ + dt, 2 * half + 1] *= alpha[mr]
+
+    return step_p, rescale_acc
