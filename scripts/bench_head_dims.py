@@ -9,7 +9,8 @@ Each row: TFLOP/s = 4·B·H·Nq·Nk·d / time (half for causal), time the median
 (numba_flash.bench.time_call); the kernel numba_flash ran (explain's first words); and the error of O against
 float64 attention on the first two heads of batch 0 (materialised on the GPU), beside the error of naive attention
 in the same dtype (the flash-attention rule: ours <= 2x naive + small). A backend that cannot run a case is
-recorded with its error message.
+recorded with its error message. --with-mma-sync adds, on an sm_90 GPU, each case on the mma.sync kernel
+(kernels/mma_forward.py, what sm_80-89 run) in the same process.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def reference_error(q, k, v, out, causal, scale):
     return (float((out[0, heads].double() - exact).abs().max()), float((naive - exact).abs().max()))
 
 
-def run_case(label, dtype, B, H, Hkv, N, d, causal, include_math):
+def run_case(label, dtype, B, H, Hkv, N, d, causal, include_math, with_mma_sync=False):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -100,8 +101,20 @@ def run_case(label, dtype, B, H, Hkv, N, d, causal, include_math):
         rows.append(row)
         torch.cuda.empty_cache()
 
-    why = numba_flash.explain(q, k, v, causal=causal)
-    record("numba_flash", lambda: numba_flash.forward(q, k, v, causal=causal), kernel=why.split(";")[0][:80])
+    from numba_flash import api, plans
+
+    _, cfg, _ = api.choose_kernel(api.validate(q, k, v, causal=causal))
+    record("numba_flash", lambda: numba_flash.forward(q, k, v, causal=causal), kernel=str(cfg))
+    if with_mma_sync and cfg.has("wgmma"):  # the same call on the mma.sync kernel sm_80-89 run (no plan replays it)
+        wgmma_here = api._wgmma_here
+        plans.set_enabled(False)
+        api._wgmma_here = lambda: False
+        try:
+            _, cfg_sync, _ = api.choose_kernel(api.validate(q, k, v, causal=causal))
+            record("numba_flash mma.sync", lambda: numba_flash.forward(q, k, v, causal=causal), kernel=str(cfg_sync))
+        finally:
+            api._wgmma_here = wgmma_here
+            plans.set_enabled(True)
     for impl, backend in bench.sdpa_backends().items():
         if impl == "sdpa-math" and not include_math:
             continue
@@ -122,7 +135,7 @@ def run_case(label, dtype, B, H, Hkv, N, d, causal, include_math):
 
 def markdown(result):
     meta = result["meta"]
-    impls = ["numba_flash", "sdpa-default", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math"]
+    impls = ["numba_flash", "numba_flash mma.sync", "sdpa-default", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math"]
     lines = [f"# Forward across head dims\n\nGPU: {meta['gpu']}; date: {meta['date']}; command: `{meta['command']}`; "
              f"commit {meta['commit']}; torch {meta['torch']}.\n",
              "TFLOP/s (max |O - O_fp64| on two heads; naive same-dtype attention's error in the last column). "
@@ -154,6 +167,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default=None, help="regex: only cases whose label matches (re.search)")
+    ap.add_argument("--with-mma-sync", action="store_true",
+                    help="on sm_90, also time each case on the mma.sync kernel (what sm_80-89 GPUs run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
     args = ap.parse_args(argv)
     if not bench.gpu_available():
@@ -161,16 +176,16 @@ def main(argv=None):
     import re
 
     command = "python scripts/bench_head_dims.py" + (" --quick" if args.quick else "") + \
-        (f" --cases '{args.cases}'" if args.cases else "")
+        (f" --cases '{args.cases}'" if args.cases else "") + (" --with-mma-sync" if args.with_mma_sync else "")
     result = {"meta": bench.metadata(command, simulator=False), "rows": []}
     for case in quick_cases() if args.quick else FULL:
         if args.cases and not re.search(args.cases, case[0]):
             continue
-        rows = run_case(*case, include_math=case[5] <= 2048 or args.quick)
+        rows = run_case(*case, include_math=case[5] <= 2048 or args.quick, with_mma_sync=args.with_mma_sync)
         result["rows"] += rows
         print(" | ".join(f"{r['impl']} {r['tflops']:.1f}" if r.get("tflops") else f"{r['impl']} —" for r in rows),
               f"<- {case[0]}", flush=True)
-    stem = os.path.join(args.out, f"head-dims-{dt.date.today().isoformat()}")
+    stem = os.path.join(args.out, f"head-dims-{dt.date.today().isoformat()}" + ("-mma-sync" if args.with_mma_sync else ""))
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
