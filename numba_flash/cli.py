@@ -219,6 +219,7 @@ class KernelFacts:
     roof: str  # the compute roof: "fp32" (CUDA-core FMA), "fp16"/"bf16"/"tf32"/"tf32x3" (tensor cores)
     jit: object = None  # () -> the compiled cuda.jit kernel (on a GPU)
     source: object = None  # () -> (python kernel, signature, fastmath) for cuda.compile_ptx
+    arch: str = "sm_90"  # the target of that source's ptxas -v (wgmma: sm_90a)
 
 
 def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
@@ -229,6 +230,14 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
         return KernelFacts(cfg.block_q, cfg.block_k, cfg.threads, cfg.smem_bytes, "fp32",
                            jit=lambda: m.make_forward_kernel(cfg, causal, dtype),
                            source=lambda: (m.kernel_source(cfg, causal, dtype), m.kernel_signature(dtype), m.FASTMATH))
+    if family == "mma" and cfg.has("wgmma"):  # sm_90's forward (api.mma_config's MMA_WGMMA tiles)
+        from numba_flash.kernels import wgmma_forward as m
+
+        return KernelFacts(cfg.block_q, cfg.block_k, m.threads(cfg), m.smem_bytes(cfg),
+                           "bf16" if dtype == "bfloat16" else "fp16",
+                           jit=lambda: m.build(cfg, bool(causal), dtype),
+                           source=lambda: (m.kernel_source(cfg, causal, dtype), m.kernel_signature(), None),
+                           arch="sm_90a")
     if family == "mma":
         from numba_flash.kernels import mma_forward as m
 
@@ -268,14 +277,15 @@ def kernel_resources(facts: KernelFacts) -> dict | str:
         if ptxas is None:
             return "n/a without GPU (and no ptxas to ask)"
         kernel, signature, fastmath = facts.source()
+        cc = (9, 0, "a") if facts.arch == "sm_90a" else (9, 0)
         with _compile_for_sm90_without_gpu():
-            ptx, _ = cuda.compile_ptx(kernel, signature, cc=(9, 0), fastmath=fastmath or False)
+            ptx, _ = cuda.compile_ptx(kernel, signature, cc=cc, fastmath=fastmath or False)
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "k.ptx")
             Path(src).write_text(ptx)
-            proc = subprocess.run([ptxas, "-arch=sm_90", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+            proc = subprocess.run([ptxas, f"-arch={facts.arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
                                   capture_output=True, text=True, timeout=300)
-        return {**parse_ptxas(proc.stderr + proc.stdout), "source": "ptxas -v for sm_90 (no GPU here)"}
+        return {**parse_ptxas(proc.stderr + proc.stdout), "source": f"ptxas -v for {facts.arch} (no GPU here)"}
     except Exception as e:  # no NVVM, a ptxas failure: the rest of explain still stands
         first = (str(e).strip().splitlines() or [""])[0][:120]
         return f"n/a (compiling failed: {type(e).__name__}: {first})"

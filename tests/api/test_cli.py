@@ -144,10 +144,10 @@ def test_explain_names_kernel_config_and_costs(tmp_path, dtype):
     assert f"config: {cli._config_line(cfg)}" in out
     assert f"shared memory: {facts.smem_bytes} B per block" in out
     if family == "mma":  # the shipped kernel's, K/V stages included (not a variant-free build's)
-        from numba_flash.configs import MMA_TABLE
-        from numba_flash.kernels import mma_forward
+        from numba_flash.kernels import mma_forward, wgmma_forward
 
-        assert facts.smem_bytes == mma_forward.smem_bytes(MMA_TABLE[128, False])
+        tile = api.mma_config(128, False)  # MMA_TABLE's, or where wgmma exists (the simulator too) MMA_WGMMA's
+        assert facts.smem_bytes == (wgmma_forward if tile.has("wgmma") else mma_forward).smem_bytes(tile)
     assert f"grid: {-(-4096 // facts.block_q)} Q tiles × 16" in out
     # one warp per 16·M_TILES query rows (the SIMT block is its thread grid)
     threads = (32 * cfg.warps if family == "mma" else 32 * cfg.block_q // 16 if family == "tf32x3" else cfg.threads)

@@ -207,8 +207,10 @@ def test_sanitize_cases_cover_every_shipped_table_entry():
     assert all(c.shape[1] != c.shape[2] for c in cases if c.family == "decode")
     assert any(c.shape[1] != c.shape[2] for c in back) and all(c.shape[3] != c.shape[4] for c in cases)
     assert {c.kernel for c in cases if c.family == "forward"} == {"mma", "tf32x3", "tf32", "simt"}
-    # the check itself: a case list without the wgmma cases leaves MMA_BWD_WGMMA uncovered
-    assert set(sanitize.missing([c for c in cases if not c.wgmma])) == {"MMA_BWD_WGMMA"}
+    assert all(c.wgmma for c in cases if any(n == "MMA_WGMMA" for n, _ in c.covers))
+    assert all(c.wgmma is False for c in cases if any(n == "MMA_TABLE" for n, _ in c.covers))
+    # the check itself: a case list without the wgmma cases leaves MMA_WGMMA and MMA_BWD_WGMMA uncovered
+    assert set(sanitize.missing([c for c in cases if not c.wgmma])) == {"MMA_WGMMA", "MMA_BWD_WGMMA"}
 
 
 def test_sanitize_list_runs_without_a_gpu(tmp_path):
