@@ -51,7 +51,7 @@ BF16 = "bf16 B1H16 N16384 d128"
 D192, D192C = "f16 B4H16 N4096 d192", "f16 B4H16 N4096 d192 causal"
 D256, D256C = "f16 B4H16 N4096 d256", "f16 B4H16 N4096 d256 causal"
 BF16_256 = "bf16 B4H16 N4096 d256"
-WORDS = {"grid": "grid_bh_x", "epi": "smem_epilogue", "skip": "warp_skip", "ov": "overlap"}
+WORDS = {"grid": "grid_bh_x", "epi": "smem_epilogue", "skip": "warp_skip"}
 
 
 def family(cfg):
@@ -91,10 +91,6 @@ VARIANTS = {
         ("wg 64x128", wg(128, 64, 128), D128_FIRST),
         ("wg 128x128 grid", wg(128, 128, 128, "grid"), D128C),
         ("wg 128x64 grid", wg(128, 128, 64, "grid"), D128C),
-        ("wg 128x128 ov", wg(128, 128, 128, "ov"), (D128_FIRST, BF16)),
-        ("wg 128x64 ov", wg(128, 128, 64, "ov"), (D128_FIRST, BF16)),
-        ("wg 128x64 grid+ov", wg(128, 128, 64, "grid+ov"), D128C),
-        ("wg 128x128 grid+ov", wg(128, 128, 128, "grid+ov"), D128C),
     ],
     # "wg": kernels/wgmma_forward.py (sm_90), two warpgroups of 64 rows unless 64 rows
     # d = 192 and 256: one m-tile per warp (acc alone is d / 2 fp32 per lane); "pad256" runs d = 192 on the d = 256 build
@@ -113,8 +109,6 @@ VARIANTS = {
         ("wg 128x64", wg(192, 128, 64), D192),
         ("wg 128x96 grid", wg(192, 128, 96, "grid"), D192C),
         ("wg 128x64 grid", wg(192, 128, 64, "grid"), D192C),
-        ("wg 128x64 ov", wg(192, 128, 64, "ov"), D192),
-        ("wg 128x64 grid+ov", wg(192, 128, 64, "grid+ov"), D192C),
     ],
     256: [
         ("128x64 8w epi", tile(256, 128, 64, 1, "epi"), (D256, BF16_256)),
@@ -132,8 +126,6 @@ VARIANTS = {
         ("wg 64x64", wg(256, 64, 64), D256),
         ("wg 128x64 grid", wg(256, 128, 64, "grid"), D256C),
         ("wg 128x80 grid", wg(256, 128, 80, "grid"), D256C),
-        ("wg 128x64 ov", wg(256, 128, 64, "ov"), (D256, BF16_256)),
-        ("wg 128x64 grid+ov", wg(256, 128, 64, "grid+ov"), D256C),
     ],
     64: [
         ("128x64 mt2 epi", tile(64, 128, 64, 2, "epi"), D64),  # shipped non-causal
@@ -153,9 +145,6 @@ VARIANTS = {
         ("wg 128x64", wg(64, 128, 64), D64),
         ("wg 128x128 grid", wg(64, 128, 128, "grid"), D64C),
         ("wg 128x64 grid", wg(64, 128, 64, "grid"), D64C),
-        ("wg 128x64 ov", wg(64, 128, 64, "ov"), D64),
-        ("wg 128x128 ov", wg(64, 128, 128, "ov"), D64),
-        ("wg 128x64 grid+ov", wg(64, 128, 64, "grid+ov"), D64C),
     ],
 }
 

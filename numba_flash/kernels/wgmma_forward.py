@@ -24,11 +24,7 @@ What this kernel does not do yet (FA3's further steps, hopper/): TMA loads by a 
 ping-pong scheduling of the warpgroups and the softmax of tile j under the Q·Kᵀ of tile j + 1; here the two
 warpgroups overlap each other only as the warp schedulers interleave them.
 
-Flags (``tile.flags``): grid_bh_x as mma_forward's (the heaviest causal Q tiles of every head first);
-overlap (FA3's intra-warpgroup pipelining): S_{j+1} = Q·K_{j+1}ᵀ is issued before the softmax of tile j and
-P_j·V_j is left running into the next tile, so the tensor cores work under the softmax; the rescale of O by
-alpha_j waits for P_{j-1}·V_{j-1} (blocks/softmax.py's fragment_softmax_deferred). It holds two S tiles in
-registers, K two tiles ahead and V in three buffers (the one P·V still reads, the next, the one loading).
+Flags (``tile.flags``): grid_bh_x as mma_forward's (the heaviest causal Q tiles of every head first).
 """
 from __future__ import annotations
 
@@ -50,10 +46,10 @@ from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_key
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
 from ..blocks.numerics import LOG2E
-from ..blocks.softmax import fragment_softmax, fragment_softmax_deferred, row_lse
+from ..blocks.softmax import fragment_softmax, row_lse
 
 DTYPES = ("float16", "bfloat16")
-FLAGS = ("wgmma", "grid_bh_x", "overlap")  # wgmma: names this family in the shared configs (changes nothing here)
+FLAGS = ("wgmma", "grid_bh_x")  # wgmma: names this family in the shared configs (it changes nothing here)
 STAGES = 2
 HEAD_DIMS = (64, 128, 192, 256)
 WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which select the bf16 build)
@@ -77,10 +73,8 @@ def threads(tile: Tile) -> int:
 
 
 def smem_bytes(tile: Tile) -> int:
-    """The Q tile and two (K, V) pairs (overlap: two K and three V tiles), 16-bit words (each a whole number of
-    1024-byte atoms' rows)."""
-    kv_tiles = 5 if tile.has("overlap") else 2 * STAGES
-    return 2 * tile.head_dim * (tile.block_q + kv_tiles * tile.block_k)
+    """The Q tile and two (K, V) pairs, 16-bit words (each a whole number of 1024-byte atoms' rows)."""
+    return 2 * tile.head_dim * (tile.block_q + 2 * STAGES * tile.block_k)
 
 
 def problems(tile: Tile, dtype: str) -> list:
@@ -116,7 +110,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     WINDOW, SOFTCAP, ALIBI = bool(mods.window), bool(mods.softcap), bool(mods.alibi)
     SCORE_MODS = SOFTCAP or ALIBI
     CAUSAL = bool(causal) and not WINDOW
-    GRID_BH_X, OVERLAP = tile.has("grid_bh_x"), tile.has("overlap")
+    GRID_BH_X = tile.has("grid_bh_x")
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
     Q_COPIES = BLOCK_Q * CHUNKS // copy_threads(HEAD_DIM, THREADS)
@@ -128,12 +122,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     SQ, SK = 0, BLOCK_Q * HEAD_DIM  # word offsets: Q | K0 | V0 | K1 | V1
     SV = SK + BLOCK_K * HEAD_DIM
     KV_WORDS = 2 * BLOCK_K * HEAD_DIM  # from one (K, V) pair to the other
-    TILE_WORDS = BLOCK_K * HEAD_DIM  # overlap: Q | K0 | K1 | V0 | V1 | V2
-    OK0, OV0 = BLOCK_Q * HEAD_DIM, BLOCK_Q * HEAD_DIM + 2 * TILE_WORDS
     mma_s = ptx.wgmma(BLOCK_K, dtype)
     mma_o = ptx.wgmma(HEAD_DIM, dtype, trans_b=True, a_regs=True)
     hold_s, hold_o = ptx.wgmma_hold(BLOCK_K), ptx.wgmma_hold(HEAD_DIM)
-    wait0, wait1 = ptx.wgmma_wait(0), ptx.wgmma_wait(1)
+    wait0 = ptx.wgmma_wait(0)
     fence, commit, fence_async = ptx.wgmma_fence, ptx.wgmma_commit, ptx.fence_proxy_async
     K_MAJOR = ptx.wgmma_desc_bits(16)  # Q, K: the reduction (head dim) along the rows; LBO unused
     V_MN = ptx.wgmma_desc_bits(BLOCK_K * 128)  # V: the reduction (keys) down the rows; LBO = one atom
@@ -153,68 +145,36 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     window_tile = fragment_window(BLOCK_K, 1)
     mod_tile = fragment_mods(mods, BLOCK_K, 1)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, 1)
-    step_p, rescale_acc = fragment_softmax_deferred(S_TILES, O_TILES, 1)
 
     @inline_device
-    def issue_s(smem, s, q16, k16):
-        """s = Q_wg K_jᵀ issued as one commit group, not waited for (overlap)."""
+    def product_s(smem, s, q16, k16):
+        """s = Q_wg K_jᵀ (both K-major: rows of the head dim), one commit group, waited for."""
         fence()
         for kk in range(QK_STEPS):
             a = K_MAJOR + q16 + (kk >> 2) * Q_ATOM16 + (kk & 3) * 2
             b = K_MAJOR + k16 + (kk >> 2) * KV_ATOM16 + (kk & 3) * 2
             mma_s(smem, s, a, b, 1 if kk > 0 else 0)
         commit()
+        wait0()
+        hold_s(s)
 
     @inline_device
-    def pack_p(a_p, s):
-        """P's A fragments from the S accumulators (k-step kk from n-tiles 2kk, 2kk + 1)."""
+    def product_o(smem, acc, s, v16):
+        """acc += P V_j: P re-packed from s (k-step kk from n-tiles 2kk, 2kk + 1), every A word before the fence
+        (an A register written after wgmma.fence is undefined); waited for."""
+        a_p = cuda.local.array((PV_STEPS, 4), uint32)
         for kk in range(PV_STEPS):
             nt = 2 * kk
             a_p[kk, 0] = pack(s[nt, 0], s[nt, 1])
             a_p[kk, 1] = pack(s[nt, 2], s[nt, 3])
             a_p[kk, 2] = pack(s[nt + 1, 0], s[nt + 1, 1])
             a_p[kk, 3] = pack(s[nt + 1, 2], s[nt + 1, 3])
-
-    @inline_device
-    def issue_o(smem, acc, a_p, v16):
-        """acc += P V_j issued as one commit group, not waited for (overlap): a_p and acc stay untouched until a
-        wait retires it."""
         fence()
         for kk in range(PV_STEPS):
             mma_o(smem, acc, a_p[kk, 0], a_p[kk, 1], a_p[kk, 2], a_p[kk, 3], V_MN + v16 + kk * ROWS16_16, 1)
         commit()
-
-    @inline_device
-    def product_s(smem, s, q16, k16):
-        """s = Q_wg K_jᵀ (both K-major: rows of the head dim), waited for."""
-        issue_s(smem, s, q16, k16)
-        wait0()
-        hold_s(s)
-
-    @inline_device
-    def product_o(smem, acc, s, v16):
-        """acc += P V_j, P re-packed from s (every A word before the fence: an A register written after
-        wgmma.fence is undefined), waited for."""
-        a_p = cuda.local.array((PV_STEPS, 4), uint32)
-        pack_p(a_p, s)
-        issue_o(smem, acc, a_p, v16)
         wait0()
         hold_o(acc)
-
-    @inline_device
-    def score_rules(s, k0, k1, row_w, n_k, shift, left, right, cap_a, cap_b, slope, g, t):
-        """The mods (before the mask) and the mask of tile k0 .. k1 - 1 on the warp's S fragments (raw scores)."""
-        if SCORE_MODS:
-            mod_tile(s, k0, row_w, shift, g, t, cap_a, cap_b, slope)
-        if WINDOW:
-            if window_edge(k0, k1, row_w, n_k, shift, left, right):
-                window_tile(s, k0, row_w, n_k, shift, left, right, g, t)
-        else:
-            needs_mask = k1 > n_k
-            if CAUSAL:
-                needs_mask = needs_mask or (k1 - 1 > row_w + shift)
-            if needs_mask:
-                mask_tile(s, k0, row_w, n_k, shift, g, t)
 
     @inline_device
     def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale,
@@ -262,16 +222,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         q_src, q_stride, _, q_dst = q_plan(q, b, h, d)
         load_q(smem, SQ, q, q_src + (q_base + q0) * q_stride, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         if n_tiles > j_first:
-            load_kv(smem, OK0 if OVERLAP else SK, k, k_next, k_stride, col_bytes, kv_dst, j_first * BLOCK_K, n_k,
-                    KV_COPIES)
-            load_kv(smem, OV0 if OVERLAP else SV, v, v_next, v_stride, col_bytes, kv_dst, j_first * BLOCK_K, n_k,
-                    KV_COPIES)
+            load_kv(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, j_first * BLOCK_K, n_k, KV_COPIES)
+            load_kv(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, j_first * BLOCK_K, n_k, KV_COPIES)
             k_next += k_step
             v_next += v_step
-        if OVERLAP and n_tiles > j_first + 1:  # K runs two tiles ahead
-            load_kv(smem, OK0 + TILE_WORDS, k, k_next, k_stride, col_bytes, kv_dst, (j_first + 1) * BLOCK_K, n_k,
-                    KV_COPIES)
-            k_next += k_step
         cp_commit()
 
         s = cuda.local.array((S_TILES, 4), float32)
@@ -287,77 +241,35 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
         n_tiles = int32(n_tiles)
         last_tile = int32(n_tiles - 1)
-        if OVERLAP:
-            s_next = cuda.local.array((S_TILES, 4), float32)
-            a_p = cuda.local.array((PV_STEPS, 4), uint32)
-            alpha = cuda.local.array(2, float32)
-            m_nw = cuda.local.array(2, float32)
-            j_first = int32(j_first)
-            if n_tiles > j_first:  # S of the first tile
-                cp_wait(0)
-                fence_async()
-                cuda.syncthreads()
-                issue_s(smem, s, q16, base16 + (OK0 >> 3))
-                wait0()
-                hold_s(s)
-            for j in range(j_first, n_tiles):
-                i = j - j_first
-                k0 = int32(j * BLOCK_K)
-                k1 = int32(k0 + BLOCK_K)
-                # K_{j+1} and V_j landed and visible; every warpgroup retired S_j and P_{j-2}·V_{j-2}
-                cp_wait(0)
-                fence_async()
-                cuda.syncthreads()
-                if j + 2 < n_tiles:  # K_{j+2} into K_j's buffer
-                    load_kv(smem, OK0 + (i & 1) * TILE_WORDS, k, k_next, k_stride, col_bytes, kv_dst, k1 + BLOCK_K,
-                            n_k, KV_COPIES)
-                    k_next += k_step
-                if j < last_tile:  # V_{j+1} into V_{j-2}'s (P_{j-1}·V_{j-1} may still read its own)
-                    load_kv(smem, OV0 + ((i + 1) % 3) * TILE_WORDS, v, v_next, v_stride, col_bytes, kv_dst, k1, n_k,
-                            KV_COPIES)
-                    v_next += v_step
-                cp_commit()
-                if j < last_tile:  # S_{j+1} runs under this tile's softmax
-                    issue_s(smem, s_next, q16, base16 + ((OK0 + ((i + 1) & 1) * TILE_WORDS) >> 3))
-                score_rules(s, k0, k1, row_w, n_k, shift, left, right, cap_a, cap_b, slope, g, t)
-                moved = step_p(s, m_i, l_i, m_nw, alpha, scale_log2)
-                if j < last_tile:  # P_{j-1}·V_{j-1} (every group but the newest, S_{j+1}) retired: acc is free
-                    wait1()
-                else:
-                    wait0()
-                hold_o(acc)
-                if moved:
-                    rescale_acc(acc, alpha)
-                pack_p(a_p, s)
-                issue_o(smem, acc, a_p, base16 + ((OV0 + (i % 3) * TILE_WORDS) >> 3))
-                if j < last_tile:  # S_{j+1} landed; P_j·V_j stays in flight
-                    wait1()
-                    hold_s(s_next)
-                    for nt in range(S_TILES):
-                        for r in range(4):
-                            s[nt, r] = s_next[nt, r]
-            wait0()
-            hold_o(acc)
-        else:  # one product at a time, each waited for
-            for j in range(int32(j_first), n_tiles):
-                k0 = int32(j * BLOCK_K)
-                k1 = int32(k0 + BLOCK_K)
-                kv_buf = int32(((j - j_first) & 1) * KV_WORDS)
-                cp_wait(0)  # K_j, V_j (and Q) landed ...
-                fence_async()  # ... visible to wgmma's reads ...
-                cuda.syncthreads()  # ... for every thread; every warpgroup has retired tile j - 1's products
-                if j < last_tile:
-                    load_kv(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
-                    load_kv(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
-                    k_next += k_step
-                    v_next += v_step
-                cp_commit()
+        for j in range(int32(j_first), n_tiles):
+            k0 = int32(j * BLOCK_K)
+            k1 = int32(k0 + BLOCK_K)
+            kv_buf = int32(((j - j_first) & 1) * KV_WORDS)
+            cp_wait(0)  # K_j, V_j (and Q) landed ...
+            fence_async()  # ... visible to wgmma's reads ...
+            cuda.syncthreads()  # ... for every thread; every warpgroup has retired tile j - 1's products
+            if j < last_tile:
+                load_kv(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
+                load_kv(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
+                k_next += k_step
+                v_next += v_step
+            cp_commit()
 
-                product_s(smem, s, q16, base16 + ((SK + kv_buf) >> 3))
-                score_rules(s, k0, k1, row_w, n_k, shift, left, right, cap_a, cap_b, slope, g, t)
-                m_nw = cuda.local.array(2, float32)
-                softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
-                product_o(smem, acc, s, base16 + ((SV + kv_buf) >> 3))
+            product_s(smem, s, q16, base16 + ((SK + kv_buf) >> 3))
+            if SCORE_MODS:
+                mod_tile(s, k0, row_w, shift, g, t, cap_a, cap_b, slope)
+            if WINDOW:
+                if window_edge(k0, k1, row_w, n_k, shift, left, right):
+                    window_tile(s, k0, row_w, n_k, shift, left, right, g, t)
+            else:
+                needs_mask = k1 > n_k
+                if CAUSAL:
+                    needs_mask = needs_mask or (k1 - 1 > row_w + shift)
+                if needs_mask:
+                    mask_tile(s, k0, row_w, n_k, shift, g, t)
+            m_nw = cuda.local.array(2, float32)
+            softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
+            product_o(smem, acc, s, base16 + ((SV + kv_buf) >> 3))
 
         cp_wait(0)  # nothing in flight at exit
         for mr in range(2):

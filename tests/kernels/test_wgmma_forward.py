@@ -4,7 +4,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from numba import cuda
 
 from numba_flash.kernels import wgmma_forward
 from numba_flash.tiles import Tile
@@ -28,9 +27,6 @@ def run_wgmma(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=0, pad_to=None):
     (40, "bfloat16", True, Tile(128, 32, 64, warps=8, stages=2, flags={"grid_bh_x"})),  # two, padded d, causal
     (128, "float16", True, Tile(64, 32, 128, warps=4, stages=2)),  # two column atoms
     (100, "float16", False, Tile(64, 96, 128, warps=4, stages=2)),  # d % 8 != 0: a part-data chunk; 96-key tiles
-    # overlap: S_{j+1} under the softmax of j, P·V left in flight; 1 to 5 K/V tiles (the V ring wraps)
-    (64, "float16", True, Tile(64, 16, 64, warps=4, stages=2, flags={"overlap"})),  # Nq > Nk: 3 tiles a row sees
-    (128, "bfloat16", False, Tile(128, 32, 128, warps=8, stages=2, flags={"overlap", "grid_bh_x"})),
 ])
 def test_wgmma_forward_sim(d, dtype, causal, tile):
     r = run_wgmma(1, 2, 1, 70, 45, d, causal, dtype, tile, seed=d, pad_to=-(-d // 8) * 8 if d % 8 else None)
@@ -54,16 +50,6 @@ def test_sm90_forward_takes_the_wgmma_tiles(rng):
     assert "wgmma.mma_async m64n128k16" in text and "2 warpgroups x 64 rows" in text, text
 
 
-@in_simulator
-@pytest.mark.parametrize("n_k", [16, 33, 100])
-def test_overlap_rings_sim(n_k):
-    """overlap with 1, 3 and 7 K/V tiles: K two tiles ahead in two buffers, V in three (the ring wraps twice at 7),
-    the last tile without a next S; bf16, GQA."""
-    r = run_wgmma(1, 2, 1, 24, n_k, 64, False, "bfloat16", Tile(64, 16, 64, warps=4, stages=2, flags={"overlap"}),
-                  seed=n_k)
-    assert_close(*r, "bfloat16")
-
-
 def test_problems():
     assert wgmma_forward.problems(Tile(128, 128, 128, warps=8, stages=2), "float16") == []
     assert "warpgroups" in " ".join(wgmma_forward.problems(Tile(96, 64, 128, warps=6, stages=2), "float16"))
@@ -76,9 +62,6 @@ GPU_TILES = [  # (d, tile): one warpgroup and two, key tiles of 64 to 176, every
     (128, Tile(64, 176, 128, warps=4, stages=2)), (100, Tile(128, 96, 128, warps=8, stages=2, flags={"grid_bh_x"})),
     (192, Tile(128, 96, 192, warps=8, stages=2)), (256, Tile(128, 64, 256, warps=8, stages=2)),
     (200, Tile(128, 80, 256, warps=8, stages=2, flags={"grid_bh_x"})),
-    (128, Tile(128, 128, 128, warps=8, stages=2, flags={"overlap"})),
-    (256, Tile(128, 64, 256, warps=8, stages=2, flags={"overlap", "grid_bh_x"})),
-    (64, Tile(128, 64, 64, warps=8, stages=2, flags={"overlap"})),
 ]
 
 
