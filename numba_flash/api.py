@@ -332,8 +332,10 @@ def tf32_config(d: int, causal: bool):
 
 
 def mma_config(d: int, causal: bool):
-    """Tensor-core tile (configs.MMA_TABLE, from the H200 sweeps): the Tile mma_forward.launch takes; on a GPU with
-    less shared memory per block than that tile needs (sm_80: 163 KiB, sm_86 / sm_89: 99 KiB), MMA_SMALL_SMEM's."""
+    """The tensor-core forward's tile for head dim d (from the H200 sweeps): on sm_90 MMA_WGMMA's (flag "wgmma": a
+    kernels/wgmma_forward.py tile), else MMA_TABLE's, or MMA_SMALL_SMEM's on a GPU with less shared memory per block
+    than that tile needs (sm_80: 163 KiB, sm_86 / sm_89: 99 KiB). Launch it with launch_mma_forward, which picks the
+    kernel module by the flag."""
     key = next(hd for hd in MMA_HEAD_DIMS if hd >= d), bool(causal)
     if key in MMA_WGMMA and _wgmma_here():
         return MMA_WGMMA[key]
@@ -538,8 +540,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
         softmax_scale: default 1/sqrt(d) with the user's d; 0 < softmax_scale <= 2**64 (the kernels
             form score·scale·log2(e) in fp32; see MAX_SOFTMAX_SCALE).
         kernel: "auto" (default), "mma", "tf32x3", "tf32" or "simt". Auto runs a tensor-core kernel
-            on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async): "mma" (mma.sync,
-            fp32 accumulation) for float16/bfloat16 with d <= 256, "tf32x3" for float32 with d <= 128 (each
+            on sm_80+ when every row of q, k, v starts 16-byte aligned (cp.async): "mma" (fp32
+            accumulation; warpgroup MMA on sm_90, mma.sync on sm_80-89) for float16/bfloat16 with d <= 256, "tf32x3" for float32 with d <= 128 (each
             fp32 product as three tf32 products, hi·hi + hi·lo + lo·hi: errors at the level of fp32
             FMA, as PyTorch SDPA's memory-efficient kernel computes fp32). Otherwise the SIMT kernel
             (fp32 FMA), with a ``PerformanceWarning``. "tf32" (float32 only, never chosen by auto)

@@ -6,7 +6,7 @@
 The forward's checks (``api.validate``) plus the backward's own arguments, then the kernels (D, dK/dV,
 and dQ in the dK/dV kernel or a kernel of its own: ``dq_scheme``; ``backward_plan`` launches them):
 ``kernels.mma_dkdv``, ``mma_dq`` and ``wgmma_backward`` (tensor cores) for float16/bfloat16 where the
-forward would use tensor cores too, ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
+forward would use tensor cores too, up to d = 128 (the forward's go to 256), ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
 forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch autograd see
 ``numba_flash.torch``.
 """
@@ -359,7 +359,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             splits' planes are then zeroed and every launch adds); softcap's gradient is (1 - tanh²), ALiBi's
             slopes get none.
         kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
-            forward would: "mma" for float16/bfloat16 with d <= 128, "tf32x3" for float32 with
+            forward would, up to d = 128: "mma" for float16/bfloat16 with d <= 128, "tf32x3" for float32 with
             d <= 128 and d % 4 == 0 (each fp32 product as three tf32 products, hi·hi + hi·lo +
             lo·hi: fp32-level accuracy, as SDPA's memory-efficient fp32 backward), both on sm_80+
             with q, k, v and dout rows starting 16-byte aligned; else the SIMT kernels (with a

@@ -44,7 +44,7 @@ except ImportError as e:  # a clear message instead of a NameError later
         "numba_flash.backward work without it on CuPy, Numba or NumPy arrays"
     ) from e
 
-from .api import forward, unbounded_past_keys, window_pair
+from .api import MMA_BWD_MAX_HEAD_DIM, forward, unbounded_past_keys, window_pair
 from .backward import backward
 from .blocks.mask import window_kind
 from .decode import decode as _decode
@@ -242,10 +242,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     mods = window_kind(causal, window) == "window" or softcap != 0 or alibi_slopes is not None
     if mods and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # the backward has the mods on the mma kernels only: say so now, not at loss.backward()
-        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 128:
+        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > MMA_BWD_MAX_HEAD_DIM:
             raise NotImplementedError(
                 f"window_size / softcap / alibi_slopes with gradients: the backward builds them into the mma "
-                f"kernels only (float16/bfloat16, head dim <= 128); got {q.dtype}, head dim {q.shape[-1]} (the "
+                f"kernels only (float16/bfloat16, head dim <= {MMA_BWD_MAX_HEAD_DIM}); got {q.dtype}, head dim {q.shape[-1]} (the "
                 "forward alone runs them, under torch.no_grad())")
     out, lse = fwd(q, k, v, causal, scale, left, right, float(softcap), alibi_slopes, deterministic)
     return (out, lse) if return_lse else out
@@ -299,6 +299,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, torch.SymInt)):
             raise TypeError(f"{name} must be an int (the longest sequence's length); got {x!r}")
     left, right = unbounded_past_keys(window_pair(window_size), max_seqlen_k)
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)) and \
+            q.shape[-1] > MMA_BWD_MAX_HEAD_DIM:  # say so now, not at loss.backward()
+        raise NotImplementedError(
+            f"varlen_attention with gradients: the varlen backward is built into the mma kernels only (head dim <= "
+            f"{MMA_BWD_MAX_HEAD_DIM}); got head dim {q.shape[-1]} (the forward alone runs it, under torch.no_grad())")
     if q.dim() == 3 and k.dim() == 3:  # (validation of the rest is the op's, with the offsets' shapes)
         _assert_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
         _assert_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")

@@ -168,8 +168,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         natural log, -inf for a row that sees no key, whose out row is 0).
 
     Raises:
-        NotImplementedError where the tensor-core kernels cannot run it (float32, head dim > 128, unaligned
-        rows, GPUs below sm_80): varlen has no SIMT or tf32x3 kernel. TypeError / ValueError for bad arguments.
+        NotImplementedError where the tensor-core kernels cannot run it (float32, head dim > 256 forward / > 128
+        backward, unaligned rows, GPUs below sm_80): varlen has no SIMT or tf32x3 kernel. TypeError / ValueError for bad arguments.
     """
     left, right = window_pair(window_size)
     p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,

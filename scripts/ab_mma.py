@@ -5,7 +5,7 @@ temperature) falls on every variant alike.
 
 Variants and shapes are sweep_mma.py's (names exactly as there). Each variant is checked once against
 torch SDPA (max |O - O_sdpa|), then every round times each variant in turn (CUDA events around single
-``mma_forward.launch`` calls, median of --iters); the figure is the median over rounds, with the
+launch calls of the variant's kernel module, median of --iters); the figure is the median over rounds, with the
 spread (min-max over rounds). SDPA's flash backend is timed in the same rounds as a yardstick.
 Writes $OUT/ab_mma.json when $OUT is set.
 
@@ -28,10 +28,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sweep_mma import (SHAPES, VARIANTS, kernel_for, kernel_info, launch_and_check,  # noqa: E402
+from sweep_mma import (SHAPES, VARIANTS, family, kernel_for, kernel_info, launch_and_check,  # noqa: E402
                        shape_inputs, time_ms)
-
-from numba_flash.kernels import mma_forward  # noqa: E402
 
 
 def main(argv=None):
@@ -53,7 +51,7 @@ def main(argv=None):
     for label, dtype, B, H, N, d, causal in SHAPES:
         if not any(re.search(p, label) for p in args.shape) or "overhead" in label:
             continue
-        hd = 64 if d <= 64 else 128
+        hd = min(h for h in VARIANTS if h >= d)
         table = {name: cfg for name, cfg, *_ in VARIANTS[hd]}
         names = [n for n in args.variants if n in table]
         (q, k, v, out, lse), (qn, kn, vn, on, ln), scale, flops = shape_inputs(B, H, N, d, dtype, causal)
@@ -63,7 +61,7 @@ def main(argv=None):
             cfg = table[name]
             err, ok = launch_and_check((qn, kn, vn, on, ln), out, ref, dtype, causal, scale, cfg)
             info[name] = dict(max_abs_err=err, ok=ok, **kernel_info(kernel_for(cfg, hd, causal, dtype), cfg, hd))
-            calls[name] = (lambda cfg=cfg: mma_forward.launch(qn, kn, vn, on, ln, cfg, causal=causal, softmax_scale=scale))
+            calls[name] = (lambda cfg=cfg: family(cfg).launch(qn, kn, vn, on, ln, cfg, causal=causal, softmax_scale=scale))
             if old is not None:
                 calls[f"old:{name}"] = (lambda cfg=cfg: old.launch(qn, kn, vn, on, ln, cfg, causal=causal,
                                                                    softmax_scale=scale))

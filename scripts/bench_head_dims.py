@@ -102,19 +102,20 @@ def run_case(label, dtype, B, H, Hkv, N, d, causal, include_math, with_mma_sync=
         torch.cuda.empty_cache()
 
     from numba_flash import api, plans
+    from numba_flash.tiles import Tile
 
     _, cfg, _ = api.choose_kernel(api.validate(q, k, v, causal=causal))
     record("numba_flash", lambda: numba_flash.forward(q, k, v, causal=causal), kernel=str(cfg))
-    if with_mma_sync and cfg.has("wgmma"):  # the same call on the mma.sync kernel sm_80-89 run (no plan replays it)
-        wgmma_here = api._wgmma_here
-        plans.set_enabled(False)
+    if with_mma_sync and isinstance(cfg, Tile) and cfg.has("wgmma"):  # the same call on sm_80-89's mma.sync kernel
+        wgmma_here, plans_on = api._wgmma_here, plans.cache_info()["enabled"]
+        plans.set_enabled(False)  # (a plan of the wgmma call would replay it)
         api._wgmma_here = lambda: False
         try:
             _, cfg_sync, _ = api.choose_kernel(api.validate(q, k, v, causal=causal))
             record("numba_flash mma.sync", lambda: numba_flash.forward(q, k, v, causal=causal), kernel=str(cfg_sync))
         finally:
             api._wgmma_here = wgmma_here
-            plans.set_enabled(True)
+            plans.set_enabled(plans_on)
     for impl, backend in bench.sdpa_backends().items():
         if impl == "sdpa-math" and not include_math:
             continue

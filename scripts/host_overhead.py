@@ -86,7 +86,7 @@ def measure(label: str) -> dict:
         if label == "new":  # the compiled kernel alone, views made once
             from numba_flash import api, arrays
             from numba_flash.launch import launch
-            from numba_flash.kernels import mma_forward
+            from numba_flash.kernels import mma_forward, wgmma_forward
 
             p = api.validate(q, k, v)
             views = [arrays.to_device_view(x, 0).view("uint16") for x in (q, k, v)]
@@ -94,11 +94,12 @@ def measure(label: str) -> dict:
             lse = torch.empty(B, H, N, device="cuda")
             ov, lv = arrays.to_device_view(out, 0).view("uint16"), arrays.to_device_view(lse, 0, ndim=3)
             cfg = api.mma_config(d, False)
-            kern = mma_forward.build(cfg, False, "float16", d % 8 != 0)
+            family = wgmma_forward if cfg.has("wgmma") else mma_forward  # as api.launch_mma_forward picks
+            kern = family.build(cfg, False, "float16", d % 8 != 0)
             q_tiles = (N + cfg.block_q - 1) // cfg.block_q
             grid = (B * H, q_tiles) if cfg.has("grid_bh_x") else (q_tiles, B * H)
-            threads = mma_forward.threads(cfg)
-            smem = mma_forward.smem_bytes(cfg)
+            threads = family.threads(cfg)
+            smem = family.smem_bytes(cfg)
             sl2 = p.softmax_scale * mma_forward.LOG2E
             res["single_call_ms"][f"kernel only {key}"] = event_ms(
                 lambda: launch(kern, grid, threads, 0, smem, *views, ov, lv, N, N, d, 1, sl2))

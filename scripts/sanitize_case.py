@@ -8,7 +8,9 @@
 
 The cases are derived from the shipped tables, so a new entry gets a case of its own:
     forward   configs.MMA_TABLE (float16 and bfloat16; what sm_80-89 run), configs.MMA_WGMMA (sm_90's wgmma
-              forward), configs.TF32_TABLE (kernel 'tf32x3' and 'tf32'),
+              forward), configs.MMA_SMALL_SMEM (the tiles of GPUs with 99-163 KiB per block, reached by
+              patching the shared memory the API sees; MMA_TABLE's tiles that do not fit this GPU are skipped),
+              configs.TF32_TABLE (kernel 'tf32x3' and 'tf32'),
               configs.SIMT_CONFIGS (kernel 'simt', every compiled head dim)
     backward  configs.MMA_BWD_TABLE (its dkdv + dq kernels: deterministic=True where dQ takes the dq kernel;
               its dkdv_atomic: deterministic=False, the atomic grid, and where flagged deterministic_splits,
@@ -61,6 +63,7 @@ from numba_flash.kernels import simt_backward  # noqa: E402
 
 bwd = importlib.import_module("numba_flash.backward")  # the module (the package exports the function)
 dec = importlib.import_module("numba_flash.decode")
+kernels_mma_forward = importlib.import_module("numba_flash.kernels.mma_forward")
 
 try:
     import ml_dtypes
@@ -72,6 +75,7 @@ FAMILIES = ("forward", "backward", "decode")
 TABLES = {
     "MMA_TABLE": configs.MMA_TABLE,
     "MMA_WGMMA": configs.MMA_WGMMA,
+    "MMA_SMALL_SMEM": configs.MMA_SMALL_SMEM,
     "TF32_TABLE": configs.TF32_TABLE,
     "SIMT_CONFIGS": configs.SIMT_CONFIGS,
     "MMA_BWD_TABLE": configs.MMA_BWD_TABLE,
@@ -101,6 +105,7 @@ class Case:
     deterministic: bool | None = None  # backward
     scheme: str | None = None  # backward tensor cores: the dQ scheme dq_scheme should pick
     wgmma: bool | None = None  # mma: with sm_90's MMA_WGMMA / MMA_BWD_WGMMA overrides, or without
+    small_smem: bool = False  # forward mma: as on a GPU of 99 KiB shared memory per block (MMA_SMALL_SMEM's tiles)
     splits: int | None = None  # decode: num_splits
     shape: tuple = ()  # (B, H, Hkv, Nq, Nk)
     lens: tuple | None = None  # decode: cache lengths
@@ -140,6 +145,25 @@ def _problem(case: Case, shape: tuple) -> Problem:
                    alibi_shape=(H,) if m.get("alibi") else None)
 
 
+SMALL_SMEM = (99 * 1024, 100 * 1024)  # an sm_86 / sm_89's opt-in shared memory per block and per SM
+
+
+@contextlib.contextmanager
+def tiles_of(case: Case):
+    """The API's tile choice as the case needs it: wgmma_as(case.wgmma), and for a small_smem case the shared memory
+    of a GPU that takes MMA_SMALL_SMEM's tiles."""
+    with wgmma_as(case.wgmma):
+        if not case.small_smem:
+            yield
+            return
+        saved = api._device_smem
+        api._device_smem = lambda: SMALL_SMEM
+        try:
+            yield
+        finally:
+            api._device_smem = saved
+
+
 @contextlib.contextmanager
 def wgmma_as(on: bool | None):
     """api.mma_config and backward.mma_config with (True) or without (False) sm_90's MMA_WGMMA / MMA_BWD_WGMMA
@@ -159,7 +183,7 @@ def picks(case: Case, shape: tuple) -> str:
     """What the API runs for this case on this shape, compared with the case's build: "" when it is the one."""
     p = _problem(case, shape)
     if case.family == "forward":
-        with wgmma_as(case.wgmma):
+        with tiles_of(case):
             family, cfg, _ = api.choose_kernel(p, case.kernel)
         table, key = case.covers[0]
         return "" if family == case.kernel and cfg == TABLES[table][key] else f"{family} {cfg}"
@@ -209,11 +233,13 @@ def _place(case: Case, start: int) -> Case:
 
 def forward_cases() -> list[Case]:
     out = []
-    for table, wgmma in (("MMA_TABLE", False), ("MMA_WGMMA", True)):  # mma.sync (sm_80-89), wgmma (sm_90)
+    # mma.sync (sm_80-89; MMA_SMALL_SMEM's where a block gets less shared memory), wgmma (sm_90)
+    for table, wgmma in (("MMA_TABLE", False), ("MMA_SMALL_SMEM", False), ("MMA_WGMMA", True)):
         for (hd, causal), tile in sorted(TABLES[table].items()):
             for dtype in ("float16", "bfloat16"):  # one build each; float16 with a padded head dim
                 d = _padded(hd, _below(hd, MMA_HEAD_DIMS), 8) if dtype == "float16" else hd
-                out.append(Case("forward", "mma", dtype, d, causal, [(table, (hd, causal))], str(tile), wgmma=wgmma))
+                out.append(Case("forward", "mma", dtype, d, causal, [(table, (hd, causal))], str(tile), wgmma=wgmma,
+                                small_smem=table == "MMA_SMALL_SMEM"))
     for kernel in ("tf32x3", "tf32"):
         for (hd, causal), tile in sorted(configs.TF32_TABLE.items()):
             d = _padded(hd, _below(hd, TF32_HEAD_DIMS), 4) if causal else hd
@@ -354,7 +380,7 @@ def run_case(case: Case, rng) -> tuple[float, float]:
     if case.mods.get("alibi"):
         mods["alibi_slopes"] = (rng.random(H) * 0.3 + 0.05).astype(np.float32)
     if case.family == "forward":
-        with wgmma_as(case.wgmma):
+        with tiles_of(case):
             out, _ = numba_flash.forward(q, k, v, causal=case.causal, kernel=case.kernel, **mods)
         ref, _ = reference.standard_attention(q32, k32, v32, causal=case.causal, **mods)
         return _err(out, ref), FWD_TOL["tf32" if case.kernel == "tf32" else dt]
@@ -381,6 +407,10 @@ def skip_reason(case: Case) -> str:
         return "bfloat16 needs ml_dtypes (NumPy bf16), not installed"
     if case.wgmma and not ptx.current_wgmma():
         return f"the wgmma {case.family} needs an sm_90 GPU"
+    if case.family == "forward" and case.covers[0][0] == "MMA_TABLE":
+        tile = configs.MMA_TABLE[case.covers[0][1]]
+        if kernels_mma_forward.smem_bytes(tile) > api._device_smem()[0]:
+            return f"{tile} needs more shared memory per block than this GPU gives (it runs MMA_SMALL_SMEM's tile)"
     return ""
 
 

@@ -4,7 +4,8 @@
     python3 scripts/sweep_mma.py --max-seconds 90 # stop starting new variants after 90 s
     python3 scripts/sweep_mma.py --shapes 'N4096' --variants '^(128x64 mt2|64x64)( |$)'  # a subset (regexes)
 
-For each shape, every variant of the same head dim is launched through ``mma_forward.launch`` on
+For each shape, every variant of the same head dim is launched through its kernel module's ``launch``
+(``mma_forward``, or ``wgmma_forward`` for the "wg" variants) on
 torch-allocated CUDA tensors (Numba views made once, outside the timed region), its O compared
 once with torch SDPA (max |O - O_sdpa|), then timed: CUDA events around single calls, median of
 --iters after --warmup. TFLOP/s = 4·B·H·N²·d / t (half for causal). For the default config the

@@ -87,14 +87,24 @@ def cases() -> dict:
         for dtype in ("float16", "bfloat16"):
             for d in (hd, hd - 4):  # d % 8 != 0: the part-data copies
                 def call(hd=hd, causal=causal, dtype=dtype, d=d):
-                    from numba_flash import api
                     from numba_flash.kernels import mma_forward
 
                     view, q, k, v = qkv(dtype, d)
                     out_, lse = view(q.shape, storage[dtype]), view(q.shape[:3], "float32")
-                    mma_forward.launch(q, k, v, out_, lse, api.mma_config(d, causal), causal=causal,
+                    mma_forward.launch(q, k, v, out_, lse, configs.MMA_TABLE[hd, causal], causal=causal,
                                        softmax_scale=0.1, layout_checked=True)
                 out[f"fwd-mma/d{hd}/{'causal' if causal else 'full'}/{dtype}/d{d}"] = call
+
+    # --- forward: mma on GPUs with less shared memory per block (sm_80-89: MMA_SMALL_SMEM) ----------
+    for (hd, causal) in sorted(configs.MMA_SMALL_SMEM):
+        def call(hd=hd, causal=causal):
+            from numba_flash.kernels import mma_forward
+
+            view, q, k, v = qkv("float16", hd)
+            out_, lse = view(q.shape, "float16"), view(q.shape[:3], "float32")
+            mma_forward.launch(q, k, v, out_, lse, configs.MMA_SMALL_SMEM[hd, causal], causal=causal,
+                               softmax_scale=0.1, layout_checked=True)
+        out[f"fwd-mma-small/d{hd}/{'causal' if causal else 'full'}/float16/sm80"] = ("sm80", call)
 
     # --- forward: wgmma (fp16 / bf16 on sm_90) ---------------------------------------------
     for (hd, causal) in sorted(configs.MMA_WGMMA):
@@ -191,12 +201,11 @@ def cases() -> dict:
         dtype = "bfloat16" if causal else "float16"
 
         def call(hd=hd, causal=causal, dtype=dtype):
-            from numba_flash import api
             from numba_flash.kernels import mma_forward
 
             a, varlen = varlen_arrays(dtype, hd, 0)
-            mma_forward.launch(a["q"], a["k"], a["v"], a["out"], a["lse"], api.mma_config(hd, causal), causal=causal,
-                               softmax_scale=0.1, layout_checked=True, varlen=varlen)
+            mma_forward.launch(a["q"], a["k"], a["v"], a["out"], a["lse"], configs.MMA_TABLE[hd, causal],
+                               causal=causal, softmax_scale=0.1, layout_checked=True, varlen=varlen)
         out[f"fwd-mma-varlen/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
 
         def call(hd=hd, causal=causal, dtype=dtype):
@@ -304,7 +313,7 @@ def cases() -> dict:
 # The CI subset: one or two cases of every family and build kind (the full set takes ~N minutes)
 CI_PATTERNS = (
     r"^fwd-mma/d(64|128)/(full|causal)/float16/d(64|128)$", r"^fwd-mma/d128/causal/bfloat16/d124$",
-    r"^fwd-mma/d256/causal/bfloat16/d256$", r"^fwd-wgmma/d(128|256)/(full|causal)/float16/d(128|256)$",
+    r"^fwd-mma/d256/causal/bfloat16/d256$", r"^fwd-mma-small/d256/full/", r"^fwd-wgmma/d(128|256)/(full|causal)/float16/d(128|256)$",
     r"^fwd-wgmma/d64/causal/bfloat16/d60$", r"^fwd-wgmma-varlen/d128/causal/bfloat16$",
     r"^fwd-tf32x3/d(64|128)/(full|causal)/float32/rn$", r"^fwd-tf32x1/d128/full/float32/rn$",
     r"^fwd-tf32x3/d32/full/float32/rna$",

@@ -49,6 +49,29 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
+def forward_signature(mods: bool = False, varlen: bool = False):
+    """The 16-bit forward kernels' signature (mma_forward, wgmma_forward): q, k, v, out as 16-bit words (any
+    strides, last dim unit), lse float32, n_q, n_k, d, group, scale_log2; with mods MOD_ARGS; varlen VARLEN_ARGS."""
+    io = types.Array(types.uint16, 4, "A")
+    lse = types.Array(types.float32, 3, "A")
+    tail = (MOD_ARGS if mods else ()) + (VARLEN_ARGS if varlen else ())
+    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32, *tail)
+
+
+def forward_grid(tile, n_bh: int, q_tiles: int):
+    """(grid, tile) of a forward launch: (B·H, Q tiles) with grid_bh_x, else (Q tiles, B·H). grid_bh_x is dropped
+    (the other grid runs the same maths) where the Q tiles pass the y axis's 65535 and B·H does not; ValueError
+    where neither fits."""
+    grid_bh_x = tile.has("grid_bh_x")
+    if grid_bh_x and q_tiles > 65535 >= n_bh:
+        grid_bh_x = False
+        tile = tile.with_(flags=tile.flags - {"grid_bh_x"})
+    if (q_tiles if grid_bh_x else n_bh) > 65535:
+        raise ValueError(f"{'Q tiles' if grid_bh_x else 'B*H'} = {q_tiles if grid_bh_x else n_bh} exceeds the "
+                         "grid's y limit of 65535")
+    return ((n_bh, q_tiles) if grid_bh_x else (q_tiles, n_bh)), tile
+
+
 def _at_home(fn, home: dict, name: str):
     """fn with the kernel module's globals: the simulator swaps ``cuda`` in the globals of the kernel it runs,
     and the body it calls reads ``cuda`` from its own module's."""

@@ -32,7 +32,7 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, int64, types, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
@@ -42,7 +42,7 @@ from ..launch import launch as launch_kernel
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..tiles import Tile
 from ..blocks.copies import check_layout, copy_threads, tile_copies
-from ..blocks.entry import VARLEN_ARGS, forward_entry, varlen_key
+from ..blocks.entry import forward_entry, forward_grid, forward_signature, varlen_key
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
 from ..blocks.numerics import LOG2E
@@ -56,16 +56,9 @@ WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which s
 
 
 def kernel_signature(mods: Mods = NO_MODS, varlen: bool = False):
-    """As mma_forward's: q, k, v, out as 16-bit words, lse float32; with mods the window, softcap and ALiBi
-    arguments; varlen: cu_seqlens_q, cu_seqlens_k last."""
-    io = types.Array(types.uint16, 4, "A")
-    lse = types.Array(types.float32, 3, "A")
-    tail = VARLEN_ARGS if varlen else ()
-    if not mods.any:
-        return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32, *tail)
-    slopes = types.Array(types.float32, 2, "A")
-    return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32,
-                      int32, int32, float32, float32, slopes, float32, *tail)
+    """blocks.entry.forward_signature: q, k, v, out as 16-bit words, lse float32; with mods the window, softcap and
+    ALiBi arguments; varlen cu_seqlens_q, cu_seqlens_k last."""
+    return forward_signature(mods.any, varlen)
 
 
 def threads(tile: Tile) -> int:
@@ -319,15 +312,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     words = [x if x.dtype == WORD else x.view(WORD) for x in (q, k, v, out)]
     dtype = "bfloat16" if q.dtype == WORD else "float16"
-    q_tiles = (n_q + tile.block_q - 1) // tile.block_q
-    grid_bh_x = tile.has("grid_bh_x")
-    if grid_bh_x and q_tiles > 65535 >= B * H:
-        grid_bh_x = False
-        tile = tile.with_(flags=tile.flags - {"grid_bh_x"})
-    if (q_tiles if grid_bh_x else B * H) > 65535:
-        raise ValueError(f"{'Q tiles' if grid_bh_x else 'B*H'} = {q_tiles if grid_bh_x else B * H} exceeds the "
-                         "grid's y limit of 65535")
-    grid = (B * H, q_tiles) if grid_bh_x else (q_tiles, B * H)
+    grid, tile = forward_grid(tile, B * H, (n_q + tile.block_q - 1) // tile.block_q)
     args = (*words, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
         args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse))

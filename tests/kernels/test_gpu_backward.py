@@ -4,7 +4,7 @@ References are PyTorch autograd of materialised attention: float64 (the truth) a
 flash-attention error rule, the same formulas in the inputs' 16-bit dtype.
     fp16 / bf16: err(ours vs fp64) <= 2 * err(naive same-dtype autograd vs fp64) + 1 ulp of max|ref|
     fp32:        err(ours vs fp64) <= 1e-4 * max|ref|  (fp32 sums of <= 2048 terms; a bug is O(1))
-Every gradient is checked on its own. The case list is chosen so that only 7 (dtype, d, causal)
+Every gradient is checked on its own. The case list is chosen so that few (dtype, d, causal)
 specialisations compile (~1 minute of the budget); the kernels themselves take milliseconds.
 """
 from __future__ import annotations

@@ -313,6 +313,19 @@ def test_shipped_configs_compile_for_sm90(head_dim, causal, dtype, tmp_path):
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_small_smem_tiles_compile_for_sm90_without_spills(causal, tmp_path):
+    """MMA_SMALL_SMEM's d = 256 tiles (GPUs with < 192 KiB of shared memory per block): no spills, no local arrays."""
+    from numba_flash.configs import MMA_SMALL_SMEM
+
+    tile = MMA_SMALL_SMEM[256, causal]
+    source = compile_source(tile.block_q, tile.block_k, 256, causal, "bfloat16", mma_forward.m_tiles(tile), tile.flags)
+    text = compile_in_subprocess(source, "SIG", "mma_forward_kernel", tmp_path)
+    assert "ld.local" not in text and "st.local" not in text
+    report = ptxas_report(text, tmp_path)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["text"]
+
+
 def test_warp_skip_keeps_one_barrier_per_tile(tmp_path):
     """warp_skip must not add a barrier instruction: a warp past its rows' tiles takes the same
     bar.sync as the others (one loop, the maths skipped by a warp-uniform branch). A second loop of

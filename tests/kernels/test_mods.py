@@ -77,6 +77,14 @@ def test_forward_variants(case):
     assert (out[~fin] == 0).all(), "a row that sees no key must have O = 0"
 
 
+@pytest.mark.parametrize("case", [FORWARD[1], FORWARD[3], FORWARD[4]], ids=["window-left", "alibi-BH", "d40"])
+def test_forward_variants_on_mma_sync(case, monkeypatch):
+    """The mma.sync forward's mod builds (what sm_80-89 run; sm_90 and the simulator take the wgmma forward)."""
+    monkeypatch.setattr(numba_flash.api, "_wgmma_here", lambda: False)
+    assert not numba_flash.api.mma_config(case[5], case[6]).has("wgmma")
+    test_forward_variants(case)
+
+
 @pytest.mark.skipif(ml_dtypes is None, reason="NumPy bfloat16 needs ml_dtypes")
 def test_forward_variants_bf16():
     q, k, v, _ = _inputs(1, 1, 2, 1, 77, 120, 64, dtype=ml_dtypes.bfloat16)

@@ -10,6 +10,8 @@ On the simulator (CI) and on the GPU alike (``anywhere``).
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,20 @@ def test_varlen_mods_align_per_sequence(slopes, Hkv, d, window, causal):
     alibi = (np.random.default_rng(5).random((B, H) if slopes == "BH" else (H,)) * 0.5 + 0.05).astype(np.float32)
     _check(_pack(1, LENS_Q, LENS_K, H, Hkv, d), dict(causal=causal, window_size=window, softcap=3.0,
                                                      alibi_slopes=alibi))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_forward_on_mma_sync(causal, monkeypatch):
+    """The varlen entry of the mma.sync forward (what sm_80-89 run; sm_90 and the simulator take the wgmma one), with
+    a window, softcap and ALiBi, d = 40 (part-data copies)."""
+    api = importlib.import_module("numba_flash.api")
+    monkeypatch.setattr(api, "_wgmma_here", lambda: False)
+    H = 2
+    alibi = (np.random.default_rng(6).random((H,)) * 0.5 + 0.05).astype(np.float32)
+    pack = _pack(2, LENS_Q, LENS_K, H, 1, 40)
+    assert not api.mma_config(40, causal).has("wgmma")
+    _check(pack, dict(causal=causal, window_size=(10, 3) if not causal else (15, 0), softcap=3.0, alibi_slopes=alibi),
+           backward=False)
 
 
 @pytest.mark.parametrize("scheme", ["atomic", "kernel", "splits1"])

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_mma_forward import assert_close, run_forward  # noqa: E402
 from gpu_helpers import needs_gpu  # noqa: E402
-from test_ptx import in_simulator  # noqa: E402
+from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child  # noqa: E402
 
 
 def run_wgmma(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=0, pad_to=None):
@@ -48,6 +48,44 @@ def test_sm90_forward_takes_the_wgmma_tiles(rng):
     q = rng.standard_normal((1, 2, 64, 128)).astype(np.float16)
     text = api.explain(q, q, q)
     assert "wgmma.mma_async m64n128k16" in text and "2 warpgroups x 64 rows" in text, text
+
+
+WGMMA_FORWARD_COMPILE = NO_GPU_PATCH + """
+import json, re, subprocess, sys, tempfile
+from numba import cuda
+from numba_flash.configs import MMA_WGMMA
+from numba_flash.kernels import wgmma_forward
+out = {}
+for (hd, causal), tile in sorted(MMA_WGMMA.items()):
+    for dtype in ("float16", "bfloat16"):
+        ptx, _ = cuda.compile_ptx(wgmma_forward.kernel_source(tile, causal, dtype), wgmma_forward.kernel_signature(),
+                                  cc=(9, 0, "a"))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        r = subprocess.run([sys.argv[-1], "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                           text=True)
+        rep = r.stderr + r.stdout
+        m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+        regs = re.search(r"Used (\\d+) registers", rep)
+        out[f"{hd}-{causal}-{dtype}"] = dict(rc=r.returncode, stack=int(m.group(1)) if m else -1,
+                                             spills=int(m.group(2)) + int(m.group(3)) if m else -1,
+                                             registers=int(regs.group(1)) if regs else -1,
+                                             mma=len(re.findall(r"wgmma.mma_async", ptx)),
+                                             want=hd // 16 + tile.block_k // 16, serialized="serialized" in rep,
+                                             f64=".f64" in ptx, log=rep[-600:])
+print(json.dumps(out))
+"""
+
+
+def test_shipped_tiles_build_for_sm90a(tmp_path):
+    """ptxas -arch=sm_90a takes every MMA_WGMMA tile (both dtypes) with no spills or stack, within 255 registers,
+    every product of a tile in the PTX (d/16 for Q·Kᵀ, block_k/16 for P·V), none serialized by ptxas, no fp64."""
+    got = run_compile_child(WGMMA_FORWARD_COMPILE, [], tmp_path)
+    assert len(got) == 16
+    for key, r in got.items():
+        assert r["rc"] == 0, (key, r["log"])
+        assert (r["stack"], r["spills"]) == (0, 0) and 0 < r["registers"] <= 255, (key, r)
+        assert r["mma"] == r["want"] and not r["serialized"] and not r["f64"], (key, r)
 
 
 def test_problems():
