@@ -300,7 +300,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise TypeError(f"{name} must be an int (the longest sequence's length); got {x!r}")
     left, right = unbounded_past_keys(window_pair(window_size), max_seqlen_k)
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)) and \
-            q.shape[-1] > MMA_BWD_MAX_HEAD_DIM:  # say so now, not at loss.backward()
+            q.shape[-1] > MMA_BWD_MAX_HEAD_DIM:  # said at the call, not at loss.backward()
         raise NotImplementedError(
             f"varlen_attention with gradients: the varlen backward is built into the mma kernels only (head dim <= "
             f"{MMA_BWD_MAX_HEAD_DIM}); got head dim {q.shape[-1]} (the forward alone runs it, under torch.no_grad())")
