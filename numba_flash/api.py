@@ -20,7 +20,7 @@ from .launch import SIM_LOCK, address, current_device_id
 
 KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
 MMA_MAX_HEAD_DIM = MMA_HEAD_DIMS[-1]  # the tensor-core forward (fp16 / bf16)
-MMA_BWD_MAX_HEAD_DIM = 128  # the tensor-core backward: dK, dV of 16 keys x d in one warp's registers
+MMA_BWD_MAX_HEAD_DIM = 256  # the tensor-core backward (above d = 128: mma_dkdv's split layout)
 TF32_MAX_HEAD_DIM = 128
 TF32_KERNELS = {"tf32x3": 3, "tf32": 1}  # kernel name: tf32 products per fp32 product
 GRID_Y_MAX = 65535

@@ -6,7 +6,8 @@
 The forward's checks (``api.validate``) plus the backward's own arguments, then the kernels (D, dK/dV,
 and dQ in the dK/dV kernel or a kernel of its own: ``dq_scheme``; ``backward_plan`` launches them):
 ``kernels.mma_dkdv``, ``mma_dq`` and ``wgmma_backward`` (tensor cores) for float16/bfloat16 where the
-forward would use tensor cores too, up to d = 128 (the forward's go to 256), ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
+forward would use tensor cores too, up to d = 256 (d 129..256 where the GPU has the tiles' shared memory: sm_90,
+and sm_80 up to d = 192), ``kernels.tf32_backward`` (3xTF32 on tensor cores) for float32 where the
 forward's tf32x3 conditions hold, else ``kernels.simt_backward``. For PyTorch autograd see
 ``numba_flash.torch``.
 """
@@ -73,8 +74,8 @@ def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_s
 def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
     """(family, config, reasons): which backward kernels run for a validated problem, and why.
 
-    The tensor-core path takes what the tensor-core forward takes, up to d = 128 (float16/bfloat16,
-    sm_80+, cp.async-able layouts), with dout's layout checked as well: ``views`` = device views of
+    The tensor-core path takes what the tensor-core forward takes, up to d = 256 (float16/bfloat16,
+    sm_80+, cp.async-able layouts, the tiles' shared memory: _smem_blockers), with dout's layout checked as well: ``views`` = device views of
     (q, k, v, dout), or None to assume contiguous arrays (explain on NumPy inputs).
     """
     if kernel not in KERNELS:
@@ -94,10 +95,12 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     blockers = _mma_blockers(p, None if views is None else views[:3], MMA_BWD_MAX_HEAD_DIM)
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
+    if not blockers:
+        blockers += _smem_blockers(p)
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this backward: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
-        head_dim = 64 if p.d <= 64 else 128
+        head_dim = mma_head_dim(p.d)
         cfg = mma_config(head_dim)
         (bn, bm), (bq, bk) = cfg["dkdv"], cfg["dq"]
         an, am = cfg["dkdv_atomic"]
@@ -108,7 +111,7 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
                        + (f"; each step's dQ added during the next with {' and '.join(cfg['dkdv_wgmma_defer_dq'])}"
                           " dQ" if cfg.get("dkdv_wgmma_defer_dq") else ""))
         else:
-            with_dq = (f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_dkdv.threads(an)} "
+            with_dq = (f"dkdv with dQ: {an}-key tiles x {am}-query tiles, {mma_dkdv.threads(an, head_dim)} "
                        f"threads, {mma_dkdv.smem_bytes(an, am, head_dim, True)} B shared memory")
         reasons = [
             f"mma backward: tensor cores (mma.sync m16n8k16"
@@ -117,11 +120,13 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
             "then dK/dV over K/V tiles, and dQ either in the same kernel (dS·K added into fp32 planes) or by a "
             "dq kernel over Q tiles",
             with_dq,
-            f"dkdv without dQ: {bn}-key tiles x {bm}-query tiles, {mma_dkdv.threads(bn)} "
+            f"dkdv without dQ: {bn}-key tiles x {bm}-query tiles, {mma_dkdv.threads(bn, head_dim)} "
             f"threads, {mma_dkdv.smem_bytes(bn, bm, head_dim)} B shared memory; "
             f"dq: {bq}-query tiles x {bk}-key tiles, {mma_dq.threads(bq)} threads, "
             f"{mma_dq.smem_bytes(bq, bk, head_dim)} B shared memory",
         ]
+        if mma_dkdv.col_split(head_dim) > 1:
+            reasons.append(split_words(head_dim))
         if head_dim != p.d:
             reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
     else:
@@ -160,12 +165,15 @@ def _choose_with_mods(p: Problem, kernel: str, views):
     blockers = _mma_blockers(p, None if views is None else views[:3], MMA_BWD_MAX_HEAD_DIM)
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
+    if not blockers:
+        blockers += _smem_blockers(p)
     if kernel not in ("auto", "mma") or blockers:
         why = [f"kernel={kernel!r} was asked for"] if kernel not in ("auto", "mma") else blockers
         raise NotImplementedError(
             f"{mods_words(p)}: the backward builds them into the 'mma' kernels only (float16/bfloat16, head dim "
-            f"<= 128, sm_80+, 16-byte aligned rows); this call cannot take it: {'; '.join(why)}")
-    head_dim = 64 if p.d <= 64 else 128
+            f"<= {MMA_BWD_MAX_HEAD_DIM}, sm_80+, 16-byte aligned rows, the tiles' shared memory); this call cannot "
+            f"take it: {'; '.join(why)}")
+    head_dim = mma_head_dim(p.d)
     cfg = mma_config(head_dim)
     (bn, bm), (bq, bk), (an, am) = cfg["dkdv"], cfg["dq"], cfg["dkdv_atomic"]
     wgmma = ", and wgmma for the dkdv with dQ" if cfg.get("dkdv_wgmma") else ""
@@ -177,11 +185,42 @@ def _choose_with_mods(p: Problem, kernel: str, views):
         f"dkdv with dQ: {an}-key tiles x {am}-query tiles; dkdv without dQ: {bn}-key tiles x {bm}-query tiles; "
         f"dq: {bq}-query tiles x {bk}-key tiles",
     ]
+    if mma_dkdv.col_split(head_dim) > 1:
+        reasons.append(split_words(head_dim))
     if head_dim != p.d:
         reasons.append(f"head dim {p.d} is zero-padded to {head_dim} inside the kernels")
     if p.H != p.Hkv:
         reasons.append(f"GQA: each dK/dV block loops over the {p.H // p.Hkv} query heads of its group")
     return "mma", cfg, reasons
+
+
+MMA_BWD_HEAD_DIMS = sorted({hd for _, hd in MMA_BWD_TABLE})  # the compiled head dims: d is padded up to one
+
+
+def mma_head_dim(d: int) -> int:
+    """The tensor-core backward's compiled head dim for head dim d (<= MMA_BWD_MAX_HEAD_DIM)."""
+    return next(hd for hd in MMA_BWD_HEAD_DIMS if hd >= d)
+
+
+def split_words(head_dim: int) -> str:
+    """explain's line for the dkdv kernel's split layout (mma_dkdv.col_split)."""
+    return (f"d = {head_dim}: the dkdv kernel runs two warps per 16 keys (dK, dV of 16 keys x {head_dim} would not "
+            "fit one warp's registers), each forming Sᵀ, dPᵀ for half the queries and dK, dV for half the "
+            "columns, with Pᵀ and dSᵀ through shared memory")
+
+
+def _smem_blockers(p: Problem) -> list[str]:
+    """Why this GPU's blocks lack the shared memory of the tensor-core backward's dkdv or dq tile at p's head
+    dim (empty when they have it): d 129..256 on sm_86 / sm_89 (99 KiB a block), d 193..256 on sm_80 (163 KiB).
+    The dQ-in-dkdv tile is dq_scheme's to check (the dq kernel replaces it)."""
+    if p.d > MMA_BWD_MAX_HEAD_DIM:
+        return []
+    head_dim = mma_head_dim(p.d)
+    cfg = mma_config(head_dim)
+    optin = _device_smem()[0]
+    need = {"dkdv": mma_dkdv.smem_bytes(*cfg["dkdv"], head_dim), "dq": mma_dq.smem_bytes(*cfg["dq"], head_dim)}
+    return [f"the {name} tile at head dim {head_dim} needs {n} B of shared memory, this GPU gives a block {optin}"
+            for name, n in need.items() if n > optin]
 
 
 def mma_config(head_dim: int) -> dict:
@@ -218,7 +257,7 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma", s
         threads = wgmma_backward.threads()
     else:
         smem = mma_dkdv.smem_bytes(bn, bm, cfg["head_dim"], True)
-        threads = mma_dkdv.threads(bn)
+        threads = mma_dkdv.threads(bn, cfg["head_dim"])
     optin, per_sm = _device_smem()
     if smem > optin:  # smaller GPUs (sm_86/89: 99 KiB a block, A100: 163): the dq kernel's smaller tiles
         return "kernel", None, kernel + (f"the dQ-in-dkdv kernel ({bn} keys x {bm} queries) needs {smem} B of "
@@ -359,7 +398,8 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             splits' planes are then zeroed and every launch adds); softcap's gradient is (1 - tanh²), ALiBi's
             slopes get none.
         kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
-            forward would, up to d = 128: "mma" for float16/bfloat16 with d <= 128, "tf32x3" for float32 with
+            forward would: "mma" for float16/bfloat16 with d <= 256 (above d = 128 where the GPU's blocks have
+            the tiles' shared memory: sm_90 every d, sm_80 d <= 192, sm_86 / sm_89 none), "tf32x3" for float32 with
             d <= 128 and d % 4 == 0 (each fp32 product as three tf32 products, hi·hi + hi·lo +
             lo·hi: fp32-level accuracy, as SDPA's memory-efficient fp32 backward), both on sm_80+
             with q, k, v and dout rows starting 16-byte aligned; else the SIMT kernels (with a
@@ -402,7 +442,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     Stream: as ``forward`` (the inputs' framework stream; device inputs return without
     synchronising, NumPy inputs after the copy back). Scratch: fp32, one number per query row
     (SIMT), two per query row padded to a multiple of 128 rows (tensor cores), plus where the
-    dK/dV kernel forms dQ an fp32 copy of dq's size (rows padded likewise, d to 64 or 128) per
+    dK/dV kernel forms dQ an fp32 copy of dq's size (rows padded likewise, d to 64, 128, 192 or 256) per
     plane: one, zeroed, for deterministic=False; S (at most schedule.MAX_DQ_SPLITS = 8, and
     1 GiB in all) for the deterministic splits.
 

@@ -296,6 +296,17 @@ MMA_BWD_TABLE = {
     ("dkdv", 64): Tile(64, 64, 64), ("dq", 64): Tile(64, 64, 64), ("dkdv_atomic", 64): Tile(64, 64, 64),
     ("dkdv", 128): Tile(64, 64, 128), ("dq", 128): Tile(64, 64, 128),
     ("dkdv_atomic", 128): Tile(64, 128, 128, flags={"deterministic_splits"}),
+    # d = 192 and 256 (head dims 129..256 padded up to one): dkdv in the split layout (mma_dkdv.col_split: two warps
+    # per 16 keys, each with Sᵀ / dPᵀ of half the queries and dK / dV of half the columns, Pᵀ and dSᵀ through
+    # shared memory), FA2's d = 256 tile of 64 keys x 64 queries on 8 warps: 128 accumulator registers a lane,
+    # 209 KiB of shared memory at d = 256 (160.75 KiB at d = 192), one block per SM; ptxas: no spills. dq: 64
+    # queries x 32 keys on 4 warps (dQ_w of 16 rows x d: d / 2 fp32 a lane, so 32-key S and dP), 128 KiB at d =
+    # 256. Chosen by construction, not yet timed (provisional: scripts/bench_backward.py --sweep-mma-d256 times
+    # the candidates of MMA_BWD_CANDIDATES).
+    ("dkdv", 192): Tile(64, 64, 192), ("dq", 192): Tile(64, 32, 192),
+    ("dkdv_atomic", 192): Tile(64, 64, 192, flags={"deterministic_splits"}),
+    ("dkdv", 256): Tile(64, 64, 256), ("dq", 256): Tile(64, 32, 256),
+    ("dkdv_atomic", 256): Tile(64, 64, 256, flags={"deterministic_splits"}),
 }
 # sm_90 (H100 / H200) overrides MMA_BWD_TABLE's entries with these: the dQ-in-dkdv kernel on warpgroup MMA
 # (kernels/wgmma_backward.py; wgmma is sm_90a only), 128 keys x 64 queries, and the deterministic splits at

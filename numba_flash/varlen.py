@@ -168,8 +168,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         natural log, -inf for a row that sees no key, whose out row is 0).
 
     Raises:
-        NotImplementedError where the tensor-core kernels cannot run it (float32, head dim > 256 forward / > 128
-        backward, unaligned rows, GPUs below sm_80): varlen has no SIMT or tf32x3 kernel. TypeError / ValueError for bad arguments.
+        NotImplementedError where the tensor-core kernels cannot run it (float32, head dim > 256; the backward
+        above d = 128 where the GPU's blocks lack the tiles' shared memory; unaligned rows, GPUs below sm_80): varlen has no SIMT or tf32x3 kernel. TypeError / ValueError for bad arguments.
     """
     left, right = window_pair(window_size)
     p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -208,7 +208,7 @@ def varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seq
     deterministic: as ``numba_flash.backward`` (True: bitwise repeatable, the deterministic dQ splits or the dq
     kernel; False: dQ by atomic adds). dk, dv are summed over each GQA group. The scratch is that of a dense
     batch of B sequences of max_seqlen_q rows: two fp32 numbers per row, plus where the dK/dV kernel forms dQ
-    one fp32 (B·H, max_seqlen_q padded to 128, 64 or 128) plane per split (64 sequences of up to 8192 rows,
+    one fp32 (B·H, max_seqlen_q padded to 128, 64, 128, 192 or 256) plane per split (64 sequences of up to 8192 rows,
     H = 16: 4.3 GB a plane; ``dq_for_pack`` says how many, and where the planes would be mostly padding, none).
     """
     left, right = window_pair(window_size)

@@ -23,22 +23,42 @@ def stage_words(block_m: int, head_dim: int) -> int:
 
 
 
+def pair_offset(HEAD_DIM):
+    """at(off, j): the word offset of a lane's 16-column pair j (chunks 2j, 2j + 1) from its pair 0's offset
+    ``off`` in a swizzled tile of HEAD_DIM-word rows (blocks.copies.tile_copies), off a whole-row offset plus
+    the lane's chunk. The swizzle XORs a chunk's low 3 bits with row % 8, so pair j is pair j % 4 of 8-chunk
+    group j // 4: off ^ (j % 4) << 4, plus j // 4 groups of 64 words. Where HEAD_DIM is a power of two the
+    row bits lie above every pair's (16·(HEAD_DIM / 16 − 1) < HEAD_DIM) and one XOR does it; at d = 192
+    (rows of 3 groups) the group must be added."""
+    if HEAD_DIM & (HEAD_DIM - 1) == 0:
+        @inline_device
+        def at(off, j):
+            return off ^ (j << 4)
+    else:
+        @inline_device
+        def at(off, j):
+            return (off ^ ((j & 3) << 4)) + ((j >> 2) << 6)
+    return at
+
+
 def two_products(HEAD_DIM, N_TILES, mma):
     """X = A1 B1ᵀ and Y = A2 B2ᵀ over the head dim (Sᵀ, dPᵀ in dkdv; S, dP in dq): A of 16 rows per
     warp, B of N_TILES n-tiles, all from swizzled tiles. The k-steps are written out one call each:
     NVVM leaves the loop rolled at d = 128 (half the mma in the PTX), as in the forward's Q·Kᵀ.
     a1, a2, b1: word offsets of whole rows (multiples of HEAD_DIM), b2 - b1 a constant: a lane's
     chunk 2 kk is then its chunk 0's offset XOR kk << 4 (the row's bits lie above the chunk's), one
-    LOP3 per k-step and operand instead of the swizzle rebuilt and rescaled for every ldmatrix."""
+    LOP3 per k-step and operand instead of the swizzle rebuilt and rescaled for every ldmatrix (at d = 192 an
+    add too: pair_offset)."""
     ldsm = ptx.ldmatrix_x4
     D_STEPS = HEAD_DIM // 16
+    at = pair_offset(HEAD_DIM)
 
     @inline_device
     def step(x, y, smem, kk, a1, a2, b1, b2, a_lane, b_lane):
-        a_off = a_lane ^ (kk << 4)
+        a_off = at(a_lane, kk)
         p0, p1, p2, p3 = ldsm(smem, a1 + a_off)
         r0, r1, r2, r3 = ldsm(smem, a2 + a_off)
-        b_off = (b1 + b_lane) ^ (kk << 4)  # the stage offset inside: a register and immediates per k-step
+        b_off = at(b1 + b_lane, kk)  # the stage offset inside: a register and immediates per k-step
         for np2 in range(N_TILES // 2):
             nt = 2 * np2
             c0, c1, c2, c3 = ldsm(smem, b_off + np2 * 16 * HEAD_DIM)
@@ -67,9 +87,19 @@ def two_products(HEAD_DIM, N_TILES, mma):
             step(x, y, smem, 5, a1, a2, b1, b2, a_lane, b_lane)
             step(x, y, smem, 6, a1, a2, b1, b2, a_lane, b_lane)
             step(x, y, smem, 7, a1, a2, b1, b2, a_lane, b_lane)
+        if D_STEPS > 8:
+            step(x, y, smem, 8, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 9, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 10, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 11, a1, a2, b1, b2, a_lane, b_lane)
+        if D_STEPS > 12:
+            step(x, y, smem, 12, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 13, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 14, a1, a2, b1, b2, a_lane, b_lane)
+            step(x, y, smem, 15, a1, a2, b1, b2, a_lane, b_lane)
 
-    if D_STEPS not in (4, 8):
-        raise ValueError(f"HEAD_DIM={HEAD_DIM}: the unrolled products take 64 or 128")
+    if D_STEPS not in (4, 8, 12, 16):
+        raise ValueError(f"HEAD_DIM={HEAD_DIM}: the unrolled products take 64, 128, 192 or 256")
     return unrolled
 
 

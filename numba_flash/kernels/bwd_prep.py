@@ -227,9 +227,9 @@ def build_prep(dtype: str, varlen: bool = False):
 @lru_cache(maxsize=None)
 def build_prep_vec(dtype: str, head_dim: int, varlen: bool = False):
     """(kernel, rows per block) of the vector prep."""
-    if dtype not in DTYPES or head_dim not in ((32, 64, 128) if dtype == "float32" else (64, 128)):
+    if dtype not in DTYPES or head_dim not in ((32, 64, 128) if dtype == "float32" else (64, 128, 256)):
         raise ValueError(f"vector prep: dtype {dtype!r} not in {DTYPES} or head dim {head_dim} not "
-                         "64 / 128 (32 too for float32)")
+                         "64 / 128 / 256 (32 too for float32; 192 takes 256's)")
     source, rows = prep_vec_source(dtype, head_dim)
     if varlen:
         source = _varlen(source, ("out", "dout", "lse"))
@@ -251,8 +251,8 @@ def launch_prep(dtype, head_dim, vec, out, dout, lse, l2, dd, n_q, d, n_bh, stre
     out and dout rows 16-byte aligned), else one element per load. varlen: (cu_seqlens_q, cu_seqlens_k) with
     packed out, dout, lse viewed as batches (arrays.packed_as_batch)."""
     tail, extra = ((varlen[0], varlen[1]), {"varlen": True}) if varlen is not None else ((), {})
-    if vec:
-        kernel, rows = build_prep_vec(dtype, head_dim, **extra)
+    if vec:  # (d = 192: 256's build, a warp per row; its lanes past d load nothing)
+        kernel, rows = build_prep_vec(dtype, 256 if head_dim == 192 else head_dim, **extra)
         launch_kernel(kernel, (l2.shape[1] // rows, n_bh), VEC_THREADS, stream, 0, out, dout, lse, l2, dd, n_q, d,
                       *tail)
     else:

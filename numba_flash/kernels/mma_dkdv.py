@@ -52,7 +52,8 @@ from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
-from ..blocks.dkdv import dkdv_common, stage_words, two_products, window_schedule
+from ..blocks.copies import copy_threads
+from ..blocks.dkdv import dkdv_common, pair_offset, stage_words, two_products, window_schedule
 from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
@@ -63,14 +64,25 @@ DTYPES = ("float16", "bfloat16")
 DQ_COLS = 32  # columns of dQ_i a warp forms per pass of the dQ phase (16 accumulators per lane)
 
 
-def threads(block_n: int) -> int:
-    """One warp per 16 keys."""
-    return 32 * (block_n // 16)
+def col_split(head_dim: int) -> int:
+    """Warps per 16 keys: 1 up to d = 128; 2 above (the split layout), whose dK, dV of 16 keys x d (d fp32 per
+    lane) would not fit a warp's 255 registers beside Sᵀ and dPᵀ. Each warp of a pair then forms Sᵀ, dPᵀ for half
+    the step's queries and dK, dV for half the columns, Pᵀ and dSᵀ passing through shared memory (FA2's d = 256
+    layout: 64 keys, 8 warps, 128 accumulators a lane)."""
+    return 1 if head_dim <= 128 else 2
+
+
+def threads(block_n: int, head_dim: int = 128) -> int:
+    """One warp per 16 keys (two above d = 128: col_split)."""
+    return 32 * (block_n // 16) * col_split(head_dim)
 
 
 def smem_bytes(block_n: int, block_m: int, head_dim: int, atomic_dq: bool = False) -> int:
-    """K and V once, two stages of [Q | dO | L2 | D] (double buffer); with atomic_dq the 16-bit dSᵀ tile."""
-    return 2 * (2 * block_n * head_dim + 2 * stage_words(block_m, head_dim) + (block_n * block_m if atomic_dq else 0))
+    """K and V once, two stages of [Q | dO | L2 | D] (double buffer); with atomic_dq or the split layout the
+    16-bit dSᵀ tile, with the split layout Pᵀ too."""
+    split = col_split(head_dim) > 1
+    tiles = 2 if split else (1 if atomic_dq else 0)
+    return 2 * (2 * block_n * head_dim + 2 * stage_words(block_m, head_dim) + tiles * block_n * block_m)
 
 
 def problems(block_n: int, block_m: int, head_dim: int, dtype: str) -> list[str]:
@@ -80,13 +92,17 @@ def problems(block_n: int, block_m: int, head_dim: int, dtype: str) -> list[str]
         out.append(f"own tile of {block_n} rows: one warp per 16 rows, 1..16 warps")
     if block_m % 16 or not 16 <= block_m <= ROW_PAD:
         out.append(f"streamed tile of {block_m} rows: a multiple of 16 (the k of m16n8k16), <= {ROW_PAD}")
-    if head_dim not in (64, 128):
-        out.append(f"HEAD_DIM={head_dim}: 64 or 128 (the 8-chunk XOR swizzle, the unrolled k-steps)")
+    if head_dim not in (64, 128, 192, 256):
+        out.append(f"HEAD_DIM={head_dim}: 64, 128, 192 or 256 (the unrolled k-steps)")
+    if col_split(head_dim) > 1 and block_m != 64:
+        out.append(f"streamed tile of {block_m} rows at HEAD_DIM={head_dim}: the split layout's Pᵀ and dSᵀ tiles "
+                   "take 64 queries (8-chunk swizzled rows)")
     if dtype not in DTYPES:
         out.append(f"dtype={dtype!r} not in {DTYPES}")
-    n_threads = threads(block_n) if block_n % 16 == 0 and block_n >= 16 else 32
+    n_threads = threads(block_n, head_dim) if block_n % 16 == 0 and block_n >= 16 else 32
+    copying = copy_threads(head_dim, n_threads) if head_dim % 8 == 0 else n_threads
     for name, rows in (("own", block_n), ("streamed", block_m)):
-        if (rows * head_dim // 8) % n_threads:
+        if not copying or (rows * head_dim // 8) % copying:
             out.append(f"{name} tile of {rows}x{head_dim} is not a whole number of 16-byte copies per thread")
     if block_m // 2 > n_threads:
         out.append(f"{block_m} query rows of L2 and D need {block_m // 2} copying threads, have {n_threads}")
@@ -120,21 +136,39 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     blocks.dkdv.window_schedule; keys past n_k masked, so no clamp), and softcap / ALiBi on each recomputed
     score, the cap's 1 − tanh² on dS.
 
-    VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): key blocks past their sequence return."""
-    WARPS = BLOCK_N // 16
+    VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): key blocks past their sequence return.
+
+    Above d = 128 the split layout (col_split): warps 16 kg + .. and BLOCK_N / 16 + kg share keys 16 kg ..; the
+    first forms Sᵀ, dPᵀ for queries 0 .. BLOCK_M / 2 − 1 of the step and dK, dV for columns 0 .. d / 2 − 1, the
+    second the other halves; Pᵀ and dSᵀ go to shared memory between (one more barrier a step) and come back
+    as the A fragments of dV, dK by ldmatrix."""
+    KEY_WARPS = BLOCK_N // 16
+    SPLIT = col_split(HEAD_DIM)
+    SPLIT_LAYOUT = SPLIT > 1
+    WARPS = KEY_WARPS * SPLIT
     THREADS = 32 * WARPS
-    Q_TILES = BLOCK_M // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
+    QW = BLOCK_M // SPLIT  # queries of a warp's Sᵀ / dPᵀ
+    Q_TILES = QW // 8  # n-tiles of Sᵀ / dPᵀ (query columns)
     M_STEPS = BLOCK_M // 16  # k-steps of dV and dK (over the queries)
-    O_TILES = HEAD_DIM // 8  # n-tiles of dK / dV
+    O_TILES = HEAD_DIM // SPLIT // 8  # n-tiles of dK / dV
+    PAIRS = O_TILES // 2
+    REG_STEPS = 0 if SPLIT_LAYOUT else M_STEPS  # k-steps of dV, dK with A re-packed from the registers
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL, ATOMIC_DQ = bool(CAUSAL) and not WINDOW, bool(ATOMIC_DQ)
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, prologue, schedule, step_tile, prefetch, \
         swizzle_m, store_grads, dv_dk_step = dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES,
                                                               PARTIAL_CHUNK)
-    # ATOMIC_DQ: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS
-    if ATOMIC_DQ and not (BLOCK_M == 64 and BLOCK_N in (64, 128)):
-        raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 64 or 128 keys (4 or 8 warps "
-                         f"over dQ_i); got BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}")
+    # ATOMIC_DQ or SPLIT_LAYOUT: dSᵀ (BLOCK_N keys x BLOCK_M queries) at SDS; SPLIT_LAYOUT: Pᵀ at SP
+    SP = SDS + BLOCK_N * BLOCK_M
+    STORE_DS = ATOMIC_DQ and not SPLIT_LAYOUT  # dSᵀ stored from the registers of the one-warp layout
+    if ATOMIC_DQ and not (BLOCK_M == 64 and WARPS in (4, 8)):
+        raise ValueError(f"ATOMIC_DQ needs 64-query tiles (8-chunk dSᵀ rows) and 4 or 8 warps over dQ_i; got "
+                         f"BLOCK_N={BLOCK_N}, BLOCK_M={BLOCK_M}, {WARPS} warps")
+    if SPLIT_LAYOUT and BLOCK_M != 64:
+        raise ValueError(f"the split layout (HEAD_DIM={HEAD_DIM}) takes 64-query tiles (8-chunk Pᵀ, dSᵀ rows); "
+                         f"got BLOCK_M={BLOCK_M}")
+    at = pair_offset(HEAD_DIM)
+    ldsm = ptx.ldmatrix_x4
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, Q_TILES, mma)
     # the dQ phase (built only with ATOMIC_DQ: its warp layout needs 4 or 8 warps)
@@ -170,6 +204,9 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
         h_kv = bh - b * n_kv_heads
         k0 = kb * BLOCK_N
         kw = k0 + warp * 16  # this warp's first key
+        if SPLIT_LAYOUT:
+            cg = warp // KEY_WARPS  # its half of the step's queries (Sᵀ, dPᵀ) and of the columns (dK, dV)
+            kw = k0 + (warp - cg * KEY_WARPS) * 16
         shift = n_k - n_q  # query i sees key j iff j <= i + shift
         nq_pad = l2.shape[1]
         dq_h0 = bh * group  # dq_acc row block of the group's first query head
@@ -182,12 +219,17 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
         # ldmatrix lane addresses (matrix lane >> 3 of the x4 takes its row from lanes 8j..8j+7).
         mat = lane >> 3
         a_row = warp * 16 + (lane & 15)  # A (K, V rows): quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+        if SPLIT_LAYOUT:
+            a_row = kw - k0 + (lane & 15)
         a_x = (lane >> 4) ^ (a_row & 7)
         b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (Q, dO rows): (rows, d 0-7 | 8-15)
         b_x = (mat & 1) ^ (b_row & 7)
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (dO, Q as k x n): (rows 0-7 | 8-15) per d pair
         t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
         ds_lane = swizzle_m(warp * 16 + g, 0) + 2 * t  # dSᵀ pair (key 16w + g, queries 8 nt + 2t): ^ (nt << 3)
+        if SPLIT_LAYOUT:  # (key kw + g; n-tiles from the warp's half of the queries); A of dV, dK: ^ (kk << 4)
+            ds_lane = swizzle_m(kw - k0 + g, 0) + 2 * t
+            pa_lane = swizzle_m(a_row, lane >> 4)
 
         plan = prologue(smem, q, k, v, dout, l2, dd, b, h_kv, group, k0, qt0, steps, n_q, n_k, d, nq_pad, q_base,
                         k_base)
@@ -210,7 +252,11 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
             st = STAGE0 + (step & 1) * STAGE
 
             # Sᵀ = K_w Q_iᵀ and dPᵀ = V_w dO_iᵀ
-            unrolled(s, dp, smem, SK, SV, st + SQ, st + SDO, a_row, a_x, b_row, b_x)
+            if SPLIT_LAYOUT:  # of the warp's half of the queries
+                unrolled(s, dp, smem, SK, SV, st + SQ + cg * (QW * HEAD_DIM), st + SDO + cg * (QW * HEAD_DIM), a_row,
+                         a_x, b_row, b_x)
+            else:
+                unrolled(s, dp, smem, SK, SV, st + SQ, st + SDO, a_row, a_x, b_row, b_x)
 
             # Pᵀ = exp2(Sᵀ·scale·log2 e − L2[query]), dSᵀ = Pᵀ ∘ (dPᵀ − D[query]); padded queries
             # have L2 = +inf. Mask only where this warp's keys cross the tile's diagonal.
@@ -225,6 +271,8 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
+                    if SPLIT_LAYOUT:
+                        col += cg * QW
                     x = s[nt, r]
                     if SOFTCAP:
                         x = capped(x, cap_a, cap_b)
@@ -246,14 +294,29 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                     s[nt, r] = p
                     dp[nt, r] = ds
 
-            if ATOMIC_DQ:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
+            if STORE_DS:  # dSᵀ to shared memory as 16-bit pairs (row = key, 2 adjacent queries)
                 for nt in range(Q_TILES):
                     for half in range(2):
                         st_b32(smem, SDS + (ds_lane ^ (nt << 3)) + half * 8 * BLOCK_M,
                                pack(dp[nt, 2 * half], dp[nt, 2 * half + 1]))
 
+            if SPLIT_LAYOUT:  # Pᵀ and dSᵀ through shared memory: each warp of a pair needs the other's queries
+                for nt in range(Q_TILES):
+                    x_nt = ds_lane ^ ((cg * Q_TILES + nt) << 3)
+                    for half in range(2):
+                        st_b32(smem, SP + x_nt + half * 8 * BLOCK_M, pack(s[nt, 2 * half], s[nt, 2 * half + 1]))
+                        st_b32(smem, SDS + x_nt + half * 8 * BLOCK_M, pack(dp[nt, 2 * half], dp[nt, 2 * half + 1]))
+                cuda.syncthreads()  # both halves of every warp pair's Pᵀ, dSᵀ are in shared memory
+                # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i over the warp's d / 2 columns: A by ldmatrix
+                for kk in range(M_STEPS):
+                    p0, p1, p2, p3 = ldsm(smem, SP + (pa_lane ^ (kk << 4)))
+                    d0, d1, d2, d3 = ldsm(smem, SDS + (pa_lane ^ (kk << 4)))
+                    for dp2 in range(PAIRS):
+                        t_off = at(st + t_lane, cg * PAIRS + dp2) + kk * 16 * HEAD_DIM
+                        dv_dk_step(smem, acc_v, acc_k, 2 * dp2, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
+
             # dV_w += Pᵀ dO_i and dK_w += dSᵀ Q_i: accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk.
-            for kk in range(M_STEPS):
+            for kk in range(REG_STEPS):
                 nt = 2 * kk
                 p0 = pack(s[nt, 0], s[nt, 1])
                 p1 = pack(s[nt, 2], s[nt, 3])
@@ -268,13 +331,17 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                     t_off = ((st + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM
                     dv_dk_step(smem, acc_v, acc_k, dt, t_off, p0, p1, p2, p3, d0, d1, d2, d3)
 
-            if ATOMIC_DQ:
+            if STORE_DS:
                 cuda.syncthreads()  # every warp's dSᵀ is in shared memory
+            if ATOMIC_DQ:  # (the split layout's barrier above covers its dSᵀ)
                 add_dq(smem, SDS, dq_acc, dq_h0 + hh, i0, warp, lane, g, t, first)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
 
-        store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
+        if SPLIT_LAYOUT:
+            store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, cg * (HEAD_DIM // SPLIT), n_k, d, scale, k_base)
+        else:
+            store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
     # VARLEN: the packed-sequences form, key blocks past their sequence return
     return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any,
@@ -302,6 +369,8 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
     ZERO = float32(0.0)
 
     PASSES = WARP_COLS // DQ_COLS
+    PAIRED = PASSES > 1 and PASSES % 2 == 0  # every trip's second pass runs
+    ODD_PAIRED = PASSES > 1 and PASSES % 2 == 1  # the last trip's does not
 
     @inline_device
     def dq_pass(smem, ds_lane, dq_acc, acc_q, row0, pc, t_row, t_chunk, t, first):
@@ -356,8 +425,11 @@ def atomic_dq_phase(BLOCK_N, BLOCK_M, HEAD_DIM, DTYPE, WARPS, SK, swizzle, swizz
         for wc in range(0, PASSES, 2):  # one trip for the shipped tiles (2 passes, or 1)
             pc = cw * PASSES + wc  # this pass's DQ_COLS-column chunk of dQ_i
             dq_pass(smem, ds_lane, dq_acc, acc_a, row0, pc, t_row, t_chunk, t, first)
-            if PASSES > 1:
+            if PAIRED:
                 dq_pass(smem, ds_lane, dq_acc, acc_b, row0, pc + 1, t_row, t_chunk, t, first)
+            if ODD_PAIRED:  # (d = 192 in the split layout: 3 passes a warp)
+                if wc + 1 < PASSES:
+                    dq_pass(smem, ds_lane, dq_acc, acc_b, row0, pc + 1, t_row, t_chunk, t, first)
 
     return add_dq
 
@@ -370,9 +442,9 @@ def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, m
     partial_chunk: d % 8 != 0. dq_splits (atomic only): the deterministic splits' builds, 1 (adds) or 2 (the
     first launch: stores)."""
     bad = problems(block_n, block_m, head_dim, dtype)
-    if atomic_dq and not (block_n in (64, 128) and block_m == 64):
-        bad.append(f"atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query tiles only, not "
-                   f"dkdv {block_n}x{block_m}")
+    if atomic_dq and not (threads(block_n, head_dim) in (128, 256) and block_m == 64):
+        bad.append(f"atomic dQ is built into the dkdv kernel with 4 or 8 warps (64 or 128 keys, 32 or 64 above "
+                   f"d = 128) and 64-query tiles only, not dkdv {block_n}x{block_m}")
     if dq_splits not in (0, 1, 2) or (dq_splits and not atomic_dq):
         bad.append(f"dq_splits={dq_splits!r}: 0, or 1 / 2 for builds of the atomic dkdv kernel (atomic_dq=True)")
     if dq_splits == 2 and (mods.any or varlen):
@@ -411,12 +483,13 @@ def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dt
         tail = tuple(varlen[:2])
     args = (q, k, v, dout, l2, dd, dk, dv)
     if dq_acc is None:
-        launch_kernel(build(bn, bm, head_dim, bool(causal), dtype, **partial), (n_kb, B * Hkv), threads(bn), stream,
+        launch_kernel(build(bn, bm, head_dim, bool(causal), dtype, **partial), (n_kb, B * Hkv), threads(bn, head_dim),
+                      stream,
                       smem_bytes(bn, bm, head_dim), *args, *scalars, *tail)
         return
     # the vector adds exist from sm_90 on; passed only when off, so the default keeps its cache key
     red = {} if ptx.current_sm90() else {"vector_red": False}
     launch_dq_in_dkdv(lambda splits: build(bn, bm, head_dim, bool(causal), dtype, atomic_dq=True, **red, **partial,
                                            **({"dq_splits": splits} if splits else {})),
-                      B * Hkv, threads(bn), smem_bytes(bn, bm, head_dim, True), stream, (*args, dq_acc), scalars,
+                      B * Hkv, threads(bn, head_dim), smem_bytes(bn, bm, head_dim, True), stream, (*args, dq_acc), scalars,
                       n_kb, dq_splits, B * H, zeroed=mods.any or varlen is not None, tail=tail)

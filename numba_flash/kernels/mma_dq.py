@@ -25,7 +25,7 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.copies import copy_threads, tile_copies
-from ..blocks.dkdv import two_products
+from ..blocks.dkdv import pair_offset, two_products
 from ..blocks.entry import kernel_signature, varlen_entry, varlen_key, varlen_rules, with_row_bases
 from ..blocks.mask import window_rules
 from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
@@ -54,13 +54,14 @@ def problems(block_m: int, block_n: int, head_dim: int, dtype: str) -> list[str]
         out.append(f"dq tile of {block_m} query rows > {ROW_PAD}, the scratch rows' padding")
     if block_n % 16 or not 16 <= block_n <= ROW_PAD:
         out.append(f"streamed tile of {block_n} rows: a multiple of 16 (the k of m16n8k16), <= {ROW_PAD}")
-    if head_dim not in (64, 128):
-        out.append(f"HEAD_DIM={head_dim}: 64 or 128 (the 8-chunk XOR swizzle, the unrolled k-steps)")
+    if head_dim not in (64, 128, 192, 256):
+        out.append(f"HEAD_DIM={head_dim}: 64, 128, 192 or 256 (the unrolled k-steps)")
     if dtype not in DTYPES:
         out.append(f"dtype={dtype!r} not in {DTYPES}")
     n_threads = threads(block_m) if block_m % 16 == 0 and block_m >= 16 else 32
+    copying = copy_threads(head_dim, n_threads) if head_dim % 8 == 0 else n_threads
     for name, rows in (("own", block_m), ("streamed", block_n)):
-        if (rows * head_dim // 8) % n_threads:
+        if not copying or (rows * head_dim // 8) % copying:
             out.append(f"{name} tile of {rows}x{head_dim} is not a whole number of 16-byte copies per thread")
     nbytes = smem_bytes(block_m, block_n, head_dim)
     if nbytes > SMEM_PER_BLOCK_MAX:
@@ -92,6 +93,7 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
     unrolled = two_products(HEAD_DIM, K_TILES, mma)
+    at = pair_offset(HEAD_DIM)
     pack = ptx.pack_f16x2 if DTYPE == "float16" else ptx.pack_bf16x2
     ex2 = ptx.ex2_approx
     cp_commit = ptx.cp_async_commit
@@ -137,7 +139,7 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
         b_row = (mat >> 1) * 8 + (lane & 7)  # B of two n-tiles (K, V rows)
         b_x = (mat & 1) ^ (b_row & 7)
         t_row = (mat & 1) * 8 + (lane & 7)  # B by .trans (K as k x n)
-        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: (t_lane ^ (dp2 << 4)) + kk·16 rows
+        t_lane = swizzle(t_row, mat >> 1)  # ... of d pair dp2, k-step kk: at(t_lane, dp2) + kk·16 rows
 
         # This thread's copy plans (offsets, source bytes per copy, shared offset); K's and V's offsets
         # step by a tile per K/V tile.
@@ -228,7 +230,7 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                 a3 = pack(dp[nt + 1, 2], dp[nt + 1, 3])
                 for dp2 in range(O_TILES // 2):
                     dt = 2 * dp2
-                    b0, b1, b2, b3 = ldsm_t(smem, ((st + SK + t_lane) ^ (dp2 << 4)) + kk * 16 * HEAD_DIM)
+                    b0, b1, b2, b3 = ldsm_t(smem, at(st + SK + t_lane, dp2) + kk * 16 * HEAD_DIM)
                     acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = mma(
                         a0, a1, a2, a3, b0, b1, acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
                     acc[dt + 1, 0], acc[dt + 1, 1], acc[dt + 1, 2], acc[dt + 1, 3] = mma(
