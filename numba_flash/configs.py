@@ -301,8 +301,8 @@ MMA_BWD_TABLE = {
     # shared memory), FA2's d = 256 tile of 64 keys x 64 queries on 8 warps: 128 accumulator registers a lane,
     # 209 KiB of shared memory at d = 256 (160.75 KiB at d = 192), one block per SM; ptxas: no spills. dq: 64
     # queries x 32 keys on 4 warps (dQ_w of 16 rows x d: d / 2 fp32 a lane, so 32-key S and dP), 128 KiB at d =
-    # 256. Chosen by construction, not yet timed (provisional: scripts/bench_backward.py --sweep-mma-d256 times
-    # the candidates of MMA_BWD_CANDIDATES).
+    # 256. Chosen by construction, not timed: provisional (scripts/bench_backward.py --sweep-mma --sweep-d 192 256
+    # times its MMA_SWEEP candidates).
     ("dkdv", 192): Tile(64, 64, 192), ("dq", 192): Tile(64, 32, 192),
     ("dkdv_atomic", 192): Tile(64, 64, 192, flags={"deterministic_splits"}),
     ("dkdv", 256): Tile(64, 64, 256), ("dq", 256): Tile(64, 32, 256),
@@ -336,7 +336,10 @@ MMA_BWD_SPILL_OK = {("dkdv", 64, 64, 128): 100, ("dq", 64, 64, 128): 56,
                     ("dkdv-atomic", 128, 64, 64): 40, ("dkdv-atomic", 128, 64, 128): 44,
                     # the deterministic splits' builds (worst of causal / not, adds / stores: the first
                     # launch's store build, non-causal; results/sass-loop-2026-12-01-dq-splits.txt)
-                    ("dkdv-splits", 128, 64, 128): 36}
+                    ("dkdv-splits", 128, 64, 128): 36,
+                    # d192 dq 64x32, causal (not causal: 234 registers, none): chosen over 64x16 (169 registers,
+                    # unspilled) by construction, twice the products per barrier; not timed (the sweep has both)
+                    ("dq", 64, 32, 192): 136}
 
 
 def _simt_for(head_dim: int) -> SimtConfig:

@@ -4,6 +4,10 @@
     python scripts/bench_backward.py --quick      # N 4096 d 128 only
     python scripts/bench_backward.py --sweep      # also time candidate backward tile configs (B4 H16 N4096 d128)
     python scripts/bench_backward.py --sweep-mma  # time the tensor-core kernels' candidate tiles one by one
+    python scripts/bench_backward.py --big-d --dtypes float16 bfloat16
+                                                  # B2 H16 N4096 d {192, 256}, causal and not, beside SDPA
+    python scripts/bench_backward.py --sweep-mma --sweep-d 192 256 --sweep-only
+                                                  # the d 192 / 256 candidate tiles (MMA_SWEEP), causal and not
     python scripts/bench_backward.py --tf32 --sweep-only
                                                   # fp32: backward(kernel="tf32x3") vs "simt" vs SDPA efficient
 
@@ -37,6 +41,7 @@ from numba_flash import bench  # noqa: E402
 
 SHAPES = [(4, 16, 1024, 64), (4, 16, 4096, 64), (4, 16, 1024, 128), (4, 16, 4096, 128)]  # (B, H, N, d)
 QUICK = [(4, 16, 4096, 128)]
+BIG_D = [(2, 16, 4096, 192), (2, 16, 4096, 256)]  # --big-d: the split-layout dkdv's head dims (B2 as issue 29's row)
 SIMULATOR_SHAPES = [(1, 1, 32, 16)]
 BWD, FWD_BWD = "bwd", "fwd+bwd"
 FLOP_FACTOR = {BWD: 2.5, FWD_BWD: 3.5}
@@ -242,7 +247,13 @@ def tf32_rows(B=4, H=16, N=4096, budget_s=1.0):
 MMA_SWEEP = {
     128: {"dkdv": [(64, 32), (128, 32), (64, 16), (64, 64)], "dq": [(64, 64), (64, 32), (128, 64), (128, 32)]},
     64: {"dkdv": [(64, 64), (128, 64), (64, 32), (128, 32)], "dq": [(64, 64), (128, 64), (64, 32), (128, 32)]},
+    # d 192 / 256: the dkdv split layout takes 64-query tiles (2 warps per 16 keys: 64 keys = 8 warps, 32 = 4); dq's
+    # accumulators are d / 2 fp32 a lane, so few keys per tile (ptxas sm_90 regs / spill bytes in DESIGN.md)
+    192: {"dkdv": [(64, 64), (32, 64)], "dq": [(64, 32), (64, 16), (128, 32), (64, 64)]},
+    256: {"dkdv": [(64, 64), (32, 64)], "dq": [(64, 32), (64, 16), (128, 32), (128, 16)]},
 }
+MMA_SWEEP_ATOMIC = {64: [(64, 64), (128, 64)], 128: [(64, 64), (128, 64)], 192: [(64, 64), (32, 64)],
+                    256: [(64, 64), (32, 64)]}  # the dkdv tiles timed with atomic dQ
 
 
 # sweep_mma's kernel names: the config key its tile replaces, the layout flags it sets, TFLOP/s credit
@@ -300,7 +311,7 @@ def sweep_mma(B=4, H=16, N=4096, d=128, dtype="float16", causal=False, budget_s=
     dq_acc = torch.zeros((*rows_shape, d), device="cuda", dtype=torch.float32)
     acc_view = to_device_view(dq_acc, 0, ndim=3)
     # atomic dQ (deterministic=False) with 64 or 128 keys per block
-    extra = [("dkdv-atomic", [(64, 64), (128, 64)]), ("dkdv-shipped", [tuple(shipped["dkdv"])])]
+    extra = [("dkdv-atomic", MMA_SWEEP_ATOMIC[d]), ("dkdv-shipped", [tuple(shipped["dkdv"])])]
     for kernel, tiles in [("prep", [None])] + list(MMA_SWEEP[d].items()) + extra:
         if kernels is not None and kernel not in kernels:
             continue
@@ -337,7 +348,7 @@ def _line(rows):
 
 
 def run_suite(*, quick: bool = False, simulator: bool = False, progress: bool = True,
-              dtypes=("float32", "float16"), budget_s: float = 1.0) -> dict:
+              dtypes=("float32", "float16"), budget_s: float = 1.0, big_d: bool = False) -> dict:
     """The backward suite for numba_flash.bench: {"rows": [...]} (TFLOP/s with 2.5x / 3.5x FLOPs)."""
     if simulator:
         cases = [(B, H, N, d, "float32", c) for (B, H, N, d) in SIMULATOR_SHAPES for c in (False, True)]
@@ -345,7 +356,7 @@ def run_suite(*, quick: bool = False, simulator: bool = False, progress: bool = 
     else:
         if not bench.gpu_available():
             raise bench.SuiteError("the backward suite needs a GPU (or run it on the simulator with --quick)")
-        cases = [(B, H, N, d, dt, c) for (B, H, N, d) in (QUICK if quick else SHAPES) for dt in dtypes
+        cases = [(B, H, N, d, dt, c) for (B, H, N, d) in (BIG_D if big_d else QUICK if quick else SHAPES) for dt in dtypes
                  for c in (False, True)]
         run = lambda *case: run_case(*case, budget_s=budget_s)  # noqa: E731
     rows = []
@@ -419,6 +430,7 @@ def markdown(result: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--big-d", action="store_true", help="the suite on BIG_D's shapes (d 192, 256) instead")
     ap.add_argument("--sweep", action="store_true", help="also time the candidate tile configs (fp32 and fp16)")
     ap.add_argument("--sweep-mma", action="store_true", help="time the tensor-core kernels' candidate tiles (fp16)")
     ap.add_argument("--sweep-kernels", nargs="+", default=None,
@@ -449,7 +461,7 @@ def main(argv=None):
     if args.sweep_mma:
         print("tensor-core backward tiles (B4 H16 N4096 fp16), kernel by kernel:", flush=True)
         result["sweep_mma"] = [r for d in MMA_SWEEP if args.sweep_d is None or d in args.sweep_d
-                               for causal in ((False, True) if d == 128 else (False,))
+                               for causal in ((False, True) if d >= 128 else (False,))
                                if args.sweep_causal is None or str(causal) in args.sweep_causal
                                for r in sweep_mma(d=d, causal=causal, budget_s=min(args.budget_s, 0.5),
                                                   kernels=args.sweep_kernels)]
@@ -457,9 +469,10 @@ def main(argv=None):
         print("fp32 backward: tf32x3 (auto) vs simt vs SDPA efficient (B4 H16 N4096, bwd only):", flush=True)
         result["tf32"] = tf32_rows(budget_s=args.budget_s)
     if not args.sweep_only:
-        result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s)
+        result["backward"] = run_suite(quick=args.quick, dtypes=args.dtypes, budget_s=args.budget_s, big_d=args.big_d)
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
     stem = os.path.join(args.out, f"backward-{result['meta']['date'][:10]}" + ("-quick" if args.quick else "")
+                        + ("-big-d" if args.big_d else "")
                         + ("-sweep" if args.sweep_only else ""))
     os.makedirs(args.out, exist_ok=True)
     import json

@@ -34,9 +34,11 @@ CASES = [  # (dtype, Hkv, n_q, n_k, d, causal), B = 2, H = 4
     ("float16", 2, 1024, 1024, 64, True),
     ("bfloat16", 2, 2048, 2048, 128, True),
     ("bfloat16", 4, 513, 1000, 64, False),
-    # d > 128: the tensor-core forward's O and L feed the SIMT backward (fp32, PerformanceWarning)
+    # d > 128: the tensor-core backward's split-layout dkdv (padded: 160 -> 192, 200 -> 256)
     ("float16", 2, 1000, 1000, 256, True),
     ("bfloat16", 4, 513, 700, 192, False),
+    ("float16", 2, 700, 513, 160, True),
+    ("bfloat16", 2, 1000, 1000, 200, True),
 ]
 
 
@@ -83,18 +85,19 @@ def test_backward_error_rule(dtype, Hkv, n_q, n_k, d, causal):
         assert err <= 2 * naive_err + ulp * mag, f"{name}: ours {err:.3e} vs naive {dtype} {naive_err:.3e}"
 
 
-@pytest.mark.parametrize("dtype,d", [("float32", 128), ("float16", 64), ("float16", 128)])
+@pytest.mark.parametrize("dtype,d", [("float32", 128), ("float16", 64), ("float16", 128), ("float16", 256),
+                                     ("bfloat16", 192)])
 def test_backward_deterministic(dtype, d):
     """20 runs, bitwise the same gradients: the deterministic splits (every fp32 plane of dQ owned by one block,
     planes summed in order) at d128 (fp16, and fp32's 3xTF32) and, on sm_90 (the wgmma dkdv), at fp16 d64;
-    elsewhere fp16 d64 takes the dq kernel (no atomics)."""
+    elsewhere fp16 d64 takes the dq kernel (no atomics); d 192 / 256 whichever dq_scheme picks."""
     from numba_flash.ptx import current_wgmma
 
     Hkv, causal = (4 if dtype == "float32" else 2), True  # compiled above
     q, k, v, dout = _inputs(2, 4, Hkv, 1000, 1000, d, getattr(torch, dtype), 3)
     how = numba_flash.explain_backward(q, k, v, causal=causal).splitlines()[3]
     splits = d == 128 or current_wgmma()
-    assert how.startswith("dQ: deterministic splits" if splits else "dQ: a separate dq kernel"), how
+    assert how.startswith("dQ: " if d > 128 else "dQ: deterministic splits" if splits else "dQ: a separate dq kernel"), how
     out, lse = numba_flash.forward(q, k, v, causal=causal)
     first = backward(q, k, v, out, lse, dout, causal=causal)
     for _ in range(20):

@@ -27,6 +27,8 @@ CASES = [  # (dtype, Hkv, n_q, n_k, d, causal, window, softcap, alibi, determini
     ("float16", 4, 1500, 700, 64, True, (-1, -1), 0.0, "BH", False),  # Nq > Nk: rows that see no key
     ("bfloat16", 2, 777, 1024, 128, False, (300, 300), 30.0, "H", False),
     ("float16", 4, 1024, 1024, 128, True, (511, -1), 20.0, "H", True),
+    ("float16", 2, 1000, 1500, 256, False, (100, 37), 20.0, "H", True),  # d 256: the split-layout dkdv
+    ("bfloat16", 4, 1024, 777, 192, True, (-1, -1), 0.0, "BH", False),
 ]
 
 

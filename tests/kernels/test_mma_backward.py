@@ -193,6 +193,26 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 
 
 @in_simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("B,H,Hkv,n_q,n_k,d,causal,dtype,scheme", [
+    (1, 2, 1, 20, 30, 256, True, "float16", "kernel"),   # d 256: the split-layout dkdv (8 warps), the d256 dq kernel;
+                                                          # GQA 2 (two query heads' Pᵀ / dSᵀ through shared memory)
+    (1, 1, 1, 20, 40, 160, True, "bfloat16", "atomic"),  # d 160 -> 192: rows of 24 chunks (192 of 256 threads copy),
+                                                          # the atomic dQ phase's 3 passes a warp
+    (1, 1, 1, 16, 70, 196, False, "float16", "splits"),  # d 196 -> 256: a part-data chunk; 2 key blocks, 2 splits
+])
+def test_head_dims_above_128_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, scheme):
+    """Head dims 129..256 (padded to 192 or 256): dkdv in the split layout (two warps per 16 keys, Pᵀ and dSᵀ
+    through shared memory, dK / dV of half the columns a warp) with every dQ scheme."""
+    vals, stored = problem(d + n_k, B, H, Hkv, n_q, n_k, d, causal, dtype)
+    head_dim = 192 if d <= 192 else 256
+    assert mma_dkdv.col_split(head_dim) == 2 and d != head_dim or d == 256
+    grads = run_backward(stored, d, causal, dtype, shipped(head_dim), atomic=scheme == "atomic",
+                         splits=2 if scheme == "splits" else None)
+    check_error_rule(grads, vals, causal, dtype)
+
+
+@in_simulator
 @pytest.mark.parametrize("n_q,n_k,splits", [(30, 200, 3), (200, 150, 2)])
 def test_dq_splits_sim(n_q, n_k, splits):
     """backward(deterministic=True)'s splits, GQA 2, causal, key blocks of 64: Nq < Nk with 3 splits over 4
@@ -290,8 +310,8 @@ def test_public_api_deterministic_flag():
         backward(q, k, v, o, lse, do, causal=True, deterministic="no")
     grads = backward(q, k, v, o, lse, do, causal=True, deterministic=False)
     check_error_rule([g.astype(np.float64) for g in grads], vals, True, "float16")
-    with pytest.raises(ValueError, match="atomic dQ is built into the dkdv kernel with 64 or 128 keys and 64-query "
-                                         "tiles only, not dkdv 64x32"):
+    with pytest.raises(ValueError, match=r"atomic dQ is built into the dkdv kernel with 4 or 8 warps \(64 or 128 keys, "
+                                         r"32 or 64 above d = 128\) and 64-query tiles only, not dkdv 64x32"):
         mma_dkdv.build(64, 32, 128, False, "float16", atomic_dq=True)
     for bad in ({"atomic_dq": False, "dq_splits": 1}, {"atomic_dq": True, "dq_splits": 3}):
         with pytest.raises(ValueError, match="dq_splits="):
@@ -328,6 +348,11 @@ def test_problems_and_configs():
     assert "shared memory" in " ".join(mma_dkdv.problems(256, 128, 128, "float16"))
     assert "the scratch rows' padding" in " ".join(mma_dq.problems(256, 64, 64, "float16"))
     assert "copying threads" in " ".join(mma_dkdv.problems(16, 128, 64, "float16"))
+    assert "take 64 queries" in " ".join(mma_dkdv.problems(64, 32, 256, "float16"))  # the split layout's Pᵀ, dSᵀ
+    # above d = 128: 8 warps for 64 keys; sm_80's 163 KiB a block holds the d192 tiles, not d256's dkdv
+    assert mma_dkdv.threads(64, 256) == 256 and mma_dkdv.threads(64, 128) == 128
+    assert mma_dkdv.smem_bytes(64, 64, 192) <= 163 * 1024 < mma_dkdv.smem_bytes(64, 64, 256) <= 227 * 1024
+    assert mma_dkdv.smem_bytes(64, 64, 256, True) == mma_dkdv.smem_bytes(64, 64, 256)  # dSᵀ's tile is there anyway
     with pytest.raises(ValueError, match="cannot be built"):
         mma_dq.build(64, 24, 64, False, "float16")
     assert schedule.padded_rows(1) == 128 and schedule.padded_rows(256) == 256
@@ -349,16 +374,23 @@ SIG = kernel_signature({K!r}, {A})
 
 
 def expected_mma(kernel, own, streamed, head_dim):
-    """mma.sync count of one fully unrolled step: two head-dim GEMMs, then one (dq) or two (dkdv)
-    GEMMs over the streamed rows."""
-    first = 2 * (head_dim // 16) * (streamed // 8)
-    second = (2 if kernel == "dkdv" else 1) * (streamed // 16) * (head_dim // 8)
-    return first + second
+    """mma.sync counts of one step: two head-dim GEMMs, then one (dq) or two (dkdv) GEMMs over the streamed rows,
+    fully unrolled; the dkdv split layout (d > 128: a warp's Sᵀ / dPᵀ of half the queries, dV / dK of half the
+    columns) may keep the loop over the dV / dK k-steps rolled (its A fragments come by ldmatrix, the k-steps
+    differ in addresses only): then one k-step's products are in the PTX."""
+    split = mma_dkdv.col_split(head_dim) if kernel == "dkdv" else 1
+    first = 2 * (head_dim // 16) * (streamed // split // 8)
+    second = (2 if kernel == "dkdv" else 1) * (streamed // 16) * (head_dim // split // 8)
+    return {first + second} | ({first + second // (streamed // 16)} if split > 1 else set())
 
 
-@pytest.mark.parametrize("head_dim", MMA_BWD_HEAD_DIMS)
+# every head dim's shipped tiles, causal and not up to d = 128; one build each above (each compiles for a minute)
+COMPILED = [(hd, causal) for hd in MMA_BWD_HEAD_DIMS if hd <= 128 for causal in (False, True)] + \
+    [(hd, hd == 256) for hd in MMA_BWD_HEAD_DIMS if hd > 128]
+
+
+@pytest.mark.parametrize("head_dim,causal", COMPILED)
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
-@pytest.mark.parametrize("causal", [False, True])
 def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     """Tensor cores, every GEMM unrolled, fragments in registers, and no spills beyond the bytes
     MMA_BWD_SPILL_OK records for a config the sweep measured fastest anyway."""
@@ -366,7 +398,7 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     source = COMPILE_SOURCE.format(K=kernel, O=own, S=streamed, D=head_dim, C=causal, DT="float16", A=False)
     text = compile_in_subprocess(source, "SIG", "kern", tmp_path)
     assert "ldmatrix.sync.aligned.m8n8.x4.trans" in text and "cp.async.cg" in text
-    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == expected_mma(
+    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") in expected_mma(
         kernel, own, streamed, head_dim)
     assert "ld.local" not in text and "st.local" not in text
     report = ptxas_report(text, tmp_path)
@@ -374,9 +406,9 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
-@pytest.mark.parametrize("head_dim", [hd for hd in MMA_BWD_HEAD_DIMS if shipped(hd).get("deterministic_dq") == "splits"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("build", [1, 2])
+@pytest.mark.parametrize("head_dim,causal,build", [  # above d = 128 two of the builds (a minute each)
+    (hd, causal, build) for hd in MMA_BWD_HEAD_DIMS if hd <= 128 and shipped(hd).get("deterministic_dq") == "splits"
+    for causal in (False, True) for build in (1, 2)] + [(192, False, 1), (256, True, 2)])
 def test_dq_splits_builds_compile(head_dim, causal, build, tmp_path):
     """The deterministic splits' dkdv builds (1: adds, 2: the first launch's stores): the dQ leaves by
     red.global.add.v2 or by st.global.v2 (never both: each build's other branch is pruned at compile time),
@@ -390,12 +422,12 @@ def test_dq_splits_builds_compile(head_dim, causal, build, tmp_path):
     red, st = text.count("red.global.add.v2.f32"), text.count("st.global.v2.f32")
     assert (red == 0 and st > 0) if build == 2 else (red > 0 and st == 0), (red, st)
     report = ptxas_report(text, tmp_path)
-    allowed = MMA_BWD_SPILL_OK[("dkdv-splits", keys, queries, head_dim)]
+    allowed = MMA_BWD_SPILL_OK.get(("dkdv-splits", keys, queries, head_dim), 0)
     assert report["spill_stores"] <= allowed and report["spill_loads"] <= allowed, report["text"]
 
 
 @pytest.mark.parametrize("head_dim,keys,vector_red", [(64, 64, False), (64, 128, True), (128, 64, True),
-                                                      (128, 128, True)])
+                                                      (128, 128, True), (192, 64, False)])
 def test_atomic_dq_compiles_to_red(head_dim, keys, vector_red, tmp_path):
     """deterministic=False: dQ leaves dkdv as red.global.add.v2.f32, one per pair of a fragment's
     adjacent columns (no returned value, no generic atom), or below sm_90, where ptxas has no vector
@@ -492,6 +524,68 @@ def test_gpu_dq_splits(d, causal, dtype, splits, n_q, n_k):
     for _ in range(20):
         for a, b in zip(first, run_backward(stored, d, causal, dtype, config, splits=splits)):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("scheme", ["kernel", "atomic", "splits"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d,causal", [(256, True), (256, False), (192, True), (160, False), (200, True),
+                                      (196, False)])
+def test_gpu_head_dims_above_128(d, causal, dtype, scheme):
+    """d 129..256 (192, 256 and padded: 160 -> 192, 200 and 196 -> 256, 196 with a part-data chunk): the
+    split-layout dkdv with each dQ scheme, GQA 2, ragged lengths (Nq > Nk: rows that see no key); the splits'
+    20 runs bitwise equal."""
+    head_dim = 192 if d <= 192 else 256
+    vals, stored = problem(d + causal, 2, 4, 2, 700, 450, d, causal, dtype)
+    splits = 3 if scheme == "splits" else None
+    first = run_backward(stored, d, causal, dtype, shipped(head_dim), atomic=scheme == "atomic", splits=splits)
+    check_error_rule(first, vals, causal, dtype)
+    assert np.all(first[0][:, :, : 700 - 450] == 0) or not causal
+    for _ in range(20 if scheme == "splits" and d == 256 else 0):
+        for a, b in zip(first, run_backward(stored, d, causal, dtype, shipped(head_dim), splits=splits)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d,config", [(256, {"dkdv": (32, 64), "dq": (64, 16), "dkdv_atomic": (32, 64)}),
+                                      (192, {"dkdv": (32, 64), "dq": (128, 32), "dkdv_atomic": (32, 64)}),
+                                      (256, {"dkdv": (64, 64), "dq": (128, 16)}),
+                                      (192, {"dkdv": (64, 64), "dq": (64, 64)})])
+def test_gpu_head_dims_above_128_sweep_tiles(d, config):
+    """The d 192 / 256 candidates scripts/bench_backward.py --sweep-mma times (MMA_SWEEP) are right too."""
+    config = dict(config, head_dim=d)
+    vals, stored = problem(d + 3, 1, 4, 2, 333, 300, d, True, "float16")
+    check_error_rule(run_backward(stored, d, True, "float16", config), vals, True, "float16")
+    if "dkdv_atomic" in config:
+        check_error_rule(run_backward(stored, d, True, "float16", config, atomic=True), vals, True, "float16")
+
+
+def test_backward_above_128_dispatch(monkeypatch):
+    """fp16 / bf16 at d 129..256 run the tensor-core backward (explain says the split layout and the padding) where
+    the GPU's blocks have the tiles' shared memory; elsewhere auto runs SIMT with the reason (backward's
+    PerformanceWarning quotes it) and kernel='mma' raises it."""
+    import importlib
+
+    from numba_flash.api import validate
+
+    bwd = importlib.import_module("numba_flash.backward")
+    q = np.broadcast_to(np.float16(1), (1, 2, 8, 200))
+    family, cfg, reasons = bwd.choose_backward(validate(q, q, q, causal=True))
+    assert family == "mma" and cfg["head_dim"] == 256 and cfg["dkdv"] == (64, 64), reasons
+    assert any("two warps per 16 keys" in r for r in reasons) and "zero-padded to 256" in " ".join(reasons)
+    assert not any("widened to fp32" in r for r in reasons)
+    monkeypatch.setattr(bwd, "_device_smem", lambda: (163 * 1024, 164 * 1024))  # sm_80
+    family, _, reasons = bwd.choose_backward(validate(q, q, q))
+    assert family == "simt" and "dkdv tile at head dim 256 needs 214016 B of shared memory" in reasons[-1], reasons
+    with pytest.raises(ValueError, match="kernel='mma' cannot run this backward.*needs 214016 B"):
+        bwd.choose_backward(validate(q, q, q), "mma")
+    family, cfg, _ = bwd.choose_backward(validate(q[..., :160], q[..., :160], q[..., :160]))
+    assert family == "mma" and cfg["head_dim"] == 192  # d 192's tiles fit 163 KiB
+    monkeypatch.setattr(bwd, "_device_smem", lambda: (99 * 1024, 100 * 1024))  # sm_86 / sm_89
+    assert bwd.choose_backward(validate(q[..., :160], q[..., :160], q[..., :160]))[0] == "simt"
+    assert bwd.choose_backward(validate(q[..., :128], q[..., :128], q[..., :128]))[0] == "mma"
 
 
 def test_check_dq_acc_names_the_layout_it_needs():

@@ -138,6 +138,7 @@ BACKWARD = [  # (B, H, Hkv, Nq, Nk, d, causal, window_size, softcap, alibi, dete
     (2, 2, 1, 33, 50, 64, True, (-1, -1), 0.0, "BH", False),
     (1, 2, 1, 65, 47, 64, False, (7, 3), 2.0, "H", True),
     (1, 2, 1, 65, 47, 64, False, (7, 3), 2.0, "H", False),
+    (1, 2, 1, 16, 20, 200, False, (7, 3), 2.0, "H", True),  # d 200 -> 256: the split-layout dkdv with every mod
 ]
 
 
