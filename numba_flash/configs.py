@@ -299,9 +299,9 @@ MMA_BWD_TABLE = {
     # d = 192 and 256 (head dims 129..256 padded up to one): dkdv in the split layout (mma_dkdv.col_split: two warps
     # per 16 keys, each with Sᵀ / dPᵀ of half the queries and dK / dV of half the columns, Pᵀ and dSᵀ through
     # shared memory), FA2's d = 256 tile of 64 keys x 64 queries on 8 warps: 128 accumulator registers a lane,
-    # 209 KiB of shared memory at d = 256 (160.75 KiB at d = 192), one block per SM; ptxas: no spills. dq: 64
-    # queries x 32 keys on 4 warps (dQ_w of 16 rows x d: d / 2 fp32 a lane, so 32-key S and dP), 128 KiB at d =
-    # 256. Chosen by construction, not timed: provisional (scripts/bench_backward.py --sweep-mma --sweep-d 192 256
+    # 209 KiB of shared memory at d = 256 (161.5 KiB at d = 192), one block per SM; ptxas: 232-254 registers, no
+    # spills. dq: 64 queries x 32 keys on 4 warps (dQ_w of 16 rows x d: d / 2 fp32 a lane, so 32-key S and dP),
+    # 128 KiB at d = 256, 251-255 registers (d192 causal spills 136 B: MMA_BWD_SPILL_OK). Chosen by construction, not timed: provisional (scripts/bench_backward.py --sweep-mma --sweep-d 192 256
     # times its MMA_SWEEP candidates).
     ("dkdv", 192): Tile(64, 64, 192), ("dq", 192): Tile(64, 32, 192),
     ("dkdv_atomic", 192): Tile(64, 64, 192, flags={"deterministic_splits"}),
