@@ -93,13 +93,14 @@ def test_decode_refuses_host_lengths():
         decode(q, kc, kc, num_splits=2.0)
 
 
-def test_varlen_attention_with_gradients_past_the_backward_head_dims_is_refused_at_once():
-    """The varlen forward runs d <= 256, its backward d <= 128: with gradients, d = 200 is refused at the call, not at
-    loss.backward(); without them nothing is refused before the op (which then needs CUDA tensors)."""
+def test_varlen_attention_with_gradients_up_to_the_backward_head_dims_is_not_refused_at_once():
+    """The varlen forward and backward both run d <= 256 (the backward's d > 128 on the split-layout dkdv): with or
+    without gradients, d = 200 is not refused before the op (which then needs CUDA tensors)."""
     q = torch.randn(10, 2, 200, dtype=torch.float16, requires_grad=True)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="head dim <= 128.*got head dim 200"):
+    with pytest.raises(Exception) as info:
         nft.varlen_attention(q, q, q, cu, cu, 6, 6)
+    assert not isinstance(info.value, NotImplementedError)
     with torch.no_grad(), pytest.raises(Exception) as info:
         nft.varlen_attention(q, q, q, cu, cu, 6, 6)
     assert not isinstance(info.value, NotImplementedError)

@@ -547,19 +547,24 @@ def test_gpu_head_dims_above_128(d, causal, dtype, scheme):
             np.testing.assert_array_equal(a, b)
 
 
+# scripts/bench_backward.py's MMA_SWEEP candidates at d 192 / 256 (dkdv, with atomic dQ too; dq), paired up
+SWEEP_ABOVE_128 = [(d, {"dkdv": dkdv, "dq": dq, "dkdv_atomic": dkdv})
+                   for d, dqs in ((192, [(64, 32), (64, 16), (128, 32), (64, 64)]),
+                                  (256, [(64, 32), (64, 16), (128, 32), (128, 16)]))
+                   for dkdv, dq in zip([(64, 64), (32, 64)] * 2, dqs)]
+
+
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("d,config", [(256, {"dkdv": (32, 64), "dq": (64, 16), "dkdv_atomic": (32, 64)}),
-                                      (192, {"dkdv": (32, 64), "dq": (128, 32), "dkdv_atomic": (32, 64)}),
-                                      (256, {"dkdv": (64, 64), "dq": (128, 16)}),
-                                      (192, {"dkdv": (64, 64), "dq": (64, 64)})])
-def test_gpu_head_dims_above_128_sweep_tiles(d, config):
-    """The d 192 / 256 candidates scripts/bench_backward.py --sweep-mma times (MMA_SWEEP) are right too."""
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,config", SWEEP_ABOVE_128)
+def test_gpu_head_dims_above_128_sweep_tiles(d, config, causal):
+    """The d 192 / 256 candidates scripts/bench_backward.py --sweep-mma times are right too (and, run first with
+    pytest -n, put their builds in the disk cache for the sweep)."""
     config = dict(config, head_dim=d)
-    vals, stored = problem(d + 3, 1, 4, 2, 333, 300, d, True, "float16")
-    check_error_rule(run_backward(stored, d, True, "float16", config), vals, True, "float16")
-    if "dkdv_atomic" in config:
-        check_error_rule(run_backward(stored, d, True, "float16", config, atomic=True), vals, True, "float16")
+    vals, stored = problem(d + 3, 1, 4, 2, 333, 300, d, causal, "float16")
+    check_error_rule(run_backward(stored, d, causal, "float16", config), vals, causal, "float16")
+    check_error_rule(run_backward(stored, d, causal, "float16", config, atomic=True), vals, causal, "float16")
 
 
 def test_backward_above_128_dispatch(monkeypatch):
