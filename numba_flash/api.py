@@ -560,7 +560,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
             flash-attn's causal kernels drop the row-constant slope·(i + Nk - Nq) from it).
             The three run on kernel "mma" (float16 / bfloat16) and on "simt" (float32,
             or unaligned rows: auto takes it there, with its PerformanceWarning); "tf32x3" / "tf32" raise
-            NotImplementedError. The backward has them on the mma kernels only (d <= 128).
+            NotImplementedError. The backward has them on the mma kernels only (d <= 256).
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy

@@ -216,7 +216,8 @@ def cases() -> dict:
                                  causal=causal, softmax_scale=0.1, layout_checked=True, varlen=varlen)
         out[f"fwd-wgmma-varlen/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
     for target, hd, causal, scheme in (("sm90", 128, True, "splits"), ("sm90", 128, True, "atomic"),
-                                       ("sm90", 64, False, "kernel"), ("sm80", 128, True, "atomic")):
+                                       ("sm90", 64, False, "kernel"), ("sm80", 128, True, "atomic"),
+                                       ("sm90", 192, False, "splits"), ("sm90", 256, True, "kernel")):
         def call(hd=hd, causal=causal, scheme=scheme):
             import importlib
 

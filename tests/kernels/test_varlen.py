@@ -17,6 +17,7 @@ import pytest
 
 import numba_flash
 import reference
+from gpu_helpers import needs_gpu
 from numba_flash import varlen as nf_varlen
 
 pytestmark = pytest.mark.anywhere
@@ -246,3 +247,13 @@ def test_varlen_backward_checks_lse_layout():
     out, lse = numba_flash.varlen_forward(q, k, v, cu, cu, 5, 5)
     with pytest.raises(ValueError, match=r"lse has shape \(8, 2\); accepted: \(2, 8\) \(\(H, total_q\)"):
         numba_flash.varlen_backward(q, k, v, out, lse.T.copy(), out, cu, cu, 5, 5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d,causal,det", [(160, True, True), (256, False, False), (200, True, True)])
+def test_varlen_backward_above_128(d, causal, det):
+    """Head dims 129..256 (padded to 192 / 256): the varlen backward on the split-layout dkdv, GQA 2, the
+    packs of the dense tests (a sequence without queries, one with fewer keys than queries, one without keys).
+    (The simulator ran d 160 causal GQA 2 with lengths [20, 9] x [30, 5]: 8 minutes, too long for CI.)"""
+    _check(_pack(3, LENS_Q, LENS_K, 4, 2, d), dict(causal=causal), det=det)
