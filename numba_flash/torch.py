@@ -115,19 +115,24 @@ def _fwd_backward(ctx, dout, _dlse, run=bwd):
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-class _Attention(torch.autograd.Function):
-    """The eager path of ``fwd`` with its gradient: the same bodies, without the op dispatcher (see ``_eager``)."""
+def _eager_function(name, body, setup_context, backward, backward_body):
+    """An autograd.Function for an op's eager path with its gradient (see ``_eager``): the op's body, its
+    setup_context, and its autograd formula running ``backward_body`` (the backward op's body) in place of the op."""
 
-    @staticmethod
     def forward(ctx, *inputs):
-        output = _fwd_body(*inputs)
-        _fwd_setup_context(ctx, inputs, output)
+        output = body(*inputs)
+        setup_context(ctx, inputs, output)
         return output
 
-    @staticmethod
     @once_differentiable
-    def backward(ctx, dout, dlse):
-        return _fwd_backward(ctx, dout, dlse, _bwd_body)
+    def run_backward(ctx, dout, dlse):
+        return backward(ctx, dout, dlse, backward_body)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(run_backward)})
+
+
+_Attention = _eager_function("_Attention", _fwd_body, _fwd_setup_context, _fwd_backward, _bwd_body)
 
 
 def _decode_body(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
@@ -211,19 +216,8 @@ def _varlen_backward(ctx, dout, _dlse, run=varlen_bwd):
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
-class _VarlenAttention(torch.autograd.Function):
-    """The eager path of ``varlen_fwd`` with its gradient (see ``_eager``)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _varlen_fwd_body(*inputs)
-        _varlen_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dlse):
-        return _varlen_backward(ctx, dout, dlse, _varlen_bwd_body)
+_VarlenAttention = _eager_function("_VarlenAttention", _varlen_fwd_body, _varlen_setup_context, _varlen_backward,
+                                   _varlen_bwd_body)
 
 
 def _eager(*tensors) -> bool:

@@ -51,18 +51,9 @@ def _backward(ctx, dout, dlse):
 op.register_autograd(_backward, setup_context=_setup)
 
 
-# CPU time of this process, not wall time: on a shared machine other processes' time is not ours
-def per_call_us(fn, x, n=5000, reps=5):
+def per_call_us(fn, x):
     args = (x, x, x, True, None, -1, -1, 0.0, None, True)
-    for _ in range(200):
-        fn(*args)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.process_time()
-        for _ in range(n):
-            fn(*args)
-        best = min(best, (time.process_time() - t0) / n * 1e6)
-    return best
+    return per_call_us_of(lambda: fn(*args), n=5000)
 
 
 class Function(torch.autograd.Function):
@@ -105,15 +96,12 @@ def measure_package() -> dict:
 
 
 def per_call_us_of(fn, n=3000, reps=5):
-    for _ in range(100):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.process_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.process_time() - t0) / n * 1e6)
-    return best
+    """Best of reps: mean microseconds per call over n calls, in CPU time of this process (on a shared machine,
+    other processes' time is not ours)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from host_overhead import python_us
+
+    return python_us(fn, n=n, reps=reps, clock=time.process_time)
 
 
 def main():
@@ -130,7 +118,8 @@ def main():
     x = torch.randn(1, 1, 8, 8)
     lines = [f"# {datetime.date.today().isoformat()}; CPU: {platform.processor() or platform.machine()}, "
              f"torch {torch.__version__}; command: python3 {' '.join(sys.argv)}; commit "
-             f"{os.environ.get('NUMBA_FLASH_COMMIT', 'unknown')}",
+             f"{os.environ.get('NUMBA_FLASH_COMMIT', 'unknown')}; load average {os.getloadavg()[0]:.1f} on "
+             f"{os.cpu_count()} CPUs; CPU time of this process per call",
              "| inputs | custom op µs | autograd.Function µs | plain call µs | op cost µs |", "|---|---|---|---|---|"]
     for grad in (False, True):
         xi = x.clone().requires_grad_(grad)
