@@ -2,7 +2,8 @@
 
 Without a GPU (PyTorch installed, CUDA or not) the ops are traced on meta tensors: their fake
 implementations give the outputs' shapes, dtypes and strides, and torch.compile(fullgraph=True)
-of a function that calls ``attention`` (forward and backward) has one graph and no break. On a GPU
+of a function that calls ``attention`` (forward and backward) has one graph and no break; eager calls skip the
+op dispatcher and give the op path's bits (launches replaced by a float64 twin on the CPU). On a GPU
 (marked gpu) the same ops run for real: torch.library.opcheck, compiled against eager (within the
 rounding of inductor's fused loss), and capture and replay in a CUDA graph against eager on fresh inputs.
 """

@@ -3,8 +3,9 @@
 Anywhere transformers is installed: the adapter's semantics on the CPU, with numba_flash's two calls
 (attention, decode) replaced by a float64 materialised twin that keeps their conventions (bottom-right
 causal, flash-attn's window, GQA): logits, loss and gradients against transformers' sdpa implementation,
-for Llama, Qwen2, Mistral (sliding window) and GPT-2 configs, greedy generation with a KV cache, and every
-mask the adapter must refuse (padding, packed sequences, a static cache). On a GPU (marked gpu) the same
+for Llama, Qwen2, Mistral (sliding window) and GPT-2 configs, greedy generation with a KV cache, padded batches
+(unpadded to varlen, whose twin runs each packed sequence) and left-padded generation, and every mask the
+adapter must refuse (float32 or compiled padding, packed sequences, a static cache). On a GPU (marked gpu) the same
 models run the real kernels in float32 (3xTF32) and bf16, and compile with fullgraph=True.
 """
 from __future__ import annotations
