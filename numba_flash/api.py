@@ -83,6 +83,10 @@ def _as_4d(shape: tuple) -> tuple:
 
 def window_pair(window_size: Any) -> tuple:
     """flash-attn's window_size=(left, right) as two Python ints, each -1 (unbounded) or >= 0."""
+    if type(window_size) is tuple and len(window_size) == 2:  # the common case, without the ABC checks below
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return window_size
     ok = isinstance(window_size, (tuple, list)) or (hasattr(window_size, "ndim") and window_size.ndim == 1)
     if not ok or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right) of ints, each -1 (unbounded) or >= 0; "

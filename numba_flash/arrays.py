@@ -95,10 +95,26 @@ def current_stream(x: Any, kind: str | None = None):
 
         return _external_stream(cupy.cuda.get_current_stream().ptr)
     if k == TORCH:
+        return _external_stream(_torch_stream_ptr(x.device))
+    return 0
+
+
+_TORCH_RAW_STREAM: list = []  # torch._C._cuda_getCurrentRawStream, or None where the build lacks it
+
+
+def _torch_stream_ptr(device) -> int:
+    """PyTorch's current stream of ``device`` as a pointer: its raw getter (what inductor's generated code calls)
+    skips building a torch.cuda.Stream object per call."""
+    if not _TORCH_RAW_STREAM:
         import torch
 
-        return _external_stream(torch.cuda.current_stream(x.device).cuda_stream)
-    return 0
+        _TORCH_RAW_STREAM.append(getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None))
+    raw = _TORCH_RAW_STREAM[0]
+    if raw is not None and device.index is not None:
+        return raw(device.index)
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 @functools.lru_cache(maxsize=64)

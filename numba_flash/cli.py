@@ -260,6 +260,27 @@ def kernel_facts(family: str, cfg, causal: bool, dtype: str) -> KernelFacts:
     return KernelFacts(128, 128, None, None, "fp16" if dtype != "float32" else "fp32")  # a family explain predates
 
 
+def cache_words(facts: KernelFacts) -> str:
+    """Whether the forward kernel of this specialisation is in the on-disk cache (numba_flash.jit_cache), found
+    without compiling it."""
+    from numba_flash import jit_cache
+
+    if facts.jit is None:
+        return "n/a (explain does not know how to build this kernel family)"
+    found = jit_cache.lookup(facts.jit)
+    state = found["state"]
+    if state == "cached":
+        return f"cached ({found['file']}): the first call loads it instead of compiling"
+    if state == "not cached":
+        return (f"not cached: the first call compiles it (numba-flash warmup stores it in {jit_cache.cache_dir()})")
+    if state == "off":
+        why = "the CUDA simulator is on" if jit_cache.nb_config.ENABLE_CUDASIM else "NUMBA_FLASH_CACHE=0"
+        return f"off ({why})"
+    if state == "no GPU":
+        return "n/a without GPU (the cache key holds the GPU's compute capability)"
+    return state
+
+
 def kernel_resources(facts: KernelFacts) -> dict | str:
     """Registers and local memory per thread: from the GPU, else ptxas -v for sm_90, else why not."""
     from numba import config, cuda
@@ -363,6 +384,7 @@ def cmd_explain(args, restart_argv) -> int:
     if facts.smem_bytes is not None:
         parts = ", ".join(f"{k} {4 * w}" for k, w in getattr(cfg, "smem_words", {}).items() if w)
         print(f"shared memory: {facts.smem_bytes} B per block" + (f" ({parts} B)" if parts else ""))
+    print(f"kernel cache: {cache_words(facts)}")  # before kernel_resources, which compiles on a GPU
     res = kernel_resources(facts)
     if isinstance(res, dict):
         per_sm = f"; × {threads} threads = {res['registers'] * threads} of {REGS_PER_SM} per SM" if threads else ""
@@ -694,7 +716,7 @@ def cmd_warmup(args, restart_argv) -> int:
 
             def arr(*shape):  # NumPy in: copied to the GPU, contiguous rows as most callers pass
                 return rng.standard_normal(shape, dtype=np.float32).astype(storage)
-            before = dict(jit_cache.info())
+            before, logged = dict(jit_cache.info()), len(jit_cache.log())
             t0 = time.perf_counter()
             q, k, v = arr(B, H, n_q, d), arr(B, hkv, n_k, d), arr(B, hkv, n_k, d)
             try:
@@ -710,6 +732,8 @@ def cmd_warmup(args, restart_argv) -> int:
             after = jit_cache.info()
             print(f"{dtype} causal={causal}: {time.perf_counter() - t0:.2f} s, {after['misses'] - before['misses']} "
                   f"compiled ({after['stores'] - before['stores']} stored), {after['hits'] - before['hits']} loaded")
+            for family, seconds, how in jit_cache.log()[logged:]:  # one line per kernel specialisation
+                print(f"  {family:24s} {seconds:7.2f} s  {how}")
     info = jit_cache.info()
     print(f"cache: {info['entries']} kernels, {fmt_bytes(info['bytes'])}")
     return 0

@@ -17,7 +17,9 @@ Where: ``$NUMBA_FLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numba_flash``, else ``
 ``NUMBA_FLASH_CACHE=0`` turns it off. Under the CUDA simulator nothing is cached (there is no
 machine code). An unreadable file is compiled again and overwritten, with a ``RuntimeWarning``.
 ``info()`` reports the directory, its entries and this process's hits and misses; ``is_cached(key,
-signature, **options)`` says whether a specialisation is on disk.
+signature, **options)`` says whether a specialisation is on disk, and ``lookup(build)`` whether the kernel a
+family's build function returns is, without compiling it. ``log()`` lists this process's specialisations:
+family, seconds, and whether each was compiled or loaded.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import pickle
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from functools import lru_cache
 from importlib import metadata
@@ -42,6 +45,16 @@ SUFFIX = ".nbk"
 FORMAT = 1  # bump when the file layout changes
 _STATS = {"hits": 0, "misses": 0, "stores": 0, "errors": 0}
 _LOCK = threading.Lock()
+_LOG: list = []  # (family, seconds, "loaded" | "compiled" | "uncached"), one per compile_kernel call
+_PROBE = threading.local()  # .active: compile_kernel raises _Probe instead of compiling (lookup)
+
+
+class _Probe(Exception):
+    """What compile_kernel was asked to build, raised instead of building it (``lookup``)."""
+
+    def __init__(self, key, signature, options):
+        super().__init__(key)
+        self.key, self.signature, self.options = key, signature, options
 
 
 def enabled() -> bool:
@@ -125,18 +138,59 @@ def is_cached(key, signature, **options) -> bool:
         return False
 
 
+def lookup(build) -> dict:
+    """Whether the kernel ``build()`` returns (a family's build function with its arguments bound) is on disk,
+    without compiling it: build runs with compile_kernel raising what it was asked for. Returns dict(state=...):
+    "cached" or "not cached" (with the file), "built in this process" (build's own lru_cache answered), "off" (no
+    cache: NUMBA_FLASH_CACHE=0, the simulator), or "no GPU" (the key holds the GPU's compute capability)."""
+    _PROBE.active = True
+    try:
+        build()
+    except _Probe as p:
+        if not enabled():
+            return dict(state="off")
+        try:
+            path = _path(p.key, p.signature, p.options)
+        except CudaSupportError:
+            return dict(state="no GPU")
+        return dict(state="cached" if path.exists() else "not cached", file=str(path), family=_family(p.key))
+    finally:
+        _PROBE.active = False
+    return dict(state="built in this process")
+
+
+def _family(key) -> str:
+    return str(key[0] if isinstance(key, tuple) and key else key)
+
+
+def log() -> list:
+    """This process's specialisations in order: (family, seconds, "loaded" | "compiled" | "uncached")."""
+    with _LOCK:
+        return list(_LOG)
+
+
 def compile_kernel(key, signature, fn, **options):
     """``cuda.jit(signature, **options)(fn)``, loaded from / stored to the disk cache where it is enabled.
 
     key: the family's name and build arguments (anything ``canonical`` renders). Returns a dispatcher with
     exactly one compiled overload, as cuda.jit with a signature does.
     """
+    if getattr(_PROBE, "active", False):
+        raise _Probe(key, signature, options)
+    t0 = time.perf_counter()
+    dispatcher, how = _compile_or_load(key, signature, fn, options)
+    with _LOCK:
+        _LOG.append((_family(key), time.perf_counter() - t0, how))
+    return dispatcher
+
+
+def _compile_or_load(key, signature, fn, options):
     if not enabled():
-        return cuda.jit(signature, **options)(fn)
+        return cuda.jit(signature, **options)(fn), "uncached"
     try:
         path = _path(key, signature, options)
     except CudaSupportError:  # no GPU to compile for: whatever cuda.jit does there
-        return cuda.jit(signature, **options)(fn)
+        return cuda.jit(signature, **options)(fn), "uncached"
     if path.exists():
         try:
             from numba.cuda.core import sigutils
@@ -148,7 +202,7 @@ def compile_kernel(key, signature, fn, **options):
             dispatcher.disable_compile()
             with _LOCK:
                 _STATS["hits"] += 1
-            return dispatcher
+            return dispatcher, "loaded"
         except Exception as e:  # a truncated or foreign file: compile again and overwrite it
             with _LOCK:
                 _STATS["errors"] += 1
@@ -158,7 +212,7 @@ def compile_kernel(key, signature, fn, **options):
     with _LOCK:
         _STATS["misses"] += 1
     _store(path, next(iter(dispatcher.overloads.values())))
-    return dispatcher
+    return dispatcher, "compiled"
 
 
 def _store(path: Path, kernel) -> None:

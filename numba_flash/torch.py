@@ -5,7 +5,10 @@
     out.float().square().sum().backward()    # q.grad, k.grad, v.grad from numba_flash.backward
 
 The kernels are registered as PyTorch custom ops, so ``torch.compile`` (``fullgraph=True``
-included) sees one opaque node per call instead of tracing the Python that launches them:
+included) sees one opaque node per call instead of tracing the Python that launches them. The ops
+are what tracing records (torch.compile, dispatch modes such as fake tensors, functorch) and what meta
+tensors run; an eager call runs the op's body itself, through an ``autograd.Function`` where inputs
+require grad, skipping the dispatcher's ~13 µs per call (~50 with gradients; ``_eager``):
 
     torch.ops.numba_flash.fwd(q, k, v, causal, softmax_scale, window_left, window_right, softcap,
                               alibi_slopes, deterministic) -> (out, lse)
@@ -43,6 +46,7 @@ except ImportError as e:  # a clear message instead of a NameError later
         "numba_flash.torch needs PyTorch (pip install torch); numba_flash.forward and "
         "numba_flash.backward work without it on CuPy, Numba or NumPy arrays"
     ) from e
+from torch.autograd.function import once_differentiable  # noqa: E402
 
 from .api import MMA_BWD_MAX_HEAD_DIM, forward, unbounded_past_keys, window_pair
 from .backward import backward
@@ -55,12 +59,14 @@ __all__ = ["attention", "decode", "varlen_attention", "fwd", "bwd", "decode_op",
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("numba_flash::fwd", mutates_args=())
-def fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], window_left: int,
-        window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
+def _fwd_body(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], window_left: int,
+              window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
     """``numba_flash.forward`` as an op: (out, lse). deterministic is unused here (the backward's)."""
     return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
                    softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+fwd = torch.library.custom_op("numba_flash::fwd", mutates_args=())(_fwd_body)
 
 
 @fwd.register_fake
@@ -69,10 +75,9 @@ def _fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
-@torch.library.custom_op("numba_flash::bwd", mutates_args=())
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-        softmax_scale: Optional[float], deterministic: bool, window_left: int, window_right: int, softcap: float,
-        alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+              softmax_scale: Optional[float], deterministic: bool, window_left: int, window_right: int, softcap: float,
+              alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``numba_flash.backward`` as an op: (dq, dk, dv)."""
     # The kernels read any strides correctly, so a strided dout is used in place. Only a last dim that is
     # not contiguous (e.g. the all-zero strides of the gradient of out.sum(), an expanded scalar) is
@@ -82,6 +87,9 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     return backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale,
                     deterministic=deterministic, window_size=(window_left, window_right), softcap=softcap,
                     alibi_slopes=alibi_slopes)
+
+
+bwd = torch.library.custom_op("numba_flash::bwd", mutates_args=())(_bwd_body)
 
 
 @bwd.register_fake
@@ -99,10 +107,10 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _fwd_backward(ctx, dout, _dlse):
+def _fwd_backward(ctx, dout, _dlse, run=bwd):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     causal, softmax_scale, deterministic, window_left, window_right, softcap = ctx.args
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right,
+    dq, dk, dv = run(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right,
                      softcap, alibi_slopes)
     return dq, dk, dv, None, None, None, None, None, None, None
 
@@ -110,12 +118,34 @@ def _fwd_backward(ctx, dout, _dlse):
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-@torch.library.custom_op("numba_flash::decode", mutates_args=())
-def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
-              softmax_scale: Optional[float], num_splits: Optional[int]) -> tuple[Tensor, Tensor]:
+def _eager_function(name, body, setup_context, backward, backward_body):
+    """An autograd.Function for an op's eager path with its gradient (see ``_eager``): the op's body, its
+    setup_context, and its autograd formula running ``backward_body`` (the backward op's body) in place of the op."""
+
+    def forward(ctx, *inputs):
+        output = body(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    @once_differentiable
+    def run_backward(ctx, dout, dlse):
+        return backward(ctx, dout, dlse, backward_body)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(run_backward)})
+
+
+_Attention = _eager_function("_Attention", _fwd_body, _fwd_setup_context, _fwd_backward, _bwd_body)
+
+
+def _decode_body(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
+                 softmax_scale: Optional[float], num_splits: Optional[int]) -> tuple[Tensor, Tensor]:
     """``numba_flash.decode`` as an op: (out, lse)."""
     return _decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                    num_splits=num_splits)
+
+
+decode_op = torch.library.custom_op("numba_flash::decode", mutates_args=())(_decode_body)
 
 
 @decode_op.register_fake
@@ -124,8 +154,7 @@ def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
-@torch.library.custom_op("numba_flash::varlen_fwd", mutates_args=())
-def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+def _varlen_fwd_body(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
                softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
     """``numba_flash.varlen_forward`` as an op: (out, lse (H, total_q)). The offsets are not read back here
@@ -135,6 +164,9 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                           alibi_slopes=alibi_slopes, check_seqlens=False)
 
 
+varlen_fwd = torch.library.custom_op("numba_flash::varlen_fwd", mutates_args=())(_varlen_fwd_body)
+
+
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      window_left, window_right, softcap, alibi_slopes, deterministic):
@@ -142,8 +174,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
-@torch.library.custom_op("numba_flash::varlen_bwd", mutates_args=())
-def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+def _varlen_bwd_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
                deterministic: bool, window_left: int, window_right: int, softcap: float,
                alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,6 +188,9 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                            window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
                            check_seqlens=False)
+
+
+varlen_bwd = torch.library.custom_op("numba_flash::varlen_bwd", mutates_args=())(_varlen_bwd_body)
 
 
 @varlen_bwd.register_fake
@@ -174,18 +208,44 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _varlen_backward(ctx, dout, _dlse):
+def _varlen_backward(ctx, dout, _dlse, run=varlen_bwd):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
     max_q, max_k, causal, softmax_scale, deterministic, window_left, window_right, softcap = ctx.args
-    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic,
-                            window_left, window_right, softcap, alibi_slopes)
+    dq, dk, dv = run(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic,
+                     window_left, window_right, softcap, alibi_slopes)
     return (dq, dk, dv) + (None,) * 11
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+_VarlenAttention = _eager_function("_VarlenAttention", _varlen_fwd_body, _varlen_setup_context, _varlen_backward,
+                                   _varlen_bwd_body)
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call may skip the op dispatcher and run the op's body (or ``_Attention``) itself: nothing traces or
+    intercepts it (torch.compile, torch.jit tracing, dispatch modes such as fake tensors and make_fx, torch function
+    modes, functorch transforms) and every tensor is a plain one holding data (a meta tensor takes the op's fake).
+    The dispatcher costs ~13 us per call, ~50 us with inputs that require grad (scripts/probe_op_overhead.py); the
+    op stays what tracing records, so compiled graphs, CUDA graphs and opcheck see the same op."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
+            torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state() is not None or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for x in tensors:
+        if x is not None and (type(x) is not torch.Tensor or x.is_meta):
+            return False
+    return True
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
 def _check_bool(name, x):
+    if x is True or x is False:
+        return x
     if isinstance(x, np.bool_):
         return bool(x)
     if not isinstance(x, bool):  # the op schema takes a bool; say so before torch's schema error
@@ -194,8 +254,8 @@ def _check_bool(name, x):
 
 
 def _check_scale(softmax_scale):
-    if softmax_scale is None:
-        return None
+    if softmax_scale is None or type(softmax_scale) is float:
+        return softmax_scale
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
     return float(softmax_scale)  # forward's validation checks the range (an int past float's raises here)
@@ -203,6 +263,8 @@ def _check_scale(softmax_scale):
 
 def _check_mods(softcap, alibi_slopes):
     """softcap a real number and alibi_slopes a torch tensor without grad (the op schema's types), before the op."""
+    if alibi_slopes is None and type(softcap) is float:  # the common case, without the ABC checks below
+        return
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number (0.0: off); got {softcap!r}")
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
@@ -237,9 +299,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     scale = _check_scale(softmax_scale)
     _check_mods(softcap, alibi_slopes)
     left, right = window_pair(window_size)
-    n_k = k.shape[-2] if len(k.shape) >= 2 else 0
-    window = unbounded_past_keys((left, right), n_k)
-    mods = window_kind(causal, window) == "window" or softcap != 0 or alibi_slopes is not None
+    mods = softcap != 0 or alibi_slopes is not None
+    if not mods and (left != -1 or right != -1):
+        n_k = k.shape[-2] if len(k.shape) >= 2 else 0
+        mods = window_kind(causal, unbounded_past_keys((left, right), n_k)) == "window"
     if mods and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # the backward has the mods on the mma kernels only: say so now, not at loss.backward()
         if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > MMA_BWD_MAX_HEAD_DIM:
@@ -247,7 +310,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
                 f"window_size / softcap / alibi_slopes with gradients: the backward builds them into the mma "
                 f"kernels only (float16/bfloat16, head dim <= {MMA_BWD_MAX_HEAD_DIM}); got {q.dtype}, head dim {q.shape[-1]} (the "
                 "forward alone runs them, under torch.no_grad())")
-    out, lse = fwd(q, k, v, causal, scale, left, right, float(softcap), alibi_slopes, deterministic)
+    args = (q, k, v, causal, scale, left, right, float(softcap), alibi_slopes, deterministic)
+    if not _eager(q, k, v, alibi_slopes):
+        out, lse = fwd(*args)
+    elif _needs_grad(q, k, v):
+        out, lse = _Attention.apply(*args)
+    else:
+        out, lse = _fwd_body(*args)
     return (out, lse) if return_lse else out
 
 
@@ -263,7 +332,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
                         f"None; got {type(cache_seqlens).__name__}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
         raise TypeError(f"num_splits must be a Python int >= 1 or None; got {num_splits!r}")
-    return decode_op(q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits)
+    args = (q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits)
+    return _decode_body(*args) if _eager(q, k_cache, v_cache, cache_seqlens) else decode_op(*args)
 
 
 def _assert_offsets(name, cu, total, max_seqlen, max_name):
@@ -307,6 +377,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if q.dim() == 3 and k.dim() == 3:  # (validation of the rest is the op's, with the offsets' shapes)
         _assert_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
         _assert_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-    out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                          left, right, float(softcap), alibi_slopes, deterministic)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
+            float(softcap), alibi_slopes, deterministic)
+    if not _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        out, lse = varlen_fwd(*args)
+    elif _needs_grad(q, k, v):
+        out, lse = _VarlenAttention.apply(*args)
+    else:
+        out, lse = _varlen_fwd_body(*args)
     return (out, lse) if return_lse else out

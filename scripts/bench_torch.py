@@ -11,7 +11,10 @@
    forward+backward tokens/s, eager and torch.compile'd, with numba_flash and with sdpa (PyTorch's
    default backend on the GPU), and each compiled model's graph-break count.
 3. Host time per attention call (B1 H1 N128 d64 fp16, where the GPU work is a few microseconds): eager
-   and inside a compiled function, ours and sdpa's.
+   (forward, and forward + backward with inputs that require grad) and inside a compiled function, ours and
+   sdpa's. ``--host-only`` runs this part alone; ``--old DIR`` (a folder holding an older ``numba_flash/``, e.g.
+   ``mkdir -p DIR && git archive <commit> numba_flash | tar -x -C DIR``) measures that package too, in a
+   subprocess, for a before / after on one machine.
 Writes torch-DATE.json (date, GPU, command, commit) with --out.
 """
 from __future__ import annotations
@@ -29,7 +32,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# --old's child measures the package in the folder given after --package, not this tree's
+sys.path.insert(0, sys.argv[sys.argv.index("--package") + 1] if "--package" in sys.argv else str(ROOT))
 
 
 def checks(out_dir=None) -> list:
@@ -106,8 +110,12 @@ def host_time() -> list:
 
     q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    gout = torch.randn_like(q)
     fns = {"numba_flash eager": lambda: attention(q, k, v, causal=True),
-           "sdpa eager": lambda: sdpa(q, k, v, is_causal=True)}
+           "sdpa eager": lambda: sdpa(q, k, v, is_causal=True),
+           "numba_flash eager fwd+bwd": lambda: attention(qg, kg, vg, causal=True).backward(gout),
+           "sdpa eager fwd+bwd": lambda: sdpa(qg, kg, vg, is_causal=True).backward(gout)}
 
     def loop_ours(q, k, v):
         o = q
@@ -138,8 +146,22 @@ def host_time() -> list:
         torch.cuda.synchronize()
         total = (time.perf_counter() - t0) / (n * calls)
         rows.append(dict(label=label, host_us_per_call=host * 1e6, wall_us_per_call=total * 1e6))
-        print(f"host time per call, {label:22s}: {host * 1e6:6.1f} us (wall incl. GPU {total * 1e6:6.1f} us)",
+        print(f"host time per call, {label:26s}: {host * 1e6:6.1f} us (wall incl. GPU {total * 1e6:6.1f} us)",
               flush=True)
+    return rows
+
+
+def host_time_old(old: str) -> list:
+    """host_time() of the package in ``old``, in a subprocess."""
+    r = subprocess.run([sys.executable, __file__, "--host-only", "--package", os.path.abspath(old), "--json-rows"],
+                       cwd=ROOT, capture_output=True, text=True)
+    try:
+        rows = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print("old package failed:", (r.stdout + r.stderr)[-2000:], flush=True)
+        return []
+    for row in rows:
+        print(f"host time per call, --old {row['label']:20s}: {row['host_us_per_call']:6.1f} us", flush=True)
     return rows
 
 
@@ -148,7 +170,25 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--host-only", action="store_true", help="the host time per call only")
+    ap.add_argument("--old", help="folder holding an older numba_flash: its host time too (with --host-only)")
+    ap.add_argument("--package", help=argparse.SUPPRESS)
+    ap.add_argument("--json-rows", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.host_only:
+        rows = host_time()
+        if a.json_rows:
+            print(json.dumps(rows))
+            return 0
+        old = host_time_old(a.old) if a.old else []
+        if a.out:
+            date = datetime.date.today().isoformat()
+            path = Path(a.out) / f"torch-host-{date}.json"
+            path.write_text(json.dumps(dict(date=date, gpu=torch.cuda.get_device_name(), command="python3 " +
+                                            " ".join(sys.argv), commit=os.environ.get("NUMBA_FLASH_COMMIT", "unknown"),
+                                            host=rows, old=old), indent=1))
+            print("wrote", path)
+        return 0
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
                   command="python3 " + " ".join(sys.argv), commit=os.environ.get("NUMBA_FLASH_COMMIT", "unknown"),
                   torch=torch.__version__)

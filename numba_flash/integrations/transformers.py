@@ -14,9 +14,17 @@ HF's: a query sees the sliding_window - 1 keys before it and itself), logit soft
 alignment is numba_flash's, so a query chunk against a longer cache needs no mask). Decoding steps
 of at most 16 queries without gradients, window or softcap go to ``numba_flash.torch.decode``.
 
-What is refused with NotImplementedError (never dropped): padding (a 2D attention_mask with a
-False), packed sequences, mask functions other than causal / bidirectional / causal sliding window
-(or_masks, chunked or block masks, custom ones, bidirectional windows), a static cache (keys past the queries' end), position biases and
+Padding (a 2D attention_mask with a False), in eager calls with float16 / bfloat16: the mask function
+returns the (B, Nk) padding mask and the attention function unpads q, k, v to packed sequences and runs
+``numba_flash.torch.varlen_attention`` (flash-attn's unpadding, as transformers' flash-attention path):
+a padded prefill (left or right padding) and generation steps of a left-padded batch against the cache,
+with gradients (head dim <= 128), GQA, causal sliding windows and softcap. The packed sizes are read back
+(one host sync per forward).
+
+What is refused with NotImplementedError (never dropped): padding with float32 (the varlen kernels are
+float16 / bfloat16) or under torch.compile (unpadding has data-dependent shapes), packed sequences, mask
+functions other than causal / bidirectional / causal sliding window (or_masks, chunked or block masks,
+custom ones, bidirectional windows), a static cache (keys past the queries' end), position biases and
 attention sinks, dropout, and 4D masks. Padding and packing depend on the data: eager calls check them on
 the host (one sync per forward); under torch.compile the check is ``torch._assert_async``, a device-side
 assert.
@@ -29,10 +37,11 @@ from transformers import masking_utils as mu
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..decode import MAX_DECODE_QUERIES
-from ..torch import attention, decode
+from ..torch import attention, decode, varlen_attention
 
 # transformers treats an implementation whose name contains "flash" as a hub kernel to download
 NAME = "numba"
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what numba_flash.torch.varlen_attention runs (padded batches)
 
 
 def _refuse(what: str):
@@ -52,6 +61,8 @@ def _closure_codes() -> dict:
              "packed": mu.packed_sequence_mask_function(torch.zeros(1, 1)).__code__}
     if hasattr(mu, "sliding_window_bidirectional_overlay"):
         codes["window_bidirectional"] = mu.sliding_window_bidirectional_overlay(1).__code__
+    if hasattr(mu, "remap_positions_for_packed_sequence"):  # packing: positions renumbered per document
+        codes["remap"] = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, torch.zeros(1, 1)).__code__
     return codes
 
 
@@ -76,6 +87,8 @@ def _mask_parts(fn) -> list:
         _refuse("a bidirectional sliding window (|q - kv| <= w)")
     if code is codes["packed"]:
         return [("packed", next(c for c in _cells(fn) if isinstance(c, torch.Tensor)))]
+    if code is codes.get("remap"):  # the wrapped mask's positions, per document: its parts (the packing is its own)
+        return _mask_parts(next(c for c in _cells(fn) if callable(c)))
     _refuse("this mask function (or_masks, chunked or block masks, custom mask functions): only causal, "
             "bidirectional and sliding-window masks are the kernels' own")
 
@@ -106,7 +119,12 @@ def mask_interface(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     if attention_mask is not None:
         if attention_mask.ndim != 2:
             _refuse(f"a {attention_mask.ndim}-D attention mask")
-        _check_all(attention_mask[:, -kv_length:], "padding (a False entry in attention_mask)")
+        keys = attention_mask[:, -kv_length:]
+        if torch.compiler.is_compiling():
+            _check_all(keys, "padding (a False entry in attention_mask) under torch.compile: unpadding to packed "
+                             "sequences has data-dependent shapes (run padded batches eagerly)")
+        elif not bool(keys.all()):
+            return keys.bool()  # attention_forward unpads to packed sequences (numba_flash.torch.varlen_attention)
     return None
 
 
@@ -144,10 +162,35 @@ def _check_all(ok, what):
         _refuse(f"{what}: the kernels have no varlen or padding mask")
 
 
+def _padded(query, key, value, keys, **kw):
+    """Attention of a padded batch as packed sequences (flash-attn's unpadding, as transformers' flash-attention
+    path does): keys (B, Nk) bool, True on real tokens; the queries are the last Nq positions of each row (a
+    prefill, Nq = Nk, with any padding; a step against the cache with left padding). Returns (B, Nq, H, d), zeros
+    at padded query positions. Eager only: the packed sizes are read back (one host sync per call)."""
+    if query.dtype not in VARLEN_DTYPES:
+        _refuse(f"padding (a False entry in attention_mask) with {query.dtype}: the packed-sequence (varlen) kernels "
+                "take float16 / bfloat16")
+    B, H, n_q, d = query.shape
+    n_k = key.shape[2]
+
+    def unpad(mask):
+        lens = mask.sum(-1, dtype=torch.int32)
+        cu = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
+        return torch.nonzero(mask.flatten()).flatten(), cu, int(lens.max())
+
+    idx_k, cu_k, max_k = unpad(keys)
+    idx_q, cu_q, max_q = unpad(keys[:, -n_q:])
+    q = query.transpose(1, 2).reshape(B * n_q, H, d)[idx_q]
+    k, v = (x.transpose(1, 2).reshape(B * n_k, x.shape[1], d)[idx_k] for x in (key, value))
+    out = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    return out.new_zeros(B * n_q, H, d).index_put((idx_q,), out).view(B, n_q, H, d)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                       sliding_window=None, softcap=None, **kwargs):
-    """transformers' attention signature: (B, H, N, d) query, (B, Hkv, N, d) key/value; returns ((B, N, H, d), None)."""
-    if attention_mask is not None:
+    """transformers' attention signature: (B, H, N, d) query, (B, Hkv, N, d) key/value; returns ((B, N, H, d), None).
+    attention_mask: None, or the (B, Nk) bool padding mask ``mask_interface`` returns (unpadded to varlen)."""
+    if attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.dtype != torch.bool):
         _refuse("a materialised attention mask (it came from another mask function than this one's)")
     if dropout:
         _refuse(f"attention dropout ({dropout})")
@@ -166,6 +209,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     cap = float(softcap) if softcap else 0.0
     n_q = query.shape[2]
     grads = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if attention_mask is not None:
+        out = _padded(query, key, value, attention_mask, causal=causal, softmax_scale=scaling, window_size=window,
+                      softcap=cap)
+        return out, None
     if (causal or n_q == 1) and n_q <= MAX_DECODE_QUERIES and window == (-1, -1) and not cap and not grads:
         out, _ = decode(query, key, value, softmax_scale=scaling)  # bottom-right causal to the end of the cache
     else:

@@ -35,6 +35,8 @@
 #             (ours vs FlexAttention and SDPA; MODS_QUICK=1 for N 4096)
 #   torch     numba_flash inside PyTorch: scripts/bench_torch.py (the custom-op and transformers tests as PASS/FAIL
 #             lines, host time per call, the compiled 4-layer Llama training step; TORCH_QUICK=1 for B2 N1024)
+#   jit       kernel compile time per family, cold (an empty NUMBA_FLASH_CACHE_DIR) and loaded from the cache, and the
+#             first call of each entry point in a fresh process (scripts/bench_jit.py; PASS: <= 0.5 s per warm kernel)
 #   fuzz      the differential fuzz (scripts/fuzz.py --problems FUZZ_N (default 1000) --seed FUZZ_SEED --out results) in
 #             FUZZ_JOBS processes (default 8: each new kernel specialisation is seconds of JIT on one core), merged into one summary and one JSON
 #
@@ -50,7 +52,7 @@ if [ $# -lt 2 ]; then
 fi
 out=$1; shift
 steps=("$@")
-known=" tests bench forward sanitize ab abapi ptx host mods torch fuzz "
+known=" tests bench forward sanitize ab abapi ptx host mods torch jit fuzz "
 for s in "${steps[@]}"; do
   case "$known" in *" $s "*) ;; *) echo "unknown step: $s (steps:$known)" >&2; exit 2 ;; esac
 done
@@ -184,6 +186,8 @@ step_mods() {
 step_torch() {
   run torch "$(limit torch 420)" python3 scripts/bench_torch.py --out "$res" ${TORCH_QUICK:+--quick}
 }
+
+step_jit() { run jit "$(limit jit 300)" python3 scripts/bench_jit.py --out "$res"; }
 
 step_fuzz() {
   local l; l=$(limit fuzz 300)

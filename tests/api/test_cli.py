@@ -153,6 +153,7 @@ def test_explain_names_kernel_config_and_costs(tmp_path, dtype):
     threads = (32 * cfg.warps if family == "mma" else 32 * cfg.block_q // 16 if family == "tf32x3" else cfg.threads)
     assert f"thread blocks of {threads} threads" in out
     assert "registers: " in out
+    assert "kernel cache: " in out and out.index("kernel cache: ") < out.index("registers: ")
     if dtype == "float32":
         # the simulator keeps fp32 on SIMT; a GPU runs the 3xTF32 tensor-core kernel
         assert (family == "simt" and cfg == simt_config(128)) if nb_config.ENABLE_CUDASIM else family == "tf32x3"

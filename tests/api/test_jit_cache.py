@@ -188,6 +188,65 @@ def test_a_failed_store_leaves_no_file(fake_gpu, tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*"))
 
 
+def _build(tag):
+    return jc.compile_kernel(("fam", tag), SIG, kernel_fn)
+
+
+def test_lookup_says_cached_without_compiling(fake_gpu, tmp_path):
+    """lookup runs the build up to compile_kernel and answers from the file: nothing compiled, stored or logged."""
+    found = jc.lookup(lambda: _build(1))
+    assert found["state"] == "not cached" and found["family"] == "fam"
+    assert fake_gpu["compiles"] == 0 and not list(tmp_path.glob("*")) and jc._STATS["misses"] == 0
+    _build(1)
+    assert fake_gpu["compiles"] == 1
+    found = jc.lookup(lambda: _build(1))
+    assert found["state"] == "cached" and Path(found["file"]).exists() and fake_gpu["compiles"] == 1
+    assert jc.lookup(lambda: _build(2))["state"] == "not cached"
+    assert jc.lookup(lambda: "a dispatcher from an lru_cache")["state"] == "built in this process"
+    _build(2)  # compile_kernel works again after a lookup (the probe is off)
+    assert fake_gpu["compiles"] == 2
+
+
+def test_lookup_off_and_without_a_gpu(fake_gpu, monkeypatch):
+    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")
+    assert jc.lookup(lambda: _build(1))["state"] == "off"
+    monkeypatch.delenv("NUMBA_FLASH_CACHE")
+
+    def no_gpu():
+        raise jc.CudaSupportError("no driver")
+
+    monkeypatch.setattr(jc, "_cc", no_gpu)
+    assert jc.lookup(lambda: _build(1))["state"] == "no GPU"
+    assert fake_gpu["compiles"] == 0
+
+
+def test_log_has_family_seconds_and_how(fake_gpu):
+    before = len(jc.log())
+    _build(1)
+    _build(1)
+    (fam1, s1, how1), (fam2, s2, how2) = jc.log()[before:]
+    assert (fam1, how1, fam2, how2) == ("fam", "compiled", "fam", "loaded") and s1 >= 0 and s2 >= 0
+
+
+def test_explain_says_whether_the_forward_kernel_is_cached(fake_gpu, tmp_path, monkeypatch):
+    """numba-flash explain's cache line for a real family: the build's key and signature, found without compiling;
+    cached once the file is there."""
+    from numba_flash import api, cli
+
+    cfg = api.mma_config(64, True)
+    facts = cli.kernel_facts("mma", cfg, True, "float16")
+    family = "wgmma_forward" if cfg.has("wgmma") else "mma_forward"
+    module = __import__(f"numba_flash.kernels.{family}", fromlist=["build"])
+    unbuilt = dataclasses.replace(facts, jit=lambda: module.build.__wrapped__(cfg, True, "float16"))  # no lru hit
+    words = cli.cache_words(unbuilt)
+    assert words.startswith("not cached") and fake_gpu["compiles"] == 0
+    found = jc.lookup(unbuilt.jit)
+    Path(found["file"]).write_bytes(b"")  # what a GPU run would have stored
+    assert cli.cache_words(unbuilt).startswith(f"cached ({found['file']})")
+    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")
+    assert cli.cache_words(unbuilt).startswith("off")
+
+
 # --------------------------------------------------------------------------------------------
 # Real GPU: two processes
 # --------------------------------------------------------------------------------------------
@@ -233,3 +292,23 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     assert warm["info"]["misses"] == 0 and warm["info"]["hits"] == cold["info"]["misses"]
     assert warm["bits"] == cold["bits"]  # the same machine code, the same results
     assert warm["forward_s"] < cold["forward_s"] and warm["backward_s"] < cold["backward_s"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_warmup_prints_each_kernel_then_loads_it(tmp_path):
+    """numba-flash warmup: one line per kernel specialisation with its seconds, compiled on the first run and
+    loaded on the second (a fresh process on the same cache directory)."""
+    env = dict(os.environ, NUMBA_FLASH_CACHE_DIR=str(tmp_path / "cache"), NUMBA_FLASH_CACHE="1")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "numba_flash", "warmup", "--shape", "1", "2", "64", "64",
+                            "--causal", "--backward"], env=env, cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        print(r.stdout)
+        runs.append([line.split() for line in r.stdout.splitlines() if line.startswith("  ")])
+    cold, warm = runs
+    assert cold and [row[0] for row in cold] == [row[0] for row in warm]
+    assert all(row[-1] == "compiled" for row in cold) and all(row[-1] == "loaded" for row in warm)
+    assert any(row[0] in ("mma_forward", "wgmma_forward") for row in cold)

@@ -339,3 +339,20 @@ def test_simulator_launches_from_threads():
     for p, g in zip(fresh, got[1::2]):
         ref, _ = reference.standard_attention(*p)
         np.testing.assert_allclose(g, ref, atol=1e-5)
+
+
+def test_torch_stream_pointer_from_the_raw_getter_or_the_stream_object(monkeypatch):
+    """arrays._torch_stream_ptr asks PyTorch's raw getter for the device's index where the build has it (CUDA
+    builds), else the current torch.cuda.Stream's pointer; a device without an index takes the latter."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from numba_flash import arrays
+
+    asked = []
+    monkeypatch.setattr(arrays, "_TORCH_RAW_STREAM", [lambda index: asked.append(index) or 7000 + index])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=42))
+    assert arrays._torch_stream_ptr(SimpleNamespace(index=3)) == 7003 and asked == [3]
+    assert arrays._torch_stream_ptr(SimpleNamespace(index=None)) == 42
+    monkeypatch.setattr(arrays, "_TORCH_RAW_STREAM", [None])
+    assert arrays._torch_stream_ptr(SimpleNamespace(index=3)) == 42

@@ -2,12 +2,14 @@
 
 Without a GPU (PyTorch installed, CUDA or not) the ops are traced on meta tensors: their fake
 implementations give the outputs' shapes, dtypes and strides, and torch.compile(fullgraph=True)
-of a function that calls ``attention`` (forward and backward) has one graph and no break. On a GPU
+of a function that calls ``attention`` (forward and backward) has one graph and no break; eager calls skip the
+op dispatcher and give the op path's bits (launches replaced by a float64 twin on the CPU). On a GPU
 (marked gpu) the same ops run for real: torch.library.opcheck, compiled against eager (within the
 rounding of inductor's fused loss), and capture and replay in a CUDA graph against eager on fresh inputs.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import zlib
 
@@ -104,6 +106,144 @@ def test_varlen_attention_with_gradients_up_to_the_backward_head_dims_is_not_ref
     with torch.no_grad(), pytest.raises(Exception) as info:
         nft.varlen_attention(q, q, q, cu, cu, 6, 6)
     assert not isinstance(info.value, NotImplementedError)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager path: the ops' bodies without the dispatcher (CPU, launches replaced by a float64 twin)
+# --------------------------------------------------------------------------------------------
+def _through_dispatcher() -> bool:
+    """Whether the caller runs inside a torch.library custom op (its Python frames are on the stack)."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        if "torch/_library" in f.f_code.co_filename.replace("\\", "/"):
+            return True
+        f = f.f_back
+    return False
+
+
+@pytest.fixture
+def twin_launches(monkeypatch):
+    """numba_flash.forward / backward / decode / varlen_* as the ops' bodies call them, replaced by materialised
+    float64 twins on CPU tensors; each call records whether it came through the op dispatcher."""
+    from gpu_helpers import _masked_scores, _softmax_pv
+
+    seen = []
+
+    def forward(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes):
+        seen.append(("forward", _through_dispatcher()))
+        with torch.no_grad():
+            out, lse = _softmax_pv(*_masked_scores(q.double(), k.double(), v.double(), causal, softmax_scale,
+                                                   window_size, softcap, alibi_slopes))
+        return out.to(q.dtype).contiguous(), lse.float()
+
+    def backward(q, k, v, out, lse, dout, *, causal, softmax_scale, deterministic, window_size, softcap,
+                 alibi_slopes):
+        seen.append(("backward", _through_dispatcher()))
+
+        def grads():
+            leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+            o = _softmax_pv(*_masked_scores(*leaves, causal, softmax_scale, window_size, softcap, alibi_slopes))[0]
+            return tuple(g.to(q.dtype) for g in torch.autograd.grad(o, leaves, dout.double()))
+
+        # an op's body runs below the autograd dispatch key (thread-local state): a fresh thread records a graph
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(grads).result()
+
+    def decode(q, k, v, *, cache_seqlens, softmax_scale, num_splits):
+        seen.append(("decode", _through_dispatcher()))
+        out, lse = _softmax_pv(*_masked_scores(q, k, v, True, softmax_scale))
+        return out.contiguous(), lse.float()
+
+    def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        seen.append(("varlen_forward", _through_dispatcher()))
+        return torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    def varlen_backward(q, k, v, out, lse, dout, *args, **kw):
+        seen.append(("varlen_backward", _through_dispatcher()))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    for name, fn in (("forward", forward), ("backward", backward), ("_decode", decode),
+                     ("varlen_forward", varlen_forward), ("varlen_backward", varlen_backward)):
+        monkeypatch.setattr(nft, name, fn)
+    return seen
+
+
+def _cpu(*shape, seed=0, grad=True, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
+
+
+def test_eager_calls_skip_the_op_dispatcher(twin_launches):
+    """Eager calls run the ops' bodies directly (an autograd.Function where gradients are needed): forward,
+    backward, decode and varlen, with and without grad."""
+    q, k, v = _cpu(2, 4, 24, 16, seed=1), _cpu(2, 2, 30, 16, seed=2), _cpu(2, 2, 30, 16, seed=3)
+    attention(q, k, v, causal=True).sum().backward()
+    with torch.no_grad():
+        attention(q, k, v)
+    decode(q.detach()[:, :, -1:], k.detach(), v.detach())
+    qv, kv = _cpu(10, 4, 16, seed=4), _cpu(12, 2, 16, seed=5)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    nft.varlen_attention(qv, kv, kv, cu_q, cu_k, 6, 7, causal=True).sum().backward()
+    assert [name for name, _ in twin_launches] == ["forward", "backward", "forward", "decode", "varlen_forward",
+                                                   "varlen_backward"]
+    assert not any(through for _, through in twin_launches), twin_launches
+
+
+def test_eager_and_op_paths_give_identical_results(twin_launches):
+    """The eager autograd.Function and the op (with its registered autograd) run the same bodies: out, lse and
+    every gradient bitwise equal, with the mods (window, softcap, ALiBi) and GQA."""
+    slopes = torch.rand(4, dtype=torch.float32) * 0.2
+    kw = dict(causal=True, softmax_scale=0.3, window_size=(9, 0), softcap=7.0, alibi_slopes=slopes)
+    runs = []
+    for eager in (True, False):
+        q, k, v = (_cpu(*shape, seed=seed, dtype=torch.float16)  # float16: the mods' backward dtypes
+                   for shape, seed in (((2, 4, 20, 16), 6), ((2, 2, 26, 16), 7), ((2, 2, 26, 16), 8)))
+        if eager:
+            out, lse = attention(q, k, v, return_lse=True, **kw)
+        else:
+            out, lse = nft.fwd(q, k, v, True, 0.3, 9, 0, 7.0, slopes, True)
+        (out.double() * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
+        runs.append([out.detach(), lse, q.grad, k.grad, v.grad])
+    assert [through for _, through in twin_launches] == [False, False, True, True]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
+
+
+def test_traced_calls_keep_the_op(twin_launches):
+    """Under torch.compile (fullgraph, one graph) and under a dispatch mode the call goes through the op, and the
+    compiled function matches eager; meta tensors take the op's fake."""
+    import torch._dynamo as dynamo
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=True).square().sum()
+
+    q, k, v = _cpu(1, 2, 12, 8, seed=9), _cpu(1, 2, 12, 8, seed=10), _cpu(1, 2, 12, 8, seed=11)
+    dynamo.reset()
+    ex = dynamo.explain(f)(q, k, v)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+    twin_launches.clear()
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss.backward()
+    assert twin_launches and all(through for _, through in twin_launches), twin_launches
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    eager_loss = f(q, k, v)
+    eager_loss.backward()
+    assert torch.equal(loss, eager_loss) and all(torch.equal(a, x.grad) for a, x in zip(grads, (q, k, v)))
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    twin_launches.clear()
+    with Passthrough():
+        attention(q.detach(), k.detach(), v.detach())
+    assert twin_launches == [("forward", True)]
 
 
 # --------------------------------------------------------------------------------------------

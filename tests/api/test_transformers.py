@@ -3,8 +3,9 @@
 Anywhere transformers is installed: the adapter's semantics on the CPU, with numba_flash's two calls
 (attention, decode) replaced by a float64 materialised twin that keeps their conventions (bottom-right
 causal, flash-attn's window, GQA): logits, loss and gradients against transformers' sdpa implementation,
-for Llama, Qwen2, Mistral (sliding window) and GPT-2 configs, greedy generation with a KV cache, and every
-mask the adapter must refuse (padding, packed sequences, a static cache). On a GPU (marked gpu) the same
+for Llama, Qwen2, Mistral (sliding window) and GPT-2 configs, greedy generation with a KV cache, padded batches
+(unpadded to varlen, whose twin runs each packed sequence) and left-padded generation, and every mask the
+adapter must refuse (float32 or compiled padding, packed sequences, a static cache). On a GPU (marked gpu) the same
 models run the real kernels in float32 (3xTF32) and bf16, and compile with fullgraph=True.
 """
 from __future__ import annotations
@@ -55,10 +56,24 @@ def _twin_decode(q, k, v, *, softmax_scale=None, **kw):
     return attention_mods_torch(q, k, v, True, softmax_scale), None
 
 
+def _twin_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                 softcap=0.0, **kw):
+    """numba_flash.torch.varlen_attention's conventions (packed (total, H, d), each sequence bottom-right causal),
+    materialised per sequence; checks the offsets and maxima as the kernels read them."""
+    lens_q, lens_k = (cu[1:] - cu[:-1] for cu in (cu_q, cu_k))
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
+    assert max_q == int(lens_q.max()) and max_k == int(lens_k.max())
+    outs = []
+    for b in range(len(cu_q) - 1):
+        qs, ks, vs = (x[cu[b]:cu[b + 1]].transpose(0, 1) for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        outs.append(attention_mods_torch(qs, ks, vs, causal, softmax_scale, window_size, softcap).transpose(0, 1))
+    return torch.cat(outs)
+
+
 @pytest.fixture
 def twin(monkeypatch):
-    """The adapter's calls into numba_flash, counted and replaced by the twin."""
-    calls = {"attention": 0, "decode": 0}
+    """The adapter's calls into numba_flash, counted and replaced by the twin (varlen's dtypes: the twin's too)."""
+    calls = {"attention": 0, "decode": 0, "varlen": 0}
 
     def att(*a, **kw):
         calls["attention"] += 1
@@ -68,8 +83,14 @@ def twin(monkeypatch):
         calls["decode"] += 1
         return _twin_decode(*a, **kw)
 
+    def var(*a, **kw):
+        calls["varlen"] += 1
+        return _twin_varlen(*a, **kw)
+
     monkeypatch.setattr(nf_hf, "attention", att)
     monkeypatch.setattr(nf_hf, "decode", dec)
+    monkeypatch.setattr(nf_hf, "varlen_attention", var)
+    monkeypatch.setattr(nf_hf, "VARLEN_DTYPES", nf_hf.VARLEN_DTYPES + (torch.float64,))
     return calls
 
 
@@ -115,14 +136,74 @@ def test_generation_with_a_cache_matches_sdpa(family, twin):
         assert twin["decode"] == 0  # Mistral's window: attention every step
 
 
-def test_an_all_true_padding_mask_is_fine_and_padding_is_refused(twin):
+def _padded_batch(n=24, seed=4):
+    """Three rows: left padding (5), none, right padding (7); pad tokens 0."""
+    ids = torch.randint(1, 97, (3, n), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(3, n, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[2, -7:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_padded_batch_matches_sdpa(family, twin):
+    """A padded batch (left, none, right) unpadded to packed sequences: logits on the real tokens, the loss over
+    them (labels -100 on pads) and every gradient as sdpa's; Mistral's window (24) runs through varlen too."""
+    ids, mask = _padded_batch(40 if family == "mistral" else 24)
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for impl in ("sdpa", NAME):
+        model = _model(family, impl)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        results.append((out.logits.detach()[mask.bool()], out.loss.detach(), grads))
+    (lg0, l0, g0), (lg1, l1, g1) = results
+    assert twin["varlen"] == 2 and twin["attention"] == 0
+    torch.testing.assert_close(lg1, lg0, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(l1, l0, rtol=1e-9, atol=1e-9)
+    assert len(g0) == len(g1)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+
+
+def test_generation_with_left_padding_matches_sdpa(twin):
+    """Batched greedy generation of a left-padded batch: the prefill and every step against the cache unpad to
+    varlen (the step's query is each row's last token); the tokens and every step's logits as sdpa's."""
+    ids, mask = _padded_batch(16)
+    mask[2] = 1  # generation pads on the left only
+    mask[1, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    runs = []
+    for impl in ("sdpa", NAME):
+        model = _model("llama", impl)
+        runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                   return_dict_in_generate=True, output_logits=True, pad_token_id=0))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for a, b in zip(runs[0].logits, runs[1].logits):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+    assert twin["varlen"] == 2 * 6 and twin["decode"] == 0  # prefill + 5 steps, 2 layers each
+
+
+def test_an_all_true_padding_mask_is_fine_and_float32_padding_is_refused(twin):
     model = _model("llama", NAME)
     ids = torch.randint(0, 97, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
     model(input_ids=ids, attention_mask=mask)
+    assert twin["varlen"] == 0
     mask[0, :3] = 0
-    with pytest.raises(NotImplementedError, match="padding"):
-        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(NotImplementedError, match="padding .* with torch.float32: the packed-sequence"):
+        _model("llama", NAME, dtype=torch.float32)(input_ids=ids, attention_mask=mask)
+
+
+def test_compiled_padding_is_refused_with_the_reason(twin):
+    """Under torch.compile unpadding would need data-dependent shapes: padding fails the device-side check, whose
+    message says so."""
+    model = _model("llama", NAME)
+    ids, mask = _padded_batch(20)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError, match="padding .* under torch.compile: unpadding"):
+        compiled(input_ids=ids, attention_mask=mask, use_cache=False)
 
 
 def test_packed_sequences_are_refused(twin):
@@ -210,6 +291,39 @@ def test_gpu_models_match_sdpa(family, dtype):
         mag = truth[i].abs().max().item()
         print(f"{family} {dtype} {name}: ours {err:.3e}, sdpa {ref_err:.3e}, max {mag:.3e}")
         assert err <= 2 * ref_err + 1e-5 * mag, f"{name}: ours {err:.3e} vs sdpa {ref_err:.3e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@gpu
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_gpu_padded_batch_matches_sdpa(family):
+    """A padded bf16 batch (left, none, right padding) through the varlen kernels: logits on the real tokens, the
+    loss over them and the gradients within 2x sdpa's own bf16 error against float64 (+ small); then greedy
+    generation of a left-padded batch gives sdpa's tokens for the first steps (bf16 argmax ties aside)."""
+    ids, mask = (x.cuda() for x in _padded_batch(200 if family == "llama" else 120))
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for impl, d in (("sdpa", torch.float64), ("sdpa", torch.bfloat16), (NAME, torch.bfloat16)):
+        model = _model(family, impl, "cuda", d)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grad = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+        outs[impl, d] = (out.logits.double().detach()[mask.bool()], out.loss.double().detach(), grad)
+    truth, theirs, ours = outs["sdpa", torch.float64], outs["sdpa", torch.bfloat16], outs[NAME, torch.bfloat16]
+    for i, name in enumerate(("logits", "loss", "grads")):
+        err = (ours[i] - truth[i]).abs().max().item()
+        ref_err = (theirs[i] - truth[i]).abs().max().item()
+        mag = truth[i].abs().max().item()
+        print(f"padded {family} bfloat16 {name}: ours {err:.3e}, sdpa {ref_err:.3e}, max {mag:.3e}")
+        assert err <= 2 * ref_err + 1e-5 * mag, f"{name}: ours {err:.3e} vs sdpa {ref_err:.3e}"
+    gen_mask = mask.clone()
+    gen_mask[2] = 1
+    gen_ids = ids.masked_fill(gen_mask == 0, 0)
+    seqs = [_model(family, impl, "cuda", torch.float64 if impl == "sdpa" else torch.bfloat16).generate(
+        gen_ids, attention_mask=gen_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        for impl in ("sdpa", NAME)]
+    assert (seqs[0][:, -4:-2] == seqs[1][:, -4:-2]).float().mean().item() >= 0.5, seqs
 
 
 @pytest.mark.gpu
