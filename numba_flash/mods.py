@@ -94,28 +94,27 @@ class ScoreMod(_Mod):
         self.grad = grad
 
 
+def _as_mod(name: str, cls, other, x: Any):
+    """None, a ``cls`` instance, or a bare function (a ``cls`` without aux); TypeError for anything else."""
+    if x is None or isinstance(x, cls):
+        return x
+    if isinstance(x, other):
+        raise TypeError(f"{name} got a {other.__name__}; pass it as {other.__name__.replace('Mod', '').lower()}"
+                        f"_mod=, or wrap the function in {cls.__name__}")
+    if callable(x):
+        return cls(x)
+    raise TypeError(f"{name} must be a function {cls.WHAT} or a numba_flash.mods.{cls.__name__}; got "
+                    f"{type(x).__name__}")
+
+
 def as_mask_mod(x: Any) -> MaskMod | None:
     """None, a MaskMod, or a bare function (a MaskMod without aux)."""
-    if x is None or isinstance(x, MaskMod):
-        return x
-    if isinstance(x, ScoreMod):
-        raise TypeError("mask_mod got a ScoreMod; pass it as score_mod=, or wrap a mask function in MaskMod")
-    if callable(x):
-        return MaskMod(x)
-    raise TypeError(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool or a "
-                    f"numba_flash.mods.MaskMod; got {type(x).__name__}")
+    return _as_mod("mask_mod", MaskMod, ScoreMod, x)
 
 
 def as_score_mod(x: Any) -> ScoreMod | None:
     """None, a ScoreMod, or a bare function (a ScoreMod without aux or gradient)."""
-    if x is None or isinstance(x, ScoreMod):
-        return x
-    if isinstance(x, MaskMod):
-        raise TypeError("score_mod got a MaskMod; pass it as mask_mod=")
-    if callable(x):
-        return ScoreMod(x)
-    raise TypeError(f"score_mod must be a function score_mod(score, b, h, q_idx, kv_idx) -> score or a "
-                    f"numba_flash.mods.ScoreMod; got {type(x).__name__}")
+    return _as_mod("score_mod", ScoreMod, MaskMod, x)
 
 
 def same_document(b, h, q_idx, kv_idx, q_segment_ids, kv_segment_ids):
