@@ -182,3 +182,47 @@ def test_bad_user_mods_are_refused(kw, err, match):
     q = np.zeros((1, 1, 8, 64), np.float16)
     with pytest.raises(err, match=match):
         numba_flash.forward(q, q, q, **kw())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sm_90a build of user mods (ptxas -v): the wgmma forward, the sm_90 default, spills nothing
+# ---------------------------------------------------------------------------------------------------------
+def _user_mod_compile_source():
+    from test_ptx import NO_GPU_PATCH
+
+    return NO_GPU_PATCH + """
+import json, re, subprocess, sys, tempfile
+from numba import cuda
+from numba_flash.blocks.mods import Mods, UserMod
+from numba_flash.configs import MMA_WGMMA
+from numba_flash.kernels import wgmma_forward
+from numba_flash.mods import same_document
+
+def rel_bias(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, q_idx - kv_idx + table.shape[1] // 2]
+
+builds = {"document-causal": (True, Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))))),
+          "relbias-full": (False, Mods(score_mod=UserMod(rel_bias, 5, (("float32", 2),))))}
+out = {}
+for name, (causal, mods) in builds.items():
+    ptx, _ = cuda.compile_ptx(wgmma_forward.kernel_source(MMA_WGMMA[128, causal], causal, "bfloat16", False, mods),
+                              wgmma_forward.kernel_signature(mods), cc=(9, 0, "a"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([sys.argv[-1], "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    rep = r.stderr + r.stdout
+    m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+    out[name] = dict(rc=r.returncode, stack=int(m.group(1)) if m else -1,
+                     spills=int(m.group(2)) + int(m.group(3)) if m else -1, log=rep[-600:])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_user_mod_builds_for_sm90a_spill_nothing(tmp_path):
+    from test_ptx import run_compile_child
+
+    got = run_compile_child(_user_mod_compile_source(), [], tmp_path)
+    for name, r in got.items():
+        assert r["rc"] == 0, (name, r["log"])
+        assert (r["stack"], r["spills"]) == (0, 0), (name, r)
