@@ -135,7 +135,7 @@ def cases() -> dict:
                                  (mma_forward, configs.MMA_TABLE))
                 kernel.launch(q, k, v, out_, lse, table[128, causal], causal=causal, softmax_scale=0.1,
                               layout_checked=True, mods=mods, aux=aux)
-            out[f"fwd-{family}-docmask/d128/{'causal' if causal else 'full'}/bfloat16"] = call
+            out[f"fwd-{family}/d128/{'causal' if causal else 'full'}/bfloat16/docmask"] = call
 
     # --- forward: tf32x3 and tf32 (fp32 on tensor cores) ------------------------------------
     for (hd, causal) in sorted(configs.TF32_TABLE):
@@ -343,7 +343,7 @@ CI_PATTERNS = (
     r"^decode/d128/float16/.*/(contiguous|strided)/splits(1|4)/sm90$", r"^decode/d64/float32/rows1-.*/splits4/sm80$",
     r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$",
     r"^fwd-mma-varlen/d128/causal/bfloat16$", r"^bwd-mma-varlen/d128/causal/bfloat16/sm90/splits$",
-    r"^fwd-wgmma-docmask/d128/causal/bfloat16$",
+    r"^fwd-wgmma/d128/causal/bfloat16/docmask$",
 )
 
 
