@@ -82,6 +82,7 @@ from ._validation import (
 from .softmax import _finalize, logsumexp, online_softmax_step, standard_softmax
 
 __all__ = [
+    "block_mask",
     "standard_attention",
     "flash_attention",
     "visible_mask",
@@ -438,6 +439,35 @@ def first_q_block_to_visit(k_start: int, n_q: int, n_k: int, block_q: int, causa
     return q_block_range(k_start, k_start + 1, n_q, n_k, block_q, causal)[0]
 
 
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block_mask's classes
+
+
+def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int, block_k: int, mask_aux=()):
+    """FlexAttention's BlockMask idea: one class per (b, h, Q block, K/V block) from ``mask_mod`` alone (the
+    causal / window mask is not in it): EMPTY (no visible score: the block is never loaded), FULL (every score
+    visible: no per-score mask) or PARTIAL. Returns (classes (B, H, Q blocks, K/V blocks) int8, kv_num_blocks
+    (B, H, Q blocks): the non-empty K/V blocks of each Q block, kv_indices (B, H, Q blocks, K/V blocks): their
+    indices first, in order, then -1)."""
+    for name, x in (("B", B), ("H", H), ("n_q", n_q), ("n_k", n_k), ("block_q", block_q), ("block_k", block_k)):
+        check_positive_int(name, x)
+    user = _user_mods(mask_mod, None, None, mask_aux, (), (B, H))
+    if user is None:
+        raise TypeError("block_mask needs a mask_mod")
+    seen = user.visible((B, H, n_q, n_k), np.arange(n_q), np.arange(n_k))
+    n_qb, n_kb = -(-n_q // block_q), -(-n_k // block_k)
+    classes = np.empty((B, H, n_qb, n_kb), np.int8)
+    for a in range(n_qb):
+        for c in range(n_kb):
+            tile = seen[..., a * block_q:(a + 1) * block_q, c * block_k:(c + 1) * block_k]
+            classes[..., a, c] = np.where(tile.all((-1, -2)), FULL, np.where(tile.any((-1, -2)), PARTIAL, EMPTY))
+    kv_num_blocks = (classes != EMPTY).sum(-1)
+    kv_indices = np.full(classes.shape, -1, np.int64)
+    for idx in np.ndindex(*classes.shape[:3]):
+        nz = np.flatnonzero(classes[idx] != EMPTY)
+        kv_indices[idx][: nz.size] = nz
+    return classes, kv_num_blocks, kv_indices
+
+
 def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dtype=None, window_size=(-1, -1),
                        softcap: float = 0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mask_aux=(),
                        score_aux=()):
@@ -487,6 +517,7 @@ def flash_attention(
     score_mod=None,
     mask_aux=(),
     score_aux=(),
+    block_classes=None,
 ):
     """The FA2 tile loop of 3.6.6 in NumPy: never builds an Nq×Nk array.
 
@@ -510,11 +541,22 @@ def flash_attention(
     * ``rescale_threshold``: the running max moves only when a block beats it by more than this
       (natural-log units; see ``online_softmax_step``): the kernels' LAZY_RESCALE with 8·ln 2.
 
+    * ``block_classes``: :func:`block_mask`'s classes of ``mask_mod`` at (block_q, block_k) (q_rows None): a
+      tile EMPTY for every (b, h) is never visited, and one FULL for every (b, h) skips the mask_mod (its
+      causal / window mask still applies). The result is the same as without it.
+
     Returns ``(O, L)`` for the selected rows: O (*lead, rows, d), L (*lead, rows).
     """
     pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
                   softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
                   mask_aux=mask_aux, score_aux=score_aux)
+    no_user_mask = pr.user
+    if pr.user is not None and pr.user.mask_mod is not None:
+        no_user_mask = _UserMods(None, pr.user.score_mod, pr.user.score_mod_grad, (), pr.user.score_aux, pr.lead)
+    if block_classes is not None:
+        if pr.user is None or pr.user.mask_mod is None or q_rows is not None:
+            raise ValueError("block_classes needs the mask_mod it was computed from, and q_rows=None")
+        block_classes = np.asarray(block_classes).reshape((-1,) + np.shape(block_classes)[-2:])
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
     rescale_threshold = check_nonnegative_real("rescale_threshold", rescale_threshold, "natural-log units")
@@ -540,10 +582,18 @@ def flash_attention(
         for j in order:
             if not first <= j < stop:
                 continue  # no row of this Q block sees a key of block j: never loaded
+            tile_class = None if block_classes is None else block_classes[:, q_start // block_q, j]
+            if tile_class is not None and (tile_class == EMPTY).all():
+                continue  # the mask_mod hides the whole tile: never loaded
             k_start, k_stop = j * block_k, min((j + 1) * block_k, pr.n_k)
             edge = tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal, pr.window,
                                    q_stop=q_stop, k_start=k_start)
-            s_ij, _ = pr.logits(q_start, q_stop, k_start, k_stop, mask=edge)
+            if tile_class is not None and (tile_class == FULL).all():  # no mask_mod call on this tile
+                s0 = (pr.q[..., q_start:q_stop, :] @ np.swapaxes(pr.k[..., k_start:k_stop, :], -1, -2)) * pr.scale
+                s_ij, _ = _final_logits(s0, np.arange(q_start, q_stop), np.arange(k_start, k_stop), pr.n_k,
+                                        pr.shift, pr.window, pr.softcap, pr.alibi, mask=edge, user=no_user_mask)
+            else:
+                s_ij, _ = pr.logits(q_start, q_stop, k_start, k_stop, mask=edge)
             step = online_softmax_step(m_i, l_i, acc, s_ij, pr.v[..., k_start:k_stop, :],
                                        rescale_threshold=rescale_threshold)
             m_i, l_i, acc = step.m_new, step.l_i, step.acc

@@ -146,3 +146,30 @@ def test_bad_mods_are_refused():
         reference.attention_backward(q, q, q, q, q[..., 0], q, score_mod=lambda s, b, h, i, j: 2 * s)
     with pytest.raises(ValueError, match="at most 2"):
         reference.standard_attention(np.ones((1, 1, 1, 3, 2)), q, q, mask_mod=lambda b, h, i, j: True)
+
+
+@SETTINGS
+@given(shapes, st.integers(0, 2**31), st.integers(1, 5), st.integers(1, 5), st.booleans())
+def test_a_block_mask_skips_empty_tiles_and_unmasks_full_ones_without_changing_the_result(shape, seed, block_q,
+                                                                                           block_k, causal):
+    """Documents of random lengths: whole tiles are EMPTY (off the diagonal blocks) or FULL (inside one)."""
+    B, H, n_q, n_k, d = shape
+    q, k, v, _, _, bias = _problem(seed, B, H, n_q, n_k, d, 1.0)
+    rng = np.random.default_rng(seed)
+    seg_q = np.sort(rng.integers(0, 3, (B, n_q)), axis=1)
+    seg_k = np.sort(rng.integers(0, 3, (B, n_k)), axis=1)
+    same = lambda b, h, i, j, sq, sk: sq[b, i] == sk[b, j]  # noqa: E731
+    kw = dict(causal=causal, mask_mod=same, mask_aux=(seg_q, seg_k), score_mod=rel_bias,
+              score_aux=(bias, np.array([n_k])))
+    classes, kv_num, kv_idx = reference.block_mask(same, B, H, n_q, n_k, block_q, block_k, mask_aux=(seg_q, seg_k))
+    seen = seg_q[:, None, :, None] == seg_k[:, None, None, :]
+    for b, h, a, c in np.ndindex(*classes.shape):
+        tile = seen[b, 0, a * block_q:(a + 1) * block_q, c * block_k:(c + 1) * block_k]
+        assert classes[b, h, a, c] == (reference.attention.FULL if tile.all() else
+                                       reference.attention.PARTIAL if tile.any() else reference.attention.EMPTY)
+    assert (kv_num == (classes != reference.attention.EMPTY).sum(-1)).all()
+    assert ((kv_idx >= 0).sum(-1) == kv_num).all()
+    o_ref, l_ref = reference.standard_attention(q, k, v, **kw)
+    o, l = reference.flash_attention(q, k, v, block_q=block_q, block_k=block_k, block_classes=classes, **kw)
+    np.testing.assert_allclose(o, o_ref, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(l, l_ref, atol=1e-12, rtol=0)
