@@ -60,12 +60,14 @@ class Problem:
     softcap: float = 0.0
     alibi_shape: tuple | None = None  # the slopes' shape, (H,) or (B, H)
     varlen: bool = False  # packed sequences (numba_flash.varlen): q_shape (total_q, H, d), B sequences, n_q / n_k the longest
+    mask_mod: Any = None  # blocks.mods.UserMod of a user mask (numba_flash.mods), its aux types in it
+    score_mod: Any = None  # blocks.mods.UserMod of a user score mod
 
     @property
     def mods(self) -> Mods:
         """The kernel switches: a window of (-1, 0) is causal and (-1, -1) none (their kernels, no window)."""
         return Mods(window=window_kind(self.causal, self.window_size) == "window", softcap=self.softcap > 0,
-                    alibi=self.alibi_shape is not None)
+                    alibi=self.alibi_shape is not None, mask_mod=self.mask_mod, score_mod=self.score_mod)
 
     @property
     def mask_causal(self) -> bool:
@@ -165,8 +167,11 @@ def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device, q_ndim:
 
 
 def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None, window_size: Any = (-1, -1),
-             softcap: Any = 0.0, alibi_slopes: Any = None, packed: tuple | None = None) -> Problem:
+             softcap: Any = 0.0, alibi_slopes: Any = None, packed: tuple | None = None, mask_mod: Any = None,
+             score_mod: Any = None) -> Problem:
     """Check everything about a forward call in one place; raise with what was given and accepted.
+
+    mask_mod, score_mod: numba_flash.mods.MaskMod / ScoreMod (or bare functions), their aux arrays checked.
 
     packed: (B, max_seqlen_q, max_seqlen_k) of a varlen call (numba_flash.varlen, which checks them): q, k, v are
     then packed (total, heads, d) arrays of B sequences."""
@@ -273,11 +278,52 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         if not _fp32_ratio_ok(1.0 / scale):
             raise ValueError(f"softmax_scale = {scale:g} with alibi_slopes: the kernels take 1 / scale in fp32; accepted "
                              "with ALiBi: softmax_scale >= 2**-127")
+    user = {}
+    for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if mod is not None:
+            if packed is not None:
+                raise NotImplementedError(f"{name} with varlen (packed sequences): not built; pass a dense batch, "
+                                          "or numba_flash.mods.document_mask for packed documents")
+            user[name] = _check_user_mod(name, mod, kinds["q"], device, (B, H, n_q, n_k))
     return Problem(
         kind=kinds["q"], dtype=dtypes["q"], q_shape=shapes["q"], B=B, H=H, Hkv=Hkv,
         n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
-        device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape, varlen=packed is not None,
+        device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape, varlen=packed is not None, **user,
     )
+
+
+def _check_user_mod(name: str, mod: Any, kind_q: str, device, sizes: tuple):
+    """The kernel build argument (blocks.mods.UserMod) of a validated user mod: its aux arrays where q is, of the
+    dtypes numba_flash.mods.AUX_DTYPES, shaped as the mod says (document_mask: (B, Nq), (B, Nk))."""
+    from . import mods as user_mods
+
+    mod = user_mods.as_mask_mod(mod) if name == "mask_mod" else user_mods.as_score_mod(mod)
+    types = []
+    expected = mod.aux_shapes(*sizes) if mod.aux_shapes is not None else (None,) * len(mod.aux)
+    for i, (x, want) in enumerate(zip(mod.aux, expected)):
+        what = f"{name} aux[{i}]"
+        kind = arrays.kind_of(x)
+        dt = arrays.dtype_name(x) if kind is not None else None
+        shape = side_array(what, x, kind_q, device, dt if dt in user_mods.AUX_DTYPES else "one of "
+                           + "/".join(user_mods.AUX_DTYPES), "any")
+        if not shape:
+            raise ValueError(f"{what} is 0-dimensional; pass an array of at least one dim (a scalar belongs in the "
+                             "mod's closure)")
+        if want is not None and tuple(shape) != tuple(want):
+            raise ValueError(f"{what} has shape {tuple(shape)}; accepted: {tuple(want)}")
+        types.append((dt, len(shape)))
+    return mod.spec(tuple(types))
+
+
+def user_aux(p: Problem, mask_mod: Any, score_mod: Any, stream) -> tuple:
+    """The user mods' aux arrays as device views, the mask's first (the kernels' launch arguments)."""
+    from . import mods as user_mods
+
+    out = ()
+    for mod in (user_mods.as_mask_mod(mask_mod), user_mods.as_score_mod(score_mod)):
+        if mod is not None:
+            out += tuple(arrays.to_device_view(x, stream, len(arrays.shape_of(x))) for x in mod.aux)
+    return out
 
 
 def _mma_blockers(p: Problem, views=None, max_head_dim: int = MMA_MAX_HEAD_DIM) -> list[str]:
@@ -477,6 +523,10 @@ def mods_words(p: Problem) -> str:
         words.append(f"softcap {p.softcap:g}")
     if p.mods.alibi:
         words.append(f"ALiBi slopes {p.alibi_shape}")
+    for name in ("score_mod", "mask_mod"):
+        mod = getattr(p, name)
+        if mod is not None:
+            words.append(f"{name} {mod!r} (compiled in, called on every score of every visited tile)")
     return ", ".join(words)
 
 
@@ -490,6 +540,11 @@ def _choose_with_mods(p: Problem, kernel: str, views):
     blockers = _mma_blockers(p, views)
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
+    if p.mods.user and (kernel == "simt" or blockers):
+        raise NotImplementedError(
+            f"mask_mod / score_mod: built into the tensor-core forwards only (kernel 'mma': float16 / bfloat16, "
+            f"d <= {MMA_MAX_HEAD_DIM}, 16-byte aligned rows); not into kernel 'simt', which "
+            + ("was asked for" if kernel == "simt" else "this problem needs: " + "; ".join(blockers)))
     words = "mods: " + mods_words(p) + (" (tiles outside every row's window are never loaded)" if p.mods.window
                                         else "")
     if kernel == "simt" or blockers:
@@ -509,7 +564,8 @@ def _choose_with_mods(p: Problem, kernel: str, views):
 def _plain(p: Problem) -> Problem:
     from dataclasses import replace
 
-    return replace(p, causal=p.mask_causal, window_size=(-1, -1), softcap=0.0, alibi_shape=None)
+    return replace(p, causal=p.mask_causal, window_size=(-1, -1), softcap=0.0, alibi_shape=None, mask_mod=None,
+                   score_mod=None)
 
 
 def _on_device(device: int | None):
@@ -525,7 +581,7 @@ def _on_device(device: int | None):
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None):
+            alibi_slopes=None, mask_mod=None, score_mod=None):
     """Exact attention O = softmax(Q Kᵀ · scale) V without materialising the N×N scores.
 
     Args:
@@ -565,6 +621,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
             The three run on kernel "mma" (float16 / bfloat16) and on "simt" (float32,
             or unaligned rows: auto takes it there, with its PerformanceWarning); "tf32x3" / "tf32" raise
             NotImplementedError. The backward has them on the mma kernels only (d <= 256).
+        mask_mod, score_mod: user mods, Python functions compiled into the tensor-core kernel
+            (numba_flash.mods: ``MaskMod(fn, aux=(arrays...))``, ``ScoreMod(fn, grad=..., aux=...)``, or a bare
+            function; FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool and score_mod(score, b, h, q_idx,
+            kv_idx) -> score on the scaled logit). The user mask ANDs with causal / window. Kernel "mma"
+            only (float16 / bfloat16): elsewhere NotImplementedError. numba_flash.mods says what a mod may do.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
@@ -591,13 +652,17 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
     config and parameters, without the checks and choices in Python.
     """
     left, right = window_pair(window_size)
+    if mask_mod is not None or score_mod is not None:  # (functions are no plan key: the ordinary path each call)
+        return _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left, right, softcap, mask_mod,
+                        score_mod)
     return plans.call(_forward, (q, k, v, alibi_slopes), (causal, softmax_scale, kernel, left, right, softcap))
 
 
-def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, right=-1, softcap=0.0):
+def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, right=-1, softcap=0.0, mask_mod=None,
+             score_mod=None):
     """``forward`` without plans (plans.call runs it for a new signature and watches)."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(left, right), softcap=softcap,
-                 alibi_slopes=alibi_slopes)
+                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     with _on_device(p.device):
@@ -625,7 +690,7 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
                 launch_mma_forward(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                    stream=stream, layout_checked=True, mods=mods,
                                    window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
-                                   softcap=p.softcap, alibi=alibi)
+                                   softcap=p.softcap, alibi=alibi, aux=user_aux(p, mask_mod, score_mod, stream))
             elif family in TF32_KERNELS:
                 tf32_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                     passes=TF32_KERNELS[family], stream=stream, layout_checked=True)
@@ -643,10 +708,10 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None) -> str:
+            alibi_slopes=None, mask_mod=None, score_mod=None) -> str:
     """Which kernel ``forward`` would run for these inputs, its tile config, and why."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes)
+                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
     views = None
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (views, no copies)
         with _on_device(p.device):

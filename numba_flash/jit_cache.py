@@ -7,7 +7,8 @@ and loaded instead of compiling afterwards.
 
 The file name is a SHA-256 of everything that decides the machine code:
 - the specialisation: the family's build arguments (tile / config data, causal, dtype, mods, ...),
-  the kernel's signature and its jit options (fastmath, max_registers);
+  the kernel's signature and its jit options (fastmath, max_registers); a user mod enters as its
+  ``cache_key`` (blocks/mods.py: its bytecode, constants, names, closure and global values, aux types);
 - the source of the whole numba_flash package (any edit to a kernel or a building block is a miss);
 - the GPU's compute capability;
 - the versions of Python, numba, numba-cuda, cuda-bindings and the NVVM / nvrtc / nvJitLink wheels, and
@@ -75,6 +76,8 @@ def canonical(x):
         return (type(x).__name__, x)
     if isinstance(x, np.dtype):
         return ("dtype", x.str)
+    if hasattr(x, "cache_key") and not isinstance(x, type):  # a user mod (blocks.mods.UserMod): its code's identity
+        return ("cache_key", canonical(x.cache_key))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (type(x).__qualname__,) + tuple((f.name, canonical(getattr(x, f.name))) for f in dataclasses.fields(x))
     if isinstance(x, (set, frozenset)):

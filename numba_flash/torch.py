@@ -276,7 +276,7 @@ def _check_mods(softcap, alibi_slopes):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, return_lse=False):
+              alibi_slopes=None, return_lse=False, mask_mod=None, score_mod=None):
     """Differentiable exact attention on PyTorch CUDA tensors (``torch.ops.numba_flash.fwd``).
 
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
@@ -292,7 +292,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     causal, deterministic and return_lse are bools, softmax_scale and softcap real numbers (the op
     schema's types: Python bool and float). Works under ``torch.compile(fullgraph=True)`` and in CUDA graphs.
     Double backward is not supported.
+
+    mask_mod, score_mod (numba_flash.mods; aux arrays as CUDA tensors): eager mode only, forward only. A custom
+    op cannot take Python functions, so the call runs ``numba_flash.forward`` directly: under ``torch.compile``
+    it raises NotImplementedError (call it outside the compiled region), and with inputs that require grad
+    NotImplementedError too (the backward kernels have no user mods; run it under torch.no_grad()).
     """
+    if mask_mod is not None or score_mod is not None:
+        return _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse,
+                                    mask_mod, score_mod)
     causal = _check_bool("causal", causal)
     deterministic = _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
@@ -317,6 +325,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
         out, lse = _Attention.apply(*args)
     else:
         out, lse = _fwd_body(*args)
+    return (out, lse) if return_lse else out
+
+
+def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, mask_mod,
+                         score_mod):
+    """attention with user mods: numba_flash.forward in eager mode, no gradient (attention's docstring)."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("mask_mod / score_mod under torch.compile: a custom op cannot take Python "
+                                  "functions; call numba_flash.torch.attention with them outside the compiled region")
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)):
+        raise NotImplementedError("mask_mod / score_mod with gradients: the backward kernels have no user mods (the "
+                                  "forward alone runs them, under torch.no_grad())")
+    _check_bool("return_lse", return_lse)
+    out, lse = forward(q, k, v, causal=_check_bool("causal", causal), softmax_scale=_check_scale(softmax_scale),
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                       score_mod=score_mod)
     return (out, lse) if return_lse else out
 
 

@@ -25,6 +25,7 @@ This package imports nothing from numba_flash.
 
 from . import costs
 from .attention import (
+    block_mask,
     causal_mask,
     first_q_block_to_visit,
     flash_attention,
@@ -50,6 +51,7 @@ from .varlen import varlen_attention, varlen_attention_backward
 from .trace import OnlineSoftmaxTrace, TraceStep, format_trace, online_softmax_trace
 
 __all__ = [
+    "block_mask",
     "varlen_attention",
     "varlen_attention_backward",
     "decode_attention",

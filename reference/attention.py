@@ -34,6 +34,12 @@ Conventions (shared by every function in ``reference`` and by the numba_flash ke
   The bias is exact, so L includes it: flash-attn's causal kernels add only slope·j (they drop
   slope·(i + shift), constant along a row), so their L is this L + slope·(i + shift); O and the
   gradients agree. There is no gradient for ``alibi_slopes`` (flash-attn has none).
+* User mods (FlexAttention's semantics, numba_flash.mods'): ``score_mod(score, b, h, i, j, *score_aux) ->
+  score`` on the logit after softcap and ALiBi, and ``mask_mod(b, h, i, j, *mask_aux) -> bool`` (True: key j
+  visible to query i), ANDed with the window / causal mask; i and j are absolute, b and h the leading
+  indices (batch, then query head; leading shapes of at most 2 dims). The same Python functions the kernels
+  compile, called per element (``np.vectorize``: any Python a mod may hold). ``score_mod_grad`` (same
+  arguments) is d score_mod / d score, which the backward needs with a score_mod.
 * ``L`` is the logsumexp of the final logits of each query row, natural log: L = m + log ℓ.
 * A fully masked query row has O = 0, L = −inf, and zero gradients.
 * NaN and ±inf: IEEE arithmetic, the kernels' policy. A row whose visible scores hold a nan or +inf
@@ -76,6 +82,7 @@ from ._validation import (
 from .softmax import _finalize, logsumexp, online_softmax_step, standard_softmax
 
 __all__ = [
+    "block_mask",
     "standard_attention",
     "flash_attention",
     "visible_mask",
@@ -100,6 +107,7 @@ class _Prepared:
     window: tuple  # (left, right) as the mask uses it: right = 0 under causal, -1 for no bound
     softcap: float  # 0.0: off
     alibi: np.ndarray | None  # (*lead,) slopes, or None
+    user: "_UserMods | None"  # mask_mod / score_mod, or None
     dtype: np.dtype
     lead: tuple
     n_q: int
@@ -116,14 +124,15 @@ class _Prepared:
 
     @property
     def masked(self) -> bool:
-        """Whether the mask has a bound (causal or a window side); without one every key is seen."""
-        return self.window != (-1, -1)
+        """Whether the mask has a bound (causal, a window side or a mask_mod); without one every key is seen."""
+        return self.window != (-1, -1) or (self.user is not None and self.user.mask_mod is not None)
 
     def logits(self, q_start: int, q_stop: int, k_start: int, k_stop: int, *, mask: bool):
-        """The tile's final logits and ds/ds₀ (:func:`_final_logits`); ``mask``: apply the visibility mask."""
+        """The tile's final logits and ds/ds₀ (:func:`_final_logits`); ``mask``: apply the visibility mask (a
+        mask_mod's always: it has no tile plan)."""
         s0 = (self.q[..., q_start:q_stop, :] @ np.swapaxes(self.k[..., k_start:k_stop, :], -1, -2)) * self.scale
         return _final_logits(s0, np.arange(q_start, q_stop), np.arange(k_start, k_stop), self.n_k, self.shift,
-                             self.window, self.softcap, self.alibi, mask=mask)
+                             self.window, self.softcap, self.alibi, mask=mask, user=self.user)
 
     def reduce_dq(self, dq: np.ndarray) -> np.ndarray:
         """Sum a gradient of the broadcast q back to q's own shape."""
@@ -163,8 +172,62 @@ def _expand_kv_heads(k: np.ndarray, v: np.ndarray, q_shape: tuple) -> tuple[np.n
     return np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), g
 
 
+@dataclass(frozen=True)
+class _UserMods:
+    """The user's mods and their aux arrays (module docstring), with the leading shape they index."""
+
+    mask_mod: object
+    score_mod: object
+    score_mod_grad: object
+    mask_aux: tuple
+    score_aux: tuple
+    lead: tuple
+
+    def indices(self, rows: np.ndarray, cols: np.ndarray) -> tuple:
+        """(b, h, i, j) index arrays broadcasting to (*lead, R, C)."""
+        n = len(self.lead)
+        grids = [np.arange(m).reshape((m,) + (1,) * (n - a - 1) + (1, 1)) for a, m in enumerate(self.lead)]
+        b, h = ([0] * (2 - n) + grids)[-2:]
+        return b, h, rows[:, None], cols[None, :]
+
+    def score(self, s: np.ndarray, rows, cols) -> tuple:
+        """(score_mod(s), d score_mod / d s or None) on a tile of logits."""
+        b, h, i, j = self.indices(rows, cols)
+        fn, grad, aux = self.score_mod, self.score_mod_grad, self.score_aux
+        out = np.vectorize(lambda x, b_, h_, i_, j_: fn(x, b_, h_, i_, j_, *aux), otypes=[s.dtype])(s, b, h, i, j)
+        d = None
+        if grad is not None:
+            d = np.vectorize(lambda x, b_, h_, i_, j_: grad(x, b_, h_, i_, j_, *aux), otypes=[s.dtype])(s, b, h, i, j)
+        return out, d
+
+    def visible(self, shape: tuple, rows, cols) -> np.ndarray:
+        """mask_mod over a tile, broadcast to ``shape`` (*lead, R, C)."""
+        b, h, i, j = self.indices(rows, cols)
+        fn, aux = self.mask_mod, self.mask_aux
+        seen = np.vectorize(lambda b_, h_, i_, j_: bool(fn(b_, h_, i_, j_, *aux)), otypes=[bool])(b, h, i, j)
+        return np.broadcast_to(seen, shape)
+
+
+def _user_mods(mask_mod, score_mod, score_mod_grad, mask_aux, score_aux, lead) -> _UserMods | None:
+    """Checked user mods, or None without any."""
+    for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod), ("score_mod_grad", score_mod_grad)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function (or None); got {type(fn).__name__}")
+    for name, aux in (("mask_aux", mask_aux), ("score_aux", score_aux)):
+        if not isinstance(aux, (tuple, list)):
+            raise TypeError(f"{name} must be a tuple of arrays passed to the mod after its indices; got "
+                            f"{type(aux).__name__}")
+    if score_mod_grad is not None and score_mod is None:
+        raise ValueError("score_mod_grad without score_mod: pass the score_mod it differentiates")
+    if mask_mod is None and score_mod is None:
+        return None
+    if len(lead) > 2:
+        raise ValueError(f"mask_mod / score_mod index (b, h): leading dims of at most 2 (batch, heads); got {lead}")
+    return _UserMods(mask_mod, score_mod, score_mod_grad, tuple(mask_aux), tuple(score_aux), tuple(lead))
+
+
 def _prepare(q, k, v, *, causal, softmax_scale, dtype, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-             extra=()) -> _Prepared:
+             extra=(), mask_mod=None, score_mod=None, score_mod_grad=None, mask_aux=(), score_aux=()) -> _Prepared:
     """All checks of the attention entry points, then broadcast to one leading shape."""
     q = as_real_array("q", q)
     k = as_real_array("k", k)
@@ -205,7 +268,9 @@ def _prepare(q, k, v, *, causal, softmax_scale, dtype, window_size=(-1, -1), sof
     v = np.broadcast_to(v.astype(dt, copy=False), lead + (n_k, d))
     # (H,) or (B, H) is a suffix of q's leading shape, which broadcasts to lead: q's slope for every row
     alibi = None if slopes is None else np.broadcast_to(slopes.astype(dt, copy=False), lead)
-    return _Prepared(q, k, v, scale, causal, window, softcap, alibi, dt, lead, n_q, n_k, d, g, q_shape, kv_shape)
+    user = _user_mods(mask_mod, score_mod, score_mod_grad, mask_aux, score_aux, lead)
+    return _Prepared(q, k, v, scale, causal, window, softcap, alibi, user, dt, lead, n_q, n_k, d, g, q_shape,
+                     kv_shape)
 
 
 def _visible(rows: np.ndarray, cols: np.ndarray, n_k: int, shift: int, left: int, right: int) -> np.ndarray:
@@ -220,15 +285,17 @@ def _visible(rows: np.ndarray, cols: np.ndarray, n_k: int, shift: int, left: int
     return seen
 
 
-def _final_logits(s0, rows, cols, n_k, shift, window, softcap, slopes, *, mask=True):
+def _final_logits(s0, rows, cols, n_k, shift, window, softcap, slopes, *, mask=True, user=None):
     """The final logits of a tile from its scaled scores s₀ = softmax_scale · q·k (module docstring).
 
     ``s0``: (..., R, C); ``rows``, ``cols``: the tile's absolute query and key indices (R,), (C,);
     ``window``: (left, right) with right = 0 under causal; ``softcap``: 0.0 for none; ``slopes``:
     broadcastable to s0.shape[:-2], or None. In order: s = softcap · tanh(s₀ / softcap), then
-    s ← s − slope · |i + shift − j|, then s = −inf where key j is hidden from query i (only with ``mask``).
+    s ← s − slope · |i + shift − j|, then s ← score_mod(s) (``user``: _UserMods or None), then s = −inf where
+    key j is hidden from query i (only with ``mask``; a mask_mod's hidden keys always).
 
-    Returns ``(s, dcap)``: dcap = ds/ds₀ = 1 − tanh²(s₀ / softcap) with a softcap, None without.
+    Returns ``(s, dcap)``: dcap = ds/ds₀, 1 − tanh²(s₀ / softcap) with a softcap times score_mod_grad with a
+    score_mod (ValueError when that has none), None without either.
     """
     dt = s0.dtype
     if softcap:
@@ -240,9 +307,29 @@ def _final_logits(s0, rows, cols, n_k, shift, window, softcap, slopes, *, mask=T
     if slopes is not None:
         distance = np.abs(rows[:, None] + shift - cols[None, :]).astype(dt)
         s = s - np.asarray(slopes, dtype=dt)[..., None, None] * distance
+    if user is not None and user.score_mod is not None:
+        s, dmod = user.score(s, rows, cols)
+        dcap = dmod if dcap is None or dmod is None else dcap * dmod
+        if dmod is None:
+            dcap = _NoGrad()
     if mask:
         s = np.where(_visible(rows, cols, n_k, shift, *window), s, dt.type(-np.inf))
+    if user is not None and user.mask_mod is not None:
+        s = np.where(user.visible(s.shape, rows, cols), s, dt.type(-np.inf))
     return s, dcap
+
+
+class _NoGrad:
+    """ds/ds₀ of a score_mod given without score_mod_grad: the forward never reads it; the backward's product
+    with it raises."""
+
+    __array_ufunc__ = None  # NumPy defers ndarray * _NoGrad() to __rmul__
+
+    def __mul__(self, other):
+        raise ValueError("the backward of a score_mod needs its derivative: pass score_mod_grad(score, b, h, q_idx, "
+                         "kv_idx, *score_aux) -> d score_mod / d score")
+
+    __rmul__ = __mul__
 
 
 def visible_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, n_q: int, n_k: int,
@@ -352,8 +439,38 @@ def first_q_block_to_visit(k_start: int, n_q: int, n_k: int, block_q: int, causa
     return q_block_range(k_start, k_start + 1, n_q, n_k, block_q, causal)[0]
 
 
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block_mask's classes
+
+
+def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int, block_k: int, mask_aux=()):
+    """FlexAttention's BlockMask idea: one class per (b, h, Q block, K/V block) from ``mask_mod`` alone (the
+    causal / window mask is not in it): EMPTY (no visible score: the block is never loaded), FULL (every score
+    visible: no per-score mask) or PARTIAL. Returns (classes (B, H, Q blocks, K/V blocks) int8, kv_num_blocks
+    (B, H, Q blocks): the non-empty K/V blocks of each Q block, kv_indices (B, H, Q blocks, K/V blocks): their
+    indices first, in order, then -1)."""
+    for name, x in (("B", B), ("H", H), ("n_q", n_q), ("n_k", n_k), ("block_q", block_q), ("block_k", block_k)):
+        check_positive_int(name, x)
+    user = _user_mods(mask_mod, None, None, mask_aux, (), (B, H))
+    if user is None:
+        raise TypeError("block_mask needs a mask_mod")
+    seen = user.visible((B, H, n_q, n_k), np.arange(n_q), np.arange(n_k))
+    n_qb, n_kb = -(-n_q // block_q), -(-n_k // block_k)
+    classes = np.empty((B, H, n_qb, n_kb), np.int8)
+    for a in range(n_qb):
+        for c in range(n_kb):
+            tile = seen[..., a * block_q:(a + 1) * block_q, c * block_k:(c + 1) * block_k]
+            classes[..., a, c] = np.where(tile.all((-1, -2)), FULL, np.where(tile.any((-1, -2)), PARTIAL, EMPTY))
+    kv_num_blocks = (classes != EMPTY).sum(-1)
+    kv_indices = np.full(classes.shape, -1, np.int64)
+    for idx in np.ndindex(*classes.shape[:3]):
+        nz = np.flatnonzero(classes[idx] != EMPTY)
+        kv_indices[idx][: nz.size] = nz
+    return classes, kv_num_blocks, kv_indices
+
+
 def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dtype=None, window_size=(-1, -1),
-                       softcap: float = 0.0, alibi_slopes=None):
+                       softcap: float = 0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mask_aux=(),
+                       score_aux=()):
     """Attention that materialises the Nq×Nk matrices S and P, as in 3.6.2.
 
     S = the final logits (module docstring): softmax_scale · Q Kᵀ, then the softcap
@@ -365,13 +482,15 @@ def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dty
     axis −3 (see the module docstring). ``causal``: bottom-right aligned mask. ``softmax_scale``:
     default 1/sqrt(d). ``dtype``: compute dtype, default float64 (or wider). flash-attn's variants,
     with its names and defaults: ``window_size`` = (left, right), (−1, −1) for none; ``softcap``, 0.0
-    for none; ``alibi_slopes``, (H,) or (B, H), None for none. NaN / inf: the module docstring.
+    for none; ``alibi_slopes``, (H,) or (B, H), None for none. NaN / inf: the module docstring. User mods:
+    ``mask_mod``, ``score_mod`` with their ``mask_aux``, ``score_aux`` (module docstring).
 
     Returns ``(O, L)``: O (*lead, Nq, d), L (*lead, Nq). Fully masked rows: O = 0, L = −inf.
     Memory: O(Nq·Nk) per (batch, head) — this is the version that runs out of memory.
     """
     pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
-                  softcap=softcap, alibi_slopes=alibi_slopes)
+                  softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+                  mask_aux=mask_aux, score_aux=score_aux)
     S, _ = pr.logits(0, pr.n_q, 0, pr.n_k, mask=pr.masked)
     P = standard_softmax(S, axis=-1, dtype=pr.dtype)
     O = P @ pr.v
@@ -394,6 +513,11 @@ def flash_attention(
     window_size=(-1, -1),
     softcap: float = 0.0,
     alibi_slopes=None,
+    mask_mod=None,
+    score_mod=None,
+    mask_aux=(),
+    score_aux=(),
+    block_classes=None,
 ):
     """The FA2 tile loop of 3.6.6 in NumPy: never builds an Nq×Nk array.
 
@@ -417,10 +541,22 @@ def flash_attention(
     * ``rescale_threshold``: the running max moves only when a block beats it by more than this
       (natural-log units; see ``online_softmax_step``): the kernels' LAZY_RESCALE with 8·ln 2.
 
+    * ``block_classes``: :func:`block_mask`'s classes of ``mask_mod`` at (block_q, block_k) (q_rows None): a
+      tile EMPTY for every (b, h) is never visited, and one FULL for every (b, h) skips the mask_mod (its
+      causal / window mask still applies). The result is the same as without it.
+
     Returns ``(O, L)`` for the selected rows: O (*lead, rows, d), L (*lead, rows).
     """
     pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
-                  softcap=softcap, alibi_slopes=alibi_slopes)
+                  softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+                  mask_aux=mask_aux, score_aux=score_aux)
+    no_user_mask = pr.user
+    if pr.user is not None and pr.user.mask_mod is not None:
+        no_user_mask = _UserMods(None, pr.user.score_mod, pr.user.score_mod_grad, (), pr.user.score_aux, pr.lead)
+    if block_classes is not None:
+        if pr.user is None or pr.user.mask_mod is None or q_rows is not None:
+            raise ValueError("block_classes needs the mask_mod it was computed from, and q_rows=None")
+        block_classes = np.asarray(block_classes).reshape((-1,) + np.shape(block_classes)[-2:])
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
     rescale_threshold = check_nonnegative_real("rescale_threshold", rescale_threshold, "natural-log units")
@@ -446,10 +582,18 @@ def flash_attention(
         for j in order:
             if not first <= j < stop:
                 continue  # no row of this Q block sees a key of block j: never loaded
+            tile_class = None if block_classes is None else block_classes[:, q_start // block_q, j]
+            if tile_class is not None and (tile_class == EMPTY).all():
+                continue  # the mask_mod hides the whole tile: never loaded
             k_start, k_stop = j * block_k, min((j + 1) * block_k, pr.n_k)
             edge = tile_needs_mask(q_start, k_stop, pr.n_q, pr.n_k, pr.causal, pr.window,
                                    q_stop=q_stop, k_start=k_start)
-            s_ij, _ = pr.logits(q_start, q_stop, k_start, k_stop, mask=edge)
+            if tile_class is not None and (tile_class == FULL).all():  # no mask_mod call on this tile
+                s0 = (pr.q[..., q_start:q_stop, :] @ np.swapaxes(pr.k[..., k_start:k_stop, :], -1, -2)) * pr.scale
+                s_ij, _ = _final_logits(s0, np.arange(q_start, q_stop), np.arange(k_start, k_stop), pr.n_k,
+                                        pr.shift, pr.window, pr.softcap, pr.alibi, mask=edge, user=no_user_mask)
+            else:
+                s_ij, _ = pr.logits(q_start, q_stop, k_start, k_stop, mask=edge)
             step = online_softmax_step(m_i, l_i, acc, s_ij, pr.v[..., k_start:k_stop, :],
                                        rescale_threshold=rescale_threshold)
             m_i, l_i, acc = step.m_new, step.l_i, step.acc

@@ -10,7 +10,8 @@ P = exp(S − L) (the softmax rebuilt from the saved L):
 
     dV = Pᵀ dO        dP = dO Vᵀ        D = rowsum(dO ∘ O)      (= rowsum(P ∘ dP))
     dS = P ∘ (dP − D)                   the gradient with respect to the final logits S
-    dS₀ = dS ∘ (1 − tanh²(S₀ / softcap)) with a softcap, else dS₀ = dS
+    dS₀ = dS ∘ (1 − tanh²(S₀ / softcap)) with a softcap, else dS₀ = dS; with a score_mod also
+          ∘ score_mod_grad at the score_mod's input (the chain rule through s ← score_mod(s))
     dQ = scale · dS₀ K                  dK = scale · dS₀ᵀ Q
 
 The ALiBi bias does not depend on q or k, so it adds nothing to dS₀; there is no gradient for
@@ -28,13 +29,14 @@ from .attention import _prepare, q_block_range, tile_needs_mask
 __all__ = ["attention_backward", "flash_attention_backward"]
 
 
-def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype, window_size, softcap, alibi_slopes):
+def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype, window_size, softcap, alibi_slopes,
+                      **user):
     """The forward's checks, plus: o and do are (*lead, Nq, d), lse is (*lead, Nq)."""
     o = as_real_array("o", o)
     lse = as_real_array("lse", lse)
     do = as_real_array("do", do)
     pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
-                  softcap=softcap, alibi_slopes=alibi_slopes, extra=(o, lse, do))
+                  softcap=softcap, alibi_slopes=alibi_slopes, extra=(o, lse, do), **user)
     want = pr.lead + (pr.n_q, pr.d)
     for name, x, shape in (("o", o, want), ("do", do, want), ("lse", lse, want[:-1])):
         if x.shape != shape:
@@ -46,19 +48,22 @@ def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype, wind
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_scale=None, dtype=None,
-                       window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
+                       window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
+                       score_mod_grad=None, mask_aux=(), score_aux=()):
     """Gradients of attention through the materialised Nq×Nk matrices P, dP and dS.
 
     ``q`` (..., Nq, d), ``k``, ``v`` (..., Nk, d) as for ``standard_attention``; ``o``
     (*lead, Nq, d) and ``lse`` (*lead, Nq) the forward's outputs for the same arguments; ``do``
     (*lead, Nq, d) the gradient of the loss with respect to O. ``causal``, ``softmax_scale``,
-    ``dtype``, ``window_size``, ``softcap``, ``alibi_slopes`` as in the forward.
+    ``dtype``, ``window_size``, ``softcap``, ``alibi_slopes``, ``mask_mod``, ``score_mod``, ``mask_aux``,
+    ``score_aux`` as in the forward; ``score_mod_grad`` (d score_mod / d score) with a score_mod.
 
     Returns ``(dq, dk, dv)`` with the shapes of q, k, v (summed over GQA groups and broadcast dims).
     """
     pr, o, lse_sub, do = _prepare_backward(
         q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes,
+        softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+        score_mod_grad=score_mod_grad, mask_aux=mask_aux, score_aux=score_aux,
     )
     S, dcap = pr.logits(0, pr.n_q, 0, pr.n_k, mask=pr.masked)
     P = np.exp(S - lse_sub[..., None])
@@ -66,7 +71,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_sca
     dP = do @ np.swapaxes(pr.v, -1, -2)
     D = np.sum(do * o, axis=-1)
     dS = P * (dP - D[..., None])
-    dS0 = dS if dcap is None else dS * dcap  # through the softcap to S₀ = scale·Q Kᵀ
+    dS0 = dS if dcap is None else dS * dcap  # through the softcap and the score_mod to S₀ = scale·Q Kᵀ
     dq = (dS0 @ pr.k) * pr.scale
     dk = (np.swapaxes(dS0, -1, -2) @ pr.q) * pr.scale
     return pr.reduce_dq(dq), pr.reduce_dkv(dk), pr.reduce_dkv(dv)
@@ -75,7 +80,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_sca
 def flash_attention_backward(
     q, k, v, o, lse, do, *, block_q: int, block_k: int, causal: bool = False, softmax_scale=None, dtype=None,
     dq_splits: int | None = None, planes: list | None = None, window_size=(-1, -1), softcap: float = 0.0,
-    alibi_slopes=None,
+    alibi_slopes=None, mask_mod=None, score_mod=None, score_mod_grad=None, mask_aux=(), score_aux=(),
 ):
     """The FA2 backward: P recomputed tile by tile from the saved L, never an Nq×Nk array.
 
@@ -95,7 +100,8 @@ def flash_attention_backward(
     """
     pr, o, lse_sub, do = _prepare_backward(
         q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes,
+        softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+        score_mod_grad=score_mod_grad, mask_aux=mask_aux, score_aux=score_aux,
     )
     block_q = check_positive_int("block_q", block_q)
     block_k = check_positive_int("block_k", block_k)
@@ -125,7 +131,7 @@ def flash_attention_backward(
             dp_ij = do_i @ np.swapaxes(v_j, -1, -2)
             ds_ij = p_ij * (dp_ij - D[..., q_start:q_stop, None])
             if dcap_ij is not None:
-                ds_ij = ds_ij * dcap_ij  # through the softcap
+                ds_ij = ds_ij * dcap_ij  # through the softcap and the score_mod
             if dq_splits:  # this K/V block's plane, unscaled
                 dq_planes[(k_start // block_k) % dq_splits, ..., q_start:q_stop, :] += ds_ij @ k_j
             else:

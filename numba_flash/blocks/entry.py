@@ -49,12 +49,13 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
-def forward_signature(mods: bool = False, varlen: bool = False):
+def forward_signature(mods: bool = False, varlen: bool = False, aux: tuple = ()):
     """The 16-bit forward kernels' signature (mma_forward, wgmma_forward): q, k, v, out as 16-bit words (any
-    strides, last dim unit), lse float32, n_q, n_k, d, group, scale_log2; with mods MOD_ARGS; varlen VARLEN_ARGS."""
+    strides, last dim unit), lse float32, n_q, n_k, d, group, scale_log2; with mods MOD_ARGS, then the user mods'
+    aux arrays (``aux``: their Numba types, blocks.mods.user_aux_types); varlen VARLEN_ARGS."""
     io = types.Array(types.uint16, 4, "A")
     lse = types.Array(types.float32, 3, "A")
-    tail = (MOD_ARGS if mods else ()) + (VARLEN_ARGS if varlen else ())
+    tail = (MOD_ARGS if mods else ()) + tuple(aux) + (VARLEN_ARGS if varlen else ())
     return types.void(io, io, io, io, lse, int32, int32, int32, int32, float32, *tail)
 
 
@@ -81,13 +82,28 @@ def _at_home(fn, home: dict, name: str):
 
 
 def forward_entry(body, home: dict, name: str, mods: bool, slopes_stand_in: str = "lse", varlen: bool = False,
-                  block_q: int = 0, grid_bh_x: bool = False):
+                  block_q: int = 0, grid_bh_x: bool = False, user_aux: int = -1):
     """The forward kernel (before cuda.jit) that runs ``body``, named ``name`` (``name + "_mods"`` with mods) in
     module ``home``. mods: it takes MOD_ARGS after scale_log2 and passes them on. Without: the body gets constants
     for them, which its pruned branches never read; slopes_stand_in says what array stands in for the slopes:
     "lse" itself, or "lse[0]" (its first plane: the SIMT body's slope indexing is typed on a 2-D array).
     varlen: the packed-sequences form (varlen_entry; body takes q_base, k_base last), its Q tiles of block_q rows
-    in the grid order grid_bh_x says."""
+    in the grid order grid_bh_x says. user_aux >= 0: a build with user mods (blocks/mods.py), named
+    ``name + "_user"``: MOD_ARGS, then that many aux arrays, which the body gets as one tuple, its last parameter ``aux``
+    (after q_base, k_base = 0, 0)."""
+    if user_aux >= 0:
+        if varlen:
+            raise ValueError("forward_entry: user mods have no varlen build")
+        aux = [f"aux{i}" for i in range(user_aux)]
+        src = (f"def make(body):\n"
+               f"    def kernel(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes, "
+               f"inv_scale{''.join(', ' + a for a in aux)}):\n"
+               f"        body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, slopes, "
+               f"inv_scale, 0, 0, ({''.join(a + ', ' for a in aux)}))\n"
+               f"    return kernel\n")
+        scope: dict = {}
+        exec(compile(src, f"<forward_entry {name}_user>", "exec"), scope)  # one parameter per aux array
+        return _at_home(scope["make"](body), home, name + "_user")
     if varlen:
         kernel = forward_entry(with_row_bases(body, home), home, name, mods, slopes_stand_in)
         return varlen_entry(kernel, home, *varlen_rules("q_tiles", block_q, grid_bh_x))
@@ -205,7 +221,7 @@ def varlen_rules(tiles: str, block: int = 0, grid_bh_x: bool = False):
 def with_row_bases(body, home: dict):
     """body (which takes q_base, k_base last, with defaults 0) as a body whose n_q and n_k arrive as pairs
     (length, first row) from varlen_entry through an unchanged dense entry, which only forwards them."""
-    params = list(inspect.signature(body).parameters.values())
+    params = [p for p in inspect.signature(body).parameters.values() if p.name != "aux"]  # user mods: not varlen
     names = [p.name for p in params[:-2]]
     if "n_q" not in names or "n_k" not in names or [p.name for p in params[-2:]] != ["q_base", "k_base"]:
         raise ValueError(f"with_row_bases: {body.__name__} needs n_q, n_k and q_base, k_base last; it has {names}")

@@ -13,13 +13,22 @@ slope·(row + shift) and leaves O and the gradients as they are). The backward n
 
 ``Mods`` says which of them, and the window, a kernel is built with (compile-time switches); their values
 (window bounds, cap_a / cap_b, the slopes) are launch arguments.
+
+User mods (numba_flash.mods: MaskMod, ScoreMod) are ``UserMod`` build arguments: the Python function is
+compiled into the kernel as a device function (the kernel factory closes over it), and its read-only aux
+arrays are launch arguments after the six above (``user_aux_types``). ``fragment_user_mods`` applies them
+to the S fragments: the score mod to the scaled logit x = scale·s after softcap and ALiBi, then the mask,
+then the built-in mask (keys past n_k, causal, window): a score is visible iff every mask keeps it. The
+mods are called only for rows < n_q and keys < n_k, so aux arrays of the problem's lengths are never read
+out of bounds.
 """
 from __future__ import annotations
 
 import math
+import types as pytypes
 from dataclasses import dataclass
 
-from numba import float32
+from numba import float32, int32
 
 from ..ptx import inline_device
 
@@ -31,13 +40,20 @@ class Mods:
     window: bool = False  # sliding window (blocks/mask.py window kind); causal with a window is a window
     softcap: bool = False
     alibi: bool = False
+    mask_mod: "UserMod | None" = None  # a user mask (numba_flash.mods.MaskMod), compiled in
+    score_mod: "UserMod | None" = None  # a user score modification (numba_flash.mods.ScoreMod)
 
     @property
     def any(self) -> bool:
-        return self.window or self.softcap or self.alibi
+        return self.window or self.softcap or self.alibi or self.user
+
+    @property
+    def user(self) -> bool:
+        return self.mask_mod is not None or self.score_mod is not None
 
     def __str__(self) -> str:
-        return "+".join(n for n in ("window", "softcap", "alibi") if getattr(self, n)) or "none"
+        return "+".join(n for n in ("window", "softcap", "alibi", "mask_mod", "score_mod") if getattr(self, n)) \
+            or "none"
 
 
 NO_MODS = Mods()
@@ -110,3 +126,142 @@ def fragment_mods(mods: Mods, BLOCK_K: int, M_TILES: int):
                     s[mt * S_TILES + nt, r] = x
 
     return mod_tile
+
+
+# --------------------------------------------------------------------------------------------
+# User mods: a Python function compiled into the kernel, keyed by what decides its code
+# --------------------------------------------------------------------------------------------
+class UserMod:
+    """A user mod as a kernel build argument: ``fn`` (a Python function or a cuda.jit device function), the
+    arity it is called with (``leading`` index / score arguments, then one per aux array) and ``aux_types``,
+    ((dtype name, ndim) per aux array). Equal and hashed by ``cache_key``: the function's identity
+    (``code_key``) and the aux types, so an equal function (same code, closure and global values) reuses the
+    compiled kernel, and a changed one builds another (kernel lru caches and jit_cache's file name both)."""
+
+    __slots__ = ("fn", "leading", "aux_types", "cache_key")
+
+    def __init__(self, fn, leading: int, aux_types: tuple):
+        self.fn = fn
+        self.leading = int(leading)
+        self.aux_types = tuple((str(dt), int(nd)) for dt, nd in aux_types)
+        self.cache_key = ("user_mod", self.leading, code_key(python_function(fn)), self.aux_types)
+
+    def __eq__(self, other):
+        return isinstance(other, UserMod) and self.cache_key == other.cache_key
+
+    def __hash__(self):
+        return hash(self.cache_key)
+
+    def __repr__(self):
+        return f"UserMod({getattr(python_function(self.fn), '__qualname__', self.fn)!r}, aux={self.aux_types})"
+
+    def device_call(self, first: int = 0):
+        """call(*leading, aux): fn(*leading, aux[first], aux[first + 1], ...) as an inlined device function (aux:
+        every user mod's arrays, the mask's first)."""
+        fn = self.fn if hasattr(self.fn, "py_func") else inline_device(self.fn)
+        names = ", ".join(f"a{i}" for i in range(self.leading))
+        unpacked = "".join(f", aux[{first + i}]" for i in range(len(self.aux_types)))
+        src = f"def call({names}, aux):\n    return fn({names}{unpacked})\n"
+        scope = {"fn": fn}
+        exec(compile(src, f"<user mod {python_function(self.fn).__name__}>", "exec"), scope)
+        return inline_device(scope["call"])
+
+
+def python_function(fn):
+    """The Python function behind fn (a cuda.jit / register_jitable dispatcher's py_func)."""
+    return getattr(fn, "py_func", fn)
+
+
+def _value_key(name, x, seen):
+    """A process-independent key of a value a mod's code reads (closure cell or global), or TypeError."""
+    import numpy as np
+
+    if isinstance(x, (bool, int, float, str, bytes, type(None))):
+        return (type(x).__name__, x)
+    if isinstance(x, complex):
+        return ("complex", repr(x))
+    if isinstance(x, np.generic):
+        return ("np", x.dtype.str, x.item())
+    if isinstance(x, tuple):
+        return ("tuple",) + tuple(_value_key(name, v, seen) for v in x)
+    if isinstance(x, pytypes.ModuleType):
+        return ("module", x.__name__)
+    if isinstance(x, np.ndarray):  # Numba freezes a global / captured host array into the kernel as a constant
+        import hashlib
+
+        return ("ndarray", x.dtype.str, x.shape, hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest())
+    f = python_function(x)
+    if isinstance(f, pytypes.FunctionType):
+        return code_key(f, seen)
+    if isinstance(x, type) or callable(x) and getattr(x, "__module__", "") in ("builtins", "math", "numba",
+                                                                                "numpy"):
+        return ("named", getattr(x, "__module__", ""), getattr(x, "__qualname__", repr(x)))
+    raise TypeError(f"a mod reads {name!r}, a {type(x).__module__}.{type(x).__name__}: a mod may read scalars, "
+                    "tuples, modules, host NumPy constants and other functions from its closure or globals; pass "
+                    "device arrays as aux=(...) (launch arguments)")
+
+
+def _code_key(code):
+    consts = tuple(_code_key(c) if isinstance(c, pytypes.CodeType) else (type(c).__name__, repr(c))
+                   for c in code.co_consts)
+    return (code.co_code, consts, code.co_names, code.co_varnames, code.co_argcount)
+
+
+def code_key(fn, seen=None) -> tuple:
+    """What decides a mod's compiled code: its bytecode, constants and names (nested code objects too), the
+    values of its closure cells and of the globals it names (recursively for the functions it calls)."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:  # recursion: the name is enough
+        return ("recursive", fn.__qualname__)
+    seen.add(id(fn))
+    code = fn.__code__
+    cells = tuple(_value_key(n, c.cell_contents, seen) for n, c in zip(code.co_freevars, fn.__closure__ or ()))
+    names = set(code.co_names)
+    for c in code.co_consts:  # names read by nested code (comprehensions, lambdas)
+        if isinstance(c, pytypes.CodeType):
+            names |= set(c.co_names)
+    glob = tuple((n, _value_key(n, fn.__globals__[n], seen)) for n in sorted(names) if n in fn.__globals__)
+    return ("fn", fn.__qualname__, _code_key(code), cells, glob, fn.__defaults__ and
+            tuple(_value_key("default", d, seen) for d in fn.__defaults__))
+
+
+def fragment_user_mods(mods: Mods, BLOCK_K: int, M_TILES: int):
+    """user_tile(s, k0, row0, n_q, n_k, b, h, scale, inv_scale, g, t, aux): the user score mod, then the user
+    mask, on a warp's mma.sync S fragments (fragment_mods' layout; raw scores: the mod sees scale·s and its
+    result goes back as result / scale). Scores of rows >= n_q or keys >= n_k are left as they are (the
+    built-in mask hides the keys; those rows are never stored)."""
+    MASK, SCORE = mods.mask_mod is not None, mods.score_mod is not None
+    mask_call = mods.mask_mod.device_call() if MASK else None
+    score_call = mods.score_mod.device_call(len(mods.mask_mod.aux_types) if MASK else 0) if SCORE else None
+    S_TILES = BLOCK_K // 8
+    NEG_INF = float32(-math.inf)
+
+    @inline_device
+    def user_tile(s, k0, row0, n_q, n_k, b, h, scale, inv_scale, g, t, aux):
+        b32, h32 = int32(b), int32(h)
+        for mt in range(M_TILES):
+            for r in range(4):
+                row = int32(row0 + 16 * mt + g + 8 * (r >> 1))
+                for nt in range(S_TILES):
+                    col = int32(k0 + 8 * nt + 2 * t + (r & 1))
+                    if row < n_q and col < n_k:
+                        x = s[mt * S_TILES + nt, r]
+                        if SCORE:
+                            x = float32(score_call(x * scale, b32, h32, row, col, aux)) * inv_scale
+                        if MASK:
+                            if not mask_call(b32, h32, row, col, aux):
+                                x = NEG_INF
+                        s[mt * S_TILES + nt, r] = x
+
+    return user_tile
+
+
+def user_aux_types(mods: Mods) -> tuple:
+    """The aux arrays' Numba types, the mask's then the score mod's (launch arguments after the six above)."""
+    from numba import types
+
+    out = ()
+    for m in (mods.mask_mod, mods.score_mod):
+        if m is not None:
+            out += tuple(types.Array(getattr(types, dt), nd, "A") for dt, nd in m.aux_types)
+    return out

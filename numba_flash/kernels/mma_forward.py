@@ -67,7 +67,7 @@ from ..tiles import Tile
 from ..blocks.entry import forward_entry, forward_grid, forward_signature, varlen_key
 from ..blocks.copies import check_layout, copy_threads, tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
-from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
+from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 from ..jit_cache import compile_kernel
@@ -81,7 +81,7 @@ WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which s
 def kernel_signature(mods: Mods = NO_MODS, varlen: bool = False):
     """blocks.entry.forward_signature: q, k, v, out as 16-bit words, lse float32; with mods the window, softcap and
     ALiBi arguments; varlen cu_seqlens_q, cu_seqlens_k last."""
-    return forward_signature(mods.any, varlen)
+    return forward_signature(mods.any, varlen, user_aux_types(mods))
 
 
 def smem_bytes(tile: Tile) -> int:
@@ -139,6 +139,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     BLOCK_Q, BLOCK_K, HEAD_DIM, M_TILES = tile.block_q, tile.block_k, tile.head_dim, m_tiles(tile)
     WINDOW, SOFTCAP, ALIBI = bool(mods.window), bool(mods.softcap), bool(mods.alibi)
     SCORE_MODS = SOFTCAP or ALIBI
+    USER = mods.user  # user mask / score mods (blocks/mods.py): every tile calls them
     CAUSAL = bool(causal) and not WINDOW
     GRID_BH_X, SMEM_EPILOGUE = tile.has("grid_bh_x"), tile.has("smem_epilogue")
     WARP_SKIP = tile.has("warp_skip") and CAUSAL
@@ -177,6 +178,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     window_range, window_edge, _ = window_rules(BLOCK_K, ROWS_W)
     window_tile = fragment_window(BLOCK_K, M_TILES)
     mod_tile = fragment_mods(mods, BLOCK_K, M_TILES)
+    user_tile = fragment_user_mods(mods, BLOCK_K, M_TILES)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, M_TILES)
 
     @inline_device
@@ -222,7 +224,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
     @inline_device
     def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale,
-                     q_base=0, k_base=0):
+                     q_base=0, k_base=0, aux=()):
         # q_base, k_base: the first query and key row of the block's sequence (varlen; 0 in a dense batch)
         # One dynamic allocation, Q | K0 | V0 | K1 | V1 at word offsets (offsets, not slices: a slice of a
         # dynamic array is clamped to its run-time length); 128-row tiles at d = 128 need 64 KiB, over the
@@ -256,6 +258,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         slope = ZERO
         if ALIBI:  # (Ba, H): Ba = 1 broadcasts over the batch
             slope = head_slope(alibi, b, h, inv_scale)
+        scale = ZERO
+        if USER:  # a score mod sees the scaled logit scale·s
+            scale = float32(1.0) / inv_scale
 
         # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
         mat = lane >> 3
@@ -371,6 +376,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
                 if SCORE_MODS:  # softcap, ALiBi: every score, before the mask
                     mod_tile(s, k0, q0 + warp * ROWS_W, shift, g, t, cap_a, cap_b, slope)
+                if USER:  # the user's score mod and mask: every tile (then the built-in mask below)
+                    user_tile(s, k0, q0 + warp * ROWS_W, n_q, n_k, b, h, scale, inv_scale, g, t, aux)
                 # Mask only tiles that cross the end of the keys, the diagonal or the window's edges (raw scores).
                 if WINDOW:
                     if window_edge(k0, k1, q0 + warp * ROWS_W, n_k, shift, left, right):
@@ -466,7 +473,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                                 out[b, h, q_base + row, col + e] = smem[src + e]
 
     return forward_entry(forward_body, globals(), "mma_forward", mods.any, varlen=varlen, block_q=BLOCK_Q,
-                         grid_bh_x=GRID_BH_X)
+                         grid_bh_x=GRID_BH_X, user_aux=len(user_aux_types(mods)) if USER else -1)
 
 
 @lru_cache(maxsize=None)
@@ -487,7 +494,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, layout_checked=False, mods=NO_MODS,
-           window=(0, 0), softcap=0.0, alibi=None, varlen=None):
+           window=(0, 0), softcap=0.0, alibi=None, varlen=None, aux=()):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -522,7 +529,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
         tile = tile.with_(flags=tile.flags - {"smem_epilogue"})  # 16-byte stores need 16-byte aligned rows
     args = (_words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
-        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse))
+        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux)
     extra = {}
     if varlen is not None:
         args += (varlen[0], varlen[1])

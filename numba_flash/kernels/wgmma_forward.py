@@ -44,7 +44,7 @@ from ..tiles import Tile
 from ..blocks.copies import check_layout, copy_threads, tile_copies
 from ..blocks.entry import forward_entry, forward_grid, forward_signature, varlen_key
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
-from ..blocks.mods import NO_MODS, Mods, fragment_mods, head_slope, launch_args
+from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 
@@ -58,7 +58,7 @@ WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which s
 def kernel_signature(mods: Mods = NO_MODS, varlen: bool = False):
     """blocks.entry.forward_signature: q, k, v, out as 16-bit words, lse float32; with mods the window, softcap and
     ALiBi arguments; varlen cu_seqlens_q, cu_seqlens_k last."""
-    return forward_signature(mods.any, varlen)
+    return forward_signature(mods.any, varlen, user_aux_types(mods))
 
 
 def threads(tile: Tile) -> int:
@@ -102,6 +102,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     BLOCK_Q, BLOCK_K, HEAD_DIM, WARPS = tile.block_q, tile.block_k, tile.head_dim, tile.warps
     WINDOW, SOFTCAP, ALIBI = bool(mods.window), bool(mods.softcap), bool(mods.alibi)
     SCORE_MODS = SOFTCAP or ALIBI
+    USER = mods.user  # user mask / score mods (blocks/mods.py): every tile calls them
     CAUSAL = bool(causal) and not WINDOW
     GRID_BH_X = tile.has("grid_bh_x")
     THREADS = 32 * WARPS
@@ -137,6 +138,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     window_range, window_edge, _ = window_rules(BLOCK_K, 16)
     window_tile = fragment_window(BLOCK_K, 1)
     mod_tile = fragment_mods(mods, BLOCK_K, 1)
+    user_tile = fragment_user_mods(mods, BLOCK_K, 1)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, 1)
 
     @inline_device
@@ -171,7 +173,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
     @inline_device
     def forward_body(q, k, v, out, lse, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale,
-                     q_base=0, k_base=0):
+                     q_base=0, k_base=0, aux=()):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)  # atoms: 1024-byte aligned
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -202,6 +204,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         slope = ZERO
         if ALIBI:
             slope = head_slope(alibi, b, h, inv_scale)
+        scale = ZERO
+        if USER:  # a score mod sees the scaled logit scale·s
+            scale = float32(1.0) / inv_scale
 
         base16 = int64(ptx.shared_base(smem) >> 4)  # descriptors are 64-bit (the simulator's arithmetic too)
         q16 = base16 + (2 * SQ >> 4) + wg * WG_ROWS16
@@ -251,6 +256,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             product_s(smem, s, q16, base16 + ((SK + kv_buf) >> 3))
             if SCORE_MODS:
                 mod_tile(s, k0, row_w, shift, g, t, cap_a, cap_b, slope)
+            if USER:  # the user's score mod and mask: every tile (then the built-in mask below)
+                user_tile(s, k0, row_w, n_q, n_k, b, h, scale, inv_scale, g, t, aux)
             if WINDOW:
                 if window_edge(k0, k1, row_w, n_k, shift, left, right):
                     window_tile(s, k0, row_w, n_k, shift, left, right, g, t)
@@ -281,7 +288,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                         out[b, h, q_base + row, col + 1] = uint16(bits >> 16)
 
     return forward_entry(forward_body, globals(), "wgmma_forward", mods.any, varlen=varlen, block_q=BLOCK_Q,
-                         grid_bh_x=GRID_BH_X)
+                         grid_bh_x=GRID_BH_X, user_aux=len(user_aux_types(mods)) if USER else -1)
 
 
 @lru_cache(maxsize=None)
@@ -297,7 +304,7 @@ def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mod
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, layout_checked=False, mods=NO_MODS,
-           window=(0, 0), softcap=0.0, alibi=None, varlen=None):
+           window=(0, 0), softcap=0.0, alibi=None, varlen=None, aux=()):
     """Run the wgmma forward on device arrays; arguments as mma_forward.launch's (the layout its cp.async copies
     need, checked unless layout_checked). O is stored from the fragments (no shared-memory epilogue)."""
     B, H, n_q, d = q.shape
@@ -315,7 +322,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
     grid, tile = forward_grid(tile, B * H, (n_q + tile.block_q - 1) // tile.block_q)
     args = (*words, lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
-        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse))
+        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux)
     extra = {}
     if varlen is not None:
         args += (varlen[0], varlen[1])

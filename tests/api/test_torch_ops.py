@@ -444,3 +444,20 @@ def test_varlen_bad_arguments_are_named(kw, err, match):
     with pytest.raises(err, match=match):
         nft.varlen_attention(q, q, q, args["cu_seqlens_q"], args["cu_seqlens_k"], args["max_seqlen_q"],
                              args["max_seqlen_k"], causal=causal)
+
+
+def test_user_mods_are_eager_and_forward_only():
+    """A custom op cannot take a Python function: attention with mask_mod / score_mod runs forward directly,
+    refuses inputs that require grad (the backward kernels have none) and refuses torch.compile."""
+    from numba_flash.mods import MaskMod
+
+    q = _meta(1, 2, 16, 64)
+    mask = MaskMod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    with pytest.raises(NotImplementedError, match="with gradients"):
+        attention(q, q, q, mask_mod=mask)
+
+    def compiled(q):
+        return attention(q, q, q, score_mod=lambda s, b, h, i, j: s)
+
+    with pytest.raises(Exception, match="torch.compile"):
+        torch.compile(compiled, fullgraph=True, backend="eager")(_meta(1, 2, 16, 64, grad=False))
