@@ -209,7 +209,7 @@ def _backward_config(case: Case) -> dict:
     """The launches' config the case's table entries make (backward_plan.config_from_tiles)."""
     if case.kernel == "tf32x3":
         return backward_plan.tf32_config(case.d, case.causal)
-    hd = 64 if case.d <= 64 else 128
+    hd = bwd.mma_head_dim(case.d)
     tiles = backward_plan.table_tiles(configs.MMA_BWD_TABLE, hd)
     if case.wgmma:
         tiles.update(backward_plan.table_tiles(configs.MMA_BWD_WGMMA, hd))

@@ -138,7 +138,7 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
     VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): key blocks past their sequence return.
 
-    Above d = 128 the split layout (col_split): warps 16 kg + .. and BLOCK_N / 16 + kg share keys 16 kg ..; the
+    Above d = 128 the split layout (col_split): warps kg and BLOCK_N / 16 + kg share keys 16 kg ..; the
     first forms Sᵀ, dPᵀ for queries 0 .. BLOCK_M / 2 − 1 of the step and dK, dV for columns 0 .. d / 2 − 1, the
     second the other halves; Pᵀ and dSᵀ go to shared memory between (one more barrier a step) and come back
     as the A fragments of dV, dK by ldmatrix."""

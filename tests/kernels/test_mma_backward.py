@@ -199,7 +199,8 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
                                                           # GQA 2 (two query heads' Pᵀ / dSᵀ through shared memory)
     (1, 1, 1, 20, 40, 160, True, "bfloat16", "atomic"),  # d 160 -> 192: rows of 24 chunks (192 of 256 threads copy),
                                                           # the atomic dQ phase's 3 passes a warp
-    (1, 1, 1, 16, 70, 196, False, "float16", "splits"),  # d 196 -> 256: a part-data chunk; 2 key blocks, 2 splits
+    (1, 1, 1, 16, 70, 196, False, "float16", "splits"),  # d 196 -> 256: a part-data chunk (rows padded to 200 with
+                                                          # NaN); 2 key blocks, 2 splits
 ])
 def test_head_dims_above_128_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, scheme):
     """Head dims 129..256 (padded to 192 or 256): dkdv in the split layout (two warps per 16 keys, Pᵀ and dSᵀ
@@ -208,7 +209,7 @@ def test_head_dims_above_128_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, scheme):
     head_dim = 192 if d <= 192 else 256
     assert mma_dkdv.col_split(head_dim) == 2 and d != head_dim or d == 256
     grads = run_backward(stored, d, causal, dtype, shipped(head_dim), atomic=scheme == "atomic",
-                         splits=2 if scheme == "splits" else None)
+                         splits=2 if scheme == "splits" else None, pad_to=-(-d // 8) * 8 if d % 8 else None)
     check_error_rule(grads, vals, causal, dtype)
 
 
@@ -539,7 +540,9 @@ def test_gpu_head_dims_above_128(d, causal, dtype, scheme):
     head_dim = 192 if d <= 192 else 256
     vals, stored = problem(d + causal, 2, 4, 2, 700, 450, d, causal, dtype)
     splits = 3 if scheme == "splits" else None
-    first = run_backward(stored, d, causal, dtype, shipped(head_dim), atomic=scheme == "atomic", splits=splits)
+    pad = -(-d // 8) * 8 if d % 8 else None  # (d 196: rows of 200, their padding NaN)
+    first = run_backward(stored, d, causal, dtype, shipped(head_dim), atomic=scheme == "atomic", splits=splits,
+                         pad_to=pad)
     check_error_rule(first, vals, causal, dtype)
     assert np.all(first[0][:, :, : 700 - 450] == 0) or not causal
     for _ in range(20 if scheme == "splits" and d == 256 else 0):
