@@ -149,6 +149,8 @@ def lookup(build) -> dict:
     _PROBE.active = True
     try:
         build()
+    except CudaSupportError:  # the build asked the GPU for something before its compile_kernel
+        return dict(state="no GPU")
     except _Probe as p:
         if not enabled():
             return dict(state="off")
