@@ -182,8 +182,7 @@ def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
     """All checks of a decode call; returns (Problem, seqlens dtype or None). Raises like ``validate``.
 
     The Problem's n_k is Nmax, the most keys a sequence can have (a paged cache: pages x page size)."""
-    free = block_table is not None or cache_batch_idx is not None
-    p = validate(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, kv_batch_free=free)
+    p = validate(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, kv_batch_free=True)  # rows: below
     if len(p.q_shape) != 4:
         raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d) (paged: "
                          f"(num_pages, Hkv, page_size, d)); got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")

@@ -12,9 +12,10 @@ The varlen functions take packed (total, nheads, headdim) tensors with cu_seqlen
 and softmax_lse (H, total_q), as flash-attn's; their offsets are checked on the device (torch._assert_async).
 
 Differences from flash-attn, all raised as NotImplementedError naming the argument, never ignored:
-dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary embeddings,
-cache_batch_idx, cache_leftpad, block_table (paged caches), window_size / softcap / alibi_slopes, and more
-than 16 queries or a non-causal step of more than one query. return_attn_probs=True returns (out,
+dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary embeddings and
+window_size / softcap / alibi_slopes. flash_attn_with_kvcache takes paged caches (block_table, page sizes
+multiples of 16, not only flash-attn 2's multiples of 256), cache_batch_idx, cache_leftpad, any number of
+queries, causal or not, and num_splits. return_attn_probs=True returns (out,
 softmax_lse, None): the probabilities are never materialised. causal=True makes window_size's right 0, as
 flash-attn's kernels do (whatever right was passed; numba_flash.forward itself refuses a right other than 0 or
 -1 with causal). deterministic defaults to False here as there.
@@ -24,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from .api import window_pair
-from .decode import MAX_DECODE_QUERIES
 from .torch import attention, decode, varlen_attention
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -145,27 +145,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """q (B, Nq, H, d) against k_cache / v_cache (B, Nmax, Hkv, d), valid lengths cache_seqlens (int or (B,) int32).
+    """q (B, Nq, H, d) against k_cache / v_cache (B_cache, Nmax, Hkv, d), or with block_table (B, max_pages) int32
+    the pages (num_pages, page_size, Hkv, d), page_size a multiple of 16; cache_seqlens (int or (B,) int32) ends
+    each sequence's keys, cache_leftpad ((B,) int32) starts them, cache_batch_idx ((B,) int32) picks the cache
+    row of each sequence.
 
     k / v (B, Nnew, Hkv, d), if given, are written into the caches in place at positions cache_seqlens[b] ...
-    + Nnew - 1 first (flash-attn's append), and attended to with the rest. The queries are the last Nq
-    positions of each sequence (bottom-right causal). Runs ``numba_flash.decode``: Nq <= 16, causal (or one query).
+    + Nnew - 1 first (flash-attn's append; through the block table for a paged cache, into row
+    cache_batch_idx[b] with it), and attended to with the rest. The queries are the last Nq positions of each
+    sequence: causal is bottom-right aligned, causal=False lets every query see every key. Runs
+    ``numba_flash.decode`` (any Nq; num_splits = 0 chooses, 1 does not split).
     """
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad), ("block_table (a paged KV cache)", block_table),
-                        ("alibi_slopes", alibi_slopes)):
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("alibi_slopes", alibi_slopes)):
         if value is not None:
             _unsupported(f"flash_attn_with_kvcache {name}")
     if tuple(window_size) != (-1, -1) or softcap:
         _unsupported(f"flash_attn_with_kvcache window_size={tuple(window_size)} / softcap={softcap}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_layout(name, x, 4)
-    B, n_q = q.shape[0], q.shape[1]
-    if n_q > MAX_DECODE_QUERIES or not (causal or n_q == 1):
-        _unsupported(f"flash_attn_with_kvcache with {n_q} queries, causal={causal} (decode runs at most "
-                     f"{MAX_DECODE_QUERIES} causal queries per sequence, or one)")
+    B = q.shape[0]
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: pass both k and v (the new keys and values) or neither")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"flash_attn_with_kvcache: num_splits must be an int >= 0 (0: chosen); got {num_splits!r}")
     if cache_seqlens is None:
         lens = None
     elif isinstance(cache_seqlens, int):
@@ -179,13 +181,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_layout("v", v, 4)
         if lens is None:
             raise ValueError("flash_attn_with_kvcache: k / v are appended at cache_seqlens; pass cache_seqlens")
-        n_new = k.shape[1]
-        idx = (lens.long()[:, None] + torch.arange(n_new, device=q.device))[:, :, None, None].expand_as(k)
-        # in place, as flash-attn; cache_seqlens + Nnew <= Nmax is the caller's to keep (a check needs a host sync)
-        k_cache.scatter_(1, idx, k)
-        v_cache.scatter_(1, idx, v)
-        lens = (lens + n_new).to(torch.int32)
+        _append(k_cache, v_cache, k, v, lens, block_table, cache_batch_idx)
+        lens = (lens + k.shape[1]).to(torch.int32)
     out, lse = decode(_heads_first(q), _heads_first(k_cache), _heads_first(v_cache), cache_seqlens=lens,
-                      softmax_scale=softmax_scale, num_splits=num_splits or None)
+                      softmax_scale=softmax_scale, num_splits=num_splits or None, block_table=block_table,
+                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=bool(causal))
     out = _heads_first(out).contiguous()
     return (out, lse) if return_softmax_lse else out
+
+
+def _append(k_cache, v_cache, k, v, lens, block_table, cache_batch_idx):
+    """flash-attn's in-place append: new token t of sequence b at position lens[b] + t of its cache (through the
+    block table for pages). lens[b] + Nnew <= the cache's capacity is the caller's to keep (a check needs a host
+    sync), as in flash-attn."""
+    pos = lens.long()[:, None] + torch.arange(k.shape[1], device=k.device)  # (B, Nnew)
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise TypeError("flash_attn_with_kvcache: block_table must be a (B, max_pages) int32 tensor")
+        page_size = k_cache.shape[1]
+        where = (block_table.long().gather(1, pos // page_size), pos % page_size)
+    else:
+        rows = (torch.arange(k.shape[0], device=k.device) if cache_batch_idx is None
+                else cache_batch_idx.long())
+        where = (rows[:, None].expand_as(pos), pos)
+    k_cache.index_put_(where, k)  # (B, Nnew) index pairs -> rows of (Hkv, d)
+    v_cache.index_put_(where, v)

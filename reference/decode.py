@@ -99,10 +99,13 @@ def _sequence_caches(k_cache, v_cache, B, block_table, cache_batch_idx, cache_le
         table = np.asarray(block_table)
         if table.ndim != 2 or table.shape[0] != B or not np.issubdtype(table.dtype, np.integer):
             raise TypeError(f"block_table has shape {table.shape}, dtype {table.dtype}; accepted: integers (B, max_pages)")
-        if ((table < 0) | (table >= Bk)).any():
-            raise ValueError(f"block_table holds pages outside [0, {Bk})")
-        ks = [np.concatenate(list(k_cache[table[b]]), axis=1) for b in range(B)]
-        vs = [np.concatenate(list(v_cache[table[b]]), axis=1) for b in range(B)]
+        # entries past a sequence's keys may be anything (_prepare checks the used ones): NaN pages stand in
+        ok = (table >= 0) & (table < Bk)
+        nan = np.full((1,) + k_cache.shape[1:], np.nan, k_cache.dtype)
+        kx, vx = np.concatenate([k_cache, nan]), np.concatenate([v_cache, nan])
+        safe = np.where(ok, table, Bk)
+        ks = [np.concatenate(list(kx[safe[b]]), axis=1) for b in range(B)]
+        vs = [np.concatenate(list(vx[safe[b]]), axis=1) for b in range(B)]
         return ks, vs, table.shape[1] * n_rows, np.zeros(B, dtype=np.int64)
     rows = np.arange(B) if cache_batch_idx is None else _index("cache_batch_idx", cache_batch_idx, (B,))
     if cache_batch_idx is None and Bk != B:
@@ -151,6 +154,12 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_si
         lens = lens.astype(np.int64)
     if (pads > lens).any():
         raise ValueError(f"cache_leftpad {pads.tolist()} past cache_seqlens {lens.tolist()}")
+    if block_table is not None:
+        page = k_cache.shape[2]
+        table = np.asarray(block_table)
+        used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page)
+        if (used & ((table < 0) | (table >= k_cache.shape[0]))).any():
+            raise ValueError(f"block_table holds pages outside [0, {k_cache.shape[0]}) among those with keys")
     lens = lens - pads
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool; got {causal!r}")
