@@ -332,3 +332,41 @@ def test_gpu_kvcache_append_and_decode():
         assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
         assert torch.isfinite(lse[b]).all()
     assert math.isfinite(out.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")
+@pytest.mark.parametrize("page", [16, 256])
+def test_gpu_kvcache_paged_append_leftpad_batch_idx_and_queries(page):
+    """flash-attn's paged cache with the append through block_table; cache_batch_idx with cache_leftpad;
+    20 queries causal and 3 not: the fp64 attention over each sequence's logical keys."""
+    B, N, H, Hkv, d = 3, 1024, 8, 2, 128
+    g = torch.Generator().manual_seed(page)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    k_pages, table = _paged(mk(B, N, Hkv, d), page, N // page + 1, 1)
+    v_pages, _ = _paged(mk(B, N, Hkv, d), page, N // page + 1, 1)
+    k_pages, v_pages, table = k_pages.half().cuda(), v_pages.half().cuda(), table.cuda()
+    q, kn, vn = mk(B, 3, H, d).half().cuda(), mk(B, 3, Hkv, d).half().cuda(), mk(B, 3, Hkv, d).half().cuda()
+    lens = torch.tensor([0, 300, N - 3], dtype=torch.int32, device="cuda")
+    out, lse = fa.flash_attn_with_kvcache(q, k_pages, v_pages, k=kn, v=vn, cache_seqlens=lens, block_table=table,
+                                          causal=True, return_softmax_lse=True)
+    for b in range(B):
+        n = int(lens[b]) + 3
+        kb, vb = _logical(k_pages, table, b)[:, :n], _logical(v_pages, table, b)[:, :n]
+        assert torch.equal(kb[0, n - 3:], kn[b]) and torch.equal(vb[0, n - 3:], vn[b])
+        ref = _ref(q[b:b + 1].double(), kb.double(), vb.double(), causal=True)
+        assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
+        assert torch.isfinite(lse[b]).all()
+    k_cache, v_cache = mk(5, N, Hkv, d).half().cuda(), mk(5, N, Hkv, d).half().cuda()
+    idx = torch.tensor([4, 1, 4], dtype=torch.int32, device="cuda")
+    pad = torch.tensor([10, 0, 500], dtype=torch.int32, device="cuda")
+    for n_q, causal in ((20, True), (3, False)):
+        qq = mk(B, n_q, H, d).half().cuda()
+        out = fa.flash_attn_with_kvcache(qq, k_cache, v_cache, cache_seqlens=700, cache_batch_idx=idx,
+                                         cache_leftpad=pad, causal=causal, num_splits=2)
+        for b in range(B):
+            r, s = int(idx[b]), int(pad[b])
+            ref = _ref(qq[b:b + 1].double(), k_cache[r:r + 1, s:700].double(), v_cache[r:r + 1, s:700].double(),
+                       causal=causal)
+            assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
