@@ -224,13 +224,50 @@ def test_kvcache_batch_idx_leftpad_and_queries(twin):
                                                         causal=True))
 
 
+def _rotated(x, theta, interleaved):
+    """x (B, N, H, d) with feature pairs turned by angles theta (B, N, rotary_dim / 2), as complex products."""
+    rd = 2 * theta.shape[-1]
+    if interleaved:
+        pairs = torch.complex(x[..., 0:rd:2], x[..., 1:rd:2])
+    else:
+        pairs = torch.complex(x[..., :rd // 2], x[..., rd // 2:rd])
+    turned = pairs * torch.polar(torch.ones_like(theta), theta)[:, :, None, :]
+    parts = (torch.stack([turned.real, turned.imag], -1).flatten(-2) if interleaved
+             else torch.cat([turned.real, turned.imag], -1))
+    return torch.cat([parts, x[..., rd:]], -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kvcache_rotary(twin, interleaved, causal):
+    B, N, H, Hkv, d, rd = 2, 40, 4, 2, 16, 8
+    k_cache, v_cache = _bnhd(B, N, Hkv, d, 40), _bnhd(B, N, Hkv, d, 41)
+    q, kn, vn = _bnhd(B, 3, H, d, 42), _bnhd(B, 2, Hkv, d, 43), _bnhd(B, 2, Hkv, d, 44)
+    lens = torch.tensor([4, 30], dtype=torch.int32)
+    freq = 1.0 / 10000 ** (torch.arange(rd // 2, dtype=torch.float64) * 2 / rd)
+    angles = torch.arange(N, dtype=torch.float64)[:, None] * freq  # (seqlen_ro, rd / 2)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                     cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved)
+    for b in range(B):
+        n = int(lens[b])
+        q_pos = n + (torch.arange(3) if causal else torch.zeros(3, dtype=torch.long))
+        k_rot = _rotated(kn[b:b + 1], (n + torch.arange(2))[None, :, None] * freq, interleaved)
+        assert torch.allclose(k_cache[b, n:n + 2], k_rot[0]) and torch.equal(v_cache[b, n:n + 2], vn[b])
+        q_rot = _rotated(q[b:b + 1], q_pos[None, :, None] * freq, interleaved)
+        torch.testing.assert_close(out[b:b + 1], _ref(q_rot, k_cache[b:b + 1, :n + 2], v_cache[b:b + 1, :n + 2],
+                                                      causal=causal))
+    with pytest.raises(NotImplementedError, match="rotary_cos / rotary_sin with cache_leftpad"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                   cache_seqlens=lens, cache_leftpad=torch.zeros(B, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pass both rotary_cos and rotary_sin"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=angles.cos(), cache_seqlens=lens)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda q, c: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p=0.1"),
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, dropout_p=0.1), "dropout_p=0.1"),
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, block_table=torch.zeros(1, 1)),
      "block_table"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, rotary_cos=torch.zeros(1), rotary_sin=torch.zeros(1)),
-     "rotary_cos"),
     (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, alibi_slopes=torch.zeros(2)), "alibi_slopes"),
     (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, window_size=(4, 0)), "window_size"),
     (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, softcap=5.0), "softcap"),
