@@ -212,3 +212,50 @@ def test_paged_numpy_matches_reference_without_kernel_layout_tricks(rng):
     want = decode_attention(q, k, v, cache_seqlens=lens)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-12)
+
+
+PAGED_COMPILE = """
+import pathlib
+from numba import cuda
+from numba_flash.kernels import decode as dk
+for i, (rows, mode) in enumerate([(4, dk.CacheMode(paged=True)), (1, dk.CacheMode(paged=True)),
+                                  (4, dk.CacheMode(batch_idx=True, leftpad=True, causal=False))]):
+    cfg = dk.decode_config(128, "float16", rows)
+    ptx, _ = cuda.compile_ptx(dk.kernel_source(cfg, True, True, mode), dk.kernel_signature("float16"), cc=(9, 0),
+                              fastmath=dk.FASTMATH)
+    pathlib.Path({tmp!r}, f"k{{i}}.ptx").write_text(ptx)
+"""
+
+
+def test_cache_mode_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The paged builds of the shipped fp16 d128 tiles (warp_split and block-wide) and an indexed, non-causal one:
+    sm_90 PTX through ptxas with no stack, no spills, and the cp.async copies."""
+    import os
+    import re
+    import subprocess
+    import textwrap
+
+    from test_ptx import NO_GPU_PATCH, _pythonpath, find_ptxas
+
+    if find_ptxas() is None:
+        pytest.skip("ptxas not found")
+    script = tmp_path / "compile.py"
+    script.write_text(NO_GPU_PATCH + textwrap.dedent(PAGED_COMPILE.format(tmp=str(tmp_path))))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = _pythonpath()
+    r = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[2], env=env,
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 and re.search(r"libNVVM|NVVM.*not found|nvrtc|CudaSupportError", r.stderr, re.I):
+        pytest.skip(f"no NVVM to compile with: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    for i in range(3):
+        src = tmp_path / f"k{i}.ptx"
+        assert "cp.async.cg.shared.global" in src.read_text()
+        rep = subprocess.run([find_ptxas(), "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / f"k{i}.cubin")],
+                             capture_output=True, text=True)
+        assert rep.returncode == 0, rep.stderr
+        text = rep.stderr + rep.stdout
+        stack, stores, loads = map(int, re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text).groups())
+        print(i, re.search(r"Used (\d+) registers", text).group(0), stack, stores, loads)
+        assert stack == 0 and stores == 0 and loads == 0, text
