@@ -168,13 +168,14 @@ def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device, q_ndim:
 
 def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None, window_size: Any = (-1, -1),
              softcap: Any = 0.0, alibi_slopes: Any = None, packed: tuple | None = None, mask_mod: Any = None,
-             score_mod: Any = None) -> Problem:
+             score_mod: Any = None, kv_batch_free: bool = False) -> Problem:
     """Check everything about a forward call in one place; raise with what was given and accepted.
 
     mask_mod, score_mod: numba_flash.mods.MaskMod / ScoreMod (or bare functions), their aux arrays checked.
 
     packed: (B, max_seqlen_q, max_seqlen_k) of a varlen call (numba_flash.varlen, which checks them): q, k, v are
-    then packed (total, heads, d) arrays of B sequences."""
+    then packed (total, heads, d) arrays of B sequences. kv_batch_free: k / v's first dim is not q's batch (a
+    paged cache's pages, or the rows cache_batch_idx picks; numba_flash.decode checks it)."""
     kinds = {}
     for name, x in (("q", q), ("k", k), ("v", v)):
         kind = arrays.kind_of(x)
@@ -221,7 +222,7 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         Bk, Hkv, n_k, dk = _as_4d(shapes["k"])
     if shapes["k"] != shapes["v"]:
         raise ValueError(f"k and v must have the same shape; got k {shapes['k']}, v {shapes['v']}")
-    if Bk != B:
+    if Bk != B and not kv_batch_free:
         raise ValueError(f"batch mismatch: q has B={B}, k/v have B={Bk}")
     if dk != d:
         raise ValueError(f"head dim mismatch: q has d={d}, k/v have d={dk} (v's head dim must equal q's)")

@@ -9,19 +9,21 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 
 import numpy as np
 from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans
-from .api import _on_device, validate
+from .api import PerformanceWarning, _on_device, validate
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
 from .kernels.decode import DecodeConfig, decode_config
 from .launch import DeviceView, c_strides, current_device_id
 
-MAX_DECODE_QUERIES = 16
+MAX_DECODE_QUERIES = 16  # a decoding step; more queries run, through more row blocks (a PerformanceWarning)
+PAGE_MULTIPLE = 16  # page sizes: a warp_split tile (16 keys) never spans two pages
 H200_SMS = 132  # the SM count the split rule assumes where it cannot ask a device (simulator)
 MIN_TILES_PER_SPLIT = 4  # a split shorter than this pays more for its prologue and merge than it gains
 MAX_SPLITS = 128  # of the automatic rule
@@ -32,7 +34,6 @@ WAVE_EFFICIENCY_SLACK = 0.85
 # shared memory allows; filling the third slot only added splits and merge traffic.
 RESIDENT_WARPS_TARGET = 8
 
-_LENS_ACCEPTED = "an int32 or int64 array of shape (B,), NumPy or the same kind as q, or None"
 
 
 def _sm_count(device: int | None = None) -> int:
@@ -84,49 +85,108 @@ def _choose_num_splits(base_blocks: int, n_max: int, cfg: DecodeConfig, n_sms: i
     return next(s for s in range(1, s_max + 1) if eff(s) >= WAVE_EFFICIENCY_SLACK * best)
 
 
+def _check_index(name, x, p, dtypes, shape_ok, shape_says):
+    """The checks every index argument (cache_seqlens, block_table, ...) shares: its kind (NumPy, or q's
+    kind on q's device), dtype and shape; returns its kind."""
+    accepted = f"an {' or '.join(dtypes)} array of shape {shape_says}, NumPy or the same kind as q, or None"
+    kind = arrays.kind_of(x)
+    if kind is None:
+        raise TypeError(f"{name} must be {accepted}; got {type(x).__module__}.{type(x).__name__}")
+    if kind == arrays.TORCH and not x.is_cuda:
+        raise TypeError(f"{name} is a PyTorch tensor on {x.device}; pass a CUDA tensor on q's device or a NumPy array")
+    arrays.refuse_unreadable(name, x, kind)
+    if kind != arrays.NUMPY and kind != p.kind:
+        raise TypeError(f"{name} is a {kind} array but q is a {p.kind} array; accepted: {accepted}")
+    dtype = arrays.dtype_name(x)
+    if dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {dtype}; accepted: {' or '.join(dtypes)}")
+    shape = arrays.shape_of(x)
+    if not shape_ok(shape):
+        raise ValueError(f"{name} has shape {shape}; accepted: {shape_says}")
+    device = arrays.device_of(x)
+    if device is not None and p.device is not None and device != p.device:
+        raise ValueError(f"{name} is on device {device} but q on device {p.device}; put them on one GPU")
+    return kind
+
+
 def _check_seqlens(cache_seqlens, p, n_max):
     """Validate cache_seqlens against the problem; returns its dtype name (or None)."""
     if cache_seqlens is None:
         return None
-    kind = arrays.kind_of(cache_seqlens)
-    if kind is None:
-        raise TypeError(f"cache_seqlens must be {_LENS_ACCEPTED}; got {type(cache_seqlens).__module__}."
-                        f"{type(cache_seqlens).__name__}")
-    if kind == arrays.TORCH and not cache_seqlens.is_cuda:
-        raise TypeError(f"cache_seqlens is a PyTorch tensor on {cache_seqlens.device}; pass a CUDA tensor on "
-                        f"q's device or a NumPy array")
-    arrays.refuse_unreadable("cache_seqlens", cache_seqlens, kind)
-    if kind != arrays.NUMPY and kind != p.kind:
-        raise TypeError(f"cache_seqlens is a {kind} array but q is a {p.kind} array; accepted: {_LENS_ACCEPTED}")
-    dtype = arrays.dtype_name(cache_seqlens)
-    if dtype not in decode_kernels.LENS_DTYPES:
-        raise TypeError(f"cache_seqlens has dtype {dtype}; accepted: int32 or int64")
-    shape = arrays.shape_of(cache_seqlens)
-    if shape != (p.B,):
-        raise ValueError(f"cache_seqlens has shape {shape}; accepted: (B,) = ({p.B},), one length per sequence")
-    device = arrays.device_of(cache_seqlens)
-    if device is not None and p.device is not None and device != p.device:
-        raise ValueError(f"cache_seqlens is on device {device} but q on device {p.device}; put them on one GPU")
+    kind = _check_index("cache_seqlens", cache_seqlens, p, decode_kernels.LENS_DTYPES, lambda s: s == (p.B,),
+                        f"(B,) = ({p.B},), one length per sequence")
     if kind == arrays.NUMPY:  # device lengths would need a copy and a sync: the kernel clamps them instead
         bad = np.flatnonzero((cache_seqlens < 0) | (cache_seqlens > n_max))
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"cache_seqlens[{i}] = {int(cache_seqlens[i])}; accepted: 0 <= length <= Nmax = {n_max} "
-                             f"(the caches' dim 2)")
-    return dtype
+                             f"(the caches' dim 2, or pages x page size)")
+    return arrays.dtype_name(cache_seqlens)
+
+
+def _check_in_range(name, values, lo, hi, says):
+    """lo <= values < hi (hi may be an array of values' shape), else a ValueError naming the first bad entry."""
+    bad = np.flatnonzero((values < lo) | (values >= hi))
+    if bad.size:
+        i = np.unravel_index(int(bad[0]), values.shape)
+        raise ValueError(f"{name}[{', '.join(map(str, i))}] = {int(values[i])}; accepted: {says}")
+
+
+def _check_cache_layout(p, k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad):
+    """The paged / indexed cache arguments; returns Nmax, the most keys a sequence can have.
+
+    NumPy indices are checked by value (device ones would need a copy and a sync: the kernel clamps them into
+    the arrays instead, so a bad index reads a wrong row, never out of bounds)."""
+    rows, n_cache = arrays.shape_of(k_cache)[0], p.n_k
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("block_table and cache_batch_idx were both given; a paged cache has no cache rows to "
+                             "pick (as flash-attn: pass one or the other)")
+        if cache_leftpad is not None:
+            raise NotImplementedError("cache_leftpad with block_table (a paged cache) is not supported (nor by "
+                                      "flash-attn); left-pad a contiguous cache, or start each sequence on a page")
+        _check_index("block_table", block_table, p, ("int32",), lambda s: len(s) == 2 and s[0] == p.B,
+                     f"(B, max_pages) = ({p.B}, max_pages)")
+        if n_cache % PAGE_MULTIPLE or n_cache < PAGE_MULTIPLE:
+            raise ValueError(f"the paged caches have pages of {n_cache} keys (k_cache of shape "
+                             f"{arrays.shape_of(k_cache)} = (num_pages, Hkv, page_size, d)); accepted: page_size a "
+                             f"multiple of {PAGE_MULTIPLE} (16 to 256 are tested)")
+        n_max = arrays.shape_of(block_table)[1] * n_cache
+        if arrays.kind_of(block_table) == arrays.NUMPY and cache_seqlens is not None and rows > 0:
+            lens = np.minimum(np.maximum(np.asarray(cache_seqlens), 0), n_max)
+            used = np.arange(arrays.shape_of(block_table)[1])[None, :] < -(-lens[:, None] // n_cache)
+            _check_in_range("block_table", np.where(used, block_table, 0), 0, rows,
+                            f"page indices in [0, num_pages = {rows}) for the pages that hold keys")
+        elif arrays.kind_of(block_table) == arrays.NUMPY:
+            _check_in_range("block_table", block_table, 0, rows, f"page indices in [0, num_pages = {rows})")
+        return n_max
+    if cache_batch_idx is not None:
+        kind = _check_index("cache_batch_idx", cache_batch_idx, p, ("int32",), lambda s: s == (p.B,), f"({p.B},)")
+        if kind == arrays.NUMPY:
+            _check_in_range("cache_batch_idx", cache_batch_idx, 0, rows, f"cache rows in [0, {rows})")
+    elif rows != p.B:
+        raise ValueError(f"batch mismatch: q has B={p.B}, k_cache / v_cache have {rows} rows; pass "
+                         f"cache_batch_idx to pick rows of a larger cache")
+    if cache_leftpad is not None:
+        kind = _check_index("cache_leftpad", cache_leftpad, p, ("int32",), lambda s: s == (p.B,), f"({p.B},)")
+        if kind == arrays.NUMPY:  # against NumPy lengths, else against Nmax
+            known = cache_seqlens is not None and arrays.kind_of(cache_seqlens) == arrays.NUMPY
+            ends = np.asarray(cache_seqlens) if known else np.full(p.B, n_cache)
+            _check_in_range("cache_leftpad", cache_leftpad, 0, ends + 1,
+                            "0 <= cache_leftpad[b] <= cache_seqlens[b] (or Nmax), the end of sequence b's keys")
+    return n_cache
 
 
 def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None,
-                    config=None):
-    """All checks of a decode call; returns (Problem, seqlens dtype or None). Raises like ``validate``."""
-    p = validate(q, k_cache, v_cache, causal=True, softmax_scale=softmax_scale)
+                    config=None, block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+    """All checks of a decode call; returns (Problem, seqlens dtype or None). Raises like ``validate``.
+
+    The Problem's n_k is Nmax, the most keys a sequence can have (a paged cache: pages x page size)."""
+    p = validate(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, kv_batch_free=True)  # rows: below
     if len(p.q_shape) != 4:
-        raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d); "
-                         f"got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")
-    if p.n_q > MAX_DECODE_QUERIES:
-        raise ValueError(f"decode takes at most {MAX_DECODE_QUERIES} queries per sequence; got Nq = {p.n_q}. "
-                         f"For longer query blocks use numba_flash.forward(q, k, v, causal=True) on the valid "
-                         f"prefix of the cache")
+        raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d) (paged: "
+                         f"(num_pages, Hkv, page_size, d)); got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")
+    p.n_k = _check_cache_layout(p, k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
     lens_dtype = _check_seqlens(cache_seqlens, p, p.n_k)
     if num_splits is not None:
         if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
@@ -148,10 +208,12 @@ def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
     return p, lens_dtype
 
 
-def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None):
+def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None,
+         block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
     """(Problem, config, num_splits, row chunks) that ``decode`` would use for these inputs."""
     p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                           num_splits=num_splits, config=config)
+                           num_splits=num_splits, config=config, block_table=block_table,
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal)
     with _on_device(p.device):
         return (p, *_tiles_and_splits(p, num_splits, config))
 
@@ -166,30 +228,46 @@ def _tiles_and_splits(p, num_splits, config) -> tuple:
     return cfg, int(num_splits), chunks
 
 
-def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None):
-    """One decoding step: Nq <= 16 new queries per sequence attend to a KV cache.
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None,
+           block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+    """One decoding step: Nq new queries per sequence attend to a KV cache.
 
     Args:
-        q: (B, H, Nq, d) with 1 <= Nq <= 16 (Nq = 0 gives empty outputs).
+        q: (B, H, Nq, d), Nq >= 0 (Nq = 0 gives empty outputs). Up to 16 queries is the decoding
+            step the kernel is built for (speculative decoding, GQA groups); more run through row
+            blocks of the same kernel on CUDA cores, each block reading the cache once, with a
+            PerformanceWarning when a group's G·Nq rows take more than one block.
         k_cache, v_cache: (B, Hkv, Nmax, d), H % Hkv == 0 (GQA / MQA: query head h reads kv head
-            h // (H // Hkv)). Same array kinds, dtypes (float32, float16, bfloat16) and head dims
-            1 <= d <= 256 as ``forward``; any strides (16-byte aligned rows are copied with
-            cp.async, others with scalar loads).
-        cache_seqlens: valid length of each cache, int32 or int64 of shape (B,), a NumPy array or
-            the same kind as q (on q's device); None means Nmax for every sequence. NumPy lengths
-            are checked (0 <= length <= Nmax); device lengths are not (that needs a host copy and
-            a sync) and the kernel clamps them to [0, Nmax].
+            h // (H // Hkv)); with cache_batch_idx (Bc, Hkv, Nmax, d), any Bc; with block_table
+            (num_pages, Hkv, page_size, d) pages (flash-attn's (num_pages, page_size, Hkv, d) with its
+            middle dims swapped: a view, no copy), page_size a multiple of 16. Same array kinds,
+            dtypes (float32, float16, bfloat16) and head dims 1 <= d <= 256 as ``forward``; any
+            strides (16-byte aligned rows are copied with cp.async, others with scalar loads).
+        cache_seqlens: where each sequence's keys end, int32 or int64 of shape (B,), a NumPy array
+            or the same kind as q (on q's device); None means Nmax for every sequence (paged:
+            max_pages · page_size). NumPy lengths are checked (0 <= length <= Nmax); device lengths
+            are not (that needs a host copy and a sync) and the kernel clamps them to [0, Nmax].
         softmax_scale: default 1/sqrt(d); 0 < softmax_scale <= 2**64, as ``forward``.
         num_splits: how many ranges the keys of each sequence are cut into (one thread block
-            each, then a merge); None chooses from occupancy (see ``choose_num_splits``). Splits
-            are whole 64-key (or 32-key) tiles, ceil(tiles / num_splits) each; splits past the
-            last tile are empty and cost one block each.
+            each, then a merge); None chooses from occupancy (see ``choose_num_splits``), 1 is no
+            split. Splits are whole tiles, ceil(tiles / num_splits) each; splits past the last
+            tile are empty and cost one block each.
         config: a ``kernels.decode.DecodeConfig`` to override the tile configuration (tuning,
             tests); None picks ``decode_config(d, dtype, G·Nq)``.
+        block_table: (B, max_pages) int32: key j of sequence b is row j % page_size of page
+            block_table[b, j // page_size]; the kernel reads the pages through the table (no gather).
+            Entries past a sequence's last page are never read.
+        cache_batch_idx: (B,) int32: sequence b reads cache row cache_batch_idx[b] (not with
+            block_table, as flash-attn).
+        cache_leftpad: (B,) int32: sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b])
+            of its cache (len_b = their number; not with block_table, as flash-attn).
+        NumPy indices are checked by value; device ones are clamped into the arrays by the kernel
+        (a bad index reads a wrong row, never outside the arrays).
+        causal: True (default): bottom-right causal, below; False: every query sees all len_b keys.
 
-    Masking: the Nq queries are the last Nq positions of each sequence, so query i of sequence b
-    sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with
-    causal=True on the valid prefix); keys >= len_b are never read into the result. A query that
+    Masking: the Nq queries are the last Nq positions of each sequence, so with causal query i of
+    sequence b sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with
+    causal=True on the valid keys); keys >= len_b are never read into the result. A query that
     sees no key (len_b = 0, or i < Nq - len_b) gets O = 0 and L = -inf. NaN / inf: as ``forward`` (IEEE: a NaN in q or a
     valid key gives NaN in O and L; slots past len_b are never read).
 
@@ -201,20 +279,29 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     a given num_splits it is bitwise deterministic. Streams as ``forward``.
 
     Raises:
-        TypeError / ValueError naming what was given and what is accepted.
+        TypeError / ValueError naming what was given and what is accepted; NotImplementedError for
+        cache_leftpad with block_table.
 
     Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans); NumPy
     lengths are checked on every call (they take the ordinary path).
     """
-    return plans.call(_decode, (q, k_cache, v_cache, cache_seqlens), (softmax_scale, num_splits, config))
+    return plans.call(_decode, (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad),
+                      (softmax_scale, num_splits, config, causal))
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, config):
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, softmax_scale,
+            num_splits, config, causal):
     """``decode`` without plans (plans.call runs it for a new signature and watches)."""
     p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                           num_splits=num_splits, config=config)
+                           num_splits=num_splits, config=config, block_table=block_table,
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal)
     with _on_device(p.device):  # once per call: each context switch or query is a driver call
-        cfg, n_splits, _ = _tiles_and_splits(p, num_splits, config)
+        cfg, n_splits, chunks = _tiles_and_splits(p, num_splits, config)
+        if p.n_q > MAX_DECODE_QUERIES and chunks > 1:
+            warnings.warn(f"decode with Nq = {p.n_q} queries: the {p.H // p.Hkv * p.n_q} rows of each GQA group take "
+                          f"{chunks} blocks of {cfg.rows}, each reading the whole cache, with scores on CUDA cores; "
+                          f"for long query blocks on a contiguous cache numba_flash.forward is faster",
+                          PerformanceWarning, stacklevel=3)
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)
@@ -222,11 +309,14 @@ def _decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, confi
             qd = arrays.to_device_view(q, stream)
             kd, vd = (_kv_words(arrays.to_device_view(x, stream), p.dtype) for x in (k_cache, v_cache))
             lens = _seqlens_view(cache_seqlens, stream)
+            table, index, starts = (None if x is None else arrays.to_device_view(x, stream, ndim=n)
+                                    for x, n in ((block_table, 2), (cache_batch_idx, 1), (cache_leftpad, 1)))
             partials, keep_alive = None, None
             if n_splits > 1:
                 keep_alive, partials = _scratch(p, q, n_splits, stream)
             decode_kernels.launch(cfg, qd, kd, vd, lens, out_dev, lse_dev, softmax_scale=p.softmax_scale,
-                                  d=p.d, num_splits=n_splits, partials=partials, stream=stream)
+                                  d=p.d, num_splits=n_splits, partials=partials, stream=stream,
+                                  block_table=table, cache_batch_idx=index, cache_leftpad=starts, causal=p.causal)
             del keep_alive  # stream-ordered allocators: freeing after the launch is safe
         return (
             arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),

@@ -12,9 +12,11 @@ The varlen functions take packed (total, nheads, headdim) tensors with cu_seqlen
 and softmax_lse (H, total_q), as flash-attn's; their offsets are checked on the device (torch._assert_async).
 
 Differences from flash-attn, all raised as NotImplementedError naming the argument, never ignored:
-dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary embeddings,
-cache_batch_idx, cache_leftpad, block_table (paged caches), window_size / softcap / alibi_slopes, and more
-than 16 queries or a non-causal step of more than one query. return_attn_probs=True returns (out,
+dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache window_size / softcap /
+alibi_slopes and rotary with cache_leftpad. flash_attn_with_kvcache takes paged caches (block_table, page
+sizes multiples of 16, not only flash-attn 2's multiples of 256), cache_batch_idx, cache_leftpad, any number
+of queries, causal or not, num_splits, and rotary embeddings (applied by PyTorch ops before the kernel, not
+fused). return_attn_probs=True returns (out,
 softmax_lse, None): the probabilities are never materialised. causal=True makes window_size's right 0, as
 flash-attn's kernels do (whatever right was passed; numba_flash.forward itself refuses a right other than 0 or
 -1 with causal). deterministic defaults to False here as there.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from .api import window_pair
-from .decode import MAX_DECODE_QUERIES
 from .torch import attention, decode, varlen_attention
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -145,27 +146,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """q (B, Nq, H, d) against k_cache / v_cache (B, Nmax, Hkv, d), valid lengths cache_seqlens (int or (B,) int32).
+    """q (B, Nq, H, d) against k_cache / v_cache (B_cache, Nmax, Hkv, d), or with block_table (B, max_pages) int32
+    the pages (num_pages, page_size, Hkv, d), page_size a multiple of 16; cache_seqlens (int or (B,) int32) ends
+    each sequence's keys, cache_leftpad ((B,) int32) starts them, cache_batch_idx ((B,) int32) picks the cache
+    row of each sequence.
 
     k / v (B, Nnew, Hkv, d), if given, are written into the caches in place at positions cache_seqlens[b] ...
-    + Nnew - 1 first (flash-attn's append), and attended to with the rest. The queries are the last Nq
-    positions of each sequence (bottom-right causal). Runs ``numba_flash.decode``: Nq <= 16, causal (or one query).
+    + Nnew - 1 first (flash-attn's append; through the block table for a paged cache, into row
+    cache_batch_idx[b] with it), and attended to with the rest. The queries are the last Nq positions of each
+    sequence: causal is bottom-right aligned, causal=False lets every query see every key. Runs
+    ``numba_flash.decode`` (any Nq; num_splits = 0 chooses, 1 does not split).
+
+    rotary_cos / rotary_sin ((seqlen_ro, rotary_dim / 2)), as flash-attn: the new k rotated at positions
+    cache_seqlens[b] + t, q at cache_seqlens[b] + i when causal, else all at cache_seqlens[b]; interleaved
+    (GPT-J) or half-split (GPT-NeoX) pairs. Applied by PyTorch elementwise ops before the append and the kernel
+    (not fused into the kernel); not with cache_leftpad.
     """
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad), ("block_table (a paged KV cache)", block_table),
-                        ("alibi_slopes", alibi_slopes)):
-        if value is not None:
-            _unsupported(f"flash_attn_with_kvcache {name}")
+    if alibi_slopes is not None:
+        _unsupported("flash_attn_with_kvcache alibi_slopes")
     if tuple(window_size) != (-1, -1) or softcap:
         _unsupported(f"flash_attn_with_kvcache window_size={tuple(window_size)} / softcap={softcap}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_layout(name, x, 4)
-    B, n_q = q.shape[0], q.shape[1]
-    if n_q > MAX_DECODE_QUERIES or not (causal or n_q == 1):
-        _unsupported(f"flash_attn_with_kvcache with {n_q} queries, causal={causal} (decode runs at most "
-                     f"{MAX_DECODE_QUERIES} causal queries per sequence, or one)")
+    B = q.shape[0]
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: pass both k and v (the new keys and values) or neither")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"flash_attn_with_kvcache: num_splits must be an int >= 0 (0: chosen); got {num_splits!r}")
     if cache_seqlens is None:
         lens = None
     elif isinstance(cache_seqlens, int):
@@ -177,15 +184,63 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         _check_layout("k", k, 4)
         _check_layout("v", v, 4)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("flash_attn_with_kvcache: pass both rotary_cos and rotary_sin or neither")
+    if rotary_cos is not None:
+        if cache_leftpad is not None:
+            _unsupported("flash_attn_with_kvcache rotary_cos / rotary_sin with cache_leftpad")
+        if lens is None:
+            raise ValueError("flash_attn_with_kvcache: rotary positions start at cache_seqlens; pass cache_seqlens")
+        start = lens
+        q_pos = start.long()[:, None] + (torch.arange(q.shape[1], device=q.device) if causal else 0)
+        q = _rotary(q, rotary_cos, rotary_sin, q_pos.expand(B, q.shape[1]), rotary_interleaved)
+        if k is not None:
+            k_pos = start.long()[:, None] + torch.arange(k.shape[1], device=k.device)
+            k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+    if k is not None:
         if lens is None:
             raise ValueError("flash_attn_with_kvcache: k / v are appended at cache_seqlens; pass cache_seqlens")
-        n_new = k.shape[1]
-        idx = (lens.long()[:, None] + torch.arange(n_new, device=q.device))[:, :, None, None].expand_as(k)
-        # in place, as flash-attn; cache_seqlens + Nnew <= Nmax is the caller's to keep (a check needs a host sync)
-        k_cache.scatter_(1, idx, k)
-        v_cache.scatter_(1, idx, v)
-        lens = (lens + n_new).to(torch.int32)
+        _append(k_cache, v_cache, k, v, lens, block_table, cache_batch_idx)
+        lens = (lens + k.shape[1]).to(torch.int32)
     out, lse = decode(_heads_first(q), _heads_first(k_cache), _heads_first(v_cache), cache_seqlens=lens,
-                      softmax_scale=softmax_scale, num_splits=num_splits or None)
+                      softmax_scale=softmax_scale, num_splits=num_splits or None, block_table=block_table,
+                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=bool(causal))
     out = _heads_first(out).contiguous()
     return (out, lse) if return_softmax_lse else out
+
+
+def _rotary(x, cos, sin, pos, interleaved):
+    """flash-attn's rotary embedding of x (B, N, H, d) at positions pos (B, N): the first rotary_dim = 2 ·
+    cos.shape[1] features, pairs (2j, 2j + 1) if interleaved else (j, j + rotary_dim / 2), rotated by the
+    angle whose cos / sin are row pos of the tables, in float32 and rounded to x's dtype as flash-attn's."""
+    if cos.dim() != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > x.shape[-1]:
+        raise ValueError(f"flash_attn_with_kvcache: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) with "
+                         f"rotary_dim <= headdim = {x.shape[-1]}; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    rd = 2 * cos.shape[1]
+    c, s = (t.float()[pos][:, :, None, :] for t in (cos, sin))  # (B, N, 1, rd / 2)
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        rot = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
+
+
+def _append(k_cache, v_cache, k, v, lens, block_table, cache_batch_idx):
+    """flash-attn's in-place append: new token t of sequence b at position lens[b] + t of its cache (through the
+    block table for pages). lens[b] + Nnew <= the cache's capacity is the caller's to keep (a check needs a host
+    sync), as in flash-attn."""
+    pos = lens.long()[:, None] + torch.arange(k.shape[1], device=k.device)  # (B, Nnew)
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise TypeError("flash_attn_with_kvcache: block_table must be a (B, max_pages) int32 tensor")
+        page_size = k_cache.shape[1]
+        where = (block_table.long().gather(1, pos // page_size), pos % page_size)
+    else:
+        rows = (torch.arange(k.shape[0], device=k.device) if cache_batch_idx is None
+                else cache_batch_idx.long())
+        where = (rows[:, None].expand_as(pos), pos)
+    k_cache.index_put_(where, k)  # (B, Nnew) index pairs -> rows of (Hkv, d)
+    v_cache.index_put_(where, v)

@@ -14,7 +14,8 @@ require grad, skipping the dispatcher's ~13 µs per call (~50 with gradients; ``
                               alibi_slopes, deterministic) -> (out, lse)
     torch.ops.numba_flash.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
                               window_left, window_right, softcap, alibi_slopes) -> (dq, dk, dv)
-    torch.ops.numba_flash.decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits) -> (out, lse)
+    torch.ops.numba_flash.decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, block_table,
+                                 cache_batch_idx, cache_leftpad, causal) -> (out, lse)
     torch.ops.numba_flash.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                      softmax_scale, window_left, window_right, softcap, alibi_slopes,
                                      deterministic) -> (out, lse)
@@ -139,17 +140,21 @@ _Attention = _eager_function("_Attention", _fwd_body, _fwd_setup_context, _fwd_b
 
 
 def _decode_body(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
-                 softmax_scale: Optional[float], num_splits: Optional[int]) -> tuple[Tensor, Tensor]:
+                 softmax_scale: Optional[float], num_splits: Optional[int], block_table: Optional[Tensor] = None,
+                 cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                 causal: bool = True) -> tuple[Tensor, Tensor]:
     """``numba_flash.decode`` as an op: (out, lse)."""
     return _decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                   num_splits=num_splits)
+                   num_splits=num_splits, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                   cache_leftpad=cache_leftpad, causal=causal)
 
 
 decode_op = torch.library.custom_op("numba_flash::decode", mutates_args=())(_decode_body)
 
 
 @decode_op.register_fake
-def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, block_table=None,
+                 cache_batch_idx=None, cache_leftpad=None, causal=True):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
@@ -344,20 +349,28 @@ def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, a
     return (out, lse) if return_lse else out
 
 
-def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None):
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, block_table=None,
+           cache_batch_idx=None, cache_leftpad=None, causal=True):
     """``numba_flash.decode`` on PyTorch CUDA tensors through ``torch.ops.numba_flash.decode``: (out, lse).
 
-    Arguments as ``numba_flash.decode`` (q (B, H, Nq <= 16, d) against the caches (B, Hkv, Nmax, d);
-    cache_seqlens a CUDA int32/int64 tensor of shape (B,) or None); no gradient. The tile config
-    override of ``numba_flash.decode`` is not an op argument.
+    Arguments as ``numba_flash.decode`` (q (B, H, Nq, d) against the caches (B, Hkv, Nmax, d), or pages
+    (num_pages, Hkv, page_size, d) with block_table; cache_seqlens, block_table, cache_batch_idx and
+    cache_leftpad CUDA tensors or None); no gradient. The tile config override of ``numba_flash.decode`` is
+    not an op argument.
     """
-    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens must be a torch tensor (int32 or int64, shape (B,), on q's device) or "
-                        f"None; got {type(cache_seqlens).__name__}")
+    for name, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table),
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor (int32, or int64 for cache_seqlens, on q's device) or "
+                            f"None; got {type(x).__name__}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
         raise TypeError(f"num_splits must be a Python int >= 1 or None; got {num_splits!r}")
-    args = (q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits)
-    return _decode_body(*args) if _eager(q, k_cache, v_cache, cache_seqlens) else decode_op(*args)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    args = (q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits, block_table,
+            cache_batch_idx, cache_leftpad, causal)
+    eager = _eager(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
+    return _decode_body(*args) if eager else decode_op(*args)
 
 
 def _assert_offsets(name, cu, total, max_seqlen, max_name):

@@ -9,6 +9,14 @@ shift_b = len_b − Nq (the alignment above): decoding is causal, so ``window_si
 be −1 or 0, and a left >= 0 also hides the keys j < i + shift_b − left; ``softcap`` caps the
 scaled scores; ``alibi_slopes`` ((H,) or (B, H)) subtracts slope[b, h] · |i + shift_b − j|.
 Each split masks its own keys; a kernel need not load the tiles outside every row's window.
+With ``causal=False`` every query sees all len_b keys (chunked prefill or a verification step
+that needs no mask).
+
+Cache layouts (flash-attn's, heads first): contiguous caches (B, Hkv, Nmax, d); with
+``cache_batch_idx`` sequence b reads cache row cache_batch_idx[b] of (Bc, Hkv, Nmax, d); with
+``cache_leftpad`` its keys are rows [pad_b, cache_seqlens[b]) (len_b = cache_seqlens[b] − pad_b);
+with ``block_table`` (B, max_pages) the caches are pages (num_pages, Hkv, page_size, d) and key j
+of sequence b is row j % page_size of page block_table[b, j // page_size].
 
 The keys [0, len_b) of each sequence are cut into splits. Each split builds an
 :class:`~reference.softmax.OnlineSoftmaxState` (m, ℓ, acc) over its keys alone — one thread block
@@ -74,7 +82,47 @@ def split_bounds(length: int, num_splits: int, block_n: int = 1) -> list[tuple[i
     return out
 
 
-def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes):
+def _index(name, x, shape):
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer) or x.shape != shape:
+        raise TypeError(f"{name} has dtype {x.dtype} and shape {x.shape}; accepted: an integer array of shape {shape}")
+    return x.astype(np.int64)
+
+
+def _sequence_caches(k_cache, v_cache, B, block_table, cache_batch_idx, cache_leftpad):
+    """Each sequence's cache rows in key order, (Hkv, Nmax_b, d) views or gathers, the rows before
+    its left padding dropped; returns (ks, vs, Nmax, pads): Nmax as cache_seqlens counts it."""
+    Bk, Hkv, n_rows, d = k_cache.shape
+    if block_table is not None:  # (num_pages, Hkv, page_size, d): key j in page table[b, j // page_size]
+        if cache_batch_idx is not None or cache_leftpad is not None:
+            raise ValueError("block_table takes neither cache_batch_idx nor cache_leftpad (as flash-attn)")
+        table = np.asarray(block_table)
+        if table.ndim != 2 or table.shape[0] != B or not np.issubdtype(table.dtype, np.integer):
+            raise TypeError(f"block_table has shape {table.shape}, dtype {table.dtype}; accepted: integers (B, max_pages)")
+        # entries past a sequence's keys may be anything (_prepare checks the used ones): NaN pages stand in
+        ok = (table >= 0) & (table < Bk)
+        nan = np.full((1,) + k_cache.shape[1:], np.nan, k_cache.dtype)
+        kx, vx = np.concatenate([k_cache, nan]), np.concatenate([v_cache, nan])
+        safe = np.where(ok, table, Bk)
+        ks = [np.concatenate(list(kx[safe[b]]), axis=1) for b in range(B)]
+        vs = [np.concatenate(list(vx[safe[b]]), axis=1) for b in range(B)]
+        return ks, vs, table.shape[1] * n_rows, np.zeros(B, dtype=np.int64)
+    rows = np.arange(B) if cache_batch_idx is None else _index("cache_batch_idx", cache_batch_idx, (B,))
+    if cache_batch_idx is None and Bk != B:
+        raise ValueError(f"q has B = {B} and the caches {Bk} rows; pass cache_batch_idx to pick rows")
+    if ((rows < 0) | (rows >= Bk)).any():
+        raise ValueError(f"cache_batch_idx {rows.tolist()} outside [0, {Bk})")
+    pads = np.zeros(B, dtype=np.int64) if cache_leftpad is None else _index("cache_leftpad", cache_leftpad, (B,))
+    if ((pads < 0) | (pads > n_rows)).any():
+        raise ValueError(f"cache_leftpad {pads.tolist()} outside [0, {n_rows}]")
+    return ([k_cache[r][:, p:] for r, p in zip(rows, pads)], [v_cache[r][:, p:] for r, p in zip(rows, pads)], n_rows,
+            pads)
+
+
+def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes,
+             block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+    """Checked inputs: (q, ks, vs, lens, scale, dt, window, softcap, slopes), ks / vs each sequence's keys in
+    order (index b: (Hkv, >= len_b, d)), lens their numbers (cache_seqlens minus the left padding)."""
     q = as_real_array("q", q)
     k_cache = as_real_array("k_cache", k_cache)
     v_cache = as_real_array("v_cache", v_cache)
@@ -83,13 +131,16 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_si
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape; got {k_cache.shape} and {v_cache.shape}")
     B, H, n_q, d = q.shape
-    Bk, Hkv, n_max, dk = k_cache.shape
-    if Bk != B or dk != d:
-        raise ValueError(f"q {q.shape} and caches {k_cache.shape} must share B and d")
+    _, Hkv, _, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"q {q.shape} and caches {k_cache.shape} must share d")
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"q has H = {H} heads and the caches Hkv = {Hkv}; H must be a positive multiple of Hkv")
     if d < 1:
         raise ValueError(f"head dim d must be >= 1; got q of shape {q.shape}")
+    dt = compute_dtype(dtype, q, k_cache, v_cache)
+    q, k_cache, v_cache = (x.astype(dt, copy=False) for x in (q, k_cache, v_cache))
+    ks, vs, n_max, pads = _sequence_caches(k_cache, v_cache, B, block_table, cache_batch_idx, cache_leftpad)
     if cache_seqlens is None:
         lens = np.full(B, n_max, dtype=np.int64)
     else:
@@ -101,15 +152,24 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_si
         if ((lens < 0) | (lens > n_max)).any():
             raise ValueError(f"cache_seqlens {lens.tolist()} out of range; accepted: 0 <= length <= Nmax = {n_max}")
         lens = lens.astype(np.int64)
-    window = check_window_size(window_size, True, causal_by="decoding (causal to the end of each cache)")
+    if (pads > lens).any():
+        raise ValueError(f"cache_leftpad {pads.tolist()} past cache_seqlens {lens.tolist()}")
+    if block_table is not None:
+        page = k_cache.shape[2]
+        table = np.asarray(block_table)
+        used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page)
+        if (used & ((table < 0) | (table >= k_cache.shape[0]))).any():
+            raise ValueError(f"block_table holds pages outside [0, {k_cache.shape[0]}) among those with keys")
+    lens = lens - pads
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    window = check_window_size(window_size, bool(causal), causal_by="decoding (causal to the end of each cache)")
     softcap = check_softcap(softcap)
     slopes = check_alibi_slopes(alibi_slopes, q.shape)
     scale = check_softmax_scale(softmax_scale, d)
-    dt = compute_dtype(dtype, q, k_cache, v_cache)
-    q, k_cache, v_cache = (x.astype(dt, copy=False) for x in (q, k_cache, v_cache))
     if slopes is not None:
         slopes = np.broadcast_to(slopes.astype(dt, copy=False), (B, H))
-    return q, k_cache, v_cache, lens, scale, dt, window, softcap, slopes
+    return q, ks, vs, lens, scale, dt, window, softcap, slopes
 
 
 def _resolve_splits(splits, length: int, b: int, block_n: int) -> list[tuple[int, int]]:
@@ -129,7 +189,8 @@ def _resolve_splits(splits, length: int, b: int, block_n: int) -> list[tuple[int
 
 
 def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, splits=1,
-                    block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
+                    block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                    block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
     """Phase 1: one online-softmax state per (sequence, query head, split), as arrays.
 
     ``splits``: an int (that many splits by :func:`split_bounds` with ``block_n``), a sequence of
@@ -138,16 +199,20 @@ def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
     number of splits. Scores are the natural-log final logits (the kernel keeps m in base 2).
     ``window_size`` (right −1 or 0: decoding is causal), ``softcap``, ``alibi_slopes`` ((H,) or
     (B, H)): flash-attn's variants with shift_b = len_b − Nq (the module docstring).
+    ``block_table``, ``cache_batch_idx``, ``cache_leftpad``: flash-attn's cache layouts, the module
+    docstring; lengths and splits count the keys after the left padding. ``causal=False``: every
+    query sees all len_b keys.
 
     Returns ``(m, l, acc)`` with shapes (B, H, Nq, S), (B, H, Nq, S), (B, H, Nq, S, d): split s of
     query i of head h holds m = max of its visible scores (−inf if none), ℓ = Σ exp(s − m) and
     acc = Σ exp(s − m)·v.
     """
-    q, k_cache, v_cache, lens, scale, dt, window, softcap, slopes = _prepare(
-        q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes)
+    q, ks, vs, lens, scale, dt, window, softcap, slopes = _prepare(
+        q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes, block_table,
+        cache_batch_idx, cache_leftpad, causal)
     block_n = check_positive_int("block_n", block_n)
     B, H, n_q, d = q.shape
-    group = H // k_cache.shape[1]
+    group = H // np.shape(k_cache)[1]
     per_b = [_resolve_splits(splits, int(lens[b]), b, block_n) for b in range(B)]
     n_splits = {len(r) for r in per_b}
     if len(n_splits) != 1:
@@ -161,7 +226,7 @@ def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
         length = int(lens[b])
         shift = length - n_q  # query i sits at key i + shift: it sees keys j <= i + shift (and the window's left)
         for h in range(H):
-            k_h, v_h = k_cache[b, h // group], v_cache[b, h // group]
+            k_h, v_h = ks[b][h // group], vs[b][h // group]
             slope = None if slopes is None else slopes[b, h]
             for s, (start, stop) in enumerate(per_b[b]):
                 state = OnlineSoftmaxState(n_q, d, dtype=dt)
@@ -193,18 +258,21 @@ def merge_partials(m, l, acc):
 
 
 def decode_attention(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, splits=1,
-                     block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
+                     block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                     block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
     """Split-KV decoding, both phases: ``merge_partials(*decode_partials(...))``.
 
     Arguments as :func:`decode_partials`. Returns ``(O, L)``: O (B, H, Nq, d), L (B, H, Nq).
-    Equal, up to rounding, to ``standard_attention(q[b], k_cache[b, :, :len_b], v_cache[b, :,
-    :len_b], causal=True, window_size=window_size, softcap=softcap, alibi_slopes=slopes_b)`` for
-    every sequence b, whatever the splits, with slopes_b the slopes of sequence b, shape (H,).
+    Equal, up to rounding, to ``standard_attention(q[b], keys_b, values_b, causal=causal,
+    window_size=window_size, softcap=softcap, alibi_slopes=slopes_b)`` for every sequence b, whatever
+    the splits, with keys_b its len_b keys (cache rows [pad_b, cache_seqlens[b]) of its cache row
+    or pages) and slopes_b the slopes of sequence b, shape (H,).
     """
-    q, k_cache, v_cache, lens, scale, dt, window, softcap, slopes = _prepare(
-        q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap, alibi_slopes)
+    args = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
+                softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal)
+    q, *_, dt, _, _, _ = _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap,
+                                  alibi_slopes, block_table, cache_batch_idx, cache_leftpad, causal)
     if 0 in q.shape[:3]:  # no sequences, heads or queries: nothing to split
         return np.zeros(q.shape, dtype=dt), np.full(q.shape[:-1], -np.inf, dtype=dt)
-    return merge_partials(*decode_partials(q, k_cache, v_cache, cache_seqlens=lens, softmax_scale=scale,
-                                           splits=splits, block_n=block_n, dtype=dt, window_size=window,
-                                           softcap=softcap, alibi_slopes=slopes))
+    return merge_partials(*decode_partials(q, k_cache, v_cache, splits=splits, block_n=block_n, **args))

@@ -3,6 +3,7 @@
     python scripts/bench_decode.py            # full suite -> benchmarks/results/decode-<date>.{json,md}
     python scripts/bench_decode.py --quick    # fp16, Nk = 32768 only
     python scripts/bench_decode.py --sweep    # also time DecodeConfig candidates x num_splits at the targets
+    python scripts/bench_decode.py --paged    # only the paged-cache rows -> decode-paged-<date>.{json,md}
 
 One decoding step, Nq = 1, B = 8, H = 32, Hkv in {32, 8}, Nk in {4096, 32768}, d = 128, every
 cache full. GB/s = bytes of K and V actually read (2·B·Hkv·Nk·d·itemsize; q and out are < 0.1 %)
@@ -22,6 +23,14 @@ Rows:
   is_causal=False (Nq = 1 sees the whole cache) and enable_gqa when Hkv < H; a backend that
   refuses the case is recorded with its error.
 * ``device copy``: torch copy of the K and V tensors; GB/s counts read + write, the roofline.
+
+Paged rows (``--paged``; fp16 B8 H32 Hkv8 Nk32768 d128, every cache full): the same K and V cut into
+pages of 64 and 256 keys, flash-attn's (num_pages, page_size, Hkv, d) layout viewed heads first, the pages
+of all sequences in a random physical order, read through block_table by the kernels (no gather):
+``paged-64`` / ``paged-256`` (public call) and ``paged-N kernels only``, beside the contiguous cache's
+two rows and SDPA's backends on the contiguous cache (SDPA has no paged cache). flash-attn's
+``flash_attn_with_kvcache`` is timed too where the ``flash_attn`` package imports (it is not installed
+on the project's GPU host: the row then records that).
 
 ``numba-flash bench`` runs this file's ``run_suite`` (numba_flash.bench's registry): the quick
 cases on a GPU, or one tiny case on the CUDA simulator checked against reference.decode.
@@ -63,14 +72,14 @@ def kv_bytes(B, Hkv, n_k, d, itemsize):
     return 2 * B * Hkv * n_k * d * itemsize
 
 
-def kernel_only(q, k, v, cfg=None, num_splits=None):
+def kernel_only(q, k, v, cfg=None, num_splits=None, block_table=None):
     """A callable running just the two launches, on views and scratch prepared once."""
     import torch
 
-    p, auto_cfg, n_splits, _ = plan(q, k, v, num_splits=num_splits)
+    p, auto_cfg, n_splits, _ = plan(q, k, v, num_splits=num_splits, block_table=block_table)
     cfg = cfg or auto_cfg
     if num_splits is None:
-        n_splits = plan(q, k, v, config=cfg)[2]
+        n_splits = plan(q, k, v, config=cfg, block_table=block_table)[2]
     stream = arrays.current_stream(q)
     qd = arrays.to_device_view(q, stream)
     kd, vd = (_kv_words(arrays.to_device_view(x, stream), p.dtype) for x in (k, v))
@@ -84,20 +93,22 @@ def kernel_only(q, k, v, cfg=None, num_splits=None):
                for s in dk.scratch_shapes(p.B, p.H, p.n_q, n_splits, p.d)]
     partials = tuple(cuda.as_cuda_array(t, sync=False) for t in scratch) if n_splits > 1 else None
 
+    table = None if block_table is None else arrays.to_device_view(block_table, stream, ndim=2)
+
     def run():
         dk.launch(cfg, qd, kd, vd, lens, out_d, lse_d, softmax_scale=p.softmax_scale, d=p.d,
-                  num_splits=n_splits, partials=partials, stream=stream)
+                  num_splits=n_splits, partials=partials, stream=stream, block_table=table)
 
     run.keep = (out, lse, scratch)
     return run, cfg, n_splits
 
 
-def registers(cfg, split):
-    kern = dk.make_split_kernel(cfg, True, split, "int32")
+def registers(cfg, split, paged=False):
+    kern = dk.make_split_kernel(cfg, True, split, "int32", dk.CacheMode(paged=paged))
     return next(iter(kern.overloads.values()))._codelibrary.get_cufunc().attrs.regs
 
 
-def run_case(B, H, Hkv, n_k, d, dtype):
+def run_case(B, H, Hkv, n_k, d, dtype, sdpa_only=False):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -130,7 +141,8 @@ def run_case(B, H, Hkv, n_k, d, dtype):
     record("decode kernels only", burst, bytes_moved=KERNEL_BURST * nbytes, num_splits=n_splits,
            regs=registers(cfg, n_splits > 1), burst=KERNEL_BURST)
     rows[-1]["ms"] = rows[-1]["ms"] / KERNEL_BURST if rows[-1]["ms"] is not None else None
-    record("numba_flash.forward", lambda: numba_flash.forward(q, k, v))
+    if not sdpa_only:
+        record("numba_flash.forward", lambda: numba_flash.forward(q, k, v))
     for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                           ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION),
                           ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -147,9 +159,91 @@ def run_case(B, H, Hkv, n_k, d, dtype):
         v2.copy_(v)
 
     record("device copy", copy, bytes_moved=2 * nbytes)
+    del k2, v2
     for r in rows:
         r.update(B=B, H=H, Hkv=Hkv, Nk=n_k, d=d, dtype=dtype)
     return rows
+
+
+PAGED_CASE = (8, 32, 8, 32768, 128)  # (B, H, Hkv, Nk, d), fp16
+PAGE_SIZES = (64, 256)
+
+
+def paged_copy(k, v, page, seed=0):
+    """(k_pages, v_pages, block_table): (B, Hkv, Nk, d) caches cut into pages of flash-attn's layout
+    (num_pages, page, Hkv, d), every sequence's pages at random physical places; the pages are returned
+    heads first ((num_pages, Hkv, page, d) views), as numba_flash.decode takes them."""
+    import torch
+
+    B, Hkv, n_k, d = k.shape
+    per = n_k // page
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    where = torch.randperm(B * per, generator=g).view(B, per)
+    pages = []
+    for x in (k, v):
+        flat = torch.empty(B * per, page, Hkv, d, device=x.device, dtype=x.dtype)
+        flat[where.reshape(-1).to(x.device)] = x.transpose(1, 2).reshape(B * per, page, Hkv, d)
+        pages.append(flat)
+    return pages[0].transpose(1, 2), pages[1].transpose(1, 2), where.to(torch.int32).to(k.device)
+
+
+def run_paged_case(B, H, Hkv, n_k, d, dtype="float16"):
+    """Contiguous vs paged decode (public call and kernels only), SDPA's backends, flash-attn's kvcache if present."""
+    import torch
+
+    rows = run_case(B, H, Hkv, n_k, d, dtype, sdpa_only=True)
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(B * H * Hkv + n_k)
+    q = torch.randn(B, H, 1, d, device="cuda", generator=g).to(tdt)
+    k, v = (torch.randn(B, Hkv, n_k, d, device="cuda", generator=g).to(tdt) for _ in range(2))
+    nbytes = kv_bytes(B, Hkv, n_k, d, q.element_size())
+    ref, _ = decode(q, k, v)
+    for page in PAGE_SIZES:
+        kp, vp, table = paged_copy(k, v, page)
+        out, _ = decode(q, kp, vp, block_table=table)
+        same = bool(torch.equal(out, ref))  # the same tiles in the same order as the contiguous cache
+        _, cfg, n_splits, _ = plan(q, kp, vp, block_table=table)
+        rows.append(_timed(f"paged-{page}", lambda: decode(q, kp, vp, block_table=table), nbytes,
+                           num_splits=n_splits, page_size=page, equal_to_contiguous=same))
+        run, cfg, n_splits = kernel_only(q, kp, vp, block_table=table)
+        rows.append(_burst(f"paged-{page} kernels only", run, nbytes, num_splits=n_splits, page_size=page,
+                           regs=registers(cfg, n_splits > 1, paged=True)))
+        try:
+            from flash_attn import flash_attn_with_kvcache  # noqa: F401  (the real package, not numba_flash's)
+        except ImportError as e:
+            rows.append({"impl": f"flash-attn kvcache paged-{page}", "ms": None, "gbps": None,
+                         "error": f"flash_attn not importable here ({e})"})
+        else:
+            qf, kf, vf = q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2)
+            lens = torch.full((B,), n_k, dtype=torch.int32, device=q.device)
+            rows.append(_timed(f"flash-attn kvcache paged-{page}", lambda: flash_attn_with_kvcache(
+                qf, kf, vf, cache_seqlens=lens, block_table=table), nbytes, page_size=page))
+        del kp, vp
+        torch.cuda.empty_cache()
+    for r in rows:
+        r.update(B=B, H=H, Hkv=Hkv, Nk=n_k, d=d, dtype=dtype)
+    return rows
+
+
+def _timed(name, fn, nbytes, **extra):
+    try:
+        ms, reps = time_call(fn)
+        return {"impl": name, "ms": ms, "gbps": nbytes / ms / 1e6, "reps": reps, **extra}
+    except Exception as e:  # an unsupported case is a result, not a crash
+        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        return {"impl": name, "ms": None, "gbps": None, "error": msg, **extra}
+
+
+def _burst(name, run, nbytes, **extra):
+    """KERNEL_BURST launches inside one timing: the kernels' own bandwidth (module docstring)."""
+    def burst():
+        for _ in range(KERNEL_BURST):
+            run()
+
+    row = _timed(name, burst, KERNEL_BURST * nbytes, burst=KERNEL_BURST, **extra)
+    if row["ms"] is not None:
+        row["ms"] /= KERNEL_BURST
+    return row
 
 
 def sweep(B, H, Hkv, n_k, d, dtype="float16"):
@@ -238,6 +332,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--paged", action="store_true", help="only the paged-cache rows (module docstring)")
     ap.add_argument("--dtypes", nargs="+", default=["float16", "float32"])
     ap.add_argument("--out", default=os.path.join(HERE, "..", "benchmarks", "results"))
     args = ap.parse_args(argv)
@@ -257,6 +352,8 @@ def main(argv=None):
         "commit": os.environ.get("NUMBA_FLASH_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip(),
     }
+    if args.paged:
+        return paged_main(args, meta)
     result = {"meta": meta, "decode": [], "sweep": None}
     dtypes = ["float16"] if args.quick else args.dtypes
     for (B, H, Hkv, n_k, d) in (QUICK if args.quick else CASES):
@@ -286,6 +383,33 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def paged_main(args, meta):
+    rows = run_paged_case(*PAGED_CASE)
+    contiguous = {r["impl"]: r["gbps"] for r in rows}
+    for r in rows:  # the target: paged >= 90 % of the contiguous cache's GB/s, public call and kernels alike
+        base = contiguous.get("decode kernels only" if "kernels only" in r["impl"] else "numba_flash.decode")
+        if r["impl"].startswith("paged-") and r.get("gbps") and base:
+            r["vs_contiguous"] = r["gbps"] / base
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"decode-paged-{meta['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "decode": rows}, f, indent=1)
+    lines = [f"# Paged decode benchmark (Nq = 1)\n\nGPU: {meta['gpu']} ({meta['sms']} SMs); date: {meta['date']}; "
+             f"command: `{meta['command']}`; commit {meta['commit']}; torch {meta['torch']}.\n\n"
+             "GB/s = bytes of K and V read / median time (device copy: read + write). paged rows: the ratio to the "
+             "contiguous cache's row of the same kind (target >= 0.90); bitwise equal to the contiguous output.\n",
+             table(rows)]
+    for r in rows:
+        if "vs_contiguous" in r:
+            lines.append(f"- {r['impl']}: {r['vs_contiguous']:.3f} of contiguous"
+                         + (f", output bitwise equal to contiguous: {r['equal_to_contiguous']}"
+                            if "equal_to_contiguous" in r else ""))
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
     print(f"wrote {stem}.json and {stem}.md")
 
 

@@ -332,6 +332,26 @@ def cases() -> dict:
                                     f"{'-ws' if cfg.warp_split else ''}{'-bulk' if cfg.bulk else ''}/{layout}/"
                                     f"splits{splits}/{target}")
                             out[name] = (target, call)
+
+    # --- decode from a paged cache (block_table): the shipped fp16 d128 tiles of one query row and a GQA group of
+    # 4 (the paged benchmark's), pages of 64 keys
+    for rows in (1, 4):
+        cfg = dk.decode_config(128, "float16", rows)
+        for splits in (1, 4):
+            def call(cfg=cfg, splits=splits):
+                view = _views()
+                group, hd, page = max(cfg.rows, 1), 128, 64
+                q = view((1, group, 1, hd), "float16")
+                k, v = view((8, 1, page, hd), "uint16"), view((8, 1, page, hd), "uint16")
+                lens, table = view((1,), "int32"), view((1, 8), "int32")
+                out_, lse = view(q.shape, "float16"), view(q.shape[:3], "float32")
+                parts = None
+                if splits > 1:
+                    parts = tuple(view(s, "float32") for s in dk.scratch_shapes(1, group, 1, splits, hd))
+                dk.launch(cfg, q, k, v, lens, out_, lse, softmax_scale=0.1, d=hd, num_splits=splits, partials=parts,
+                          block_table=table)
+            out[f"decode-paged/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
+                f"{'-ws' if cfg.warp_split else ''}/splits{splits}"] = call
     return {k: (v if isinstance(v, tuple) else ("sm90", v)) for k, v in out.items()}
 
 
@@ -348,7 +368,7 @@ CI_PATTERNS = (
     r"^bwd-tf32x3/d(64|128)/causal/float32/sm90/(kernel|splits|atomic)$", r"^bwd-tf32x3/d32/full/float32/sm80/atomic$",
     r"^bwd-simt/d(64|256)/causal/float32$", r"^bwd-simt/d128/full/float16$",
     r"^decode/d128/float16/.*/(contiguous|strided)/splits(1|4)/sm90$", r"^decode/d64/float32/rows1-.*/splits4/sm80$",
-    r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$",
+    r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$", r"^decode-paged/d128/float16/rows4-.*/splits4$",
     r"^fwd-mma-varlen/d128/causal/bfloat16$", r"^bwd-mma-varlen/d128/causal/bfloat16/sm90/splits$",
     r"^fwd-wgmma/d128/causal/bfloat16/docmask$",
 )

@@ -80,11 +80,13 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import numpy as np
+from numba import config as nb_config
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
 from .. import ptx
 from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, SMEM_PER_SM, head_dim_bucket
-from ..launch import address
+from ..launch import DeviceView, address
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, bits_from_f32, f16x2_to_f32, f32_from_bits, inline_device, ld_shared_u32x4
 from ..jit_cache import compile_kernel
@@ -103,6 +105,32 @@ KV_STORAGE = {"float32": types.float32, "float16": types.uint16, "bfloat16": typ
 LENS_DTYPES = ("int32", "int64")
 FASTMATH = {"contract", "arcp", "afn"}  # never the flags that change -inf / nan: masking needs -inf
 MERGE_THREADS = 128
+
+
+@dataclass(frozen=True)
+class CacheMode:
+    """How the split kernel finds a sequence's keys and which it shows each query (compile-time switches).
+
+    paged: k / v are (num_pages, Hkv, page_size, d) and key j of sequence b sits in page
+    block_table[b, j // page_size], row j % page_size (flash-attn's paged cache, heads first).
+    batch_idx: sequence b reads cache row cache_batch_idx[b] (contiguous caches only).
+    leftpad: sequence b's keys start at row cache_leftpad[b] of its cache (contiguous caches only);
+    cache_seqlens[b] stays the end, so it has cache_seqlens[b] - cache_leftpad[b] keys.
+    causal: query i of Nq sees keys j <= i + len - Nq (bottom-right); else every key < len.
+    """
+
+    paged: bool = False
+    batch_idx: bool = False
+    leftpad: bool = False
+    causal: bool = True
+
+    def problems(self) -> list[str]:
+        if self.paged and (self.batch_idx or self.leftpad):
+            return ["a paged cache takes neither cache_batch_idx nor cache_leftpad (as flash-attn)"]
+        return []
+
+
+PLAIN = CacheMode()
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,14 +368,17 @@ def decode_config(d: int, dtype: str, rows_needed: int) -> DecodeConfig:
 # Kernel factories
 # --------------------------------------------------------------------------------------------
 def kernel_signature(dtype: str, lens_dtype: str = "int32"):
-    """q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2."""
+    """q, k, v, seqlens, block_table, cache_batch_idx, cache_leftpad, out, lse, m_part, l_part, acc_part,
+    n_q, d, group, scale_log2 (the three index arrays int32, read only under their CacheMode switch)."""
     qio = types.Array(Q_STORAGE[dtype], 4, "A")
     kv = types.Array(KV_STORAGE[dtype], 4, "A")
     lens = types.Array(getattr(types, lens_dtype), 1, "A")
+    table = types.Array(types.int32, 2, "A")
+    index = types.Array(types.int32, 1, "A")
     lse = types.Array(types.float32, 3, "A")
     part = types.Array(types.float32, 4, "A")
     acc = types.Array(types.float32, 5, "A")
-    return types.void(qio, kv, kv, lens, qio, lse, part, part, acc, int32, int32, int32, float32)
+    return types.void(qio, kv, kv, lens, table, index, index, qio, lse, part, part, acc, int32, int32, int32, float32)
 
 
 def element_helpers(dtype: str):
@@ -385,22 +416,29 @@ def element_helpers(dtype: str):
     return q_to_f32, store_out, unpack
 
 
-def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int, q_swizzle: bool = False):
-    """What both split kernels do first: (block_rows, load_q).
+def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int, q_swizzle: bool = False,
+                  mode: CacheMode = PLAIN):
+    """What both split kernels do first: (block_rows, load_q, page_of, row_limit).
 
-    block_rows(k, seqlens, group, n_q) -> (b, h_kv, r0, rows_total, length): this block's sequence,
-    kv head and first row r0 of the G·Nq rows of the group (blockIdx.y = (b·Hkv + h_kv)·chunks +
-    chunk), and the valid cache length (device lengths are not checked on the host: clamped here).
+    block_rows(k, seqlens, table, cache_idx, starts, group, n_q) -> (b, bc, h_kv, r0, rows_total,
+    length, start): this block's sequence, its cache row bc (cache_batch_idx[b], else b), kv head
+    and first row r0 of the G·Nq rows of the group (blockIdx.y = (b·Hkv + h_kv)·chunks + chunk),
+    the number of keys and the cache row of the first (cache_leftpad[b], else 0). Device lengths,
+    indices and pages are not checked on the host: clamped here into the arrays (no stray reads).
+    page_of(k, table, bc, start, j) -> (p, r): key j is k[p, h, r] (a paged cache's page and row,
+    else bc and start + j); the keys of one tile share a page when the page size is a multiple of it.
+    row_limit(rg, n_q, length, rows_total): the last key row rg of the group sees (-1: none).
     load_q(...) puts rows r0.. of the group's queries into smem_f[Q_OFF..] as fp32, zero past G·Nq
     and past d; row r0 + r = g·Nq + i is query i of head g of the group. q_swizzle (the bulk
     kernel, 16-bit caches): element e of a row is stored at e ^ ((e >> 5) & 1), see kernel_source."""
     q_to_f32 = element_helpers(dtype)[0]
     ZERO = float32(0.0)
+    PAGED, BATCH_IDX, LEFTPAD, CAUSAL = mode.paged, mode.batch_idx, mode.leftpad, mode.causal
 
     @inline_device
-    def block_rows(k, seqlens, group, n_q):
+    def block_rows(k, seqlens, table, cache_idx, starts, group, n_q):
         n_kv_heads = k.shape[1]
-        n_max = k.shape[2]
+        n_max = table.shape[1] * k.shape[2] if PAGED else k.shape[2]
         rows_total = group * n_q
         n_chunks = (rows_total + ROWS - 1) // ROWS
         blk = cuda.blockIdx.y
@@ -411,7 +449,30 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
         length = n_max
         if seqlens.shape[0] > 0:
             length = min(max(seqlens[U(b)], 0), n_max)
-        return b, h_kv, r0, rows_total, length
+        bc = b
+        if BATCH_IDX:
+            bc = min(max(cache_idx[U(b)], 0), k.shape[0] - 1)
+        start = 0
+        if LEFTPAD:
+            start = min(max(starts[U(b)], 0), length)
+            length -= start
+        return b, bc, h_kv, r0, rows_total, length, start
+
+    @inline_device
+    def page_of(k, table, bc, start, j):
+        if PAGED:
+            page_rows = k.shape[2]
+            pi = j // page_rows
+            return min(max(table[U(bc), U(pi)], 0), k.shape[0] - 1), j - pi * page_rows
+        return bc, start + j
+
+    @inline_device
+    def row_limit(rg, n_q, length, rows_total):
+        if rg >= rows_total:
+            return -1
+        if CAUSAL:
+            return rg - (rg // n_q) * n_q + length - n_q
+        return length - 1
 
     Q_SWIZZLE = bool(q_swizzle)
 
@@ -430,17 +491,18 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
             else:
                 smem_f[U(Q_OFF + idx)] = x
 
-    return block_rows, load_q
+    return block_rows, load_q, page_of, row_limit
 
 
-def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
+def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = PLAIN):
     """The phase-1 kernel for one specialisation (before cuda.jit; compile tests use it).
 
     vec: K/V rows are 16-byte aligned, copied by cp.async (else scalar loads). split: write the
     partial state (m, l, acc) of split blockIdx.x; else (one split) write O and L directly.
+    mode: the cache's layout and the mask (CacheMode).
     """
     if cfg.warp_split:
-        return warp_split_source(cfg, vec, split)
+        return warp_split_source(cfg, vec, split, mode)
     HEAD_DIM, ROWS, BLOCK_N, STAGES = cfg.head_dim, cfg.rows, cfg.block_n, cfg.stages
     WARPS, THREADS = cfg.warps, cfg.threads
     F32 = cfg.dtype == "float32"
@@ -501,11 +563,12 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     exp2, log2 = math.exp2, math.log2
 
     @inline_device
-    def load_tile(smem_u, smem_h, smem_f, src, b, h, k0, length, d, dst):
+    def load_tile(smem_u, smem_h, smem_f, src, table, bc, h, start, k0, length, d, dst):
         """K or V keys [k0, k0 + BLOCK_N) into rows of ROW_WORDS words at word offset dst.
 
         Keys past length and columns past d are zero-filled, so a masked probability (exactly 0)
-        never meets stale cache contents (0 * nan would be nan).
+        never meets stale cache contents (0 * nan would be nan). Each row finds its page itself:
+        a tile may span pages smaller than it.
         """
         tid = cuda.threadIdx.x
         if VEC:
@@ -517,9 +580,9 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                     row = k0 + r
                     col = ch * CHUNK_ELEMS
                     nbytes = min(max(d - col, 0), CHUNK_ELEMS) * ITEM if row < length else 0
-                    src_row = min(row, length - 1)  # a zero-byte copy still names an address
+                    pg, pr = page_of(src, table, bc, start, min(row, length - 1))  # a zero-byte copy still names an address
                     src_col = col if nbytes > 0 else 0
-                    cp_async(smem_u, dst + r * ROW_WORDS + ch * 4, src[U(b), U(h), U(src_row)], src_col, nbytes)
+                    cp_async(smem_u, dst + r * ROW_WORDS + ch * 4, src[U(pg), U(h), U(pr)], src_col, nbytes)
         else:
             for it in range(TILE_LOADS):
                 idx = tid + it * THREADS
@@ -528,23 +591,25 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                     e = idx - r * HEAD_DIM
                     row = k0 + r
                     ok = row < length and e < d
+                    pg, pr = page_of(src, table, bc, start, min(row, length - 1))
                     if F32:
-                        smem_f[U(dst + r * ROW_WORDS + e)] = src[U(b), U(h), U(row), U(e)] if ok else ZERO
+                        smem_f[U(dst + r * ROW_WORDS + e)] = src[U(pg), U(h), U(pr), U(e)] if ok else ZERO
                     else:
-                        x = src[U(b), U(h), U(row), U(e)] if ok else uint16(0)
+                        x = src[U(pg), U(h), U(pr), U(e)] if ok else uint16(0)
                         smem_h[U(2 * (dst + r * ROW_WORDS) + e)] = x
 
     @inline_device
-    def issue_tile(smem_u, kb, vb, k0, length, stage):
-        """Thread 0: keys [k0, k0 + BLOCK_N) of K and V (only the valid rows) into stage, each copy
-        completing its own mbarrier (S waits for K only, P·V for V) after an arrival expecting its bytes."""
+    def issue_tile(smem_u, kb, vb, start, k0, length, stage):
+        """Thread 0: keys [k0, k0 + BLOCK_N) of K and V (only the valid rows; key j at row start + j
+        of kb / vb) into stage, each copy completing its own mbarrier (S waits for K only, P·V for V)
+        after an arrival expecting its bytes."""
         nbytes = min(BLOCK_N, length - k0) * ROW_BYTES  # a multiple of 16: head_dim is one of 16
         bar = BAR_OFF + 4 * stage
         dst = KV_OFF + stage * STAGE_WORDS
         bar_expect(smem_u, bar, nbytes)
-        cp_bulk(smem_u, dst, kb, k0 * HEAD_DIM, nbytes, smem_u, bar)
+        cp_bulk(smem_u, dst, kb, (start + k0) * HEAD_DIM, nbytes, smem_u, bar)
         bar_expect(smem_u, bar + 2, nbytes)
-        cp_bulk(smem_u, dst + TILE_WORDS, vb, k0 * HEAD_DIM, nbytes, smem_u, bar + 2)
+        cp_bulk(smem_u, dst + TILE_WORDS, vb, (start + k0) * HEAD_DIM, nbytes, smem_u, bar + 2)
 
     @inline_device
     def zero_tail(smem_u, k0, length, stage):
@@ -565,9 +630,12 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             pass
 
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, q_swizzle=Q_FLIP)
+    block_rows, load_q, page_of, row_limit = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF,
+                                                           q_swizzle=Q_FLIP, mode=mode)
+    CAUSAL = mode.causal
 
-    def decode_split(q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2):
+    def decode_split(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                     scale_log2):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         smem_u = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # same bytes, as bits
         smem_h = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # same bytes, as 16-bit words
@@ -577,7 +645,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
         lane = tid & 31
         split_id = cuda.blockIdx.x
         n_splits = cuda.gridDim.x
-        b, h_kv, r0, rows_total, length = block_rows(k, seqlens, group, n_q)
+        b, bc, h_kv, r0, rows_total, length, start = block_rows(k, seqlens, table, cache_idx, starts, group, n_q)
 
         # Q (fp32); per-row state and visibility limit: row r0 + r = g·Nq + i sees keys <= i + len - Nq.
         load_q(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d)
@@ -585,14 +653,14 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             rg = r0 + r
             smem_f[U(M_OFF + r)] = NEG_INF
             smem_f[U(L_OFF + r)] = ZERO
-            smem_i[U(LIM_OFF + r)] = rg - (rg // n_q) * n_q + length - n_q if rg < rows_total else -1
+            smem_i[U(LIM_OFF + r)] = row_limit(rg, n_q, length, rows_total)
 
         # This split's tiles: ceil(n_tiles / n_splits) each; trailing splits may be empty.
         n_tiles = (length + BLOCK_N - 1) // BLOCK_N
         per_split = (n_tiles + n_splits - 1) // n_splits
         t_begin = min(split_id * per_split, n_tiles)
         t_end = min(t_begin + per_split, n_tiles)
-        first_limit = length - n_q  # row i = 0 sees keys <= this; tiles past it need the mask
+        first_limit = length - n_q if CAUSAL else length - 1  # the least limit: tiles past it need the mask
 
         # S phase: lane 4·kq + p, keys key_base + 8·ks + kq, words p + 4·jw.
         kq = lane >> 2
@@ -613,8 +681,8 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
 
         sw = kq & (SWZ - 1)  # 0 without bulk
         if BULK:
-            kb = k[U(b), U(h_kv)]  # (Nmax, head_dim) rows of this kv head, back to back
-            vb = v[U(b), U(h_kv)]
+            kb = k[U(bc), U(h_kv)]  # (Nmax, head_dim) rows of this kv head, back to back (never paged)
+            vb = v[U(bc), U(h_kv)]
             if tid == 0:
                 for st in range(2 * STAGES):
                     bar_init(smem_u, BAR_OFF + 2 * st, 1)  # one arrival (thread 0's) per phase
@@ -627,12 +695,12 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
                 k0 = (t_begin + st) * BLOCK_N
                 if BULK:
                     if tid == 0:
-                        issue_tile(smem_u, kb, vb, k0, length, st)
+                        issue_tile(smem_u, kb, vb, start, k0, length, st)
                     zero_tail(smem_u, k0, length, st)
                 else:
                     dst = KV_OFF + st * STAGE_WORDS
-                    load_tile(smem_u, smem_h, smem_f, k, b, h_kv, k0, length, d, dst)
-                    load_tile(smem_u, smem_h, smem_f, v, b, h_kv, k0, length, d, dst + TILE_WORDS)
+                    load_tile(smem_u, smem_h, smem_f, k, table, bc, h_kv, start, k0, length, d, dst)
+                    load_tile(smem_u, smem_h, smem_f, v, table, bc, h_kv, start, k0, length, d, dst + TILE_WORDS)
             if VEC:
                 cp_commit()
 
@@ -645,12 +713,13 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
             if nxt < t_end:  # refill the stage that tile t - 1 used
                 if BULK:
                     if tid == 0:
-                        issue_tile(smem_u, kb, vb, nxt * BLOCK_N, length, (j + STAGES - 1) % STAGES)
+                        issue_tile(smem_u, kb, vb, start, nxt * BLOCK_N, length, (j + STAGES - 1) % STAGES)
                     zero_tail(smem_u, nxt * BLOCK_N, length, (j + STAGES - 1) % STAGES)
                 else:
                     dst = KV_OFF + ((j + STAGES - 1) % STAGES) * STAGE_WORDS
-                    load_tile(smem_u, smem_h, smem_f, k, b, h_kv, nxt * BLOCK_N, length, d, dst)
-                    load_tile(smem_u, smem_h, smem_f, v, b, h_kv, nxt * BLOCK_N, length, d, dst + TILE_WORDS)
+                    load_tile(smem_u, smem_h, smem_f, k, table, bc, h_kv, start, nxt * BLOCK_N, length, d, dst)
+                    load_tile(smem_u, smem_h, smem_f, v, table, bc, h_kv, start, nxt * BLOCK_N, length, d,
+                              dst + TILE_WORDS)
             if VEC:
                 cp_commit()  # always, so that WAIT_N counts tiles
             if BULK:  # tile t's K has landed: phase j // STAGES of its stage's K barrier is over
@@ -802,7 +871,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool):
     return decode_split
 
 
-def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
+def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = PLAIN):
     """The split-in-block phase-1 kernel (cfg.warp_split): same signature and outputs as kernel_source.
 
     Warp w streams tiles t_begin + w, t_begin + w + WARPS, ... of the block's split through its own
@@ -856,7 +925,8 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
     ld4 = ptx.ld_shared_f32x4
     exp2, log2 = math.exp2, math.log2
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF)
+    block_rows, load_q, page_of, row_limit = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, mode=mode)
+    CAUSAL = mode.causal
 
     @inline_device
     def unpack_bits(bits):
@@ -868,8 +938,9 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
         return f16x2_to_f32(bits)
 
     @inline_device
-    def load_tile(smem_u, smem_h, smem_f, src, row_elems, k0, length, d, dst, lane):
-        """One warp: keys [k0, k0 + BLOCK_N) of src (the rows of one (b, kv head)) to dst; zero past length / d.
+    def load_tile(smem_u, smem_h, smem_f, src, row_elems, row0, k0, length, d, dst, lane):
+        """One warp: keys [k0, k0 + BLOCK_N) of src (rows of one (cache row or page, kv head); key k0 at
+        row row0) to dst; zero past length / d.
 
         A full tile (the common case) skips the per-copy bounds: a lane's chunk column is fixed, its
         rows step by 32 / CHUNKS, so a copy costs one add to a flat element offset.
@@ -879,7 +950,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
                 ch = lane % CHUNKS
                 col = ch * CHUNK_ELEMS
                 nbytes = min(max(d - col, 0), CHUNK_ELEMS) * ITEM
-                off = (k0 + lane // CHUNKS) * row_elems + (col if nbytes > 0 else 0)
+                off = (row0 + lane // CHUNKS) * row_elems + (col if nbytes > 0 else 0)
                 step = ROWS_PER_PASS * row_elems
                 s_dst = dst + (lane // CHUNKS) * ROW_WORDS + ch * 4
                 for it in range(WARP_COPIES):
@@ -894,7 +965,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
                     row = k0 + r
                     col = ch * CHUNK_ELEMS
                     nbytes = min(max(d - col, 0), CHUNK_ELEMS) * ITEM if row < length else 0
-                    src_row = min(row, length - 1)  # a zero-byte copy still names an address
+                    src_row = row0 + min(row, length - 1) - k0  # a zero-byte copy still names an address
                     src_col = col if nbytes > 0 else 0
                     cp_async(smem_u, dst + r * ROW_WORDS + ch * 4, src, src_row * row_elems + src_col, nbytes)
         else:
@@ -906,12 +977,13 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
                     row = k0 + r
                     ok = row < length and e < d
                     if F32:
-                        smem_f[U(dst + r * ROW_WORDS + e)] = src[U(row), U(e)] if ok else ZERO
+                        smem_f[U(dst + r * ROW_WORDS + e)] = src[U(row0 + r), U(e)] if ok else ZERO
                     else:
-                        x = src[U(row), U(e)] if ok else uint16(0)
+                        x = src[U(row0 + r), U(e)] if ok else uint16(0)
                         smem_h[U(2 * (dst + r * ROW_WORDS) + e)] = x
 
-    def decode_split(q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, scale_log2):
+    def decode_split(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                     scale_log2):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         smem_u = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # same bytes, as bits
         smem_h = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # same bytes, as 16-bit words
@@ -920,7 +992,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
         lane = tid & 31
         split_id = cuda.blockIdx.x
         n_splits = cuda.gridDim.x
-        b, h_kv, r0, rows_total, length = block_rows(k, seqlens, group, n_q)
+        b, bc, h_kv, r0, rows_total, length, start = block_rows(k, seqlens, table, cache_idx, starts, group, n_q)
 
         load_q(smem_f, q, b, h_kv, r0, rows_total, group, n_q, d)  # read by every warp
         cuda.syncthreads()  # the only barrier before the merge
@@ -929,17 +1001,15 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
         limit = cuda.local.array(ROWS, int32)
         for i in range(ROWS):
             rg = r0 + i
-            limit[i] = rg - (rg // n_q) * n_q + length - n_q if rg < rows_total else -1
+            limit[i] = row_limit(rg, n_q, length, rows_total)
         n_tiles = (length + BLOCK_N - 1) // BLOCK_N
         per_split = (n_tiles + n_splits - 1) // n_splits
         t_begin = min(split_id * per_split, n_tiles)
         t_end = min(t_begin + per_split, n_tiles)
-        first_limit = length - n_q  # row i = 0 sees keys <= this; tiles past it need the mask
+        first_limit = length - n_q if CAUSAL else length - 1  # the least limit: tiles past it need the mask
         n_mine = (t_end - t_begin - warp + WARPS - 1) // WARPS if t_end - t_begin > warp else 0
-        kb = k[U(b), U(h_kv)]  # (Nmax, d) rows of this kv head
-        vb = v[U(b), U(h_kv)]
-        k_row = kb.strides[0] // ITEM  # row stride in elements (a multiple of 16 bytes on the cp.async path)
-        v_row = vb.strides[0] // ITEM
+        k_row = k.strides[2] // ITEM  # row stride in elements (a multiple of 16 bytes on the cp.async path)
+        v_row = v.strides[2] // ITEM
         ring = KV_OFF + warp * RING_WORDS
         p_base = P_OFF + warp * ROWS * BLOCK_N
         # S phase: keys key_lane + KEYS_PER_PASS·kk, chunks part + KQ·jc. The 8 lanes of an LDS.128
@@ -968,8 +1038,10 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
             if st < n_mine:
                 k0 = (t_begin + warp + st * WARPS) * BLOCK_N
                 dst = ring + st * STAGE_WORDS
-                load_tile(smem_u, smem_h, smem_f, kb, k_row, k0, length, d, dst, lane)
-                load_tile(smem_u, smem_h, smem_f, vb, v_row, k0, length, d, dst + TILE_WORDS, lane)
+                pg, row0 = page_of(k, table, bc, start, k0)  # the tile's page (a paged cache) and first row
+                load_tile(smem_u, smem_h, smem_f, k[U(pg), U(h_kv)], k_row, row0, k0, length, d, dst, lane)
+                load_tile(smem_u, smem_h, smem_f, v[U(pg), U(h_kv)], v_row, row0, k0, length, d, dst + TILE_WORDS,
+                          lane)
             if VEC:
                 cp_commit()
 
@@ -980,8 +1052,10 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool):
             if j + STAGES - 1 < n_mine:  # refill the stage that tile j - 1 used
                 k0 = (t_begin + warp + (j + STAGES - 1) * WARPS) * BLOCK_N
                 dst = ring + ((j + STAGES - 1) % STAGES) * STAGE_WORDS
-                load_tile(smem_u, smem_h, smem_f, kb, k_row, k0, length, d, dst, lane)
-                load_tile(smem_u, smem_h, smem_f, vb, v_row, k0, length, d, dst + TILE_WORDS, lane)
+                pg, row0 = page_of(k, table, bc, start, k0)
+                load_tile(smem_u, smem_h, smem_f, k[U(pg), U(h_kv)], k_row, row0, k0, length, d, dst, lane)
+                load_tile(smem_u, smem_h, smem_f, v[U(pg), U(h_kv)], v_row, row0, k0, length, d, dst + TILE_WORDS,
+                          lane)
             if VEC:
                 cp_commit()  # always, so that WAIT_N counts tiles
             k0 = (t_begin + warp + j * WARPS) * BLOCK_N
@@ -1175,16 +1249,19 @@ def merge_source(dtype: str):
 
 
 @lru_cache(maxsize=None)
-def make_split_kernel(cfg: DecodeConfig, vec: bool, split: bool, lens_dtype: str = "int32"):
+def make_split_kernel(cfg: DecodeConfig, vec: bool, split: bool, lens_dtype: str = "int32",
+                      mode: CacheMode = PLAIN):
     """The compiled phase-1 kernel for one specialisation; cached so each compiles once."""
-    bad = cfg.problems()
+    bad = cfg.problems() + mode.problems()
+    if mode.paged and cfg.bulk:
+        bad.append("bulk copies read a contiguous cache, not pages")
     if bad:
-        raise ValueError(f"decode config {cfg} cannot run: {'; '.join(bad)}")
+        raise ValueError(f"decode config {cfg} with {mode} cannot run: {'; '.join(bad)}")
     if lens_dtype not in LENS_DTYPES:
         raise ValueError(f"cache_seqlens dtype {lens_dtype!r} not in {LENS_DTYPES}")
-    return compile_kernel(("decode.split", cfg, bool(vec), bool(split), lens_dtype),
-                          kernel_signature(cfg.dtype, lens_dtype), kernel_source(cfg, bool(vec), bool(split)),
-                          fastmath=FASTMATH)
+    key = ("decode.split", cfg, bool(vec), bool(split), lens_dtype) + (() if mode == PLAIN else (mode,))
+    return compile_kernel(key, kernel_signature(cfg.dtype, lens_dtype),
+                          kernel_source(cfg, bool(vec), bool(split), mode), fastmath=FASTMATH)
 
 
 @lru_cache(maxsize=None)
@@ -1224,15 +1301,26 @@ def n_row_chunks(cfg: DecodeConfig, group: int, n_q: int) -> int:
     return -(-group * n_q // cfg.rows)
 
 
+def _absent(ndim: int):
+    """An empty int32 array for an index argument the kernel's CacheMode never reads."""
+    if nb_config.ENABLE_CUDASIM:
+        return cuda.device_array((0,) * ndim, dtype=np.int32)
+    return DeviceView(0, (0,) * ndim, (4,) * ndim, np.int32)
+
+
 def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: float, d: int,
-           num_splits: int, partials=None, stream=0) -> None:
+           num_splits: int, partials=None, stream=0, block_table=None, cache_batch_idx=None,
+           cache_leftpad=None, causal: bool = True) -> None:
     """Run both phases on device arrays (``launch.DeviceView``s, Numba device arrays, or anything with
     ``__cuda_array_interface__``); the caller has validated the problem.
 
     q, out: (B, H, Nq, d) in Q_STORAGE[cfg.dtype]; k, v: (B, Hkv, Nmax, d) in KV_STORAGE (16-bit
     caches as uint16 words); seqlens: (B,) int32/int64, or a 0-length array meaning Nmax for all;
     lse: (B, H, Nq) float32. partials: (m_part, l_part, acc_part) of scratch_shapes(), needed
-    when num_splits > 1. softmax_scale multiplies q·kᵀ. Any strides; rows that cp.async cannot
+    when num_splits > 1. softmax_scale multiplies q·kᵀ. block_table ((B, pages) int32: k, v are then
+    (num_pages, Hkv, page_size, d)), cache_batch_idx, cache_leftpad ((B,) int32) and causal as
+    CacheMode says; page_size must be a multiple of a warp_split config's block_n (one page per
+    tile). Any strides; rows that cp.async cannot
     copy (see cp_async_ok) take the scalar-load kernel, and a cfg.bulk config whose caches one bulk
     copy per tile cannot fetch (see bulk_ok), or on a GPU below sm_90 (no cp.async.bulk), runs as
     the same config with bulk=False.
@@ -1243,11 +1331,16 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
         return
     group = H // Hkv
     split = num_splits > 1
-    if cfg.bulk and not (ptx.current_sm90() and bulk_ok(k, d, cfg.head_dim) and bulk_ok(v, d, cfg.head_dim)):
+    mode = CacheMode(paged=block_table is not None, batch_idx=cache_batch_idx is not None,
+                     leftpad=cache_leftpad is not None, causal=bool(causal))
+    if cfg.bulk and (mode.paged or not (ptx.current_sm90() and bulk_ok(k, d, cfg.head_dim)
+                                        and bulk_ok(v, d, cfg.head_dim))):
         cfg = replace(cfg, bulk=False)
+    if mode.paged and cfg.warp_split and k.shape[2] % cfg.block_n:
+        raise ValueError(f"page size {k.shape[2]} is not a multiple of the warp_split tile's {cfg.block_n} keys")
     vec = cp_async_ok(k, d) and cp_async_ok(v, d)
     lens_dtype = str(seqlens.dtype)
-    kernel = make_split_kernel(cfg, vec, split, lens_dtype)
+    kernel = make_split_kernel(cfg, vec, split, lens_dtype, mode)
     blocks_y = B * Hkv * n_row_chunks(cfg, group, n_q)
     if blocks_y > 65535:
         raise ValueError(f"B·Hkv·row chunks = {blocks_y} exceeds the grid's y limit of 65535")
@@ -1256,8 +1349,11 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     else:  # never written: any arrays of the right types will do
         m_part = l_part = lse.reshape((B, H, n_q, 1))
         acc_part = lse.reshape((B, H, n_q, 1, 1))
+    table = _absent(2) if block_table is None else block_table
+    index, starts = (_absent(1) if x is None else x for x in (cache_batch_idx, cache_leftpad))
     launch_kernel(kernel, (num_splits, blocks_y), cfg.threads, stream, cfg.smem_bytes,
-                  q, k, v, seqlens, out, lse, m_part, l_part, acc_part, n_q, d, group, float32(softmax_scale * LOG2E))
+                  q, k, v, seqlens, table, index, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                  float32(softmax_scale * LOG2E))
     if split:
         merge = make_merge_kernel(cfg.dtype)
         launch_kernel(merge, B * H * n_q, MERGE_THREADS, stream, 4 * num_splits, m_part, l_part, acc_part, out, lse)

@@ -26,11 +26,22 @@ def _twin_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     return (out, lse) if return_lse else out
 
 
-def _twin_decode(q, k, v, *, cache_seqlens=None, softmax_scale=None, num_splits=None):
+def _logical_cache(x, b, block_table, cache_batch_idx):
+    """Sequence b's cache rows (1, Hkv, N, d) in key order: its pages in table order, or its cache row."""
+    if block_table is not None:
+        return torch.cat([x[p] for p in block_table[b].tolist()], dim=1)[None]
+    row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+    return x[row:row + 1]
+
+
+def _twin_decode(q, k, v, *, cache_seqlens=None, softmax_scale=None, num_splits=None, block_table=None,
+                 cache_batch_idx=None, cache_leftpad=None, causal=True):
     outs = []
     for b in range(q.shape[0]):
-        n = k.shape[2] if cache_seqlens is None else int(cache_seqlens[b])
-        outs.append(attention_mods_torch(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], True, softmax_scale))
+        kb, vb = (_logical_cache(x, b, block_table, cache_batch_idx) for x in (k, v))
+        n = kb.shape[2] if cache_seqlens is None else int(cache_seqlens[b])
+        s = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        outs.append(attention_mods_torch(q[b:b + 1], kb[:, :, s:n], vb[:, :, s:n], causal, softmax_scale))
     return torch.cat(outs), torch.zeros(q.shape[:-1], dtype=torch.float32)
 
 
@@ -147,19 +158,119 @@ def test_kvcache_appends_in_place_and_attends(twin):
     torch.testing.assert_close(out1, _ref(q[:, :1], k_cache[:, :7], v_cache[:, :7]))
 
 
+def _paged(x, page, table_width, seed):
+    """x (B, N, Hkv, d) cut into pages of ``page`` rows at random physical places: (pages, table), table
+    (B, table_width) int32 with -1 past each row's pages."""
+    B, N, Hkv, d = x.shape
+    per = -(-N // page)
+    where = torch.randperm(B * per + 2, generator=torch.Generator().manual_seed(seed))[:B * per].view(B, per)
+    pages = torch.full((B * per + 2, page, Hkv, d), float("nan"), dtype=x.dtype)
+    padded = torch.cat([x, torch.zeros(B, per * page - N, Hkv, d, dtype=x.dtype)], dim=1)
+    for b in range(B):
+        for i in range(per):
+            pages[where[b, i]] = padded[b, i * page:(i + 1) * page]
+    table = torch.full((B, table_width), -1, dtype=torch.int32)
+    table[:, :per] = where
+    return pages, table
+
+
+def _logical(pages, table, b):
+    """Sequence b's rows (1, N, Hkv, d) from flash-attn's page layout."""
+    return torch.cat([pages[p] for p in table[b].tolist() if p >= 0])[None]
+
+
+def test_kvcache_paged_append_in_place_and_attend(twin):
+    B, N, H, Hkv, d, page = 2, 48, 4, 2, 16, 16
+    k_pages, table = _paged(_bnhd(B, N, Hkv, d, 20), page, 4, 0)
+    v_pages, _ = _paged(_bnhd(B, N, Hkv, d, 21), page, 4, 0)
+    before = k_pages.clone()
+    lens = torch.tensor([5, 31], dtype=torch.int32)  # 31 + 2 crosses into the third page
+    q, kn, vn = _bnhd(B, 3, H, d, 22), _bnhd(B, 2, Hkv, d, 23), _bnhd(B, 2, Hkv, d, 24)
+    out = fa.flash_attn_with_kvcache(q, k_pages, v_pages, k=kn, v=vn, cache_seqlens=lens, block_table=table,
+                                     causal=True, num_splits=1)
+    for b in range(B):
+        n = int(lens[b])
+        kb, vb = _logical(k_pages, table, b), _logical(v_pages, table, b)
+        assert torch.equal(kb[0, n:n + 2], kn[b]) and torch.equal(vb[0, n:n + 2], vn[b])
+        assert torch.equal(kb[0, :n], _logical(before, table, b)[0, :n])
+        torch.testing.assert_close(out[b:b + 1], _ref(q[b:b + 1], kb[:, :n + 2], vb[:, :n + 2], causal=True))
+    touched = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
+    for b in range(B):
+        for t in range(2):
+            pos = int(lens[b]) + t
+            touched[table[b, pos // page], pos % page] = True
+    same = torch.equal(k_pages[~touched].nan_to_num(7.0), before[~touched].nan_to_num(7.0))
+    assert same, "only the appended rows of the pages change"
+
+
+def test_kvcache_batch_idx_leftpad_and_queries(twin):
+    Bc, B, N, H, Hkv, d = 4, 2, 24, 4, 2, 16
+    k_cache, v_cache = _bnhd(Bc, N, Hkv, d, 30), _bnhd(Bc, N, Hkv, d, 31)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    pad = torch.tensor([2, 0], dtype=torch.int32)
+    lens = torch.tensor([10, 6], dtype=torch.int32)
+    q, kn, vn = _bnhd(B, 3, H, d, 32), _bnhd(B, 1, Hkv, d, 33), _bnhd(B, 1, Hkv, d, 34)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, cache_batch_idx=idx,
+                                     cache_leftpad=pad, causal=False)
+    for b in range(B):
+        r, s, n = int(idx[b]), int(pad[b]), int(lens[b])
+        assert torch.equal(k_cache[r, n], kn[b, 0]) and torch.equal(v_cache[r, n], vn[b, 0])
+        torch.testing.assert_close(out[b:b + 1], _ref(q[b:b + 1], k_cache[r:r + 1, s:n + 1], v_cache[r:r + 1, s:n + 1]))
+    q20 = _bnhd(B, 20, H, d, 35)  # more than 16 queries (chunked prefill), causal
+    out20 = fa.flash_attn_with_kvcache(q20, k_cache, v_cache, cache_seqlens=22, cache_batch_idx=idx, causal=True)
+    for b in range(B):
+        r = int(idx[b])
+        torch.testing.assert_close(out20[b:b + 1], _ref(q20[b:b + 1], k_cache[r:r + 1, :22], v_cache[r:r + 1, :22],
+                                                        causal=True))
+
+
+def _rotated(x, theta, interleaved):
+    """x (B, N, H, d) with feature pairs turned by angles theta (B, N, rotary_dim / 2), as complex products."""
+    rd = 2 * theta.shape[-1]
+    if interleaved:
+        pairs = torch.complex(x[..., 0:rd:2], x[..., 1:rd:2])
+    else:
+        pairs = torch.complex(x[..., :rd // 2], x[..., rd // 2:rd])
+    turned = pairs * torch.polar(torch.ones_like(theta), theta)[:, :, None, :]
+    parts = (torch.stack([turned.real, turned.imag], -1).flatten(-2) if interleaved
+             else torch.cat([turned.real, turned.imag], -1))
+    return torch.cat([parts, x[..., rd:]], -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kvcache_rotary(twin, interleaved, causal):
+    B, N, H, Hkv, d, rd = 2, 40, 4, 2, 16, 8
+    k_cache, v_cache = _bnhd(B, N, Hkv, d, 40), _bnhd(B, N, Hkv, d, 41)
+    q, kn, vn = _bnhd(B, 3, H, d, 42), _bnhd(B, 2, Hkv, d, 43), _bnhd(B, 2, Hkv, d, 44)
+    lens = torch.tensor([4, 30], dtype=torch.int32)
+    freq = 1.0 / 10000 ** (torch.arange(rd // 2, dtype=torch.float64) * 2 / rd)
+    angles = torch.arange(N, dtype=torch.float64)[:, None] * freq  # (seqlen_ro, rd / 2)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                     cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved)
+    for b in range(B):
+        n = int(lens[b])
+        q_pos = n + (torch.arange(3) if causal else torch.zeros(3, dtype=torch.long))
+        k_rot = _rotated(kn[b:b + 1], (n + torch.arange(2))[None, :, None] * freq, interleaved)
+        assert torch.allclose(k_cache[b, n:n + 2], k_rot[0]) and torch.equal(v_cache[b, n:n + 2], vn[b])
+        q_rot = _rotated(q[b:b + 1], q_pos[None, :, None] * freq, interleaved)
+        torch.testing.assert_close(out[b:b + 1], _ref(q_rot, k_cache[b:b + 1, :n + 2], v_cache[b:b + 1, :n + 2],
+                                                      causal=causal))
+    with pytest.raises(NotImplementedError, match="rotary_cos / rotary_sin with cache_leftpad"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                   cache_seqlens=lens, cache_leftpad=torch.zeros(B, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pass both rotary_cos and rotary_sin"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=angles.cos(), cache_seqlens=lens)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda q, c: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p=0.1"),
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, dropout_p=0.1), "dropout_p=0.1"),
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, block_table=torch.zeros(1, 1)),
      "block_table"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, block_table=torch.zeros(1, 1)), "block_table"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, rotary_cos=torch.zeros(1), rotary_sin=torch.zeros(1)),
-     "rotary_cos"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, cache_leftpad=torch.zeros(1)), "cache_leftpad"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, cache_batch_idx=torch.zeros(1)), "cache_batch_idx"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, alibi_slopes=torch.zeros(2)), "alibi_slopes"),
     (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, window_size=(4, 0)), "window_size"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q, c, c, causal=True), "17 queries"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :2], c, c, causal=False), "causal=False"),
+    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, softcap=5.0), "softcap"),
 ])
 def test_what_is_not_supported_is_named(twin, call, match):
     q, c = _bnhd(1, 17, 2, 16, 9), _bnhd(1, 40, 2, 16, 10)
@@ -258,3 +369,41 @@ def test_gpu_kvcache_append_and_decode():
         assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
         assert torch.isfinite(lse[b]).all()
     assert math.isfinite(out.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not HAVE_TORCH_CUDA, reason="needs PyTorch with CUDA")
+@pytest.mark.parametrize("page", [16, 256])
+def test_gpu_kvcache_paged_append_leftpad_batch_idx_and_queries(page):
+    """flash-attn's paged cache with the append through block_table; cache_batch_idx with cache_leftpad;
+    20 queries causal and 3 not: the fp64 attention over each sequence's logical keys."""
+    B, N, H, Hkv, d = 3, 1024, 8, 2, 128
+    g = torch.Generator().manual_seed(page)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    k_pages, table = _paged(mk(B, N, Hkv, d), page, N // page + 1, 1)
+    v_pages, _ = _paged(mk(B, N, Hkv, d), page, N // page + 1, 1)
+    k_pages, v_pages, table = k_pages.half().cuda(), v_pages.half().cuda(), table.cuda()
+    q, kn, vn = mk(B, 3, H, d).half().cuda(), mk(B, 3, Hkv, d).half().cuda(), mk(B, 3, Hkv, d).half().cuda()
+    lens = torch.tensor([0, 300, N - 3], dtype=torch.int32, device="cuda")
+    out, lse = fa.flash_attn_with_kvcache(q, k_pages, v_pages, k=kn, v=vn, cache_seqlens=lens, block_table=table,
+                                          causal=True, return_softmax_lse=True)
+    for b in range(B):
+        n = int(lens[b]) + 3
+        kb, vb = _logical(k_pages, table, b)[:, :n], _logical(v_pages, table, b)[:, :n]
+        assert torch.equal(kb[0, n - 3:], kn[b]) and torch.equal(vb[0, n - 3:], vn[b])
+        ref = _ref(q[b:b + 1].double(), kb.double(), vb.double(), causal=True)
+        assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
+        assert torch.isfinite(lse[b]).all()
+    k_cache, v_cache = mk(5, N, Hkv, d).half().cuda(), mk(5, N, Hkv, d).half().cuda()
+    idx = torch.tensor([4, 1, 4], dtype=torch.int32, device="cuda")
+    pad = torch.tensor([10, 0, 500], dtype=torch.int32, device="cuda")
+    for n_q, causal in ((20, True), (3, False)):
+        qq = mk(B, n_q, H, d).half().cuda()
+        out = fa.flash_attn_with_kvcache(qq, k_cache, v_cache, cache_seqlens=700, cache_batch_idx=idx,
+                                         cache_leftpad=pad, causal=causal, num_splits=2)
+        for b in range(B):
+            r, s = int(idx[b]), int(pad[b])
+            ref = _ref(qq[b:b + 1].double(), k_cache[r:r + 1, s:700].double(), v_cache[r:r + 1, s:700].double(),
+                       causal=causal)
+            assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3

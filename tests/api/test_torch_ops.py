@@ -151,9 +151,10 @@ def twin_launches(monkeypatch):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(grads).result()
 
-    def decode(q, k, v, *, cache_seqlens, softmax_scale, num_splits):
+    def decode(q, k, v, *, cache_seqlens, softmax_scale, num_splits, causal=True, **cache_layout):
+        assert all(x is None for x in cache_layout.values()), cache_layout  # the twin knows contiguous caches only
         seen.append(("decode", _through_dispatcher()))
-        out, lse = _softmax_pv(*_masked_scores(q, k, v, True, softmax_scale))
+        out, lse = _softmax_pv(*_masked_scores(q, k, v, causal, softmax_scale))
         return out.contiguous(), lse.float()
 
     def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **kw):

@@ -386,9 +386,11 @@ def test_validation_messages(kwargs, exc, match):
         decode(*_qkv(), **kwargs)
 
 
-def test_too_many_queries_points_to_forward():
-    with pytest.raises(ValueError, match=r"at most 16 queries per sequence; got Nq = 17.*numba_flash.forward"):
-        decode(*_qkv(n_q=17))
+def test_many_queries_warn_when_they_take_several_row_blocks():
+    from numba_flash import PerformanceWarning
+
+    with pytest.warns(PerformanceWarning, match=r"Nq = 17 queries: the 34 rows .* blocks of .*numba_flash.forward"):
+        decode(*_qkv(n_q=17), config=DecodeConfig(16, "float32", 16, block_n=8, stages=2, warps=1))
 
 
 def test_shapes_refused():
