@@ -66,7 +66,7 @@ def attention_naive_same_dtype(q, k, v, causal, scale=None):
     """The 'naive same-dtype implementation' of the flash-attention error rule: every step in q's dtype."""
     s, v = _masked_scores(q, k, v, causal, scale)
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)
-    return torch.nan_to_num(p @ v)
+    return torch.nan_to_num(p) @ v  # rows that see no key: P = 0 (not NaN), so their gradients are 0 too
 
 
 def attention_mods_torch(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
