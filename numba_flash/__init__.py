@@ -7,8 +7,9 @@ See ``forward`` for the full contract and ``explain`` for which kernel runs and 
 from .api import KERNELS, PerformanceWarning, explain, forward, validate
 from .backward import backward, explain_backward
 from .decode import decode
+from .sparsity import BlockMask, block_mask
 from .varlen import varlen_backward, varlen_forward
 
 __all__ = ["forward", "backward", "decode", "varlen_forward", "varlen_backward", "explain", "explain_backward",
-           "validate", "KERNELS", "PerformanceWarning"]
+           "validate", "KERNELS", "PerformanceWarning", "block_mask", "BlockMask"]
 __version__ = "0.1.0"

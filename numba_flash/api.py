@@ -718,4 +718,20 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
         with _on_device(p.device):
             views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v))
     family, cfg, reasons = choose_kernel(p, kernel, views)
+    if mask_mod is not None and hasattr(cfg, "block_q"):
+        reasons.append(_block_mask_line(p, mask_mod, cfg))
     return "\n".join(reasons)
+
+
+def _block_mask_line(p: Problem, mask_mod: Any, cfg) -> str:
+    """explain's line of the mask's tile classes at the forward's tile (sparsity.block_mask: one mask_mod call per
+    score, so it needs a GPU or the simulator)."""
+    if not (nb_config.ENABLE_CUDASIM or cuda.is_available()):
+        return f"block mask at {cfg.block_q}x{cfg.block_k} tiles: not computed (no GPU to run mask_mod on)"
+    from .sparsity import block_mask
+
+    with _on_device(p.device):
+        bm = block_mask(mask_mod, p.B, p.H, p.n_q, p.n_k, cfg.block_q, cfg.block_k)
+    c, total = bm.counts(), bm.classes.size
+    return (f"block mask at {cfg.block_q}x{cfg.block_k} tiles (mask_mod alone, over every (b, h)): {c['EMPTY']} EMPTY, "
+            f"{c['FULL']} FULL, {c['PARTIAL']} PARTIAL of {total}")
