@@ -301,8 +301,10 @@ MMA_BWD_TABLE = {
     # shared memory), FA2's d = 256 tile of 64 keys x 64 queries on 8 warps: 128 accumulator registers a lane,
     # 209 KiB of shared memory at d = 256 (161.5 KiB at d = 192), one block per SM; ptxas: 232-254 registers, no
     # spills. dq: 64 queries x 32 keys on 4 warps (dQ_w of 16 rows x d: d / 2 fp32 a lane, so 32-key S and dP),
-    # 128 KiB at d = 256, 251-255 registers (d192 causal spills 136 B: MMA_BWD_SPILL_OK). Chosen by construction, not timed: provisional (scripts/bench_backward.py --sweep-mma --sweep-d 192 256
-    # times its MMA_SWEEP candidates).
+    # 128 KiB at d = 256, 251-255 registers (d192 causal spills 136 B: MMA_BWD_SPILL_OK). d = 256 timed on the H200
+    # (results/backward-2026-12-04-sweep-d256.md, fp16 B4 H16 N4096, TFLOP/s non-causal / causal): dkdv 64x64 257.6 /
+    # 235.9 over 32x64's 208.2 / 191.1; the atomic 64x64 202.5 / 188.0 over 138.1 / 131.2; dq 64x32 247.8 / 246.9, where
+    # 128x32 read 275.5 / 261.0 (a candidate, not yet shipped). d = 192: by construction, not timed.
     ("dkdv", 192): Tile(64, 64, 192), ("dq", 192): Tile(64, 32, 192),
     ("dkdv_atomic", 192): Tile(64, 64, 192, flags={"deterministic_splits"}),
     ("dkdv", 256): Tile(64, 64, 256), ("dq", 256): Tile(64, 32, 256),
