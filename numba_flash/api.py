@@ -300,7 +300,10 @@ def _check_user_mod(name: str, mod: Any, kind_q: str, device, sizes: tuple):
 
     mod = user_mods.as_mask_mod(mod) if name == "mask_mod" else user_mods.as_score_mod(mod)
     types = []
-    expected = mod.aux_shapes(*sizes) if mod.aux_shapes is not None else (None,) * len(mod.aux)
+    expected = tuple(mod.aux_shapes(*sizes)) if mod.aux_shapes is not None else (None,) * len(mod.aux)
+    if len(expected) != len(mod.aux):
+        raise ValueError(f"{name}: aux_shapes gave {len(expected)} shapes for {len(mod.aux)} aux arrays; accepted: "
+                         "one shape (or None) per array")
     for i, (x, want) in enumerate(zip(mod.aux, expected)):
         what = f"{name} aux[{i}]"
         kind = arrays.kind_of(x)

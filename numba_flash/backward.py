@@ -75,7 +75,7 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     """(family, config, reasons): which backward kernels run for a validated problem, and why.
 
     The tensor-core path takes what the tensor-core forward takes, up to d = 256 (float16/bfloat16,
-    sm_80+, cp.async-able layouts, the tiles' shared memory: _smem_blockers), with dout's layout checked as well: ``views`` = device views of
+    sm_80+, cp.async-able layouts, the tiles' shared memory: smem_blockers), with dout's layout checked as well: ``views`` = device views of
     (q, k, v, dout), or None to assume contiguous arrays (explain on NumPy inputs).
     """
     if kernel not in KERNELS:
@@ -96,7 +96,7 @@ def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, 
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
     if not blockers:
-        blockers += _smem_blockers(p)
+        blockers += smem_blockers(p.d)
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this backward: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
@@ -166,7 +166,7 @@ def _choose_with_mods(p: Problem, kernel: str, views):
     if views is not None and not blockers:
         blockers += _dout_blockers(views[3], "8 elements")
     if not blockers:
-        blockers += _smem_blockers(p)
+        blockers += smem_blockers(p.d)
     if kernel not in ("auto", "mma") or blockers:
         why = [f"kernel={kernel!r} was asked for"] if kernel not in ("auto", "mma") else blockers
         raise NotImplementedError(
@@ -209,13 +209,13 @@ def split_words(head_dim: int) -> str:
             "columns, with Pᵀ and dSᵀ through shared memory")
 
 
-def _smem_blockers(p: Problem) -> list[str]:
-    """Why this GPU's blocks lack the shared memory of the tensor-core backward's dkdv or dq tile at p's head
-    dim (empty when they have it): d 129..256 on sm_86 / sm_89 (99 KiB a block), d 193..256 on sm_80 (163 KiB).
+def smem_blockers(d: int) -> list[str]:
+    """Why this GPU's blocks lack the shared memory of the tensor-core backward's dkdv or dq tile at head dim d
+    (empty when they have it): d 129..256 on sm_86 / sm_89 (99 KiB a block), d 193..256 on sm_80 (163 KiB).
     The dQ-in-dkdv tile is dq_scheme's to check (the dq kernel replaces it)."""
-    if p.d > MMA_BWD_MAX_HEAD_DIM:
+    if d > MMA_BWD_MAX_HEAD_DIM:
         return []
-    head_dim = mma_head_dim(p.d)
+    head_dim = mma_head_dim(d)
     cfg = mma_config(head_dim)
     optin = _device_smem()[0]
     need = {"dkdv": mma_dkdv.smem_bytes(*cfg["dkdv"], head_dim), "dq": mma_dq.smem_bytes(*cfg["dq"], head_dim)}

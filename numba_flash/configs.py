@@ -304,7 +304,7 @@ MMA_BWD_TABLE = {
     # 128 KiB at d = 256, 251-255 registers (d192 causal spills 136 B: MMA_BWD_SPILL_OK). d = 256 timed on the H200
     # (results/backward-2026-12-04-sweep-d256.md, fp16 B4 H16 N4096, TFLOP/s non-causal / causal): dkdv 64x64 257.6 /
     # 235.9 over 32x64's 208.2 / 191.1; the atomic 64x64 202.5 / 188.0 over 138.1 / 131.2; dq 64x32 247.8 / 246.9, where
-    # 128x32 read 275.5 / 261.0 (a candidate, not yet shipped). d = 192: by construction, not timed.
+    # 128x32 read 275.5 / 261.0 (a candidate; the shipped tile is the one the GPU tests ran). d = 192: by construction, not timed.
     ("dkdv", 192): Tile(64, 64, 192), ("dq", 192): Tile(64, 32, 192),
     ("dkdv_atomic", 192): Tile(64, 64, 192, flags={"deterministic_splits"}),
     ("dkdv", 256): Tile(64, 64, 256), ("dq", 256): Tile(64, 32, 256),

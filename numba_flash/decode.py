@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 
 import numpy as np
 from numba import config as nb_config
@@ -138,13 +137,8 @@ def _check_cache_layout(p, k_cache, cache_seqlens, block_table, cache_batch_idx,
     NumPy indices are checked by value (device ones would need a copy and a sync: the kernel clamps them into
     the arrays instead, so a bad index reads a wrong row, never out of bounds)."""
     rows, n_cache = arrays.shape_of(k_cache)[0], p.n_k
+    check_cache_combination(block_table, cache_batch_idx, cache_leftpad)
     if block_table is not None:
-        if cache_batch_idx is not None:
-            raise ValueError("block_table and cache_batch_idx were both given; a paged cache has no cache rows to "
-                             "pick (as flash-attn: pass one or the other)")
-        if cache_leftpad is not None:
-            raise NotImplementedError("cache_leftpad with block_table (a paged cache) is not supported (nor by "
-                                      "flash-attn); left-pad a contiguous cache, or start each sequence on a page")
         _check_index("block_table", block_table, p, ("int32",), lambda s: len(s) == 2 and s[0] == p.B,
                      f"(B, max_pages) = ({p.B}, max_pages)")
         if n_cache % PAGE_MULTIPLE or n_cache < PAGE_MULTIPLE:
@@ -152,7 +146,8 @@ def _check_cache_layout(p, k_cache, cache_seqlens, block_table, cache_batch_idx,
                              f"{arrays.shape_of(k_cache)} = (num_pages, Hkv, page_size, d)); accepted: page_size a "
                              f"multiple of {PAGE_MULTIPLE} (16 to 256 are tested)")
         n_max = arrays.shape_of(block_table)[1] * n_cache
-        if arrays.kind_of(block_table) == arrays.NUMPY and cache_seqlens is not None and rows > 0:
+        if arrays.kind_of(block_table) == arrays.NUMPY and cache_seqlens is not None and rows > 0 and \
+                arrays.kind_of(cache_seqlens) == arrays.NUMPY:  # device lengths: the whole table is checked
             lens = np.minimum(np.maximum(np.asarray(cache_seqlens), 0), n_max)
             used = np.arange(arrays.shape_of(block_table)[1])[None, :] < -(-lens[:, None] // n_cache)
             _check_in_range("block_table", np.where(used, block_table, 0), 0, rows,
@@ -176,6 +171,19 @@ def _check_cache_layout(p, k_cache, cache_seqlens, block_table, cache_batch_idx,
                             "0 <= cache_leftpad[b] <= cache_seqlens[b] (or Nmax), the end of sequence b's keys")
     return n_cache
 
+
+
+def check_cache_combination(block_table, cache_batch_idx, cache_leftpad) -> None:
+    """Refuse the cache arguments that do not go together (flash-attn refuses them too); also run by
+    flash_attn_with_kvcache before it appends to the cache, so a refused call leaves the cache as it was."""
+    if block_table is None:
+        return
+    if cache_batch_idx is not None:
+        raise ValueError("block_table and cache_batch_idx were both given; a paged cache has no cache rows to "
+                         "pick (as flash-attn: pass one or the other)")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad with block_table (a paged cache) is not supported (nor by "
+                                  "flash-attn); left-pad a contiguous cache, or start each sequence on a page")
 
 def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None,
                     config=None, block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
@@ -298,10 +306,9 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, ca
     with _on_device(p.device):  # once per call: each context switch or query is a driver call
         cfg, n_splits, chunks = _tiles_and_splits(p, num_splits, config)
         if p.n_q > MAX_DECODE_QUERIES and chunks > 1:
-            warnings.warn(f"decode with Nq = {p.n_q} queries: the {p.H // p.Hkv * p.n_q} rows of each GQA group take "
-                          f"{chunks} blocks of {cfg.rows}, each reading the whole cache, with scores on CUDA cores; "
-                          f"for long query blocks on a contiguous cache numba_flash.forward is faster",
-                          PerformanceWarning, stacklevel=3)
+            plans.warn(f"decode with Nq = {p.n_q} queries: the {p.H // p.Hkv * p.n_q} rows of each GQA group take "
+                       f"{chunks} blocks of {cfg.rows}, each reading the whole cache, with scores on CUDA cores; "
+                       f"for long query blocks on a contiguous cache numba_flash.forward is faster", PerformanceWarning)
         stream = arrays.current_stream(q)
         out_obj, out_dev = arrays.empty_like_kind(p.kind, q, p.q_shape, p.dtype, stream)
         lse_obj, lse_dev = arrays.empty_like_kind(p.kind, q, p.lse_shape, "float32", stream)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .api import window_pair
+from .decode import check_cache_combination
 from .torch import attention, decode, varlen_attention
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -200,6 +201,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         if lens is None:
             raise ValueError("flash_attn_with_kvcache: k / v are appended at cache_seqlens; pass cache_seqlens")
+        check_cache_combination(block_table, cache_batch_idx, cache_leftpad)  # a refused call leaves the cache as is
         _append(k_cache, v_cache, k, v, lens, block_table, cache_batch_idx)
         lens = (lens + k.shape[1]).to(torch.int32)
     out, lse = decode(_heads_first(q), _heads_first(k_cache), _heads_first(v_cache), cache_seqlens=lens,

@@ -36,7 +36,7 @@ inlined device function, so a mod costs what its arithmetic costs. What a mod ma
 
 ``ScoreMod(fn, grad=...)`` carries the derivative d score_mod / d score at the score it was given, with
 the same arguments (``grad(score, b, h, q_idx, kv_idx, *aux)``): the NumPy reference's backward uses it.
-The kernels' backward has no user mods yet: ``numba_flash.backward`` raises NotImplementedError for them.
+The kernels' backward has no user mods: ``numba_flash.backward`` raises NotImplementedError for them.
 
 ``document_mask(q_segment_ids, kv_segment_ids)`` is the packed-batch document mask as a MaskMod: token
 q_idx sees key kv_idx iff both carry the same segment id (combine with causal=True for causal documents).

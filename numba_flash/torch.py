@@ -50,7 +50,7 @@ except ImportError as e:  # a clear message instead of a NameError later
 from torch.autograd.function import once_differentiable  # noqa: E402
 
 from .api import MMA_BWD_MAX_HEAD_DIM, forward, unbounded_past_keys, window_pair
-from .backward import backward
+from .backward import backward, smem_blockers
 from .blocks.mask import window_kind
 from .decode import decode as _decode
 from .varlen import varlen_backward, varlen_forward
@@ -318,11 +318,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
         mods = window_kind(causal, unbounded_past_keys((left, right), n_k)) == "window"
     if mods and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # the backward has the mods on the mma kernels only: say so now, not at loss.backward()
-        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > MMA_BWD_MAX_HEAD_DIM:
+        blockers = smem_blockers(q.shape[-1])
+        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > MMA_BWD_MAX_HEAD_DIM or blockers:
             raise NotImplementedError(
                 f"window_size / softcap / alibi_slopes with gradients: the backward builds them into the mma "
-                f"kernels only (float16/bfloat16, head dim <= {MMA_BWD_MAX_HEAD_DIM}); got {q.dtype}, head dim {q.shape[-1]} (the "
-                "forward alone runs them, under torch.no_grad())")
+                f"kernels only (float16/bfloat16, head dim <= {MMA_BWD_MAX_HEAD_DIM}, tiles within the GPU's shared "
+                f"memory); got {q.dtype}, head dim {q.shape[-1]}{''.join('; ' + b for b in blockers)} (the forward "
+                "alone runs them, under torch.no_grad())")
     args = (q, k, v, causal, scale, left, right, float(softcap), alibi_slopes, deterministic)
     if not _eager(q, k, v, alibi_slopes):
         out, lse = fwd(*args)
@@ -336,12 +338,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
 def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, mask_mod,
                          score_mod):
     """attention with user mods: numba_flash.forward in eager mode, no gradient (attention's docstring)."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("mask_mod / score_mod under torch.compile: a custom op cannot take Python "
-                                  "functions; call numba_flash.torch.attention with them outside the compiled region")
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)):
         raise NotImplementedError("mask_mod / score_mod with gradients: the backward kernels have no user mods (the "
                                   "forward alone runs them, under torch.no_grad())")
+    if not _eager(q, k, v):
+        raise NotImplementedError("mask_mod / score_mod under torch.compile, tracing, fake tensors or a dispatch "
+                                  "mode: a custom op cannot take Python functions; call numba_flash.torch.attention "
+                                  "with them outside the compiled or traced region, on plain CUDA tensors")
     _check_bool("return_lse", return_lse)
     out, lse = forward(q, k, v, causal=_check_bool("causal", causal), softmax_scale=_check_scale(softmax_scale),
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
@@ -367,6 +370,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
         raise TypeError(f"num_splits must be a Python int >= 1 or None; got {num_splits!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {causal!r}")
+    if _needs_grad(*(x for x in (q, k_cache, v_cache) if isinstance(x, torch.Tensor))):
+        raise NotImplementedError("numba_flash.torch.decode has no gradient: call it under torch.no_grad() (or on "
+                                  "tensors that do not require grad); for training use attention / varlen_attention")
     args = (q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits, block_table,
             cache_batch_idx, cache_leftpad, causal)
     eager = _eager(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
@@ -407,10 +413,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise TypeError(f"{name} must be an int (the longest sequence's length); got {x!r}")
     left, right = unbounded_past_keys(window_pair(window_size), max_seqlen_k)
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)) and \
-            q.shape[-1] > MMA_BWD_MAX_HEAD_DIM:  # said at the call, not at loss.backward()
+            (q.shape[-1] > MMA_BWD_MAX_HEAD_DIM or smem_blockers(q.shape[-1])):  # said at the call, not at backward()
         raise NotImplementedError(
             f"varlen_attention with gradients: the varlen backward is built into the mma kernels only (head dim <= "
-            f"{MMA_BWD_MAX_HEAD_DIM}); got head dim {q.shape[-1]} (the forward alone runs it, under torch.no_grad())")
+            f"{MMA_BWD_MAX_HEAD_DIM}, tiles within the GPU's shared memory); got head dim {q.shape[-1]}"
+            f"{''.join('; ' + b for b in smem_blockers(q.shape[-1]))} (the forward alone runs it, under torch.no_grad())")
     if q.dim() == 3 and k.dim() == 3:  # (validation of the rest is the op's, with the offsets' shapes)
         _assert_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
         _assert_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")

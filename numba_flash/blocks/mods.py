@@ -201,6 +201,9 @@ def _value_key(name, x, seen):
                     "device arrays as aux=(...) (launch arguments)")
 
 
+_LIBRARY_MODULES = frozenset({"math", "cmath", "operator", "numpy", "numba", "numba_cuda"})  # keyed by name
+
+
 def _code_key(code):
     consts = tuple(_code_key(c) if isinstance(c, pytypes.CodeType) else (type(c).__name__, repr(c))
                    for c in code.co_consts)
@@ -221,7 +224,13 @@ def code_key(fn, seen=None) -> tuple:
         if isinstance(c, pytypes.CodeType):
             names |= set(c.co_names)
     glob = tuple((n, _value_key(n, fn.__globals__[n], seen)) for n in sorted(names) if n in fn.__globals__)
-    return ("fn", fn.__qualname__, _code_key(code), cells, glob, fn.__defaults__ and
+    # Numba freezes a user module's attributes (mymod.WINDOW) into the kernel: key the ones the code can name
+    user_modules = [(n, x) for n, x in list(fn.__globals__.items()) + [(n, c.cell_contents) for n, c in zip(
+        code.co_freevars, fn.__closure__ or ())] if n in names | set(code.co_freevars)
+        and isinstance(x, pytypes.ModuleType) and x.__name__.split(".")[0] not in _LIBRARY_MODULES]
+    attrs = tuple((n, a, _value_key(f"{n}.{a}", getattr(x, a), seen)) for n, x in sorted(user_modules, key=str)
+                  for a in sorted(names) if hasattr(x, a) and not isinstance(getattr(x, a), pytypes.ModuleType))
+    return ("fn", fn.__qualname__, _code_key(code), cells, glob, attrs, fn.__defaults__ and
             tuple(_value_key("default", d, seen) for d in fn.__defaults__))
 
 

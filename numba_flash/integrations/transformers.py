@@ -18,7 +18,7 @@ Padding (a 2D attention_mask with a False), in eager calls with float16 / bfloat
 returns the (B, Nk) padding mask and the attention function unpads q, k, v to packed sequences and runs
 ``numba_flash.torch.varlen_attention`` (flash-attn's unpadding, as transformers' flash-attention path):
 a padded prefill (left or right padding) and generation steps of a left-padded batch against the cache,
-with gradients (head dim <= 128), GQA, causal sliding windows and softcap. The packed sizes are read back
+with gradients (head dim <= 256 where the GPU has the backward tiles' shared memory), GQA, causal sliding windows and softcap. The packed sizes are read back
 (one host sync per forward).
 
 What is refused with NotImplementedError (never dropped): padding with float32 (the varlen kernels are

@@ -407,3 +407,18 @@ def test_gpu_kvcache_paged_append_leftpad_batch_idx_and_queries(page):
             ref = _ref(qq[b:b + 1].double(), k_cache[r:r + 1, s:700].double(), v_cache[r:r + 1, s:700].double(),
                        causal=causal)
             assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
+
+
+def test_kvcache_refused_cache_arguments_leave_the_cache_as_it_was(twin):
+    """block_table with cache_batch_idx or cache_leftpad is refused before k / v are appended."""
+    B, H, d, page = 2, 2, 16, 16
+    k_cache, v_cache = _bnhd(4, page, H, d, 50), _bnhd(4, page, H, d, 51)  # 4 pages of 16 keys
+    q, kn, vn = _bnhd(B, 1, H, d, 52), _bnhd(B, 1, H, d, 53), _bnhd(B, 1, H, d, 54)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    before = k_cache.clone(), v_cache.clone()
+    for kw, err in ((dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), ValueError),
+                    (dict(cache_leftpad=torch.zeros(B, dtype=torch.int32)), NotImplementedError)):
+        with pytest.raises(err, match="block_table"):
+            fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, block_table=table, **kw)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -462,3 +462,14 @@ def test_user_mods_are_eager_and_forward_only():
 
     with pytest.raises(Exception, match="torch.compile"):
         torch.compile(compiled, fullgraph=True, backend="eager")(_meta(1, 2, 16, 64, grad=False))
+
+
+def test_decode_refuses_inputs_that_require_grad():
+    """decode has no gradient: inputs that require grad are refused at the call, not returned without a grad_fn."""
+    q = torch.randn(1, 2, 1, 16, requires_grad=True)
+    k = torch.randn(1, 2, 8, 16)
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        decode(q, k, k)
+    with torch.no_grad(), pytest.raises(Exception) as info:  # without grad the call goes on (and meets the CPU check)
+        decode(q, k, k)
+    assert "no gradient" not in str(info.value)

@@ -137,6 +137,15 @@ def test_the_key_follows_code_closure_globals_and_aux_types():
     k3 = _key(g["lim"])
     g["LIMIT"] = 4
     assert _key(g["lim"]) != k3, "a global the code names is frozen into the kernel: part of the key"
+    import types
+
+    settings = types.ModuleType("user_settings")  # a user module whose attribute the mod reads
+    settings.WIDTH = 3
+    g2 = {"settings": settings, "abs": abs}
+    exec("def by_module(b, h, q_idx, kv_idx):\n    return abs(q_idx - kv_idx) <= settings.WIDTH\n", g2)
+    k_mod = _key(g2["by_module"])
+    settings.WIDTH = 4
+    assert _key(g2["by_module"]) != k_mod, "a user module's attribute is frozen into the kernel: part of the key"
     from numba_flash import jit_cache
 
     jit_cache.canonical(("mma_forward", numba_flash.api.Mods(mask_mod=UserMod(make(4), 4, ()))))  # renders
