@@ -18,18 +18,20 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and os.environ.get("NUMBA_FLASH
 
 
 VARIANT_TESTS = os.environ.get("NUMBA_FLASH_VARIANT_TESTS", "0") == "1"
+HEAVY_TESTS = os.environ.get("NUMBA_FLASH_HEAVY_TESTS", "0") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `variant` cover kernel variants that are not shipped (sweep candidates); they
     are skipped unless NUMBA_FLASH_VARIANT_TESTS=1, to keep CI (2 cores, no GPU) under 20 minutes.
     Every shipped kernel and every public option stays covered without them."""
-    if VARIANT_TESTS:
-        return
     skip = pytest.mark.skip(reason="not-shipped kernel variant: set NUMBA_FLASH_VARIANT_TESTS=1 to run")
+    heavy = pytest.mark.skip(reason="a minute or more of NVVM or simulator time: set NUMBA_FLASH_HEAVY_TESTS=1 to run")
     for item in items:
-        if "variant" in item.keywords:
+        if "variant" in item.keywords and not VARIANT_TESTS:
             item.add_marker(skip)
+        if "heavy" in item.keywords and not HEAVY_TESTS:  # a lighter case of the same kernel stays in CI
+            item.add_marker(heavy)
 
 
 @pytest.fixture

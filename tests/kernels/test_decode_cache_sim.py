@@ -66,7 +66,7 @@ def inputs(rng, B, H, Hkv, n_q, n, d, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, dtype, G, n_q, page, splits, causal", [
     ("block32", "float16", 1, 3, 16, 2, True),     # 32-key tiles over 16-key pages
-    ("warp", "float16", 4, 1, 16, 3, True),
+    pytest.param("warp", "float16", 4, 1, 16, 3, True, marks=pytest.mark.heavy),
     ("block", "float32", 2, 2, 48, None, False),   # a page size that is not a power of two
 ])
 def test_paged_against_reference_and_contiguous_sim(kind, dtype, G, n_q, page, splits, causal, rng):
@@ -87,7 +87,8 @@ def test_paged_against_reference_and_contiguous_sim(kind, dtype, G, n_q, page, s
 
 @in_simulator
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, dtype, d", [("warp", "float16", 16), ("block", "float16", 12)])  # d 12: scalar loads
+@pytest.mark.parametrize("kind, dtype, d", [pytest.param("warp", "float16", 16, marks=pytest.mark.heavy),
+                                            ("block", "float16", 12)])  # d 12: scalar loads
 def test_batch_idx_and_leftpad_sim(kind, dtype, d, rng):
     B, H, Hkv, n_q, n = 3, 2, 1, 2, 24
     q = rng.standard_normal((B, H, n_q, d)).astype(dtype)
@@ -108,7 +109,7 @@ def test_batch_idx_and_leftpad_sim(kind, dtype, d, rng):
 
 @in_simulator
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, causal", [("block", True), ("warp", False)])
+@pytest.mark.parametrize("kind, causal", [("block", True), pytest.param("warp", False, marks=pytest.mark.heavy)])
 def test_many_queries_sim(kind, causal, rng):
     """17 queries: 17 rows over three 8-row blocks, each block reading the cache."""
     q, k, v = inputs(rng, 2, 1, 1, 17, 20, 16, "float32")

@@ -195,11 +195,11 @@ def test_atomic_dq_sim(B, H, Hkv, n_q, n_k, d, causal, dtype):
 @in_simulator
 @pytest.mark.slow
 @pytest.mark.parametrize("B,H,Hkv,n_q,n_k,d,causal,dtype,scheme", [
-    (1, 2, 1, 20, 30, 256, True, "float16", "kernel"),   # d 256: the split-layout dkdv (8 warps), the d256 dq kernel;
+    pytest.param(1, 2, 1, 20, 30, 256, True, "float16", "kernel", marks=pytest.mark.heavy),  # d 256: the split-layout dkdv (8 warps), the d256 dq kernel;
                                                           # GQA 2 (two query heads' Pᵀ / dSᵀ through shared memory)
     (1, 1, 1, 20, 40, 160, True, "bfloat16", "atomic"),  # d 160 -> 192: rows of 24 chunks (192 of 256 threads copy),
                                                           # the atomic dQ phase's 3 passes a warp
-    (1, 1, 1, 16, 70, 196, False, "float16", "splits"),  # d 196 -> 256: a part-data chunk (rows padded to 200 with
+    pytest.param(1, 1, 1, 16, 70, 196, False, "float16", "splits", marks=pytest.mark.heavy),  # d 196 -> 256: a part-data chunk (rows padded to 200 with
                                                           # NaN); 2 key blocks, 2 splits
 ])
 def test_head_dims_above_128_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, scheme):
@@ -387,7 +387,7 @@ def expected_mma(kernel, own, streamed, head_dim):
 
 # every head dim's shipped tiles, causal and not up to d = 128; one build each above (each compiles for a minute)
 COMPILED = [(hd, causal) for hd in MMA_BWD_HEAD_DIMS if hd <= 128 for causal in (False, True)] + \
-    [(hd, hd == 256) for hd in MMA_BWD_HEAD_DIMS if hd > 128]
+    [pytest.param(hd, hd == 256, marks=pytest.mark.heavy if hd == 192 else ()) for hd in MMA_BWD_HEAD_DIMS if hd > 128]
 
 
 @pytest.mark.parametrize("head_dim,causal", COMPILED)
@@ -409,7 +409,7 @@ def test_shipped_configs_compile_for_sm90(head_dim, kernel, causal, tmp_path):
 
 @pytest.mark.parametrize("head_dim,causal,build", [  # above d = 128 two of the builds (a minute each)
     (hd, causal, build) for hd in MMA_BWD_HEAD_DIMS if hd <= 128 and shipped(hd).get("deterministic_dq") == "splits"
-    for causal in (False, True) for build in (1, 2)] + [(192, False, 1), (256, True, 2)])
+    for causal in (False, True) for build in (1, 2)] + [pytest.param(192, False, 1, marks=pytest.mark.heavy), (256, True, 2)])
 def test_dq_splits_builds_compile(head_dim, causal, build, tmp_path):
     """The deterministic splits' dkdv builds (1: adds, 2: the first launch's stores): the dQ leaves by
     red.global.add.v2 or by st.global.v2 (never both: each build's other branch is pruned at compile time),

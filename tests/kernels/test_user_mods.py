@@ -228,6 +228,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_user_mod_builds_for_sm90a_spill_nothing(tmp_path):
     from test_ptx import run_compile_child
 
