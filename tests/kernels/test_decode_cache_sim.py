@@ -228,6 +228,7 @@ for i, (rows, mode) in enumerate([(4, dk.CacheMode(paged=True)), (1, dk.CacheMod
 """
 
 
+@pytest.mark.heavy
 def test_cache_mode_kernels_compile_for_sm90_without_spills(tmp_path):
     """The paged builds of the shipped fp16 d128 tiles (warp_split and block-wide) and an indexed, non-causal one:
     sm_90 PTX through ptxas with no stack, no spills, and the cp.async copies."""
