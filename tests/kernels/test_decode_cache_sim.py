@@ -237,7 +237,7 @@ def test_cache_mode_kernels_compile_for_sm90_without_spills(tmp_path):
     import subprocess
     import textwrap
 
-    from test_ptx import NO_GPU_PATCH, _pythonpath, find_ptxas
+    from test_ptx import NO_GPU_PATCH, _pythonpath, find_ptxas, ptxas_report
 
     if find_ptxas() is None:
         pytest.skip("ptxas not found")
@@ -251,13 +251,8 @@ def test_cache_mode_kernels_compile_for_sm90_without_spills(tmp_path):
         pytest.skip(f"no NVVM to compile with: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-4000:]
     for i in range(3):
-        src = tmp_path / f"k{i}.ptx"
-        assert "cp.async.cg.shared.global" in src.read_text()
-        rep = subprocess.run([find_ptxas(), "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / f"k{i}.cubin")],
-                             capture_output=True, text=True)
-        assert rep.returncode == 0, rep.stderr
-        text = rep.stderr + rep.stdout
-        stack, stores, loads = map(int, re.search(
-            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text).groups())
-        print(i, re.search(r"Used (\d+) registers", text).group(0), stack, stores, loads)
-        assert stack == 0 and stores == 0 and loads == 0, text
+        ptx_text = (tmp_path / f"k{i}.ptx").read_text()
+        assert "cp.async.cg.shared.global" in ptx_text
+        rep = ptxas_report(ptx_text, tmp_path)
+        print(i, rep["registers"], "registers", rep["stack"], rep["spill_stores"], rep["spill_loads"])
+        assert rep["stack"] == 0 and rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["text"]
