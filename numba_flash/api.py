@@ -323,11 +323,13 @@ def user_aux(p: Problem, mask_mod: Any, score_mod: Any, stream) -> tuple:
     """The user mods' aux arrays as device views, the mask's first (the kernels' launch arguments)."""
     from . import mods as user_mods
 
-    out = ()
-    for mod in (user_mods.as_mask_mod(mask_mod), user_mods.as_score_mod(score_mod)):
-        if mod is not None:
-            out += tuple(arrays.to_device_view(x, stream, len(arrays.shape_of(x))) for x in mod.aux)
-    return out
+    mods = (user_mods.as_mask_mod(mask_mod), user_mods.as_score_mod(score_mod))
+    return sum((aux_views(mod, stream) for mod in mods if mod is not None), ())
+
+
+def aux_views(mod, stream) -> tuple:
+    """A user mod's aux arrays as device views (NumPy ones copied to the GPU on ``stream``)."""
+    return tuple(arrays.to_device_view(x, stream, len(arrays.shape_of(x))) for x in mod.aux)
 
 
 def _mma_blockers(p: Problem, views=None, max_head_dim: int = MMA_MAX_HEAD_DIM) -> list[str]:

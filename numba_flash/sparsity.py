@@ -22,6 +22,7 @@ from numba import config as nb_config
 from numba import cuda, int8, int32, types
 
 from . import arrays, launch
+from .api import aux_views
 from .blocks.mods import UserMod
 from .mods import MaskMod, as_mask_mod
 
@@ -41,9 +42,8 @@ def classify_source(spec: UserMod):
     """(Python kernel, signature): classes[b, h, a, c] of the mask ``spec`` (grid: (Q tiles · K tiles, B·H)); every thread of the block
     strides over the tile's in-range scores, then the block votes (bar.red.or / .and)."""
     mask_call = spec.device_call()
-    aux_types = tuple(types.Array(getattr(types, dt), nd, "A") for dt, nd in spec.aux_types)
+    aux_types = spec.numba_aux_types()
     sig = (types.Array(types.int8, 4, "C"), int32, int32, int32, int32, int32) + aux_types
-    n_aux = len(aux_types)
     names = "".join(f", x{i}" for i in range(len(aux_types)))
     aux = f"({names[2:]}{',' if len(aux_types) == 1 else ''})"
     # one source, the kernel itself (the simulator swaps cuda's thread indices into a kernel's globals only)
@@ -99,7 +99,7 @@ class BlockMask:
     def check(self, mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int, block_k: int) -> None:
         """ValueError unless this mask was built from ``mask_mod`` (same code and values) for these sizes
         and this tile."""
-        spec = _spec(mask_mod)
+        spec = _spec(mask_mod, (B, H, n_q, n_k))
         if spec.cache_key != self.mod_key:
             raise ValueError(f"block_mask was built from another mask_mod than {as_mask_mod(mask_mod)!r}; build "
                              "it with numba_flash.block_mask(mask_mod, ...) from the mask passed with it")
@@ -124,12 +124,19 @@ def _compact(keep: np.ndarray) -> tuple:
     return num, idx
 
 
-def _spec(mask_mod) -> UserMod:
+def _spec(mask_mod, sizes: tuple) -> UserMod:
+    """The build argument of a mask_mod, its aux arrays checked as the forward checks them (api._check_user_mod,
+    against the mod's aux_shapes at ``sizes`` = (B, H, Nq, Nk))."""
+    from .api import _check_user_mod
+
     mod = as_mask_mod(mask_mod)
     if mod is None:
         raise TypeError("block_mask needs a mask_mod (a function mask_mod(b, h, q_idx, kv_idx, *aux) -> bool or "
                         "a numba_flash.mods.MaskMod); got None")
-    return mod.spec(tuple((arrays.dtype_name(x), len(arrays.shape_of(x))) for x in mod.aux))
+    first = mod.aux[0] if mod.aux else None  # the aux arrays' kind and device stand in for q's
+    kind = arrays.kind_of(first) if first is not None else arrays.NUMPY
+    device = arrays.device_of(first) if first is not None else None
+    return _check_user_mod("mask_mod", mod, kind, device, sizes)
 
 
 def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int = 128, block_k: int = 128,
@@ -140,15 +147,11 @@ def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int = 128,
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0:
             raise ValueError(f"block_mask: {name} must be a positive int; got {x!r}")
     mod: MaskMod = as_mask_mod(mask_mod)
-    spec = _spec(mod)
-    if mod.aux_shapes is not None:
-        for i, (x, want) in enumerate(zip(mod.aux, mod.aux_shapes(B, H, n_q, n_k))):
-            if want is not None and arrays.shape_of(x) != tuple(want):
-                raise ValueError(f"mask_mod aux[{i}] has shape {arrays.shape_of(x)}; accepted: {tuple(want)}")
+    spec = _spec(mod, (B, H, n_q, n_k))
     n_qb, n_kb = -(-n_q // block_q), -(-n_k // block_k)
     if B * H > 65535:
         raise ValueError(f"block_mask: B·H = {B * H} > 65535 (the grid's y)")
-    aux = tuple(arrays.to_device_view(x, stream, len(arrays.shape_of(x))) for x in mod.aux)
+    aux = aux_views(mod, stream)
     classes = cuda.device_array((B, H, n_qb, n_kb), np.int8, stream=stream)
     threads = 32 if nb_config.ENABLE_CUDASIM else THREADS
     launch.launch(_classify_kernel(spec), (n_qb * n_kb, B * H), threads, stream, 0, classes, int32(n_q),

@@ -155,6 +155,12 @@ class UserMod:
     def __repr__(self):
         return f"UserMod({getattr(python_function(self.fn), '__qualname__', self.fn)!r}, aux={self.aux_types})"
 
+    def numba_aux_types(self) -> tuple:
+        """The aux arrays' Numba types (launch arguments)."""
+        from numba import types
+
+        return tuple(types.Array(getattr(types, dt), nd, "A") for dt, nd in self.aux_types)
+
     def device_call(self, first: int = 0):
         """call(*leading, aux): fn(*leading, aux[first], aux[first + 1], ...) as an inlined device function (aux:
         every user mod's arrays, the mask's first)."""
@@ -267,10 +273,4 @@ def fragment_user_mods(mods: Mods, BLOCK_K: int, M_TILES: int):
 
 def user_aux_types(mods: Mods) -> tuple:
     """The aux arrays' Numba types, the mask's then the score mod's (launch arguments after the six above)."""
-    from numba import types
-
-    out = ()
-    for m in (mods.mask_mod, mods.score_mod):
-        if m is not None:
-            out += tuple(types.Array(getattr(types, dt), nd, "A") for dt, nd in m.aux_types)
-    return out
+    return sum((m.numba_aux_types() for m in (mods.mask_mod, mods.score_mod) if m is not None), ())
