@@ -248,6 +248,27 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
+def _run(op, function, body, args, inputs, extra):
+    """An op with gradients by its path (``_eager``): the op under tracing, else the autograd.Function where q, k,
+    v (``inputs``) need gradients, else the op's body; ``extra``: the other tensors ``_eager`` looks at."""
+    if not _eager(*inputs, *extra):
+        return op(*args)
+    return function.apply(*args) if _needs_grad(*inputs) else body(*args)
+
+
+def _refuse_backward_without_kernel(what: str, q, check_dtype: bool = True) -> None:
+    """Say at the call, not at loss.backward(), that the backward ``what`` needs is not built for q's head dim on
+    this GPU (the mma kernels: head dim <= MMA_BWD_MAX_HEAD_DIM, tiles within the block's shared memory) or q's
+    dtype (check_dtype=False: the op refuses other dtypes itself)."""
+    d = q.shape[-1]
+    blockers = [f"head dim {d} > {MMA_BWD_MAX_HEAD_DIM}"] if d > MMA_BWD_MAX_HEAD_DIM else smem_blockers(d)
+    if check_dtype and q.dtype not in (torch.float16, torch.bfloat16):
+        blockers.insert(0, f"dtype {q.dtype}, not float16 / bfloat16")
+    if blockers:
+        raise NotImplementedError(f"{what} with gradients: the backward builds it into the mma kernels only; here "
+                                  f"{'; '.join(blockers)} (the forward alone runs it, under torch.no_grad())")
+
+
 def _check_bool(name, x):
     if x is True or x is False:
         return x
@@ -318,20 +339,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
         mods = window_kind(causal, unbounded_past_keys((left, right), n_k)) == "window"
     if mods and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # the backward has the mods on the mma kernels only: say so now, not at loss.backward()
-        blockers = smem_blockers(q.shape[-1])
-        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > MMA_BWD_MAX_HEAD_DIM or blockers:
-            raise NotImplementedError(
-                f"window_size / softcap / alibi_slopes with gradients: the backward builds them into the mma "
-                f"kernels only (float16/bfloat16, head dim <= {MMA_BWD_MAX_HEAD_DIM}, tiles within the GPU's shared "
-                f"memory); got {q.dtype}, head dim {q.shape[-1]}{''.join('; ' + b for b in blockers)} (the forward "
-                "alone runs them, under torch.no_grad())")
+        _refuse_backward_without_kernel("window_size / softcap / alibi_slopes", q)
     args = (q, k, v, causal, scale, left, right, float(softcap), alibi_slopes, deterministic)
-    if not _eager(q, k, v, alibi_slopes):
-        out, lse = fwd(*args)
-    elif _needs_grad(q, k, v):
-        out, lse = _Attention.apply(*args)
-    else:
-        out, lse = _fwd_body(*args)
+    out, lse = _run(fwd, _Attention, _fwd_body, args, (q, k, v), (alibi_slopes,))
     return (out, lse) if return_lse else out
 
 
@@ -412,21 +422,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, torch.SymInt)):
             raise TypeError(f"{name} must be an int (the longest sequence's length); got {x!r}")
     left, right = unbounded_past_keys(window_pair(window_size), max_seqlen_k)
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)) and \
-            (q.shape[-1] > MMA_BWD_MAX_HEAD_DIM or smem_blockers(q.shape[-1])):  # said at the call, not at backward()
-        raise NotImplementedError(
-            f"varlen_attention with gradients: the varlen backward is built into the mma kernels only (head dim <= "
-            f"{MMA_BWD_MAX_HEAD_DIM}, tiles within the GPU's shared memory); got head dim {q.shape[-1]}"
-            f"{''.join('; ' + b for b in smem_blockers(q.shape[-1]))} (the forward alone runs it, under torch.no_grad())")
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)):
+        _refuse_backward_without_kernel("varlen_attention", q, check_dtype=False)
     if q.dim() == 3 and k.dim() == 3:  # (validation of the rest is the op's, with the offsets' shapes)
         _assert_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
         _assert_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
             float(softcap), alibi_slopes, deterministic)
-    if not _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
-        out, lse = varlen_fwd(*args)
-    elif _needs_grad(q, k, v):
-        out, lse = _VarlenAttention.apply(*args)
-    else:
-        out, lse = _varlen_fwd_body(*args)
+    out, lse = _run(varlen_fwd, _VarlenAttention, _varlen_fwd_body, args, (q, k, v),
+                    (cu_seqlens_q, cu_seqlens_k, alibi_slopes))
     return (out, lse) if return_lse else out

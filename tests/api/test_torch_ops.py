@@ -473,3 +473,20 @@ def test_decode_refuses_inputs_that_require_grad():
     with torch.no_grad(), pytest.raises(Exception) as info:  # without grad the call goes on (and meets the CPU check)
         decode(q, k, k)
     assert "no gradient" not in str(info.value)
+
+
+def test_backward_refusals_come_at_the_call(monkeypatch):
+    """Mods or varlen with gradients where the mma backward is not built (dtype, head dim, or this GPU's shared
+    memory) raise at the call, not at loss.backward()."""
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="dtype torch.float32"):
+        attention(q.detach().float().requires_grad_(), q, q, softcap=5.0)
+    with pytest.raises(NotImplementedError, match="head dim 264 > 256"):
+        attention(torch.randn(1, 2, 8, 264, dtype=torch.float16, requires_grad=True), q, q, softcap=5.0)
+    monkeypatch.setattr(nft, "smem_blockers", lambda d: [f"the dkdv tile at head dim {d} needs more"])
+    with pytest.raises(NotImplementedError, match="the dkdv tile at head dim 64 needs more"):
+        attention(q, q, q, softcap=5.0)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    qp = torch.randn(8, 2, 64, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="varlen_attention with gradients.*head dim 64 needs more"):
+        nft.varlen_attention(qp, qp, qp, cu, cu, 8, 8)
