@@ -13,7 +13,7 @@ import numba_flash
 import reference
 from gpu_helpers import needs_gpu
 from numba_flash.mods import MaskMod, document_mask
-from numba_flash.sparsity import EMPTY, FULL, PARTIAL, BlockMask, classify_source
+from numba_flash.sparsity import EMPTY, FULL, PARTIAL, BlockMask
 
 pytestmark = pytest.mark.anywhere
 
