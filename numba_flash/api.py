@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from numba import config as nb_config
@@ -587,7 +587,7 @@ def _on_device(device: int | None):
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, mask_mod=None, score_mod=None):
+            alibi_slopes=None, mask_mod=None, score_mod=None, block_mask=None):
     """Exact attention O = softmax(Q Kᵀ · scale) V without materialising the N×N scores.
 
     Args:
@@ -632,6 +632,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
             function; FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool and score_mod(score, b, h, q_idx,
             kv_idx) -> score on the scaled logit). The user mask ANDs with causal / window. Kernel "mma"
             only (float16 / bfloat16): elsewhere NotImplementedError. numba_flash.mods says what a mod may do.
+        block_mask: a numba_flash.BlockMask (numba_flash.block_mask) of the mask_mod, built for (B, H, Nq, Nk)
+            at the forward's tile (numba_flash.sparsity.forward_tile(d, causal)); it carries its mask_mod, so
+            mask_mod may be left out (a mask_mod given must be the one it was built from). The kernel then visits
+            only the key tiles the BlockMask lists for each query tile (EMPTY ones never loaded) and calls the
+            mask_mod only on PARTIAL tiles; causal / window and the sequence end still apply on top.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
@@ -658,15 +663,16 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
     config and parameters, without the checks and choices in Python.
     """
     left, right = window_pair(window_size)
-    if mask_mod is not None or score_mod is not None:  # (functions are no plan key: the ordinary path each call)
+    if mask_mod is not None or score_mod is not None or block_mask is not None:  # (no plan key: each call checks)
         return _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left, right, softcap, mask_mod,
-                        score_mod)
+                        score_mod, block_mask)
     return plans.call(_forward, (q, k, v, alibi_slopes), (causal, softmax_scale, kernel, left, right, softcap))
 
 
 def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, right=-1, softcap=0.0, mask_mod=None,
-             score_mod=None):
+             score_mod=None, block_mask=None):
     """``forward`` without plans (plans.call runs it for a new signature and watches)."""
+    mask_mod = _block_mask_mod(block_mask, mask_mod)
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(left, right), softcap=softcap,
                  alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
     if kernel not in KERNELS:
@@ -693,10 +699,13 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
             if family == "mma":
                 mods = p.mods
                 alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
+                aux = user_aux(p, mask_mod, score_mod, stream)
+                if block_mask is not None:  # the BlockMask's key-tile lists (blocks/sparsity.py)
+                    mods, aux = replace(mods, block_sparse=True), aux + _walked_lists(p, block_mask, mask_mod, cfg)
                 launch_mma_forward(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                    stream=stream, layout_checked=True, mods=mods,
                                    window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
-                                   softcap=p.softcap, alibi=alibi, aux=user_aux(p, mask_mod, score_mod, stream))
+                                   softcap=p.softcap, alibi=alibi, aux=aux)
             elif family in TF32_KERNELS:
                 tf32_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                     passes=TF32_KERNELS[family], stream=stream, layout_checked=True)
@@ -714,8 +723,10 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, mask_mod=None, score_mod=None) -> str:
-    """Which kernel ``forward`` would run for these inputs, its tile config, and why."""
+            alibi_slopes=None, mask_mod=None, score_mod=None, block_mask=None) -> str:
+    """Which kernel ``forward`` would run for these inputs, its tile config, and why (with block_mask: the tiles
+    the kernel walks)."""
+    mask_mod = _block_mask_mod(block_mask, mask_mod)
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                  alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
     views = None
@@ -723,9 +734,49 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
         with _on_device(p.device):
             views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v))
     family, cfg, reasons = choose_kernel(p, kernel, views)
-    if mask_mod is not None and hasattr(cfg, "block_q"):
+    if block_mask is not None:  # user mods run on the tensor-core forwards only (choose_kernel raised otherwise)
+        reasons.append(_walk_line(p, block_mask, mask_mod, cfg))
+    elif mask_mod is not None and hasattr(cfg, "block_q"):
         reasons.append(_block_mask_line(p, mask_mod, cfg))
     return "\n".join(reasons)
+
+
+def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:
+    """The mask_mod of a call with a block_mask: its own (FlexAttention's: the BlockMask carries the mask), or the
+    one given, which BlockMask.check (at the launch) holds to the one it was built from."""
+    if block_mask is None:
+        return mask_mod
+    from .sparsity import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a numba_flash.BlockMask (numba_flash.block_mask(mask_mod, B, H, Nq, Nk, "
+                        f"block_q, block_k)) or None; got {type(block_mask).__name__}")
+    if mask_mod is None:
+        if block_mask.mask_mod is None:
+            raise ValueError("block_mask carries no mask_mod (it was not built by numba_flash.block_mask): pass the "
+                             "mask_mod it was built from")
+        return block_mask.mask_mod
+    return mask_mod
+
+
+def _walked_lists(p: Problem, block_mask: Any, mask_mod: Any, cfg) -> tuple:
+    """The device (counts, entries) a block_sparse forward walks: the BlockMask checked against the call (mask,
+    sizes, the forward's tile ``cfg``), intersected with causal / window, built once per BlockMask."""
+    block_mask.check(mask_mod, p.B, p.H, p.n_q, p.n_k, cfg.block_q, cfg.block_k)
+    return block_mask.device_lists(p.causal, p.window_size, current_device_id())
+
+
+def _walk_line(p: Problem, block_mask: Any, mask_mod: Any, cfg) -> str:
+    """explain's line for a call with a block_mask: the tiles the kernel visits (over every (b, h, query tile))."""
+    block_mask.check(mask_mod, p.B, p.H, p.n_q, p.n_k, cfg.block_q, cfg.block_k)
+    counts, entries = block_mask.lists(p.causal, p.window_size)
+    listed = entries[entries >= 0]
+    full = int((listed & 1).sum())
+    in_range = sum(int(c) for c in counts.reshape(-1))
+    total = block_mask.classes.size
+    return (f"block_mask walked: {full} FULL tiles (no mask_mod call) and {in_range - full} PARTIAL (mask_mod per "
+            f"score) visited; {total - in_range} of {total} (b, h, query tile, key tile) tiles never loaded (EMPTY "
+            f"or outside causal / window), at {cfg.block_q}x{cfg.block_k} tiles")
 
 
 def _block_mask_line(p: Problem, mask_mod: Any, cfg) -> str:

@@ -9,7 +9,10 @@ range are the forward's own masks, applied on top. Per query tile it compacts th
 layout of FlexAttention's BlockMask. It agrees with ``reference.block_mask``.
 
 The result is a host-side object the caller builds once and reuses for every call with the same mask, sizes
-and tile (``BlockMask.check`` says what differs). Its cost is one mask_mod call per score (B·H·Nq·Nk) and a
+and tile (``BlockMask.check`` says what differs). ``forward(..., block_mask=bm)`` walks it: the tensor-core
+forwards visit only the listed key tiles of each query tile and call the mask_mod only on PARTIAL ones
+(blocks/sparsity.py); the BlockMask carries its mask_mod (FlexAttention's flex_attention(q, k, v, score_mod,
+block_mask)), and must be built at the forward's tile (``forward_tile`` names it). Its cost is one mask_mod call per score (B·H·Nq·Nk) and a
 launch: a forward's own cost in mask calls, so it is not built behind the caller's back on every call and not
 cached on the aux arrays' pointers (their contents may change under the same pointer).
 """
@@ -24,6 +27,7 @@ from numba import cuda, int8, int32, types
 from . import arrays, launch
 from .api import aux_views
 from .blocks.mods import UserMod
+from .blocks.sparsity import host_lists
 from .mods import MaskMod, as_mask_mod
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # reference.block_mask's classes
@@ -80,10 +84,13 @@ class BlockMask:
     ``kv_num_blocks`` / ``kv_indices`` (the visible key tiles of each query tile, in order, then -1) and
     ``full_kv_num_blocks`` / ``full_kv_indices`` (the FULL ones among them), host NumPy int32."""
 
-    def __init__(self, classes: np.ndarray, n_q: int, n_k: int, block_q: int, block_k: int, mod_key):
+    def __init__(self, classes: np.ndarray, n_q: int, n_k: int, block_q: int, block_k: int, mod_key,
+                 mask_mod: MaskMod | None = None):
         self.classes = classes
         self.n_q, self.n_k, self.block_q, self.block_k = n_q, n_k, block_q, block_k
         self.mod_key = mod_key  # UserMod.cache_key of the mask (its code, closure, globals, aux types)
+        self.mask_mod = mask_mod  # the MaskMod it was built from: forward(block_mask=...) runs it on PARTIAL tiles
+        self._lists: dict = {}  # (causal, window, device) -> device (counts, entries), built once each
         self.kv_num_blocks, self.kv_indices = _compact(classes != EMPTY)
         self.full_kv_num_blocks, self.full_kv_indices = _compact(classes == FULL)
 
@@ -108,7 +115,22 @@ class BlockMask:
                              f"{(B, H, n_q, n_k)}")
         if (self.block_q, self.block_k) != (block_q, block_k):
             raise ValueError(f"block_mask has {self.block_q}x{self.block_k} tiles; the forward's tile is "
-                             f"{block_q}x{block_k} (numba_flash.explain names it)")
+                             f"{block_q}x{block_k}: build it with numba_flash.block_mask(mask_mod, {B}, {H}, {n_q}, "
+                             f"{n_k}, block_q={block_q}, block_k={block_k}) (numba_flash.sparsity.forward_tile "
+                             "names the tile of a head dim and causal)")
+
+    def lists(self, causal: bool, window=(-1, -1)) -> tuple:
+        """Host (counts, entries) of the forward's walk under causal / window (blocks.sparsity.host_lists)."""
+        return host_lists(self.classes, self.n_q, self.n_k, self.block_q, self.block_k, causal, window)
+
+    def device_lists(self, causal: bool, window=(-1, -1), device=None) -> tuple:
+        """lists() on the GPU (the forward's launch arguments), copied once per (causal, window, device) and kept
+        here: the classes never change, so neither do the lists."""
+        key = (bool(causal), tuple(int(x) for x in window), device)
+        if key not in self._lists:
+            counts, entries = self.lists(causal, window)
+            self._lists[key] = (cuda.to_device(counts), cuda.to_device(entries))  # synchronous: any stream may read
+        return self._lists[key]
 
     def __repr__(self):
         c = self.counts()
@@ -157,4 +179,13 @@ def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int = 128,
     launch.launch(_classify_kernel(spec), (n_qb * n_kb, B * H), threads, stream, 0, classes, int32(n_q),
                   int32(n_k), int32(block_q), int32(block_k), int32(n_kb), *aux)
     return BlockMask(classes.copy_to_host(stream=stream), int(n_q), int(n_k), int(block_q), int(block_k),
-                     spec.cache_key)
+                     spec.cache_key, mod)
+
+
+def forward_tile(head_dim: int, causal: bool = False) -> tuple:
+    """(block_q, block_k) of the tensor-core forward's tile for this head dim and causal on the current GPU (the
+    tile a BlockMask for ``forward(..., block_mask=)`` is built at; numba_flash.explain names it too)."""
+    from .api import mma_config
+
+    tile = mma_config(int(head_dim), bool(causal))
+    return tile.block_q, tile.block_k

@@ -42,6 +42,11 @@ class Mods:
     alibi: bool = False
     mask_mod: "UserMod | None" = None  # a user mask (numba_flash.mods.MaskMod), compiled in
     score_mod: "UserMod | None" = None  # a user score modification (numba_flash.mods.ScoreMod)
+    block_sparse: bool = False  # walk a BlockMask's key-tile lists (blocks/sparsity.py); needs mask_mod
+
+    def __post_init__(self):
+        if self.block_sparse and self.mask_mod is None:
+            raise ValueError("Mods: block_sparse walks the key-tile lists of a mask_mod's BlockMask; it needs mask_mod")
 
     @property
     def any(self) -> bool:
@@ -52,8 +57,8 @@ class Mods:
         return self.mask_mod is not None or self.score_mod is not None
 
     def __str__(self) -> str:
-        return "+".join(n for n in ("window", "softcap", "alibi", "mask_mod", "score_mod") if getattr(self, n)) \
-            or "none"
+        return "+".join(n for n in ("window", "softcap", "alibi", "mask_mod", "score_mod", "block_sparse")
+                        if getattr(self, n)) or "none"
 
 
 NO_MODS = Mods()
@@ -244,12 +249,35 @@ def fragment_user_mods(mods: Mods, BLOCK_K: int, M_TILES: int):
     """user_tile(s, k0, row0, n_q, n_k, b, h, scale, inv_scale, g, t, aux): the user score mod, then the user
     mask, on a warp's mma.sync S fragments (fragment_mods' layout; raw scores: the mod sees scale·s and its
     result goes back as result / scale). Scores of rows >= n_q or keys >= n_k are left as they are (the
-    built-in mask hides the keys; those rows are never stored)."""
+    built-in mask hides the keys; those rows are never stored). A block_sparse build's user_tile takes
+    ``masked`` last: False on a FULL tile of the BlockMask, where the mask_mod is not called (nor anything,
+    without a score mod)."""
     MASK, SCORE = mods.mask_mod is not None, mods.score_mod is not None
     mask_call = mods.mask_mod.device_call() if MASK else None
     score_call = mods.score_mod.device_call(len(mods.mask_mod.aux_types) if MASK else 0) if SCORE else None
     S_TILES = BLOCK_K // 8
     NEG_INF = float32(-math.inf)
+
+    if mods.block_sparse:
+        @inline_device
+        def user_tile_sparse(s, k0, row0, n_q, n_k, b, h, scale, inv_scale, g, t, aux, masked):
+            if SCORE or masked:  # a FULL tile without a score mod: nothing to do
+                b32, h32 = int32(b), int32(h)
+                for mt in range(M_TILES):
+                    for r in range(4):
+                        row = int32(row0 + 16 * mt + g + 8 * (r >> 1))
+                        for nt in range(S_TILES):
+                            col = int32(k0 + 8 * nt + 2 * t + (r & 1))
+                            if row < n_q and col < n_k:
+                                x = s[mt * S_TILES + nt, r]
+                                if SCORE:
+                                    x = float32(score_call(x * scale, b32, h32, row, col, aux)) * inv_scale
+                                if MASK and masked:
+                                    if not mask_call(b32, h32, row, col, aux):
+                                        x = NEG_INF
+                                s[mt * S_TILES + nt, r] = x
+
+        return user_tile_sparse
 
     @inline_device
     def user_tile(s, k0, row0, n_q, n_k, b, h, scale, inv_scale, g, t, aux):
@@ -272,5 +300,9 @@ def fragment_user_mods(mods: Mods, BLOCK_K: int, M_TILES: int):
 
 
 def user_aux_types(mods: Mods) -> tuple:
-    """The aux arrays' Numba types, the mask's then the score mod's (launch arguments after the six above)."""
-    return sum((m.numba_aux_types() for m in (mods.mask_mod, mods.score_mod) if m is not None), ())
+    """The aux arrays' Numba types, the mask's then the score mod's (launch arguments after the six above); a
+    block_sparse build then takes the BlockMask's key-tile lists (blocks/sparsity.LIST_TYPES)."""
+    from .sparsity import LIST_TYPES
+
+    user = sum((m.numba_aux_types() for m in (mods.mask_mod, mods.score_mod) if m is not None), ())
+    return user + (LIST_TYPES if mods.block_sparse else ())

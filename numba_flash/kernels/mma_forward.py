@@ -70,6 +70,7 @@ from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rule
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
+from ..blocks.sparsity import entry, is_full, list_length, tile_of
 from ..jit_cache import compile_kernel
 
 DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
@@ -141,6 +142,11 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     SCORE_MODS = SOFTCAP or ALIBI
     USER = mods.user  # user mask / score mods (blocks/mods.py): every tile calls them
     CAUSAL = bool(causal) and not WINDOW
+    # block_sparse (blocks/sparsity.py): the key tiles come from the BlockMask's lists, already intersected with
+    # causal / window on the host, so the kernel computes no tile range of its own
+    BLOCK_SPARSE = bool(mods.block_sparse)
+    RANGE_CAUSAL, RANGE_WINDOW = CAUSAL and not BLOCK_SPARSE, WINDOW and not BLOCK_SPARSE
+    LISTS = len(user_aux_types(mods)) - 2  # aux[LISTS], aux[LISTS + 1]: counts, entries (block_sparse)
     GRID_BH_X, SMEM_EPILOGUE = tile.has("grid_bh_x"), tile.has("smem_epilogue")
     WARP_SKIP = tile.has("warp_skip") and CAUSAL
     Q_IN_REGS = HEAD_DIM <= 64  # d = 128 keeps Q in shared memory: its 32 registers would spill
@@ -249,11 +255,13 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         q0 = q_tile * BLOCK_Q
         shift = n_k - n_q  # bottom-right causal alignment: query i sees key j iff j <= i + shift
         n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
-        if CAUSAL:
+        if RANGE_CAUSAL:
             visible = min(q0 + BLOCK_Q, n_q) + shift  # keys the tile's last row can see
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
         j_first = 0  # the window: tiles left of every row's window are never loaded
-        if WINDOW:
+        if BLOCK_SPARSE:  # n_tiles counts list entries, not key tiles
+            n_tiles = list_length(aux[LISTS], b, h, q_tile)
+        if RANGE_WINDOW:
             j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
         slope = ZERO
         if ALIBI:  # (Ba, H): Ba = 1 broadcasts over the batch
@@ -288,16 +296,23 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         v_next += k_base * v_stride
         k_step = BLOCK_K * k_stride
         v_step = BLOCK_K * v_stride
-        if WINDOW:
+        if RANGE_WINDOW:
             k_next += j_first * k_step
             v_next += j_first * v_step
+        j_load = j_first  # the first key tile
+        if BLOCK_SPARSE:  # tile j's offset is k_tiles + j·k_step: the listed tiles are not consecutive
+            k_tiles, v_tiles = k_next, v_next
+            if n_tiles > 0:
+                j_load = tile_of(entry(aux[LISTS + 1], b, h, q_tile, 0))
+                k_next = k_tiles + j_load * k_step
+                v_next = v_tiles + j_load * v_step
 
         # Prologue: Q, K_0 and V_0 as one group.
         q_src, q_stride, _, q_dst = copy_plan(q, b, h, d)
         load_tile_fast(smem, SQ, q, q_src + (q_base + q0) * q_stride, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         if n_tiles > j_first:
-            k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, j_first * BLOCK_K, n_k)
-            v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, j_first * BLOCK_K, n_k)
+            k_next = copy_next(smem, SK, k, k_next, k_stride, k_step, col_bytes, kv_dst, j_load * BLOCK_K, n_k)
+            v_next = copy_next(smem, SV, v, v_next, v_stride, v_step, col_bytes, kv_dst, j_load * BLOCK_K, n_k)
         cp_commit()
         if Q_IN_REGS:  # Q's fragments are loaded before the loop
             cp_wait(0)
@@ -330,19 +345,34 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         n_tiles_w = n_tiles  # tiles this warp computes (warp_skip: those its rows see)
         if WARP_SKIP:
             seen_w = q0 + warp * ROWS_W + ROWS_W + shift  # keys the warp's last row sees
-            n_tiles_w = int32(min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K))
-        for j in range(int32(j_first), n_tiles):
+            if BLOCK_SPARSE:  # compared with key tiles, not list entries
+                n_tiles_w = int32((max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K)
+            else:
+                n_tiles_w = int32(min(n_tiles, (max(seen_w, 0) + BLOCK_K - 1) // BLOCK_K))
+        for it in range(int32(j_first), n_tiles):
+            j = it  # the key tile (block_sparse: list entry it's)
+            full = False
+            if BLOCK_SPARSE:
+                e = entry(aux[LISTS + 1], b, h, q_tile, it)
+                j = tile_of(e)
+                full = is_full(e)
             k0 = int32(j * BLOCK_K)
             k1 = int32(k0 + BLOCK_K)  # the next tile's first key
             # one barrier: K_j, V_j landed and every warp left tile j-1's buffers
-            kv_buf = int32(((j - j_first) & 1) * KV_WORDS)  # word offset of this tile's (K, V) pair
+            kv_buf = int32(((it - j_first) & 1) * KV_WORDS)  # word offset of this tile's (K, V) pair
             cp_wait(0)
             cuda.syncthreads()
-            if j < last_tile:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
+            if it < last_tile:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
+                k_load = k1
+                if BLOCK_SPARSE:  # the next listed tile
+                    j_next = tile_of(entry(aux[LISTS + 1], b, h, q_tile, it + 1))
+                    k_load = int32(j_next * BLOCK_K)
+                    k_next = k_tiles + j_next * k_step
+                    v_next = v_tiles + j_next * v_step
                 k_next = copy_next(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, k_step,
-                                   col_bytes, kv_dst, k1, n_k)
+                                   col_bytes, kv_dst, k_load, n_k)
                 v_next = copy_next(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, v_step,
-                                   col_bytes, kv_dst, k1, n_k)
+                                   col_bytes, kv_dst, k_load, n_k)
             cp_commit()
 
             # warp_skip: a warp past its rows' tiles skips the maths (exact: p = 0, alpha = 1) but keeps the
@@ -377,7 +407,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                 if SCORE_MODS:  # softcap, ALiBi: every score, before the mask
                     mod_tile(s, k0, q0 + warp * ROWS_W, shift, g, t, cap_a, cap_b, slope)
                 if USER:  # the user's score mod and mask: every tile (then the built-in mask below)
-                    user_tile(s, k0, q0 + warp * ROWS_W, n_q, n_k, b, h, scale, inv_scale, g, t, aux)
+                    if BLOCK_SPARSE:  # a FULL tile: no mask_mod call
+                        user_tile(s, k0, q0 + warp * ROWS_W, n_q, n_k, b, h, scale, inv_scale, g, t, aux, not full)
+                    else:
+                        user_tile(s, k0, q0 + warp * ROWS_W, n_q, n_k, b, h, scale, inv_scale, g, t, aux)
                 # Mask only tiles that cross the end of the keys, the diagonal or the window's edges (raw scores).
                 if WINDOW:
                     if window_edge(k0, k1, q0 + warp * ROWS_W, n_k, shift, left, right):

@@ -47,6 +47,7 @@ from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rule
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
+from ..blocks.sparsity import entry, is_full, list_length, tile_of
 
 DTYPES = ("float16", "bfloat16")
 FLAGS = ("wgmma", "grid_bh_x")  # wgmma: names this family in the shared configs (it changes nothing here)
@@ -104,6 +105,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     SCORE_MODS = SOFTCAP or ALIBI
     USER = mods.user  # user mask / score mods (blocks/mods.py): every tile calls them
     CAUSAL = bool(causal) and not WINDOW
+    BLOCK_SPARSE = bool(mods.block_sparse)  # the BlockMask's key-tile lists (mma_forward.kernel_source's)
+    RANGE_CAUSAL, RANGE_WINDOW = CAUSAL and not BLOCK_SPARSE, WINDOW and not BLOCK_SPARSE
+    LISTS = len(user_aux_types(mods)) - 2  # aux[LISTS], aux[LISTS + 1]: counts, entries (block_sparse)
     GRID_BH_X = tile.has("grid_bh_x")
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -195,11 +199,13 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         row_w = q0 + 16 * warp  # this warp's first query row
         shift = n_k - n_q
         n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
-        if CAUSAL:
+        if RANGE_CAUSAL:
             visible = min(q0 + BLOCK_Q, n_q) + shift
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
         j_first = 0
-        if WINDOW:
+        if BLOCK_SPARSE:  # n_tiles counts list entries, not key tiles
+            n_tiles = list_length(aux[LISTS], b, h, q_tile)
+        if RANGE_WINDOW:
             j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
         slope = ZERO
         if ALIBI:
@@ -216,12 +222,19 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         v_next += (k_base + j_first * BLOCK_K) * v_stride
         k_step = BLOCK_K * k_stride
         v_step = BLOCK_K * v_stride
+        j_load = j_first  # the first key tile
+        if BLOCK_SPARSE:  # tile j's offset is k_tiles + j·k_step: the listed tiles are not consecutive
+            k_tiles, v_tiles = k_next, v_next
+            if n_tiles > 0:
+                j_load = tile_of(entry(aux[LISTS + 1], b, h, q_tile, 0))
+                k_next = k_tiles + j_load * k_step
+                v_next = v_tiles + j_load * v_step
 
         q_src, q_stride, _, q_dst = q_plan(q, b, h, d)
         load_q(smem, SQ, q, q_src + (q_base + q0) * q_stride, q_stride, col_bytes, q_dst, q0, n_q, Q_COPIES)
         if n_tiles > j_first:
-            load_kv(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, j_first * BLOCK_K, n_k, KV_COPIES)
-            load_kv(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, j_first * BLOCK_K, n_k, KV_COPIES)
+            load_kv(smem, SK, k, k_next, k_stride, col_bytes, kv_dst, j_load * BLOCK_K, n_k, KV_COPIES)
+            load_kv(smem, SV, v, v_next, v_stride, col_bytes, kv_dst, j_load * BLOCK_K, n_k, KV_COPIES)
             k_next += k_step
             v_next += v_step
         cp_commit()
@@ -239,16 +252,28 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
 
         n_tiles = int32(n_tiles)
         last_tile = int32(n_tiles - 1)
-        for j in range(int32(j_first), n_tiles):
+        for it in range(int32(j_first), n_tiles):
+            j = it  # the key tile (block_sparse: list entry it's)
+            full = False
+            if BLOCK_SPARSE:
+                e = entry(aux[LISTS + 1], b, h, q_tile, it)
+                j = tile_of(e)
+                full = is_full(e)
             k0 = int32(j * BLOCK_K)
             k1 = int32(k0 + BLOCK_K)
-            kv_buf = int32(((j - j_first) & 1) * KV_WORDS)
+            kv_buf = int32(((it - j_first) & 1) * KV_WORDS)
             cp_wait(0)  # K_j, V_j (and Q) landed ...
             fence_async()  # ... visible to wgmma's reads ...
             cuda.syncthreads()  # ... for every thread; every warpgroup has retired tile j - 1's products
-            if j < last_tile:
-                load_kv(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
-                load_kv(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst, k1, n_k, KV_COPIES)
+            if it < last_tile:
+                k_load = k1
+                if BLOCK_SPARSE:  # the next listed tile
+                    j_next = tile_of(entry(aux[LISTS + 1], b, h, q_tile, it + 1))
+                    k_load = int32(j_next * BLOCK_K)
+                    k_next = k_tiles + j_next * k_step
+                    v_next = v_tiles + j_next * v_step
+                load_kv(smem, SK + (kv_buf ^ KV_WORDS), k, k_next, k_stride, col_bytes, kv_dst, k_load, n_k, KV_COPIES)
+                load_kv(smem, SV + (kv_buf ^ KV_WORDS), v, v_next, v_stride, col_bytes, kv_dst, k_load, n_k, KV_COPIES)
                 k_next += k_step
                 v_next += v_step
             cp_commit()
@@ -257,7 +282,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             if SCORE_MODS:
                 mod_tile(s, k0, row_w, shift, g, t, cap_a, cap_b, slope)
             if USER:  # the user's score mod and mask: every tile (then the built-in mask below)
-                user_tile(s, k0, row_w, n_q, n_k, b, h, scale, inv_scale, g, t, aux)
+                if BLOCK_SPARSE:  # a FULL tile: no mask_mod call
+                    user_tile(s, k0, row_w, n_q, n_k, b, h, scale, inv_scale, g, t, aux, not full)
+                else:
+                    user_tile(s, k0, row_w, n_q, n_k, b, h, scale, inv_scale, g, t, aux)
             if WINDOW:
                 if window_edge(k0, k1, row_w, n_k, shift, left, right):
                     window_tile(s, k0, row_w, n_k, shift, left, right, g, t)
