@@ -763,7 +763,7 @@ def _walked_lists(p: Problem, block_mask: Any, mask_mod: Any, cfg) -> tuple:
     """The device (counts, entries) a block_sparse forward walks: the BlockMask checked against the call (mask,
     sizes, the forward's tile ``cfg``), intersected with causal / window, built once per BlockMask."""
     block_mask.check(mask_mod, p.B, p.H, p.n_q, p.n_k, cfg.block_q, cfg.block_k)
-    return block_mask.device_lists(p.causal, p.window_size, current_device_id())
+    return block_mask.device_lists(p.causal, p.window_size, None if nb_config.ENABLE_CUDASIM else current_device_id())
 
 
 def _walk_line(p: Problem, block_mask: Any, mask_mod: Any, cfg) -> str:

@@ -4,7 +4,8 @@ Softmax (``reference.softmax``): ``standard_softmax``, ``naive_softmax``, ``logs
 online recurrence ``online_softmax_step`` / ``OnlineSoftmaxState`` (m, ℓ, O of section 3.6.4;
 ``m_i``, ``l_i``, ``acc`` in the kernels) and ``online_softmax_attention``.
 Attention (``reference.attention``): ``standard_attention`` (materialises S and P, 3.6.2) and
-``flash_attention`` (the FA2 tile loop, 3.6.6), with the tile-plan helpers the kernels mirror.
+``flash_attention`` (the FA2 tile loop, 3.6.6), with the tile-plan helpers the kernels mirror;
+``block_mask``, ``host_lists`` and ``block_sparse_attention``: the BlockMask walk of the block-sparse forward.
 Backward (``reference.backward``): ``attention_backward`` and ``flash_attention_backward`` (3.6.7).
 Decode (``reference.decode``): split-KV ``decode_partials`` + ``merge_partials`` = ``decode_attention``.
 Varlen (``reference.varlen``): ``varlen_attention`` and ``varlen_attention_backward``, packed sequences one by one.
@@ -26,9 +27,11 @@ This package imports nothing from numba_flash.
 from . import costs
 from .attention import (
     block_mask,
+    block_sparse_attention,
     causal_mask,
     first_q_block_to_visit,
     flash_attention,
+    host_lists,
     kv_block_range,
     kv_blocks_to_visit,
     q_block_range,
@@ -52,6 +55,8 @@ from .trace import OnlineSoftmaxTrace, TraceStep, format_trace, online_softmax_t
 
 __all__ = [
     "block_mask",
+    "block_sparse_attention",
+    "host_lists",
     "varlen_attention",
     "varlen_attention_backward",
     "decode_attention",

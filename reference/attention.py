@@ -468,6 +468,75 @@ def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int, block
     return classes, kv_num_blocks, kv_indices
 
 
+def host_lists(classes, n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False, window_size=(-1, -1)):
+    """The key-tile lists a block-sparse forward walks (numba_flash.blocks.sparsity.host_lists, name for name):
+    from :func:`block_mask`'s classes (B, H, Q blocks, K/V blocks), the non-EMPTY K/V blocks of each Q block that
+    lie in its causal / window range (:func:`kv_block_range`), in ascending order. Returns (counts (B, H, Q
+    blocks) int32, entries (B, H, Q blocks, K/V blocks) int32): entry = 2·block + (1 if FULL), then -1."""
+    classes = np.asarray(classes)
+    window = check_window_size(window_size, check_causal(causal), n_k=n_k)
+    counts = np.zeros(classes.shape[:3], np.int32)
+    entries = np.full(classes.shape, -1, np.int32)
+    for a in range(classes.shape[2]):
+        first, stop = kv_block_range(a * block_q, min((a + 1) * block_q, n_q), n_q, n_k, block_k, causal,
+                                     window)
+        for idx in np.ndindex(*classes.shape[:2]):
+            listed = [2 * j + int(classes[idx][a, j] == FULL) for j in range(first, stop)
+                      if classes[idx][a, j] != EMPTY]
+            counts[idx][a] = len(listed)
+            entries[idx][a, : len(listed)] = listed
+    return counts, entries
+
+
+def block_sparse_attention(q, k, v, counts, entries, *, block_q: int, block_k: int, causal: bool = False,
+                           softmax_scale=None, dtype=None, window_size=(-1, -1), softcap: float = 0.0,
+                           alibi_slopes=None, mask_mod=None, score_mod=None, mask_aux=(), score_aux=(),
+                           rescale_threshold: float = 0.0):
+    """The block-sparse forward's walk (kernels with numba_flash's block_mask): q (B, H, Nq, d), k, v (B, Hkv, Nk,
+    d); each (b, h, Q block) visits only the K/V blocks its list names (:func:`host_lists`), in list order, by the
+    online softmax; a FULL entry skips the mask_mod (the causal / window and sequence-end masks still apply), a
+    PARTIAL one applies it. With the lists of the mask's own :func:`block_mask` this is standard_attention (the
+    lists drop only invisible blocks and FULL means no score is hidden); with other lists it is what the kernel
+    computes from them. Arguments otherwise as :func:`flash_attention`. Returns (O, L)."""
+    if np.ndim(q) != 4:
+        raise ValueError(f"block_sparse_attention: q must be (B, H, Nq, d); got shape {np.shape(q)}")
+    pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
+                  softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+                  mask_aux=mask_aux, score_aux=score_aux)
+    block_q = check_positive_int("block_q", block_q)
+    block_k = check_positive_int("block_k", block_k)
+    counts, entries = np.asarray(counts), np.asarray(entries)
+    n_qb, n_kb = -(-pr.n_q // block_q), -(-pr.n_k // block_k)
+    if counts.shape != pr.lead + (n_qb,) or entries.shape != pr.lead + (n_qb, n_kb):
+        raise ValueError(f"counts {counts.shape} / entries {entries.shape}: need {pr.lead + (n_qb,)} / "
+                         f"{pr.lead + (n_qb, n_kb)} for (B, H) = {pr.lead} and {block_q}x{block_k} blocks")
+    no_user_mask = pr.user
+    if pr.user is not None and pr.user.mask_mod is not None:
+        no_user_mask = _UserMods(None, pr.user.score_mod, pr.user.score_mod_grad, (), pr.user.score_aux, pr.lead)
+    O = np.empty(pr.lead + (pr.n_q, pr.d), dtype=pr.dtype)
+    L = np.empty(pr.lead + (pr.n_q,), dtype=pr.dtype)
+    for a in range(n_qb):
+        q_start, q_stop = a * block_q, min((a + 1) * block_q, pr.n_q)
+        tiles = {}  # (block, full) -> the tile's logits over every (b, h)
+        for idx in np.ndindex(*pr.lead):
+            m_i = np.full((q_stop - q_start,), -np.inf, dtype=pr.dtype)
+            l_i = np.zeros((q_stop - q_start,), dtype=pr.dtype)
+            acc = np.zeros((q_stop - q_start, pr.d), dtype=pr.dtype)
+            for e in entries[idx][a, : counts[idx][a]]:
+                j, full = int(e) >> 1, bool(e & 1)
+                k_start, k_stop = j * block_k, min((j + 1) * block_k, pr.n_k)
+                if (j, full) not in tiles:
+                    s0 = (pr.q[..., q_start:q_stop, :] @ np.swapaxes(pr.k[..., k_start:k_stop, :], -1, -2)) * pr.scale
+                    tiles[j, full] = _final_logits(s0, np.arange(q_start, q_stop), np.arange(k_start, k_stop),
+                                                   pr.n_k, pr.shift, pr.window, pr.softcap, pr.alibi, mask=True,
+                                                   user=no_user_mask if full else pr.user)[0]
+                step = online_softmax_step(m_i, l_i, acc, tiles[j, full][idx], pr.v[idx][k_start:k_stop],
+                                           rescale_threshold=rescale_threshold)
+                m_i, l_i, acc = step.m_new, step.l_i, step.acc
+            O[idx][q_start:q_stop], L[idx][q_start:q_stop] = _finalize(m_i, l_i, acc)
+    return O, L
+
+
 def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dtype=None, window_size=(-1, -1),
                        softcap: float = 0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mask_aux=(),
                        score_aux=()):
