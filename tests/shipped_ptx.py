@@ -137,6 +137,27 @@ def cases() -> dict:
                               layout_checked=True, mods=mods, aux=aux)
             out[f"fwd-{family}/d128/{'causal' if causal else 'full'}/bfloat16/docmask"] = call
 
+    # --- forward: the document mask walking its BlockMask (Mods.block_sparse: the key-tile lists) ----------------
+    for family in ("mma", "wgmma"):
+        for causal in (False, True):
+            def call(family=family, causal=causal):
+                from numba_flash.blocks.mods import Mods, UserMod
+                from numba_flash.kernels import mma_forward, wgmma_forward
+                from numba_flash.mods import same_document
+
+                view, q, k, v = qkv("bfloat16", 128)
+                out_, lse = view(q.shape, "uint16"), view(q.shape[:3], "float32")
+                mods = Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))), block_sparse=True)
+                kernel, table = ((wgmma_forward, configs.MMA_WGMMA) if family == "wgmma" else
+                                 (mma_forward, configs.MMA_TABLE))
+                tile = table[128, causal]
+                n_qt, n_kt = -(-n_q // tile.block_q), -(-n_k // tile.block_k)
+                aux = (view((B, n_q), "int32"), view((B, n_k), "int32"), view((B, H, n_qt), "int32"),
+                       view((B, H, n_qt, n_kt), "int32"))
+                kernel.launch(q, k, v, out_, lse, tile, causal=causal, softmax_scale=0.1, layout_checked=True,
+                              mods=mods, aux=aux)
+            out[f"fwd-{family}/d128/{'causal' if causal else 'full'}/bfloat16/docmask-sparse"] = call
+
     # --- forward: tf32x3 and tf32 (fp32 on tensor cores) ------------------------------------
     for (hd, causal) in sorted(configs.TF32_TABLE):
         for passes in (3, 1):
@@ -370,7 +391,7 @@ CI_PATTERNS = (
     r"^decode/d128/float16/.*/(contiguous|strided)/splits(1|4)/sm90$", r"^decode/d64/float32/rows1-.*/splits4/sm80$",
     r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$", r"^decode-paged/d128/float16/rows4-.*/splits4$",
     r"^fwd-mma-varlen/d128/causal/bfloat16$", r"^bwd-mma-varlen/d128/causal/bfloat16/sm90/splits$",
-    r"^fwd-wgmma/d128/causal/bfloat16/docmask$",
+    r"^fwd-wgmma/d128/causal/bfloat16/docmask$", r"^fwd-wgmma/d128/causal/bfloat16/docmask-sparse$",
 )
 
 

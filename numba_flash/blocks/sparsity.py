@@ -24,6 +24,15 @@ EMPTY, PARTIAL, FULL = 0, 1, 2  # numba_flash.sparsity's (and reference.block_ma
 LIST_TYPES = (types.Array(types.int32, 3, "A"), types.Array(types.int32, 4, "A"))  # counts, entries
 
 
+def lists_of(first: int):
+    """lists(aux) -> (counts, entries): the two list arrays at aux[first], aux[first + 1] (a tuple of arrays of
+    different types takes literal indices only, so the indices are written into the source)."""
+    scope: dict = {}
+    exec(compile(f"def lists(aux):\n    return aux[{int(first)}], aux[{int(first) + 1}]\n", "<lists_of>", "exec"),
+         scope)
+    return inline_device(scope["lists"])
+
+
 @inline_device
 def list_length(counts, b, h, q_tile):
     """How many key tiles query tile q_tile of (b, h) visits."""

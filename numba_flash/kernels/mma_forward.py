@@ -70,7 +70,7 @@ from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rule
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
-from ..blocks.sparsity import entry, is_full, list_length, tile_of
+from ..blocks.sparsity import entry, is_full, list_length, lists_of, tile_of
 from ..jit_cache import compile_kernel
 
 DTYPES = ("float16", "bfloat16")  # bf16 arrays travel as uint16 bit patterns; f16 as float16
@@ -146,7 +146,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     # causal / window on the host, so the kernel computes no tile range of its own
     BLOCK_SPARSE = bool(mods.block_sparse)
     RANGE_CAUSAL, RANGE_WINDOW = CAUSAL and not BLOCK_SPARSE, WINDOW and not BLOCK_SPARSE
-    LISTS = len(user_aux_types(mods)) - 2  # aux[LISTS], aux[LISTS + 1]: counts, entries (block_sparse)
+    lists = lists_of(len(user_aux_types(mods)) - 2)  # (counts, entries) from aux (block_sparse)
     GRID_BH_X, SMEM_EPILOGUE = tile.has("grid_bh_x"), tile.has("smem_epilogue")
     WARP_SKIP = tile.has("warp_skip") and CAUSAL
     Q_IN_REGS = HEAD_DIM <= 64  # d = 128 keeps Q in shared memory: its 32 registers would spill
@@ -260,7 +260,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
         j_first = 0  # the window: tiles left of every row's window are never loaded
         if BLOCK_SPARSE:  # n_tiles counts list entries, not key tiles
-            n_tiles = list_length(aux[LISTS], b, h, q_tile)
+            kv_counts, kv_entries = lists(aux)
+            n_tiles = list_length(kv_counts, b, h, q_tile)
         if RANGE_WINDOW:
             j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
         slope = ZERO
@@ -303,7 +304,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         if BLOCK_SPARSE:  # tile j's offset is k_tiles + j·k_step: the listed tiles are not consecutive
             k_tiles, v_tiles = k_next, v_next
             if n_tiles > 0:
-                j_load = tile_of(entry(aux[LISTS + 1], b, h, q_tile, 0))
+                j_load = tile_of(entry(kv_entries, b, h, q_tile, 0))
                 k_next = k_tiles + j_load * k_step
                 v_next = v_tiles + j_load * v_step
 
@@ -353,7 +354,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             j = it  # the key tile (block_sparse: list entry it's)
             full = False
             if BLOCK_SPARSE:
-                e = entry(aux[LISTS + 1], b, h, q_tile, it)
+                e = entry(kv_entries, b, h, q_tile, it)
                 j = tile_of(e)
                 full = is_full(e)
             k0 = int32(j * BLOCK_K)
@@ -365,7 +366,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             if it < last_tile:  # K_{j+1}, V_{j+1} into the other pair, a whole tile ahead
                 k_load = k1
                 if BLOCK_SPARSE:  # the next listed tile
-                    j_next = tile_of(entry(aux[LISTS + 1], b, h, q_tile, it + 1))
+                    j_next = tile_of(entry(kv_entries, b, h, q_tile, it + 1))
                     k_load = int32(j_next * BLOCK_K)
                     k_next = k_tiles + j_next * k_step
                     v_next = v_tiles + j_next * v_step

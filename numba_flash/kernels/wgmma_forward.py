@@ -47,7 +47,7 @@ from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rule
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
-from ..blocks.sparsity import entry, is_full, list_length, tile_of
+from ..blocks.sparsity import entry, is_full, list_length, lists_of, tile_of
 
 DTYPES = ("float16", "bfloat16")
 FLAGS = ("wgmma", "grid_bh_x")  # wgmma: names this family in the shared configs (it changes nothing here)
@@ -107,7 +107,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     CAUSAL = bool(causal) and not WINDOW
     BLOCK_SPARSE = bool(mods.block_sparse)  # the BlockMask's key-tile lists (mma_forward.kernel_source's)
     RANGE_CAUSAL, RANGE_WINDOW = CAUSAL and not BLOCK_SPARSE, WINDOW and not BLOCK_SPARSE
-    LISTS = len(user_aux_types(mods)) - 2  # aux[LISTS], aux[LISTS + 1]: counts, entries (block_sparse)
+    lists = lists_of(len(user_aux_types(mods)) - 2)  # (counts, entries) from aux (block_sparse)
     GRID_BH_X = tile.has("grid_bh_x")
     THREADS = 32 * WARPS
     CHUNKS = HEAD_DIM // 8
@@ -204,7 +204,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
         j_first = 0
         if BLOCK_SPARSE:  # n_tiles counts list entries, not key tiles
-            n_tiles = list_length(aux[LISTS], b, h, q_tile)
+            kv_counts, kv_entries = lists(aux)
+            n_tiles = list_length(kv_counts, b, h, q_tile)
         if RANGE_WINDOW:
             j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
         slope = ZERO
@@ -226,7 +227,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         if BLOCK_SPARSE:  # tile j's offset is k_tiles + j·k_step: the listed tiles are not consecutive
             k_tiles, v_tiles = k_next, v_next
             if n_tiles > 0:
-                j_load = tile_of(entry(aux[LISTS + 1], b, h, q_tile, 0))
+                j_load = tile_of(entry(kv_entries, b, h, q_tile, 0))
                 k_next = k_tiles + j_load * k_step
                 v_next = v_tiles + j_load * v_step
 
@@ -256,7 +257,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             j = it  # the key tile (block_sparse: list entry it's)
             full = False
             if BLOCK_SPARSE:
-                e = entry(aux[LISTS + 1], b, h, q_tile, it)
+                e = entry(kv_entries, b, h, q_tile, it)
                 j = tile_of(e)
                 full = is_full(e)
             k0 = int32(j * BLOCK_K)
@@ -268,7 +269,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             if it < last_tile:
                 k_load = k1
                 if BLOCK_SPARSE:  # the next listed tile
-                    j_next = tile_of(entry(aux[LISTS + 1], b, h, q_tile, it + 1))
+                    j_next = tile_of(entry(kv_entries, b, h, q_tile, it + 1))
                     k_load = int32(j_next * BLOCK_K)
                     k_next = k_tiles + j_next * k_step
                     v_next = v_tiles + j_next * v_step

@@ -194,3 +194,56 @@ def test_gpu_document_mask_block_sparse(wgmma, causal, rng, monkeypatch):
     # the same call without the BlockMask: the dense walk, to rounding
     out_dense, _ = numba_flash.forward(q, k, v, causal=causal, mask_mod=document_mask(seg))
     assert np.abs(out.astype(np.float64) - out_dense.astype(np.float64)).max() <= 2e-3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ptxas -v of the shipped block-sparse builds (document mask, d128 bf16): spills and registers
+# ---------------------------------------------------------------------------------------------------------
+def _sparse_compile_source():
+    from test_ptx import NO_GPU_PATCH
+
+    return NO_GPU_PATCH + """
+import json, re, subprocess, sys, tempfile
+from numba import cuda
+from numba_flash.blocks.mods import Mods, UserMod
+from numba_flash.configs import MMA_TABLE, MMA_WGMMA
+from numba_flash.kernels import mma_forward, wgmma_forward
+from numba_flash.mods import same_document
+
+out = {}
+for family, kernel, table, cc, arch in (("wgmma", wgmma_forward, MMA_WGMMA, (9, 0, "a"), "sm_90a"),
+                                        ("mma", mma_forward, MMA_TABLE, (9, 0), "sm_90")):
+    for causal in (False, True):
+        for sparse in (False, True):
+            mods = Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))), block_sparse=sparse)
+            ptx, _ = cuda.compile_ptx(kernel.kernel_source(table[128, causal], causal, "bfloat16", False, mods),
+                                      kernel.kernel_signature(mods), cc=cc)
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(ptx)
+            r = subprocess.run([sys.argv[-1], f"-arch={arch}", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                               text=True)
+            rep = r.stderr + r.stdout
+            m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+            regs = re.search(r"Used (\\d+) registers", rep)
+            name = f"{family}-{'causal' if causal else 'full'}-{'sparse' if sparse else 'dense'}"
+            out[name] = dict(rc=r.returncode, stack=int(m.group(1)) if m else -1,
+                             spills=int(m.group(2)) + int(m.group(3)) if m else -1,
+                             registers=int(regs.group(1)) if regs else -1, log=rep[-600:])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_block_sparse_builds_spill_no_more_than_the_dense_walk(tmp_path):
+    """The document mask's block-sparse builds (wgmma sm_90a, mma.sync sm_90) against the same mask's dense
+    builds: no spill where the dense build has none, and no more bytes where it has some."""
+    from test_ptx import run_compile_child
+
+    got = run_compile_child(_sparse_compile_source(), [], tmp_path)
+    print({n: (r["registers"], r["stack"], r["spills"]) for n, r in got.items()})
+    for name, r in got.items():
+        assert r["rc"] == 0, (name, r["log"])
+        if name.endswith("sparse"):
+            dense = got[name.replace("sparse", "dense")]
+            assert r["spills"] <= dense["spills"] and r["stack"] <= dense["stack"], (name, r, dense)
