@@ -302,7 +302,7 @@ def _check_mods(softcap, alibi_slopes):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, return_lse=False, mask_mod=None, score_mod=None):
+              alibi_slopes=None, return_lse=False, mask_mod=None, score_mod=None, block_mask=None):
     """Differentiable exact attention on PyTorch CUDA tensors (``torch.ops.numba_flash.fwd``).
 
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
@@ -323,10 +323,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     op cannot take Python functions, so the call runs ``numba_flash.forward`` directly: under ``torch.compile``
     it raises NotImplementedError (call it outside the compiled region), and with inputs that require grad
     NotImplementedError too (the backward kernels have no user mods; run it under torch.no_grad()).
+    block_mask (a numba_flash.BlockMask, carrying its mask_mod): as ``numba_flash.forward``'s, with the same
+    limits as mask_mod (eager, forward only).
     """
-    if mask_mod is not None or score_mod is not None:
+    if mask_mod is not None or score_mod is not None or block_mask is not None:
         return _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse,
-                                    mask_mod, score_mod)
+                                    mask_mod, score_mod, block_mask)
     causal = _check_bool("causal", causal)
     deterministic = _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
@@ -346,11 +348,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
 
 
 def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, mask_mod,
-                         score_mod):
+                         score_mod, block_mask=None):
     """attention with user mods: numba_flash.forward in eager mode, no gradient (attention's docstring)."""
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)):
-        raise NotImplementedError("mask_mod / score_mod with gradients: the backward kernels have no user mods (the "
-                                  "forward alone runs them, under torch.no_grad())")
+        raise NotImplementedError("mask_mod / score_mod / block_mask with gradients: the backward kernels have no user "
+                                  "mods (the forward alone runs them, under torch.no_grad())")
     if not _eager(q, k, v):
         raise NotImplementedError("mask_mod / score_mod under torch.compile, tracing, fake tensors or a dispatch "
                                   "mode: a custom op cannot take Python functions; call numba_flash.torch.attention "
@@ -358,7 +360,7 @@ def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, a
     _check_bool("return_lse", return_lse)
     out, lse = forward(q, k, v, causal=_check_bool("causal", causal), softmax_scale=_check_scale(softmax_scale),
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-                       score_mod=score_mod)
+                       score_mod=score_mod, block_mask=block_mask)
     return (out, lse) if return_lse else out
 
 

@@ -8,7 +8,10 @@ SDPA can express the case.
     python scripts/bench_mods.py --out DIR      # results: DIR/mods-<date>.{json,md} (default benchmarks/results)
     python scripts/bench_mods.py --user         # user mods (numba_flash.mods) at N 16384: a relative-position
                                                 # bias from a table (score_mod), 8 causal documents (document_mask),
-                                                # causal written as a mask_mod; beside the dense causal kernel
+                                                # causal and a 1024 sliding window written as mask_mods; beside
+                                                # the dense causal kernel. Mask rows also run numba_flash with the
+                                                # mask's BlockMask ("numba_flash+block_mask": the kernel walks
+                                                # its key-tile lists), Flex with its own from the same mask
 
 User-mod rows: numba_flash runs them forward only (its backward kernels have no user mods), so their fwd+bwd
 cell holds that error; FlexAttention gets the same functions (its block mask from the same mask), SDPA an
@@ -59,6 +62,7 @@ def cases(shapes, user=False):
             ("rel-bias table causal (score_mod)", n_w, True, (-1, -1), 0.0, False, "relbias"),
             ("8 documents causal (mask_mod)", n_w, True, (-1, -1), 0.0, False, "document"),
             ("causal as a mask_mod", n_w, False, (-1, -1), 0.0, False, "causal"),
+            ("window 1024 causal as a mask_mod", n_w, False, (-1, -1), 0.0, False, "window"),
         ]
     return [  # (label, N, causal, window, softcap, alibi, user mod)
         ("dense causal", n_w, True, (-1, -1), 0.0, False, None),
@@ -120,6 +124,12 @@ def user_case(kind, N, H, g):
             return kv_idx <= q_idx
 
         return dict(mask_mod=MaskMod(causal_mask)), causal_mask, None, j <= i, causal_pairs
+    if kind == "window":
+        def window_mask(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (kv_idx >= q_idx - 1024)
+
+        return (dict(mask_mod=MaskMod(window_mask)), window_mask, None, (j <= i) & (j >= i - 1024),
+                visible_pairs(N, N, True, (1024, 0)))
     raise ValueError(kind)
 
 
@@ -148,6 +158,8 @@ def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True, user=False):
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    import numba_flash
+    from numba_flash.sparsity import forward_tile
     from numba_flash.torch import attention
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -179,6 +191,10 @@ def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True, user=False):
         block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=N, KV_LEN=N, device="cuda")
 
         impls = {"numba_flash": lambda a, b_, c: attention(a, b_, c, **mods)}
+        if user_kind and "mask_mod" in mods:  # the same mask walked through its BlockMask (built once, untimed)
+            nf_block_mask = numba_flash.block_mask(mods["mask_mod"], B, H, N, N, *forward_tile(d, causal))
+            sparse_kw = {**{n: x for n, x in mods.items() if n != "mask_mod"}, "block_mask": nf_block_mask}
+            impls["numba_flash+block_mask"] = lambda a, b_, c, kw=sparse_kw: attention(a, b_, c, **kw)
         impls["flex_attention"] = lambda a, b_, c: flex(a, b_, c, block_mask=block_mask,
                                                         score_mod=score_mod if has_score_mod else None)
         sdpa_mask = None
@@ -247,8 +263,8 @@ def run(shapes, B=1, H=16, d=128, dtype="bfloat16", progress=True, user=False):
                 row["error"] = (str(e).splitlines() or [type(e).__name__])[0][:200]
             leaves = None
             torch.cuda.empty_cache()
-            if name == "numba_flash":
-                base = next((r for r in rows if (r["case"], r["N"]) == dense_key and r["impl"] == name), None)
+            if name.startswith("numba_flash"):
+                base = next((r for r in rows if (r["case"], r["N"]) == dense_key and r["impl"] == "numba_flash"), None)
                 if base and "fwd_tflops" in row and "fwd_tflops" in base:
                     row["fwd_vs_dense"] = row["fwd_tflops"] / base["fwd_tflops"]
                 if base and "fwd_bwd_tflops" in row and "fwd_bwd_tflops" in base:

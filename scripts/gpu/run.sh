@@ -32,7 +32,9 @@
 #   ptx       the PTX intrinsic GPU tests (tests/kernels/test_gpu_ptx.py)
 #   host      host time per call (scripts/host_overhead.py)
 #   mods      the attention variants: tests/kernels/test_mods.py + test_gpu_mods.py, then scripts/bench_mods.py
-#             (ours vs FlexAttention and SDPA; MODS_QUICK=1 for N 4096)
+#             (ours vs FlexAttention and SDPA; MODS_QUICK=1 for N 4096); MODS_USER=1 also runs the user-mod and
+#             block-sparse tests (test_user_mods.py, test_block_mask.py, test_block_sparse.py) and bench_mods.py --user
+#             (with the numba_flash+block_mask rows)
 #   torch     numba_flash inside PyTorch: scripts/bench_torch.py (the custom-op and transformers tests as PASS/FAIL
 #             lines, host time per call, the compiled 4-layer Llama training step; TORCH_QUICK=1 for B2 N1024)
 #   jit       kernel compile time per family, cold (an empty NUMBA_FLASH_CACHE_DIR) and loaded from the cache, and the
@@ -181,6 +183,11 @@ step_mods() {
   local n=(); python3 -c "import xdist" 2> /dev/null && n=(-n "${PYTEST_N:-8}")
   run mods "$(limit mods 240)" "${P[@]}" tests/kernels/test_mods.py tests/kernels/test_gpu_mods.py -rfE "${n[@]}"
   run mods "$(limit mods 400)" python3 scripts/bench_mods.py --out "$res" ${MODS_QUICK:+--quick}
+  if [ -n "${MODS_USER:-}" ]; then
+    run mods "$(limit mods 240)" "${P[@]}" tests/kernels/test_user_mods.py tests/kernels/test_block_mask.py \
+      tests/kernels/test_block_sparse.py -rfE "${n[@]}"
+    run mods "$(limit mods 400)" python3 scripts/bench_mods.py --user --out "$res" ${MODS_QUICK:+--quick}
+  fi
 }
 
 step_torch() {
