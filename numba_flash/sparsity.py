@@ -189,3 +189,48 @@ def forward_tile(head_dim: int, causal: bool = False) -> tuple:
 
     tile = mma_config(int(head_dim), bool(causal))
     return tile.block_q, tile.block_k
+
+
+def document_mask_blocks(q_segment_ids, kv_segment_ids=None, H: int = 1, block_q: int = 128,
+                         block_k: int = 128) -> BlockMask:
+    """The BlockMask of ``numba_flash.mods.document_mask(q_segment_ids, kv_segment_ids)`` for H heads, built on the
+    host from the ids without the classify kernel: ids sorted along each batch row (a packed batch's documents one
+    after another) make a tile's ids one run, so a (query tile, key tile) is FULL when both hold one and the same
+    id, EMPTY when they share none, else PARTIAL (block_mask's classes, exactly). The ids: (B, Nq) and (B, Nk)
+    integer arrays (NumPy, or device arrays, read back once)."""
+    from .mods import document_mask
+
+    mod = document_mask(q_segment_ids, kv_segment_ids)
+    host = [_host_ids(name, x) for name, x in (("q_segment_ids", mod.aux[0]), ("kv_segment_ids", mod.aux[1]))]
+    B, n_q = host[0].shape
+    n_k = host[1].shape[1]
+    for name, x in (("H", H), ("block_q", block_q), ("block_k", block_k)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0:
+            raise ValueError(f"document_mask_blocks: {name} must be a positive int; got {x!r}")
+    spec = _spec(mod, (B, H, n_q, n_k))
+    q_ids, k_ids = host
+    n_qb, n_kb = -(-n_q // block_q), -(-n_k // block_k)
+    # sorted rows: a tile's smallest id is its first, its largest its last
+    q_lo, q_hi = q_ids[:, ::block_q], q_ids[:, np.minimum(np.arange(1, n_qb + 1) * block_q, n_q) - 1]
+    k_lo, k_hi = k_ids[:, ::block_k], k_ids[:, np.minimum(np.arange(1, n_kb + 1) * block_k, n_k) - 1]
+    overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    full = (q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
+    classes = np.where(full, FULL, np.where(overlap, PARTIAL, EMPTY)).astype(np.int8)
+    for b, a, c in zip(*np.nonzero(overlap & ~full)):  # runs overlap in value: do they share an id?
+        if not np.intersect1d(q_ids[b, a * block_q:(a + 1) * block_q], k_ids[b, c * block_k:(c + 1) * block_k]).size:
+            classes[b, a, c] = EMPTY
+    classes = np.ascontiguousarray(np.broadcast_to(classes[:, None], (B, H, n_qb, n_kb)))
+    return BlockMask(classes, int(n_q), int(n_k), int(block_q), int(block_k), spec.cache_key, mod)
+
+
+def _host_ids(name: str, x) -> np.ndarray:
+    """Segment ids on the host, (B, N) integers sorted along each row, or ValueError."""
+    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        x = cuda.as_cuda_array(x).copy_to_host()
+    x = np.asarray(x)
+    if x.ndim != 2 or x.dtype.kind not in "iu":
+        raise ValueError(f"document_mask_blocks: {name} must be a (B, N) integer array; got {x.dtype} {x.shape}")
+    if x.shape[1] > 1 and (np.diff(x.astype(np.int64), axis=1) < 0).any():
+        raise ValueError(f"document_mask_blocks: {name} must be sorted along each batch row (documents packed one "
+                         "after another); use numba_flash.block_mask(document_mask(...), ...) for other ids")
+    return x

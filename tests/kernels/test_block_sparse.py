@@ -186,6 +186,9 @@ def test_gpu_document_mask_block_sparse(wgmma, causal, rng, monkeypatch):
     seg = (np.arange(n)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
     bm = numba_flash.block_mask(document_mask(seg), B, H, n, n, *forward_tile(d, causal))
     assert bm.counts()["EMPTY"] and bm.counts()["FULL"]
+    from numba_flash.sparsity import document_mask_blocks
+
+    np.testing.assert_array_equal(document_mask_blocks(seg, None, H, bm.block_q, bm.block_k).classes, bm.classes)
     out, lse = numba_flash.forward(q, k, v, causal=causal, block_mask=bm)
     ref = dict(mask_mod=lambda b, h, i, j, s: s[b, i] == s[b, j], mask_aux=(seg,))
     o64, l64 = reference.standard_attention(q, k, v, causal=causal, **ref)
@@ -247,3 +250,17 @@ def test_block_sparse_builds_spill_no_more_than_the_dense_walk(tmp_path):
         if name.endswith("sparse"):
             dense = got[name.replace("sparse", "dense")]
             assert r["spills"] <= dense["spills"] and r["stack"] <= dense["stack"], (name, r, dense)
+
+
+def test_document_mask_blocks_equal_the_classify_kernel(rng):
+    from numba_flash.sparsity import document_mask_blocks
+
+    B, H, n_q, n_k, bq, bk = 2, 2, 45, 61, 8, 16
+    q_seg = np.sort(rng.integers(0, 6, (B, n_q)), axis=1).astype(np.int32)
+    k_seg = np.sort(rng.integers(0, 6, (B, n_k)), axis=1).astype(np.int32)
+    got = document_mask_blocks(q_seg, k_seg, H, bq, bk)
+    want = numba_flash.block_mask(document_mask(q_seg, k_seg), B, H, n_q, n_k, bq, bk)
+    np.testing.assert_array_equal(got.classes, want.classes)
+    assert got.mod_key == want.mod_key
+    with pytest.raises(ValueError, match="sorted along each batch row"):
+        document_mask_blocks(q_seg[:, ::-1].copy(), k_seg)
