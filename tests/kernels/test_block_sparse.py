@@ -264,3 +264,23 @@ def test_document_mask_blocks_equal_the_classify_kernel(rng):
     assert got.mod_key == want.mod_key
     with pytest.raises(ValueError, match="sorted along each batch row"):
         document_mask_blocks(q_seg[:, ::-1].copy(), k_seg)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_torch_attention_takes_a_block_mask(rng):
+    torch = pytest.importorskip("torch")
+    from numba_flash.sparsity import document_mask_blocks
+
+    B, H, n, d = 1, 2, 700, 64
+    q, k, v = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    seg = torch.from_numpy(np.repeat(np.arange(3, dtype=np.int32), [200, 350, 150])[None]).cuda()
+    bm = document_mask_blocks(seg, None, H, *forward_tile(d, True))
+    import numba_flash.torch as nft
+
+    with torch.no_grad():
+        out = nft.attention(q, k, v, causal=True, block_mask=bm)
+        dense = nft.attention(q, k, v, causal=True, mask_mod=document_mask(seg))
+    assert (out.float() - dense.float()).abs().max().item() <= 2e-2
+    with pytest.raises(NotImplementedError, match="block_mask with gradients"):
+        nft.attention(q.requires_grad_(), k, v, causal=True, block_mask=bm)
