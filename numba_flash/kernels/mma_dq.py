@@ -267,9 +267,8 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     body = with_row_bases(dq_body, globals()) if VARLEN else dq_body
     if USER:
         mods = "left, right, cap_a, cap_b, slopes, inv_scale"
-        return user_entry(body, globals(), "mma_dq_mods", f"q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, "
-                          f"scale, {mods}", f"q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, {mods}, "
-                          "0, 0", len(user_aux_types(MODS)))
+        params = f"q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, {mods}"
+        return user_entry(body, globals(), "mma_dq_mods", params, params + ", 0, 0", len(user_aux_types(MODS)))
     if MODS.any:
         def mma_dq_mods(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
                         slopes, inv_scale):

@@ -212,7 +212,7 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         s = cuda.local.array((Q_TILES, 4), float32)  # Sᵀ, then Pᵀ
         dp = cuda.local.array((Q_TILES, 4), float32)  # dPᵀ, then dSᵀ
         acc_q = cuda.local.array((DQ_TILES, 4), float32)
-        sg = cuda.local.array((SG_TILES, 4), float32)  # d score / d s of each score (1 − tanh², the user's), for dSᵀ
+        sg = cuda.local.array((SG_TILES, 4), float32)  # d score / d s (1 − tanh², the user grad), for dSᵀ
         for dt in range(O_TILES):
             for r in range(4):
                 acc_k[dt, r] = ZERO
