@@ -22,7 +22,7 @@ from . import arrays, backward_plan, plans
 from dataclasses import replace
 
 from .api import (_ACCEPTED_ARRAYS, MMA_BWD_MAX_HEAD_DIM, PerformanceWarning, Problem, _device_smem, _mma_blockers,
-                  _on_device, _tf32_blockers, mods_words, validate, window_pair)
+                  _on_device, _tf32_blockers, mods_words, user_aux, validate, window_pair)
 from .blocks.mask import window_bounds
 from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM
 from .decode import _sm_count
@@ -36,11 +36,14 @@ KERNELS = ("auto", "simt", "mma", "tf32x3")
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None,
                       window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None,
-                      packed: tuple | None = None) -> Problem:
+                      packed: tuple | None = None, mask_mod: Any = None, score_mod: Any = None) -> Problem:
     """``api.validate`` for q, k, v (and the mods), then: out and dout like q, lse float32 of shape q.shape[:-1]
-    ((H, total_q) for a varlen call: packed as api.validate takes it)."""
+    ((H, total_q) for a varlen call: packed as api.validate takes it). A score_mod must carry its derivative
+    (numba_flash.mods.ScoreMod's grad): the Problem's score mod is then the build argument with it."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes, packed=packed)
+                 alibi_slopes=alibi_slopes, packed=packed, mask_mod=mask_mod, score_mod=score_mod)
+    if p.score_mod is not None:
+        p = replace(p, score_mod=score_mod_with_grad(p.score_mod, score_mod))
     wanted = (
         ("out", out, p.q_shape, p.dtype, "q's shape", "q's dtype"),
         ("dout", dout, p.q_shape, p.dtype, "q's shape", "q's dtype"),
@@ -69,6 +72,19 @@ def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_s
         if dev is not None and p.device is not None and dev != p.device:
             raise ValueError(f"{name} is on device {dev} but q, k, v are on device {p.device}; put them on one GPU")
     return p
+
+
+def score_mod_with_grad(spec, score_mod):
+    """The score mod's kernel build argument (blocks.mods.UserMod) with its derivative, or ValueError naming grad."""
+    from .blocks.mods import UserMod
+    from .mods import as_score_mod
+
+    grad = as_score_mod(score_mod).grad
+    if grad is None:
+        raise ValueError(f"score_mod {spec!r} has no grad: the backward needs d score_mod / d score; pass "
+                         "numba_flash.mods.ScoreMod(fn, grad=fn_grad), fn_grad(score, b, h, q_idx, kv_idx, *aux) -> "
+                         "d fn / d score (a mask_mod needs none)")
+    return UserMod(spec.fn, spec.leading, spec.aux_types, grad=grad)
 
 
 def choose_backward(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
@@ -334,11 +350,13 @@ def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
 
 
 def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None) -> str:
+                     alibi_slopes=None, mask_mod=None, score_mod=None) -> str:
     """Which kernels ``backward`` runs for inputs like these, their tile configs, and why (for the
     tensor-core path: how dQ is formed with the default deterministic=True and with False)."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes)
+                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
+    if p.score_mod is not None:
+        p = replace(p, score_mod=score_mod_with_grad(p.score_mod, score_mod))
     views = None
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (q's stands in for dout's)
         with _on_device(p.device):
@@ -378,7 +396,7 @@ def tensor_core_scratch(p: Problem, q, cfg: dict, scheme: str, splits, stream) -
 
 
 def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True,
-             window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from the saved L.
 
     Args:
@@ -397,6 +415,12 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             the "mma" kernels (mma.sync, and the wgmma dkdv on sm_90) with dQ as below (the deterministic
             splits' planes are then zeroed and every launch adds); softcap's gradient is (1 - tanh²), ALiBi's
             slopes get none.
+        mask_mod, score_mod: the forward's user mods (numba_flash.mods), the same functions and aux arrays. A
+            score_mod needs its derivative: ``ScoreMod(fn, grad=fn_grad)`` with fn_grad(score, b, h, q_idx,
+            kv_idx, *aux) -> d fn / d score at that score (FlexAttention gets it by autograd; here the caller
+            writes it); dS is multiplied by it (after softcap's 1 − tanh²). A score_mod without grad is a
+            ValueError naming grad. Built into the "mma" kernels (mma.sync dkdv / dq, the wgmma dkdv on sm_90)
+            with every dQ scheme; kernel "simt" / "tf32x3" (float32) raise NotImplementedError; no varlen.
         kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
             forward would: "mma" for float16/bfloat16 with d <= 256 (above d = 128 where the GPU's blocks have
             the tiles' shared memory: sm_90 every d, sm_80 d <= 192, sm_86 / sm_89 none), "tf32x3" for float32 with
@@ -454,15 +478,19 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans).
     """
     left, right = window_pair(window_size)
+    if mask_mod is not None or score_mod is not None:  # (functions are no plan key: the ordinary path each call)
+        return _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kernel, deterministic, left,
+                         right, softcap, mask_mod, score_mod)
     return plans.call(_backward, (q, k, v, out, lse, dout, alibi_slopes),
                       (causal, softmax_scale, kernel, deterministic, left, right, softcap))
 
 
 def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kernel, deterministic, left=-1, right=-1,
-              softcap=0.0):
+              softcap=0.0, mask_mod=None, score_mod=None):
     """``backward`` without plans (plans.call runs it for a new signature and watches)."""
     p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale,
-                          window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes)
+                          window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                          score_mod=score_mod)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     if not isinstance(deterministic, (bool, np.bool_)):
@@ -498,7 +526,8 @@ def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kern
                                          softmax_scale=p.softmax_scale, dtype=p.dtype, d=p.d, config=cfg,
                                          stream=stream, dq_acc=dq_acc, dq_splits=splits, mods=mods,
                                          window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
-                                         softcap=p.softcap, alibi=alibi)
+                                         softcap=p.softcap, alibi=alibi,
+                                         aux=user_aux(p, mask_mod, score_mod, stream))
         else:
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(

@@ -34,7 +34,7 @@ def _words(x):
 
 def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_scale, dtype, d, config,
                stream=0, kernels=("prep", "dkdv", "dq"), dq_acc=None, dq_splits=None, mods=NO_MODS, window=(0, 0),
-               softcap=0.0, alibi=None, varlen=None):
+               softcap=0.0, alibi=None, varlen=None, aux=()):
     """Run prep, dkdv and dq (or convert) on device arrays; the caller has validated the problem and the layout.
 
     q, out, dout, dq: (B, H, Nq, d); k, v, dk, dv: (B, Hkv, Nk, d), all 16-bit (float16, or uint16
@@ -59,6 +59,8 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
     varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences (as
     mma_forward.launch takes it): the arrays are packed ones viewed as batches (arrays.packed_as_batch), the
     scratch rows and planes those of a dense batch of the longest sequences, and the planes zeroed.
+    aux: the user mods' aux arrays (device views, the mask's first; mods.mask_mod / score_mod, the score mod with
+    its grad) for every kernel with them.
     """
     B, H, n_q, _ = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -95,11 +97,11 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
         defer = ("atomic" if dq_splits is None else "splits") in config.get("dkdv_wgmma_defer_dq", ())
         wgmma_backward.launch(*words, l2, dd, *grads, dq_acc, scalars, head_dim=head_dim, causal=causal, dtype=dtype,
                               stream=stream, partial_chunk=partial, dq_splits=dq_splits, defer_dq=defer, mods=mods,
-                              varlen=seqs)
+                              varlen=seqs, aux=aux)
     elif "dkdv" in kernels:
         mma_dkdv.launch(*words, l2, dd, *grads, scalars, tile=(bn, bm), head_dim=head_dim, causal=causal,
                         dtype=dtype, stream=stream, partial_chunk=partial, dq_acc=dq_acc, dq_splits=dq_splits,
-                        mods=mods, varlen=seqs)
+                        mods=mods, varlen=seqs, aux=aux)
     if atomic:
         if "dq" in kernels:  # (mods, varlen: zeroed planes, every row read; the rows no block wrote are zeros)
             bwd_prep.launch_convert(dtype, vec, dq_acc, _words(dq), n_q, d, softmax_scale, n_k, bn, bm,
@@ -107,7 +109,7 @@ def launch_mma(q, k, v, out, dout, lse, l2, dd, dq, dk, dv, *, causal, softmax_s
         return
     if "dq" in kernels:
         mma_dq.launch(*words, l2, dd, _words(dq), scalars, tile=config["dq"], head_dim=head_dim, causal=causal,
-                      dtype=dtype, stream=stream, partial_chunk=partial, mods=mods, varlen=seqs)
+                      dtype=dtype, stream=stream, partial_chunk=partial, mods=mods, varlen=seqs, aux=aux)
 
 
 KERNELS = ("dkdv", "dq", "dkdv_atomic")  # the backward tables' kernel names (configs.py)

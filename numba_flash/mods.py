@@ -34,9 +34,13 @@ inlined device function, so a mod costs what its arithmetic costs. What a mod ma
   aux arrays' dtypes and ndim. Redefining a function with the same code and values reuses the kernel
   (in this process and from the on-disk cache, numba_flash/jit_cache.py); any change builds another.
 
-``ScoreMod(fn, grad=...)`` carries the derivative d score_mod / d score at the score it was given, with
-the same arguments (``grad(score, b, h, q_idx, kv_idx, *aux)``): the NumPy reference's backward uses it.
-The kernels' backward has no user mods: ``numba_flash.backward`` raises NotImplementedError for them.
+The backward (``numba_flash.backward(..., mask_mod=, score_mod=)``, and ``numba_flash.torch.attention`` with
+gradients) takes the forward's mods, the same functions and aux arrays; it recomputes P with them exactly as
+the forward and multiplies dS by the score mod's derivative (the chain rule through s ← score_mod(s)), which the
+caller writes: ``ScoreMod(fn, grad=fn_grad)``, ``fn_grad(score, b, h, q_idx, kv_idx, *aux)`` -> d fn / d score at
+that score (FlexAttention takes it by autograd; a Numba kernel cannot), under the same rules as fn (called only
+where the score is in range, any number of times; where the mask hides a score its value is not used). A score
+mod without grad is a ValueError naming grad there; a mask_mod needs none. The aux arrays get no gradient.
 
 ``document_mask(q_segment_ids, kv_segment_ids)`` is the packed-batch document mask as a MaskMod: token
 q_idx sees key kv_idx iff both carry the same segment id (combine with causal=True for causal documents).

@@ -139,6 +139,34 @@ def _eager_function(name, body, setup_context, backward, backward_body):
 _Attention = _eager_function("_Attention", _fwd_body, _fwd_setup_context, _fwd_backward, _bwd_body)
 
 
+def _user_fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic,
+                   mask_mod, score_mod):
+    """_fwd_body with user mods (Python functions: no op, the eager autograd.Function only)."""
+    return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                   softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
+
+
+def _user_setup_context(ctx, inputs, output):
+    _fwd_setup_context(ctx, inputs[:10], output)
+    ctx.user_mods = inputs[10:]
+
+
+def _user_backward(ctx, dout, _dlse, run=None):
+    """_fwd_backward with the user mods (numba_flash.backward's mask_mod / score_mod: the score mod's grad)."""
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    causal, softmax_scale, deterministic, window_left, window_right, softcap = ctx.args
+    mask_mod, score_mod = ctx.user_mods
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:  # as _bwd_body
+        dout = dout.contiguous()
+    dq, dk, dv = backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale,
+                          deterministic=deterministic, window_size=(window_left, window_right), softcap=softcap,
+                          alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_UserModAttention = _eager_function("_UserModAttention", _user_fwd_body, _user_setup_context, _user_backward, None)
+
+
 def _decode_body(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
                  softmax_scale: Optional[float], num_splits: Optional[int], block_table: Optional[Tensor] = None,
                  cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
@@ -319,16 +347,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     schema's types: Python bool and float). Works under ``torch.compile(fullgraph=True)`` and in CUDA graphs.
     Double backward is not supported.
 
-    mask_mod, score_mod (numba_flash.mods; aux arrays as CUDA tensors): eager mode only, forward only. A custom
-    op cannot take Python functions, so the call runs ``numba_flash.forward`` directly: under ``torch.compile``
-    it raises NotImplementedError (call it outside the compiled region), and with inputs that require grad
-    NotImplementedError too (the backward kernels have no user mods; run it under torch.no_grad()).
-    block_mask (a numba_flash.BlockMask, carrying its mask_mod): as ``numba_flash.forward``'s, with the same
-    limits as mask_mod (eager, forward only).
+    mask_mod, score_mod (numba_flash.mods; aux arrays as CUDA tensors, which get no gradient): eager mode only. A
+    custom op cannot take Python functions, so the call runs ``numba_flash.forward`` directly, and with inputs
+    that require grad an autograd.Function whose backward is ``numba_flash.backward`` with the same mods (a
+    score_mod then needs ``ScoreMod(fn, grad=fn_grad)``: a ValueError naming grad at the call otherwise; the
+    backward's mma kernels only: NotImplementedError at the call where they cannot run). Under
+    ``torch.compile`` it raises NotImplementedError (call it outside the compiled region).
+    block_mask (a numba_flash.BlockMask, carrying its mask_mod): as ``numba_flash.forward``'s; eager and forward
+    only (the backward kernels do not walk block lists: NotImplementedError with gradients).
     """
     if mask_mod is not None or score_mod is not None or block_mask is not None:
         return _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse,
-                                    mask_mod, score_mod, block_mask)
+                                    mask_mod, score_mod, deterministic, block_mask)
     causal = _check_bool("causal", causal)
     deterministic = _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
@@ -348,20 +378,50 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
 
 
 def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, mask_mod,
-                         score_mod, block_mask=None):
-    """attention with user mods: numba_flash.forward in eager mode, no gradient (attention's docstring)."""
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)):
-        raise NotImplementedError("mask_mod / score_mod / block_mask with gradients: the backward kernels have no user "
-                                  "mods (the forward alone runs them, under torch.no_grad())")
+                         score_mod, deterministic=True, block_mask=None):
+    """attention with user mods: numba_flash.forward in eager mode, and its backward with them where q, k or v
+    need gradients (attention's docstring)."""
+    grads = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
+    if grads and block_mask is not None:
+        raise NotImplementedError("block_mask with gradients: the backward kernels do not walk block lists (run the "
+                                  "forward under torch.no_grad(), or pass mask_mod= alone for gradients)")
+    if grads:
+        _check_user_mods_for_grad(q, mask_mod, score_mod)
     if not _eager(q, k, v):
         raise NotImplementedError("mask_mod / score_mod under torch.compile, tracing, fake tensors or a dispatch "
                                   "mode: a custom op cannot take Python functions; call numba_flash.torch.attention "
                                   "with them outside the compiled or traced region, on plain CUDA tensors")
     _check_bool("return_lse", return_lse)
+    if grads:
+        _check_mods(softcap, alibi_slopes)
+        left, right = window_pair(window_size)
+        out, lse = _UserModAttention.apply(q, k, v, _check_bool("causal", causal), _check_scale(softmax_scale), left,
+                                           right, float(softcap), alibi_slopes, _check_bool("deterministic",
+                                                                                            deterministic),
+                                           mask_mod, score_mod)
+        return (out, lse) if return_lse else out
     out, lse = forward(q, k, v, causal=_check_bool("causal", causal), softmax_scale=_check_scale(softmax_scale),
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
                        score_mod=score_mod, block_mask=block_mask)
     return (out, lse) if return_lse else out
+
+
+def _check_user_mods_for_grad(q, mask_mod, score_mod):
+    """Say at the call, not at loss.backward(), what the backward with user mods cannot take: a score_mod without
+    its grad, an aux tensor that requires grad (the mods' arrays get none), a problem off the mma kernels."""
+    from .mods import as_mask_mod, as_score_mod
+
+    sm = as_score_mod(score_mod)
+    if sm is not None and sm.grad is None:
+        raise ValueError("score_mod with gradients needs its derivative: pass numba_flash.mods.ScoreMod(fn, "
+                         "grad=fn_grad), fn_grad(score, b, h, q_idx, kv_idx, *aux) -> d fn / d score (or run "
+                         "under torch.no_grad())")
+    for name, mod in (("mask_mod", as_mask_mod(mask_mod)), ("score_mod", sm)):
+        for i, x in enumerate(() if mod is None else mod.aux):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise ValueError(f"{name} aux[{i}] requires grad; the kernels give the aux arrays none: pass "
+                                 f"it .detach()ed")
+    _refuse_backward_without_kernel("mask_mod / score_mod", q)
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, block_table=None,

@@ -13,9 +13,9 @@ SDPA can express the case.
                                                 # mask's BlockMask ("numba_flash+block_mask": the kernel walks
                                                 # its key-tile lists), Flex with its own from the same mask
 
-User-mod rows: numba_flash runs them forward only (its backward kernels have no user mods), so their fwd+bwd
-cell holds that error; FlexAttention gets the same functions (its block mask from the same mask), SDPA an
-explicit float bias (H, N, N) or boolean mask (N, N).
+User-mod rows: numba_flash runs them forward and backward (the score mod with its grad, ScoreMod(fn, grad=)),
+through numba_flash.torch.attention's autograd; FlexAttention gets the same functions (its block mask from the
+same mask; its score mod's gradient by autograd), SDPA an explicit float bias (H, N, N) or boolean mask (N, N).
 
 Each row: forward ("fwd") and forward + backward through autograd ("fwd+bwd"), median of CUDA-event timings
 (numba_flash.bench.time_call), TFLOP/s over the *visible* scores only (forward 4·d per visible (query, key)
@@ -102,12 +102,15 @@ def user_case(kind, N, H, g):
         def rel_bias(score, b, h, q_idx, kv_idx, table):
             return score + table[h, q_idx - kv_idx + table.shape[1] // 2]
 
+        def rel_bias_grad(score, b, h, q_idx, kv_idx, table):
+            return 1.0
+
         def flex_score(score, b, h, q_idx, kv_idx):
             return score + table[h, q_idx - kv_idx + N]
 
         bias = table[:, (i - j + N)].masked_fill(~(j <= i), -math.inf)  # (H, N, N)
-        return (dict(score_mod=ScoreMod(rel_bias, aux=(table,))), lambda b, h, q, k: k <= q, flex_score, bias,
-                causal_pairs)
+        return (dict(score_mod=ScoreMod(rel_bias, grad=rel_bias_grad, aux=(table,))), lambda b, h, q, k: k <= q,
+                flex_score, bias, causal_pairs)
     if kind == "document":
         ids = document_ids(N)
         ids_t = torch.from_numpy(ids).cuda()

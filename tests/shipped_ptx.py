@@ -68,6 +68,15 @@ def _views():
     return view
 
 
+def rel_bias(score, b, h, q_idx, kv_idx, table):
+    """The user score mod of the recorded user-mod backward builds (a relative-position bias from a table)."""
+    return score + table[h, q_idx - kv_idx + table.shape[1] // 2]
+
+
+def rel_bias_grad(score, b, h, q_idx, kv_idx, table):
+    return 1.0
+
+
 def cases() -> dict:
     """Every shipped specialisation, as {name: call}. A name says the family, the tile's head dim, causal,
     dtype, the target ("sm90" or "sm80": the builds below sm_90) and what else picks the build."""
@@ -277,6 +286,31 @@ def cases() -> dict:
                                      dq_splits=n_splits or None, varlen=varlen)
         out[f"bwd-mma-varlen/d{hd}/{'causal' if causal else 'full'}/bfloat16/{target}/{scheme}"] = (target, call)
 
+    # --- backward: user mods (the shipped document_mask; a score mod with its grad) -------------------------
+    for target, hd, causal, scheme, which in (("sm90", 128, True, "atomic", "docmask"),
+                                              ("sm80", 128, True, "atomic", "docmask"),
+                                              ("sm90", 64, False, "kernel", "relbias")):
+        def call(hd=hd, causal=causal, scheme=scheme, which=which):
+            import importlib
+
+            from numba_flash import backward_plan
+            from numba_flash.blocks.mods import Mods, UserMod
+            from numba_flash.mods import same_document
+
+            cfg = importlib.import_module("numba_flash.backward").mma_config(hd)
+            view, *_ = qkv("bfloat16", hd)
+            q, k, v, a = bwd_arrays("bfloat16", hd, hd, 0)
+            if which == "docmask":
+                mods = Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))))
+                aux = (view((B, n_q), "int32"), view((B, n_k), "int32"))
+            else:
+                mods = Mods(score_mod=UserMod(rel_bias, 5, (("float32", 2),), grad=rel_bias_grad))
+                aux = (view((H, n_q + n_k + 1), "float32"),)
+            backward_plan.launch_mma(q, k, v, a["out"], a["dout"], a["lse"], a["l2"], a["dd"], a["dq"], a["dk"],
+                                     a["dv"], causal=causal, softmax_scale=0.1, dtype="bfloat16", d=hd, config=cfg,
+                                     dq_acc=None if scheme == "kernel" else a["dq_acc"], mods=mods, aux=aux)
+        out[f"bwd-mma/d{hd}/{'causal' if causal else 'full'}/bfloat16/{target}/{scheme}/{which}"] = (target, call)
+
     # --- backward: tf32x3 (fp32 on tensor cores) ---------------------------------------------------
     for target in ("sm90", "sm80"):
         for (hd, causal) in sorted({key[1:] for key in configs.TF32_BWD_TABLE}):
@@ -392,6 +426,7 @@ CI_PATTERNS = (
     r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$", r"^decode-paged/d128/float16/rows4-.*/splits4$",
     r"^fwd-mma-varlen/d128/causal/bfloat16$", r"^bwd-mma-varlen/d128/causal/bfloat16/sm90/splits$",
     r"^fwd-wgmma/d128/causal/bfloat16/docmask$", r"^fwd-wgmma/d128/causal/bfloat16/docmask-sparse$",
+    r"^bwd-mma/d128/causal/bfloat16/sm90/atomic/docmask$",
 )
 
 

@@ -30,12 +30,13 @@ VARLEN_ARGS = (types.Array(types.int32, 1, "A"), types.Array(types.int32, 1, "A"
 
 
 def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = False, io=types.uint16,
-                     mods: bool = False, varlen: bool = False):
+                     mods: bool = False, varlen: bool = False, aux: tuple = ()):
     """dkdv(q, k, v, do, l2, dd, dk, dv[, dq_acc], ...[, kb0, plane_rows]) / dq(q, k, v, do, l2, dd, dq, ...):
     io elements (16-bit words, or float32 for the 3xTF32 kernels); dq_acc (planes·B·H, NQ_PAD, HEAD_DIM) fp32
     when dkdv also adds up dQ (atomic_dq). mods: a build with a window, softcap or ALiBi also takes MOD_ARGS
     (left, right, cap_a, cap_b, slopes, 1 / scale) after scale (before a splits build's kb0, plane_rows);
-    varlen: cu_seqlens_q and cu_seqlens_k last (varlen_entry)."""
+    varlen: cu_seqlens_q and cu_seqlens_k last (varlen_entry); aux: the user mods' aux arrays' Numba types
+    (blocks.mods.user_aux_types), last (user_entry)."""
     io = types.Array(io, 4, "A")
     rows = types.Array(types.float32, 2, "A")
     grads = (io, io) if kernel == "dkdv" else (io,)
@@ -46,6 +47,7 @@ def kernel_signature(kernel: str, atomic_dq: bool = False, dq_splits: bool = Fal
         tail = MOD_ARGS + tail
     if varlen:
         tail += VARLEN_ARGS
+    tail += tuple(aux)
     return types.void(io, io, io, io, rows, rows, *grads, int32, int32, int32, int32, float32, float32, *tail)
 
 
@@ -185,6 +187,35 @@ def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0,
     else:
         raise ValueError(f"no plain dkdv entry with first={first}, stand_in={stand_in!r}")
     return _at_home(kernel, home, name)
+
+
+def user_entry(body, home: dict, name: str, params: str, call: str, n_aux: int):
+    """The kernel (before cuda.jit) of a backward build with user mods (blocks/mods.py), named ``name + "_user"``:
+    ``params`` (its parameters before the aux arrays, as source text), then n_aux aux arrays, running
+    ``body(call, (aux0, ...))``: the body takes the aux arrays as one tuple, its last parameter ``aux``."""
+    aux = [f"aux{i}" for i in range(n_aux)]
+    src = (f"def make(body):\n"
+           f"    def kernel({params}{''.join(', ' + a for a in aux)}):\n"
+           f"        body({call}, ({''.join(a + ', ' for a in aux)}))\n"
+           f"    return kernel\n")
+    scope: dict = {}
+    exec(compile(src, f"<user_entry {name}>", "exec"), scope)  # one parameter per aux array
+    return _at_home(scope["make"](body), home, name + "_user")
+
+
+def dkdv_user_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int, n_aux: int):
+    """dkdv_entry's mods builds (the plain, the atomic grid's, the splits' adding one) with user mods: the same
+    parameters, then the aux arrays (user_entry; the splits' kb0, plane_rows before them)."""
+    if dq_splits == 2:
+        raise ValueError("dkdv_user_entry: a build with mods adds into zeroed planes (no storing build)")
+    mods = "left, right, cap_a, cap_b, slopes, inv_scale"
+    params = (f"q, k, v, dout, l2, dd, dk, dv{', dq_acc' if atomic_dq else ''}, n_q, n_k, d, group, scale_log2, "
+              f"scale, {mods}{', kb0, plane_rows' if dq_splits else ''}")
+    acc = ("dq_acc[cuda.blockIdx.x * plane_rows:]" if dq_splits else "dq_acc") if atomic_dq else "l2"
+    kb = "kb0 + cuda.blockIdx.x" if dq_splits else "cuda.blockIdx.x"
+    call = (f"q, k, v, dout, l2, dd, dk, dv, {acc}, n_q, n_k, d, group, scale_log2, scale, {kb}, False, {mods}, "
+            "0, 0")
+    return user_entry(body, home, name, params, call, n_aux)
 
 
 def varlen_key(varlen: bool) -> tuple:

@@ -143,13 +143,16 @@ class UserMod:
     (``code_key``) and the aux types, so an equal function (same code, closure and global values) reuses the
     compiled kernel, and a changed one builds another (kernel lru caches and jit_cache's file name both)."""
 
-    __slots__ = ("fn", "leading", "aux_types", "cache_key")
+    __slots__ = ("fn", "leading", "aux_types", "cache_key", "grad")
 
-    def __init__(self, fn, leading: int, aux_types: tuple):
+    def __init__(self, fn, leading: int, aux_types: tuple, grad=None):
         self.fn = fn
         self.leading = int(leading)
         self.aux_types = tuple((str(dt), int(nd)) for dt, nd in aux_types)
+        self.grad = grad  # a score mod's d mod / d score (the backward's builds), same arguments as fn
         self.cache_key = ("user_mod", self.leading, code_key(python_function(fn)), self.aux_types)
+        if grad is not None:  # keyed only where present: the forward's keys (and jit_cache names) stay as they are
+            self.cache_key += (("grad", code_key(python_function(grad))),)
 
     def __eq__(self, other):
         return isinstance(other, UserMod) and self.cache_key == other.cache_key
@@ -166,15 +169,16 @@ class UserMod:
 
         return tuple(types.Array(getattr(types, dt), nd, "A") for dt, nd in self.aux_types)
 
-    def device_call(self, first: int = 0):
+    def device_call(self, first: int = 0, of=None):
         """call(*leading, aux): fn(*leading, aux[first], aux[first + 1], ...) as an inlined device function (aux:
-        every user mod's arrays, the mask's first)."""
-        fn = self.fn if hasattr(self.fn, "py_func") else inline_device(self.fn)
+        every user mod's arrays, the mask's first). of: another function of the same arguments (the grad)."""
+        of = self.fn if of is None else of
+        fn = of if hasattr(of, "py_func") else inline_device(of)
         names = ", ".join(f"a{i}" for i in range(self.leading))
         unpacked = "".join(f", aux[{first + i}]" for i in range(len(self.aux_types)))
         src = f"def call({names}, aux):\n    return fn({names}{unpacked})\n"
         scope = {"fn": fn}
-        exec(compile(src, f"<user mod {python_function(self.fn).__name__}>", "exec"), scope)
+        exec(compile(src, f"<user mod {python_function(of).__name__}>", "exec"), scope)
         return inline_device(scope["call"])
 
 
@@ -306,3 +310,36 @@ def user_aux_types(mods: Mods) -> tuple:
 
     user = sum((m.numba_aux_types() for m in (mods.mask_mod, mods.score_mod) if m is not None), ())
     return user + (LIST_TYPES if mods.block_sparse else ())
+
+
+def user_score_grad(mods: Mods):
+    """user_score(x, row, col, b, h, scale, inv_scale, aux) -> (x', dx'/dx) for the backward kernels, one raw score
+    x of query row, key col (both in range: the caller checks row < n_q, col < n_k): the user score mod on
+    scale·x exactly as fragment_user_mods applies it (so P is the forward's), its derivative from the ScoreMod's
+    grad (the chain rule through x ← mod(scale·x) / scale: d/dx = grad(scale·x)), then the user mask (−inf, and
+    a derivative of 1: P = 0 there). Either layout calls it: the indices are the caller's."""
+    MASK, SCORE = mods.mask_mod is not None, mods.score_mod is not None
+    if SCORE and mods.score_mod.grad is None:
+        raise ValueError(f"user_score_grad: the score mod {mods.score_mod!r} has no grad (the backward needs "
+                         "ScoreMod(fn, grad=...))")
+    mask_call = mods.mask_mod.device_call() if MASK else None
+    first = len(mods.mask_mod.aux_types) if MASK else 0
+    score_call = mods.score_mod.device_call(first) if SCORE else None
+    grad_call = mods.score_mod.device_call(first, mods.score_mod.grad) if SCORE else None
+    NEG_INF = float32(-math.inf)
+
+    @inline_device
+    def user_score(x, row, col, b, h, scale, inv_scale, aux):
+        b32, h32, row32, col32 = int32(b), int32(h), int32(row), int32(col)
+        dx = ONE
+        if SCORE:
+            xs = x * scale
+            x = float32(score_call(xs, b32, h32, row32, col32, aux)) * inv_scale
+            dx = float32(grad_call(xs, b32, h32, row32, col32, aux))
+        if MASK:
+            if not mask_call(b32, h32, row32, col32, aux):
+                x = NEG_INF
+                dx = ONE
+        return x, dx
+
+    return user_score

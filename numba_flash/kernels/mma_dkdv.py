@@ -54,9 +54,9 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.copies import copy_threads
 from ..blocks.dkdv import dkdv_common, pair_offset, stage_words, two_products, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
+from ..blocks.entry import dkdv_entry, dkdv_user_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
-from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad, user_aux_types, user_score_grad
 from ..blocks.schedule import ROW_PAD
 from ..jit_cache import compile_kernel
 
@@ -134,7 +134,8 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
 
     MODS (blocks/mods.py; the splits' adding build only): a window (the Q tiles between the first and the last that see the block,
     blocks.dkdv.window_schedule; keys past n_k masked, so no clamp), and softcap / ALiBi on each recomputed
-    score, the cap's 1 − tanh² on dS.
+    score, the cap's 1 − tanh² on dS. User mods (MODS.user, not varlen): the score mod and mask on every score in
+    range (blocks.mods.user_score_grad), the score mod's derivative on dS; their aux arrays come last.
 
     VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): key blocks past their sequence return.
 
@@ -155,6 +156,10 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     REG_STEPS = 0 if SPLIT_LAYOUT else M_STEPS  # k-steps of dV, dK with A re-packed from the registers
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL, ATOMIC_DQ = bool(CAUSAL) and not WINDOW, bool(ATOMIC_DQ)
+    USER = MODS.user
+    if USER and VARLEN:
+        raise ValueError("mma_dkdv: user mods have no varlen build")
+    user_score = user_score_grad(MODS) if USER else None
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, prologue, schedule, step_tile, prefetch, \
         swizzle_m, store_grads, dv_dk_step = dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES,
                                                               PARTIAL_CHUNK)
@@ -181,16 +186,17 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
+    ONE = float32(1.0)
     CLAMP_P = clamps_past_end("window" if WINDOW else mask_kind(CAUSAL), ATOMIC_DQ)
     schedule_window = window_schedule(BLOCK_N, BLOCK_M)
     _, window_edge, window_hidden = window_rules(16, BLOCK_M)  # a warp's 16 keys x the step's queries
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first,
-                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO, q_base=0, k_base=0):
+                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO, q_base=0, k_base=0, aux=()):
         """Key block kb (BLOCK_N keys) of kv head blockIdx.y; dQ (ATOMIC_DQ) into dq_acc (the plane this
         block adds into: the splits pass a view from its first row), stored instead of added where first.
-        left .. inv_scale: the mods' launch arguments (MODS builds only)."""
+        left .. inv_scale: the mods' launch arguments (MODS builds only); aux: the user mods' arrays."""
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -279,6 +285,11 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                         s[nt, r] = x  # the capped score: its 1 − tanh² below
                     if ALIBI:
                         x -= alibi_bias(slope, i0 + col, kw + g + 8 * (r >> 1), shift)
+                    du = ONE  # d(user score mod)/d score
+                    if USER:
+                        if i0 + col < n_q and kw + g + 8 * (r >> 1) < n_k:
+                            x, du = user_score(x, i0 + col, kw + g + 8 * (r >> 1), b, h_kv * group + hh, scale,
+                                               inv_scale, aux)
                     x = x * scale_log2 - smem_f[l2_s + col]
                     if CLAMP_P:  # keys past n_k: P stays <= 1 (blocks/mask.py)
                         x = min(x, ZERO)
@@ -291,6 +302,8 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                     ds = p * (dp[nt, r] - smem_f[d_s + col])
                     if SOFTCAP:
                         ds *= softcap_grad(s[nt, r], cap_b)
+                    if USER:
+                        ds *= du
                     s[nt, r] = p
                     dp[nt, r] = ds
 
@@ -343,6 +356,8 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
         else:
             store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
+    if USER:
+        return dkdv_user_entry(dkdv_body, globals(), "mma_dkdv_mods", ATOMIC_DQ, DQ_SPLITS, len(user_aux_types(MODS)))
     # VARLEN: the packed-sequences form, key blocks past their sequence return
     return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any,
                       varlen_block_n=BLOCK_N if VARLEN else 0)
@@ -459,17 +474,17 @@ def build(block_n: int, block_m: int, head_dim: int, causal: bool, dtype: str, m
     key = ("mma_dkdv", block_n, block_m, head_dim, bool(causal), dtype, bool(atomic_dq), bool(vector_red),
            bool(partial_chunk), int(dq_splits), mods) + varlen_key(varlen)
     return compile_kernel(key, kernel_signature("dkdv", bool(atomic_dq), bool(dq_splits), mods=mods.any,
-                                                varlen=bool(varlen)), kernel, **cap)
+                                                varlen=bool(varlen), aux=user_aux_types(mods)), kernel, **cap)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dtype, stream=0,
-           partial_chunk=False, dq_acc=None, dq_splits=None, mods=NO_MODS, varlen=None):
+           partial_chunk=False, dq_acc=None, dq_splits=None, mods=NO_MODS, varlen=None, aux=()):
     """The dK/dV kernel over every key block: q, k, v, dout, dk, dv as 16-bit words, l2 and dd prep's
     scratch rows, scalars (n_q, n_k, d, group, scale·log2 e, scale[, the mods' launch arguments]). dq_acc: the
     kernel also forms dQ into it, one zeroed plane with atomic adds (dq_splits None) or dq_splits planes
     (blocks.entry.launch_dq_in_dkdv). varlen: (cu_seqlens_q, cu_seqlens_k) of packed arrays viewed as batches
     (arrays.packed_as_batch); scalars then hold the longest sequences' lengths, and the splits' planes are
-    zeroed (every launch adds)."""
+    zeroed (every launch adds). aux: the user mods' aux arrays (device views, the mask's first), last."""
     bn, bm = tile
     B, H = q.shape[0], q.shape[1]
     Hkv, n_k = k.shape[1], scalars[1]
@@ -481,6 +496,7 @@ def launch(q, k, v, dout, l2, dd, dk, dv, scalars, *, tile, head_dim, causal, dt
     if varlen is not None:
         partial["varlen"] = True
         tail = tuple(varlen[:2])
+    tail += tuple(aux)
     args = (q, k, v, dout, l2, dd, dk, dv)
     if dq_acc is None:
         launch_kernel(build(bn, bm, head_dim, bool(causal), dtype, **partial), (n_kb, B * Hkv), threads(bn, head_dim),

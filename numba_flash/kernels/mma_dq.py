@@ -26,9 +26,9 @@ from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, inline_device
 from ..blocks.copies import copy_threads, tile_copies
 from ..blocks.dkdv import pair_offset, two_products
-from ..blocks.entry import kernel_signature, varlen_entry, varlen_key, varlen_rules, with_row_bases
+from ..blocks.entry import kernel_signature, user_entry, varlen_entry, varlen_key, varlen_rules, with_row_bases
 from ..blocks.mask import window_rules
-from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad, user_aux_types, user_score_grad
 from ..blocks.schedule import ROW_PAD
 from ..jit_cache import compile_kernel
 
@@ -72,7 +72,9 @@ def problems(block_m: int, block_n: int, head_dim: int, dtype: str) -> list[str]
 def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=NO_MODS, VARLEN=False):
     """The dQ kernel: BLOCK_M queries per block (one warp per 16), BLOCK_N-row K/V tiles streamed. MODS
     (blocks/mods.py): the window's tile range and edges (the forward's window_rules), softcap and ALiBi on each
-    recomputed score and the cap's 1 − tanh² on dS; the kernel then takes the mods' launch arguments last.
+    recomputed score and the cap's 1 − tanh² on dS; the kernel then takes the mods' launch arguments last. User
+    mods (MODS.user): the score mod and mask on every score in range (blocks.mods.user_score_grad) and the score
+    mod's derivative on dS; their aux arrays follow the mods' launch arguments (no varlen build).
     VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): Q tiles past their sequence return."""
 
     WARPS = BLOCK_M // 16
@@ -89,6 +91,10 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     SK, SV = 0, BLOCK_N * HEAD_DIM
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL = bool(CAUSAL) and not WINDOW
+    USER = MODS.user
+    if USER and VARLEN:
+        raise ValueError("mma_dq: user mods have no varlen build")
+    user_score = user_score_grad(MODS) if USER else None
     window_range, window_edge, window_hidden = window_rules(BLOCK_N, 16)
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
     mma = ptx.mma_m16n8k16_f16 if DTYPE == "float16" else ptx.mma_m16n8k16_bf16
@@ -101,10 +107,11 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     ldsm_t = ptx.ldmatrix_x4_trans
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
+    ONE = float32(1.0)
 
     @inline_device
     def dq_body(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b, slopes,
-                inv_scale, q_base=0, k_base=0):
+                inv_scale, q_base=0, k_base=0, aux=()):
         # q_base, k_base: the first query and key row of the block's sequence (varlen; 0 in a dense batch)
         smem = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
@@ -208,6 +215,12 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                         s[nt, r] = x  # the capped score: its 1 − tanh² below
                     if ALIBI:
                         x -= alibi_bias(slope, qw + g + 8 * half, k0 + nt * 8 + 2 * t + (r & 1), shift)
+                    du = ONE  # d(user score mod)/d score
+                    if USER:
+                        row = qw + g + 8 * half
+                        col = k0 + nt * 8 + 2 * t + (r & 1)
+                        if row < n_q and col < n_k:
+                            x, du = user_score(x, row, col, b, h, scale, inv_scale, aux)
                     x = x * scale_log2 - l2_r[half]
                     if needs_mask:
                         col = k0 + nt * 8 + 2 * t + (r & 1)
@@ -219,6 +232,8 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                     ds = ex2(x) * (dp[nt, r] - d_r[half])
                     if SOFTCAP:
                         ds *= softcap_grad(s[nt, r], cap_b)
+                    if USER:
+                        ds *= du
                     dp[nt, r] = ds
 
             # dQ_w += dS K_j: dS accumulators of n-tiles 2kk, 2kk+1 = A of k-step kk; K by .trans.
@@ -250,6 +265,10 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                         dq[b, h, q_base + row, col + 1] = uint16(bits >> 16)
 
     body = with_row_bases(dq_body, globals()) if VARLEN else dq_body
+    if USER:
+        mods = "left, right, cap_a, cap_b, slopes, inv_scale"
+        params = f"q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, {mods}"
+        return user_entry(body, globals(), "mma_dq_mods", params, params + ", 0, 0", len(user_aux_types(MODS)))
     if MODS.any:
         def mma_dq_mods(q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, left, right, cap_a, cap_b,
                         slopes, inv_scale):
@@ -278,13 +297,15 @@ def build(block_m: int, block_n: int, head_dim: int, causal: bool, dtype: str, m
     kernel = source(block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods, bool(varlen))
     cap = {"max_registers": int(max_registers)} if max_registers else {}
     key = ("mma_dq", block_m, block_n, head_dim, bool(causal), dtype, bool(partial_chunk), mods) + varlen_key(varlen)
-    return compile_kernel(key, kernel_signature("dq", mods=mods.any, varlen=bool(varlen)), kernel, **cap)
+    return compile_kernel(key, kernel_signature("dq", mods=mods.any, varlen=bool(varlen), aux=user_aux_types(mods)),
+                          kernel, **cap)
 
 
 def launch(q, k, v, dout, l2, dd, dq, scalars, *, tile, head_dim, causal, dtype, stream=0, partial_chunk=False,
-           mods=NO_MODS, varlen=None):
+           mods=NO_MODS, varlen=None, aux=()):
     """The dQ kernel over every query tile: q, k, v, dout, dq as 16-bit words, l2 and dd prep's scratch rows,
-    scalars (n_q, n_k, d, group, scale·log2 e, scale); varlen: as mma_dkdv.launch's."""
+    scalars (n_q, n_k, d, group, scale·log2 e, scale); varlen: as mma_dkdv.launch's; aux: the user mods' aux
+    arrays (device views, the mask's first)."""
     bm, bn = tile
     B, H, n_q = q.shape[0], q.shape[1], scalars[0]
     partial = {"partial_chunk": True} if partial_chunk else {}  # passed only when on: the others' cache key
@@ -294,5 +315,6 @@ def launch(q, k, v, dout, l2, dd, dq, scalars, *, tile, head_dim, causal, dtype,
     if varlen is not None:
         partial["varlen"] = True
         tail = tuple(varlen[:2])
+    tail += tuple(aux)
     launch_kernel(build(bm, bn, head_dim, bool(causal), dtype, **partial), ((n_q + bm - 1) // bm, B * H),
                   threads(bm), stream, smem_bytes(bm, bn, head_dim), q, k, v, dout, l2, dd, dq, *scalars, *tail)

@@ -40,8 +40,8 @@ from .. import ptx
 from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common, window_schedule
-from ..blocks.entry import dkdv_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
-from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad
+from ..blocks.entry import dkdv_entry, dkdv_user_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad, user_aux_types, user_score_grad
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..jit_cache import compile_kernel
 
@@ -83,7 +83,8 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
 
     MODS (blocks/mods.py; the splits' adding build only, into zeroed planes): mma_dkdv.source's window
     schedule, per-score rules and softcap gradient; the cap's 1 − tanh² waits in registers of its own (sg)
-    while dPᵀ is still in flight in dp."""
+    while dPᵀ is still in flight in dp. User mods (MODS.user, not varlen): the score mod and mask on every score in
+    range (blocks.mods.user_score_grad), the score mod's derivative in sg (times the cap's); aux arrays last."""
     bad = problems(HEAD_DIM, DTYPE)
     if bad:
         raise ValueError("; ".join(bad))
@@ -96,6 +97,12 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     DQ_TILES = DQ_N // 8
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL = bool(CAUSAL) and not WINDOW
+    USER = MODS.user
+    if USER and VARLEN:
+        raise ValueError("wgmma_backward: user mods have no varlen build")
+    user_score = user_score_grad(MODS) if USER else None
+    SCORE_MODS = SOFTCAP or ALIBI or USER  # the score is modified before the exponent
+    SG = SOFTCAP or USER  # dSᵀ takes a factor d score / d s (sg)
     schedule_window = window_schedule(BLOCK_N, BLOCK_M)
     _, window_edge, window_hidden = window_rules(16, BLOCK_M)  # a warp's 16 keys x the step's queries
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), _, prologue, schedule, step_tile, prefetch, _, store_grads, _ = \
@@ -127,8 +134,9 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     cp_wait = ptx.cp_async_wait
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
+    ONE = float32(1.0)
     CLAMP_P = clamps_past_end("window" if WINDOW else mask_kind(CAUSAL), True)  # this kernel always forms dQ
-    SG_TILES = Q_TILES if SOFTCAP else 1
+    SG_TILES = Q_TILES if SG else 1
 
     @inline_device
     def product_s(smem, acc, a16, b16):
@@ -170,7 +178,7 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
 
     @inline_device
     def dkdv_body(q, k, v, dout, l2, dd, dk, dv, dq_acc, n_q, n_k, d, group, scale_log2, scale, kb, first,
-                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO, q_base=0, k_base=0):
+                  left=0, right=0, cap_a=ZERO, cap_b=ZERO, slopes=None, inv_scale=ZERO, q_base=0, k_base=0, aux=()):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)
         smem_f = cuda.shared.array(0, float32, alignment=WGMMA_ALIGN)  # the same bytes, as fp32 (L2, D)
         tid = cuda.threadIdx.x
@@ -204,7 +212,7 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         s = cuda.local.array((Q_TILES, 4), float32)  # Sᵀ, then Pᵀ
         dp = cuda.local.array((Q_TILES, 4), float32)  # dPᵀ, then dSᵀ
         acc_q = cuda.local.array((DQ_TILES, 4), float32)
-        sg = cuda.local.array((SG_TILES, 4), float32)  # SOFTCAP: 1 − tanh² of each score, for dSᵀ
+        sg = cuda.local.array((SG_TILES, 4), float32)  # d score / d s (1 − tanh², the user grad), for dSᵀ
         for dt in range(O_TILES):
             for r in range(4):
                 acc_k[dt, r] = ZERO
@@ -242,13 +250,22 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
-                    if SOFTCAP or ALIBI:
+                    if SCORE_MODS:
                         x = s[nt, r]
                         if SOFTCAP:
                             x = capped(x, cap_a, cap_b)
                             sg[nt, r] = softcap_grad(x, cap_b)
                         if ALIBI:
                             x -= alibi_bias(slope, i0 + col, kw + g + 8 * (r >> 1), shift)
+                        if USER:
+                            du = ONE
+                            if i0 + col < n_q and kw + g + 8 * (r >> 1) < n_k:
+                                x, du = user_score(x, i0 + col, kw + g + 8 * (r >> 1), b, h_kv * group + hh, scale,
+                                                   inv_scale, aux)
+                            if SOFTCAP:
+                                sg[nt, r] *= du
+                            else:
+                                sg[nt, r] = du
                         x = x * scale_log2 - smem_f[l2_s + col]
                     else:
                         x = s[nt, r] * scale_log2 - smem_f[l2_s + col]
@@ -265,7 +282,7 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
-                    if SOFTCAP:
+                    if SG:
                         dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col]) * sg[nt, r]
                     else:
                         dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col])
@@ -319,6 +336,8 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         hold_o(acc_v)
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
+    if USER:
+        return dkdv_user_entry(dkdv_body, globals(), "wgmma_dkdv_mods", True, DQ_SPLITS, len(user_aux_types(MODS)))
     # VARLEN: the packed-sequences form, key blocks past their sequence return
     return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any,
                       varlen_block_n=BLOCK_N if VARLEN else 0)
@@ -335,15 +354,16 @@ def build(head_dim: int, causal: bool, dtype: str, partial_chunk: bool = False, 
                     bool(varlen))
     key = ("wgmma_backward", head_dim, bool(causal), dtype, bool(partial_chunk), int(dq_splits), bool(defer_dq),
            mods) + varlen_key(varlen)
-    return compile_kernel(key, kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any, varlen=bool(varlen)),
-                          kernel)
+    return compile_kernel(key, kernel_signature("dkdv", True, bool(dq_splits), mods=mods.any, varlen=bool(varlen),
+                                                aux=user_aux_types(mods)), kernel)
 
 
 def launch(q, k, v, dout, l2, dd, dk, dv, dq_acc, scalars, *, head_dim, causal, dtype, stream=0,
-           partial_chunk=False, dq_splits=None, defer_dq=False, mods=NO_MODS, varlen=None):
+           partial_chunk=False, dq_splits=None, defer_dq=False, mods=NO_MODS, varlen=None, aux=()):
     """The dK/dV kernel that also forms dQ over every key block (BLOCK_N keys): arguments as
     mma_dkdv.launch's with dq_acc; defer_dq: the DEFER_DQ build; mods: scalars end with the mods' launch
-    arguments and the splits' planes are zeroed (every launch adds); varlen: as mma_dkdv.launch's."""
+    arguments and the splits' planes are zeroed (every launch adds); varlen: as mma_dkdv.launch's; aux: the user
+    mods' aux arrays (device views, the mask's first), last."""
     B, H = q.shape[0], q.shape[1]
     Hkv, n_k = k.shape[1], scalars[1]
     extra = {"mods": mods} if mods.any else {}  # passed only when on: the others' cache key
@@ -353,4 +373,4 @@ def launch(q, k, v, dout, l2, dd, dk, dv, dq_acc, scalars, *, head_dim, causal, 
                                            **extra),
                       B * Hkv, THREADS, smem_bytes(head_dim, defer_dq), stream, (q, k, v, dout, l2, dd, dk, dv, dq_acc),
                       scalars, (n_k + BLOCK_N - 1) // BLOCK_N, dq_splits, B * H, zeroed=mods.any or varlen is not None,
-                      tail=() if varlen is None else tuple(varlen[:2]))
+                      tail=(() if varlen is None else tuple(varlen[:2])) + tuple(aux))

@@ -447,14 +447,17 @@ def test_varlen_bad_arguments_are_named(kw, err, match):
                              args["max_seqlen_k"], causal=causal)
 
 
-def test_user_mods_are_eager_and_forward_only():
-    """A custom op cannot take a Python function: attention with mask_mod / score_mod runs forward directly,
-    refuses inputs that require grad (the backward kernels have none) and refuses torch.compile."""
+def test_user_mods_are_eager_only():
+    """A custom op cannot take a Python function: attention with mask_mod / score_mod runs forward (and its
+    autograd.Function) directly, refuses a score_mod without grad where inputs require grad (at the call), fake
+    tensors and torch.compile."""
     from numba_flash.mods import MaskMod
 
     q = _meta(1, 2, 16, 64)
     mask = MaskMod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
-    with pytest.raises(NotImplementedError, match="with gradients"):
+    with pytest.raises(ValueError, match="grad=fn_grad"):
+        attention(q, q, q, score_mod=lambda s, b, h, i, j: s)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="fake tensors"):
         attention(q, q, q, mask_mod=mask)
 
     def compiled(q):

@@ -10,6 +10,7 @@ On the simulator (CI) and on the GPU alike (``anywhere``).
 """
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -236,3 +237,121 @@ def test_user_mod_builds_for_sm90a_spill_nothing(tmp_path):
     for name, r in got.items():
         assert r["rc"] == 0, (name, r["log"])
         assert (r["stack"], r["spills"]) == (0, 0), (name, r)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The backward: the same mods in the dkdv / dq kernels, a score mod with its grad (ScoreMod(fn, grad=...))
+# ---------------------------------------------------------------------------------------------------------
+bwd_module = importlib.import_module("numba_flash.backward")  # (numba_flash.backward is the function)
+
+
+def rel_bias_grad(score, b, h, q_idx, kv_idx, table, n_k):
+    return 1.0
+
+
+def tanh_cap_grad(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score / 3.0)
+    return 1.0 - t * t
+
+
+def _run_backward(case, rng, deterministic=True, d=64):
+    """numba_flash.backward with the mods against reference.attention_backward (float64) by flash-attention's rule;
+    out and lse from the float64 reference (the forward's kernels are the forward tests')."""
+    B, H, n_q, n_k, causal, which = case
+    q, k, v, do = _inputs(int(rng.integers(2**31)), B, H, H, n_q, n_k, d)
+    table = rng.standard_normal((H, n_q + n_k + 1)).astype(np.float32)
+    n_k_arr = np.array([n_k], np.int32)
+    if which == "mask+score":
+        kw = dict(mask_mod=checkerboard, score_mod=ScoreMod(rel_bias, grad=rel_bias_grad, aux=(table, n_k_arr)))
+        ref = dict(mask_mod=checkerboard, score_mod=rel_bias, score_mod_grad=rel_bias_grad, score_aux=(table, n_k_arr))
+    elif which == "score":
+        kw = dict(score_mod=ScoreMod(tanh_cap, grad=tanh_cap_grad), softcap=5.0)
+        ref = dict(score_mod=tanh_cap, score_mod_grad=tanh_cap_grad, softcap=5.0)
+    else:  # document mask: 3 documents of random lengths per batch row
+        seg_q = np.sort(rng.integers(0, 3, (B, n_q)).astype(np.int32), axis=1)
+        seg_k = np.sort(rng.integers(0, 3, (B, n_k)).astype(np.int32), axis=1)
+        kw = dict(mask_mod=document_mask(seg_q, seg_k))
+        ref = dict(mask_mod=lambda b, h, i, j, sq, sk: sq[b, i] == sk[b, j], mask_aux=(seg_q, seg_k))
+    fwd = {n: x for n, x in ref.items() if n != "score_mod_grad"}
+    o64, l64 = reference.standard_attention(q, k, v, causal=causal, **fwd)
+    grads = numba_flash.backward(q, k, v, o64.astype(q.dtype), l64.astype(np.float32), do, causal=causal,
+                                 deterministic=deterministic, **kw)
+    exact = reference.attention_backward(q, k, v, o64, l64, do, causal=causal, **ref)
+    o16, l16 = reference.standard_attention(q, k, v, causal=causal, dtype=np.float16, **fwd)
+    naive = reference.attention_backward(q, k, v, o16, l16, do, causal=causal, dtype=np.float16, **ref)
+    for name, ours, x, nv in zip(("dq", "dk", "dv"), grads, exact, naive):
+        assert np.isfinite(ours.astype(np.float64)).all(), name
+        _bound(ours.astype(np.float64), x, nv.astype(np.float64), 2e-3 * max(1.0, np.abs(x).max()))
+
+
+def test_user_mods_in_the_wgmma_backward(rng):
+    """deterministic=False on sm_90 (and the simulator): the wgmma dkdv forms dQ with atomic adds."""
+    if not bwd_module.mma_config(64).get("dkdv_wgmma"):
+        pytest.skip("no wgmma dkdv on this GPU (sm_90 only)")
+    _run_backward((1, 1, 40, 53, True, "mask+score"), rng, deterministic=False)
+
+
+def test_user_mods_in_the_mma_sync_dkdv_and_dq_kernels(rng):
+    """deterministic=True at this size: the mma.sync dkdv without dQ and the dq kernel; a score mod through the
+    softcap (the chain rule through both)."""
+    q = np.zeros((1, 1, 20, 64), np.float16)
+    assert "separate dq kernel" in numba_flash.explain_backward(q, q, q, score_mod=ScoreMod(tanh_cap,
+                                                                                            grad=tanh_cap_grad))
+    _run_backward((1, 1, 20, 37, False, "score"), rng)
+
+
+@pytest.mark.heavy
+def test_user_mods_in_the_mma_sync_atomic_dkdv(rng, monkeypatch):
+    """The mma.sync dkdv with atomic dQ (sm_80-89's, with 8 warps at d = 128)."""
+    monkeypatch.setattr(bwd_module, "current_wgmma", lambda: False)
+    assert not bwd_module.mma_config(64).get("dkdv_wgmma")
+    _run_backward((1, 2, 40, 53, True, "mask+score"), rng, deterministic=False)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
+def test_user_mods_through_the_deterministic_splits(rng, monkeypatch, wgmma):
+    """The splits with user mods add into zeroed planes (forced: the cost model takes the dq kernel this small)."""
+    from numba_flash.blocks import schedule
+
+    monkeypatch.setattr(schedule, "SPLITS_SLOWER_OK", 1e9)
+    if not wgmma:
+        monkeypatch.setattr(bwd_module, "current_wgmma", lambda: False)
+    d = 64 if wgmma else 128  # (the mma.sync table has no splits at d = 64)
+    q, kv = np.zeros((1, 1, 45, d), np.float16), np.zeros((1, 1, 300, d), np.float16)
+    if "deterministic splits" not in numba_flash.explain_backward(q, kv, kv):
+        pytest.skip(f"no dQ splits at head dim {d} here")
+    _run_backward((1, 1, 45, 300, False, "document" if wgmma else "mask+score"), rng, d=d)
+
+
+@pytest.mark.heavy
+def test_user_mods_in_the_split_layout_dkdv(rng):
+    """d = 200 -> 256: the split-layout mma.sync dkdv (two warps per 16 keys) and the dq kernel."""
+    _run_backward((1, 1, 16, 20, True, "mask+score"), rng, d=200)
+
+
+def test_backward_refuses_a_score_mod_without_grad_and_other_kernels():
+    q = np.zeros((1, 1, 8, 64), np.float16)
+    lse = np.zeros((1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="has no grad.*ScoreMod\\(fn, grad=fn_grad\\)"):
+        numba_flash.backward(q, q, q, q, lse, q, score_mod=tanh_cap)
+    with pytest.raises(ValueError, match="has no grad"):
+        numba_flash.explain_backward(q, q, q, score_mod=ScoreMod(tanh_cap))
+    with pytest.raises(NotImplementedError, match="mask_mod.*'mma' kernels only.*kernel='simt'"):
+        numba_flash.backward(q, q, q, q, lse, q, mask_mod=checkerboard, kernel="simt")
+    q32 = np.zeros((1, 1, 8, 64), np.float32)
+    for kernel in ("auto", "tf32x3"):
+        with pytest.raises(NotImplementedError, match="score_mod.*'mma' kernels only"):
+            numba_flash.backward(q32, q32, q32, q32, lse, q32, score_mod=ScoreMod(tanh_cap, grad=tanh_cap_grad),
+                                 kernel=kernel)
+    with pytest.raises(TypeError, match="grad must be a function"):
+        numba_flash.backward(q, q, q, q, lse, q, score_mod=ScoreMod(tanh_cap, grad=1.0))
+    with pytest.raises(ValueError, match="has shape \\(1, 7\\); accepted: \\(1, 8\\)"):
+        numba_flash.backward(q, q, q, q, lse, q, mask_mod=document_mask(np.zeros((1, 7), np.int32)))
+
+
+def test_the_grad_is_part_of_the_backward_build_key_only():
+    spec = UserMod(tanh_cap, 5, ())
+    assert UserMod(tanh_cap, 5, (), grad=tanh_cap_grad).cache_key != spec.cache_key
+    assert UserMod(tanh_cap, 5, (), grad=tanh_cap_grad) == UserMod(tanh_cap, 5, (), grad=tanh_cap_grad)
+    assert spec.cache_key == ("user_mod", 5, spec.cache_key[2], ()), "the forward's key has no grad entry"
