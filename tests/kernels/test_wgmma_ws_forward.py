@@ -1,0 +1,273 @@
+"""The warp-specialised TMA forward (numba_flash.kernels.wgmma_ws_forward) and its intrinsics (ptx/tma.py): the twins
+in the CUDA simulator, the sm_90a build through ptxas, and GPU runs (marked gpu and variant: the kernel does not
+ship yet)."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_flash import ptx
+from numba_flash.kernels import wgmma_ws_forward as ws
+from numba_flash.tiles import Tile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_mma_forward import assert_close, run_forward  # noqa: E402
+from gpu_helpers import needs_gpu  # noqa: E402
+from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child  # noqa: E402
+
+
+def run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=0, pad_to=None):
+    """wgmma_ws_forward.launch through test_mma_forward.run_forward (GPU or simulator): (O, L, O_ref, L_ref)."""
+    return run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=seed, pad_to=pad_to, tile=tile, launch=ws.launch)
+
+
+def swizzled(tile_words):
+    """The 128-byte-swizzled image (uint16 words) of a (rows, 64) tile of 16-bit words: chunk j of row r at
+    chunk j ^ (r % 8)."""
+    rows = tile_words.shape[0]
+    out = np.empty_like(tile_words)
+    for r in range(rows):
+        for j in range(8):
+            out[r, 8 * (j ^ (r % 8)):8 * (j ^ (r % 8)) + 8] = tile_words[r, 8 * j:8 * j + 8]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The intrinsics' twins
+# --------------------------------------------------------------------------------------------
+@in_simulator
+def test_tma_load_store_twins(rng):
+    """A box half outside the tensor (rows past N read as zeros, columns past d too), landing swizzled on an
+    mbarrier with expect_tx; stored back by the TMA store to another tensor (only the part inside is written);
+    a plain arrive completing a second barrier; a named barrier between two warps."""
+    from numba_flash.blocks.tensor_maps import device_maps
+    from numba_flash.ptx import tma
+
+    N, d, ROWS = 12, 56, 16
+    x = rng.integers(1, 60000, size=(1, 2, N, d)).astype(np.uint16)
+    y = np.full((1, 2, N, d), 7, np.uint16)
+    dx, dy = cuda.to_device(x), cuda.to_device(y)
+    maps = device_maps([(dx, ROWS), (dy, ROWS)])
+    seen = cuda.to_device(np.zeros((ROWS, 64), np.uint16))
+    flags = cuda.to_device(np.zeros(2, np.int32))
+    load, store = tma.tma_load(4), tma.tma_store(4)
+    sync_a = tma.named_barrier_sync(5, 64)
+
+    @cuda.jit
+    def kernel(maps, seen, flags):
+        smem = cuda.shared.array(ROWS * 64 + 512 + 16, np.uint16)
+        tid = cuda.threadIdx.x
+        BAR = ROWS * 64 + 512
+        if tid == 0:
+            ptx.mbarrier_init(smem, BAR, 1)
+            ptx.mbarrier_init(smem, BAR + 4, 32)
+            ptx.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid == 0:
+            ptx.mbarrier_arrive_expect_tx(smem, BAR, ROWS * 128)
+            load(smem, 0, maps, 0, smem, BAR, 0, 4, 1, 0)  # rows 4..19 of head 1: 8 past N
+        while ptx.mbarrier_try_wait_parity(smem, BAR, 0) == 0:
+            pass
+        for i in range(tid, ROWS * 64, 64):
+            seen[i // 64, i % 64] = smem[i]
+        if tid < 32:
+            tma.mbarrier_arrive(smem, BAR + 4)
+        while ptx.mbarrier_try_wait_parity(smem, BAR + 4, 0) == 0:
+            pass
+        sync_a()
+        if tid == 0:
+            flags[0] = 1
+            store(maps, 128, smem, 0, 0, 4, 1, 0)
+            tma.bulk_commit()
+            tma.bulk_wait_read(0)()
+
+    kernel[1, 64](maps, seen, flags)
+    box = np.zeros((ROWS, 64), np.uint16)
+    box[:N - 4, :d] = x[0, 1, 4:]
+    np.testing.assert_array_equal(seen.copy_to_host(), swizzled(box))
+    want = np.full_like(y, 7)
+    want[0, 1, 4:] = x[0, 1, 4:]
+    np.testing.assert_array_equal(dy.copy_to_host(), want)
+    assert flags.copy_to_host()[0] == 1
+
+
+def test_intrinsic_arguments_are_checked():
+    from numba_flash.ptx import tma
+
+    with pytest.raises(ValueError, match="rank"):
+        tma.tma_load(6)
+    with pytest.raises(ValueError, match="id in 1..15"):
+        tma.named_barrier_sync(0, 128)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tma.named_barrier_arrive(1, 100)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        tma.setmaxnreg(250, True)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel in the simulator
+# --------------------------------------------------------------------------------------------
+@in_simulator
+def test_ws_forward_one_consumer_sim():
+    """One consumer warpgroup, a ragged last K/V tile, every slot of a 2-slot ring refilled."""
+    r = run_ws(1, 1, 1, 70, 100, 64, False, "float16", Tile(64, 32, 64, warps=8, stages=2), seed=1)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+def test_ws_forward_two_consumers_every_flag_sim():
+    """Two consumers with pingpong, setmaxnreg and the TMA store; causal, GQA, bf16, d = 40 of a 64 build
+    (columns past d zero in the loads and unwritten by the store), 3 slots."""
+    tile = Tile(128, 16, 64, warps=12, stages=3, flags={"pingpong", "setmaxnreg", "tma_store", "grid_bh_x"})
+    r = run_ws(1, 2, 1, 100, 56, 40, True, "bfloat16", tile, seed=2)
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
+@pytest.mark.heavy
+@pytest.mark.parametrize("d,dtype,causal,tile", [
+    (128, "bfloat16", True, Tile(128, 32, 128, warps=12, stages=3)),
+    (100, "float16", False, Tile(64, 48, 128, warps=8, stages=4, flags={"tma_store"})),
+    (256, "float16", True, Tile(64, 16, 256, warps=8, stages=2)),
+])
+def test_ws_forward_more_sim(d, dtype, causal, tile):
+    r = run_ws(1, 2, 2, 70, 150, d, causal, dtype, tile, seed=d, pad_to=-(-d // 8) * 8 if d % 8 else None)
+    assert_close(*r, dtype)
+
+
+def test_problems():
+    assert ws.problems(Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong"}), "float16") == []
+    assert "warpgroups" in " ".join(ws.problems(Tile(128, 64, 128, warps=8, stages=2), "float16"))
+    assert "stages" in " ".join(ws.problems(Tile(128, 64, 128, warps=12, stages=5), "float16"))
+    assert "pingpong" in " ".join(ws.problems(Tile(64, 64, 128, warps=8, stages=2, flags={"pingpong"}), "float16"))
+    assert "shared memory" in " ".join(ws.problems(Tile(128, 256, 256, warps=12, stages=4), "float16"))
+    with pytest.raises(ValueError, match="cannot be built"):
+        ws.build(Tile(128, 40, 128, warps=12, stages=2), False, "float16")
+
+
+# --------------------------------------------------------------------------------------------
+# The sm_90a build
+# --------------------------------------------------------------------------------------------
+WS_COMPILE = NO_GPU_PATCH + """
+import json, re, subprocess, sys, tempfile
+from numba import cuda
+from numba_flash.kernels import wgmma_ws_forward as ws
+from numba_flash.tiles import Tile
+cases = json.loads(sys.argv[1])
+out = {}
+for bq, bk, hd, warps, stages, flags, causal, dtype in cases:
+    tile = Tile(bq, bk, hd, warps=warps, stages=stages, flags=set(flags))
+    ptx, _ = cuda.compile_ptx(ws.kernel_source(tile, causal, dtype), ws.kernel_signature(), cc=(9, 0, "a"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([sys.argv[-1], "-arch=sm_90a", f"-maxrregcount={ws.max_registers(tile)}", "-v", f.name, "-o",
+                        "/dev/null"], capture_output=True, text=True)
+    rep = r.stderr + r.stdout
+    m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+    out[str(tile) + f" {causal} {dtype}"] = dict(
+        rc=r.returncode, spills=int(m.group(1)) + int(m.group(2)) + int(m.group(3)) if m else -1,
+        tma=len(re.findall(r"cp.async.bulk.tensor.4d.shared::cluster", ptx)), setmaxnreg="setmaxnreg" in ptx,
+        mma=len(re.findall(r"wgmma.mma_async", ptx)), want=hd // 16 + bk // 16, f64=".f64" in ptx, log=rep[-600:])
+print(json.dumps(out))
+"""
+
+BUILD_CASES = [  # (block_q, block_k, head_dim, warps, stages, flags, causal, dtype)
+    (128, 128, 128, 12, 2, ["setmaxnreg", "pingpong", "tma_store"], True, "bfloat16"),
+]
+MORE_BUILD_CASES = [
+    (128, 128, 128, 12, 2, [], False, "float16"), (128, 128, 64, 12, 3, ["setmaxnreg"], False, "float16"),
+    (128, 80, 256, 12, 2, ["setmaxnreg", "pingpong"], True, "float16"), (128, 64, 256, 12, 2, [], False, "float16"),
+    (128, 96, 192, 12, 2, ["setmaxnreg"], False, "bfloat16"), (128, 176, 128, 12, 2, ["setmaxnreg"], False, "float16"),
+]
+
+
+def _check_builds(cases, tmp_path):
+    import json
+
+    got = run_compile_child(WS_COMPILE, [json.dumps(cases)], tmp_path)
+    assert len(got) == len(cases)
+    for key, r in got.items():
+        assert r["rc"] == 0, (key, r["log"])
+        assert r["spills"] == 0, (key, r)  # no stack, no spills: the consumers' fragments stay in registers
+        assert r["tma"] > 0 and r["mma"] == r["want"] and not r["f64"], (key, r)
+        assert r["setmaxnreg"] == ("setmaxnreg" in key), (key, r)
+
+
+def test_builds_for_sm90a(tmp_path):
+    """ptxas -arch=sm_90a at the block's register share (168 at 384 threads) takes the full-flag d128 build with no
+    spills, every product and the TMA loads in the PTX, no fp64."""
+    _check_builds(BUILD_CASES, tmp_path)
+
+
+@pytest.mark.heavy
+def test_more_builds_for_sm90a(tmp_path):
+    _check_builds(MORE_BUILD_CASES, tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU (variant until the kernel ships)
+# --------------------------------------------------------------------------------------------
+GPU_TILES = [  # (d, tile)
+    (64, Tile(128, 128, 64, warps=12, stages=2)),
+    (64, Tile(128, 128, 64, warps=12, stages=3, flags={"setmaxnreg", "pingpong", "tma_store"})),
+    (128, Tile(128, 128, 128, warps=12, stages=2)),
+    (128, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg"})),
+    (128, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong"})),
+    (128, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "tma_store", "grid_bh_x"})),
+    (128, Tile(64, 64, 128, warps=8, stages=4)),
+    (96, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "tma_store"})),
+    (192, Tile(128, 96, 192, warps=12, stages=2, flags={"setmaxnreg"})),
+    (256, Tile(128, 64, 256, warps=12, stages=2)),
+    (256, Tile(128, 80, 256, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "tma_store"})),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.variant
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,tile", GPU_TILES, ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300), (1, 2, 1, 129, 517), (1, 3, 3, 517, 129), (1, 2, 2, 1, 77)])
+def test_gpu_ws_forward_matches_float64(shape, d, tile, causal, dtype):
+    if not ptx.current_wgmma():
+        pytest.skip("TMA + wgmma need an sm_90 GPU")
+    B, H, Hkv, n_q, n_k = shape
+    r = run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=n_q + d, pad_to=-(-d // 8) * 8 if d % 8 else None)
+    assert_close(*r, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.variant
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_ws_forward_fp16_error_rule_and_determinism(causal):
+    """fp16 by the flash-attn rule (err vs fp64 <= 2 x a naive fp16 implementation's + small) on a larger problem,
+    and two runs give the same bits."""
+    import math
+
+    from reference import standard_attention
+
+    if not ptx.current_wgmma():
+        pytest.skip("TMA + wgmma need an sm_90 GPU")
+    rng = np.random.default_rng(5)
+    B, H, Hkv, N, d = 2, 8, 2, 1000, 128
+    q, k, v = (rng.standard_normal((B, h, N, d)).astype(np.float16) for h in (H, Hkv, Hkv))
+    tile = Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "tma_store"})
+    outs = []
+    for _ in range(2):
+        out = cuda.to_device(np.zeros_like(q))
+        lse = cuda.to_device(np.zeros((B, H, N), np.float32))
+        ws.launch(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, lse, tile, causal=causal,
+                  softmax_scale=1 / math.sqrt(d))
+        outs.append(out.copy_to_host())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    kr, vr = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
+    ref, _ = standard_attention(q, kr, vr, causal=causal)
+    naive, _ = standard_attention(q, kr, vr, causal=causal, dtype=np.float16)
+    err = np.abs(outs[0].astype(np.float64) - ref).max()
+    naive_err = np.abs(naive.astype(np.float64) - ref).max()
+    assert err <= 2 * naive_err + 1e-4, f"ours {err:.3e} vs naive fp16 {naive_err:.3e}"
