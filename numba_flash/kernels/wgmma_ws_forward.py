@@ -63,7 +63,7 @@ MAPS = ("q", "k", "v", "o")  # map i at byte i * TMAP_BYTES of the kernel's maps
 def kernel_signature():
     """(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2): the tensor maps (uint8, MAPS order), O as
     16-bit words, L float32."""
-    return types.void(types.Array(types.uint8, 1, "C"), types.Array(types.uint16, 4, "A"),
+    return types.void(types.Array(types.uint8, 1, "A"), types.Array(types.uint16, 4, "A"),
                       types.Array(types.float32, 3, "A"), int32, int32, int32, int32, int32, float32)
 
 

@@ -55,6 +55,7 @@ def test_tma_load_store_twins(rng):
     flags = cuda.to_device(np.zeros(2, np.int32))
     load, store = tma.tma_load(4), tma.tma_store(4)
     sync_a = tma.named_barrier_sync(5, 64)
+    wait_read = tma.bulk_wait_read(0)
 
     @cuda.jit
     def kernel(maps, seen, flags):
@@ -82,7 +83,7 @@ def test_tma_load_store_twins(rng):
             flags[0] = 1
             store(maps, 128, smem, 0, 0, 4, 1, 0)
             tma.bulk_commit()
-            tma.bulk_wait_read(0)()
+            wait_read()
 
     kernel[1, 64](maps, seen, flags)
     box = np.zeros((ROWS, 64), np.uint16)
@@ -136,6 +137,15 @@ def test_ws_forward_two_consumers_every_flag_sim():
 def test_ws_forward_more_sim(d, dtype, causal, tile):
     r = run_ws(1, 2, 2, 70, 150, d, causal, dtype, tile, seed=d, pad_to=-(-d // 8) * 8 if d % 8 else None)
     assert_close(*r, dtype)
+
+
+def test_signature_is_what_the_launcher_takes():
+    """numba_flash.launch flattens arrays of layout 'A' only (a C array would be refused at the first GPU launch)."""
+    from numba.cuda import types
+
+    sig = ws.kernel_signature()
+    assert all(a.layout == "A" for a in sig.args if isinstance(a, types.Array))
+    assert [str(a.dtype) for a in sig.args if isinstance(a, types.Array)] == ["uint8", "uint16", "float32"]
 
 
 def test_problems():
