@@ -51,7 +51,7 @@ VARIANTS = {
          wst(64, 192, 2, "nreg+pp")],
     128: [wst(128, 128, 2, "nreg+pp"), wst(128, 128, 2), wst(128, 128, 2, "nreg"), wst(128, 128, 2, "nreg+pp+tst"),
           wst(128, 176, 2, "nreg+pp"), wst(128, 64, 3, "nreg+pp")],
-    256: [wst(256, 80, 2, "nreg+pp"), wst(256, 64, 2), wst(256, 64, 2, "nreg+pp"), wst(256, 80, 2, "nreg+pp+tst")],
+    256: [wst(256, 80, 2, "nreg+pp"), wst(256, 64, 2, "nreg"), wst(256, 64, 2, "nreg+pp"), wst(256, 80, 2, "nreg+pp+tst")],
 }
 
 

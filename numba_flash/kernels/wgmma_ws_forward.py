@@ -108,6 +108,9 @@ def problems(tile: Tile, dtype: str) -> list:
         out.append("setmaxnreg: built for two consumer warpgroups (warps=12)")
     if tile.has("pingpong") and tile.warps != 12:
         out.append("pingpong: needs two consumer warpgroups (warps=12)")
+    if hd >= 192 and tile.warps == 12 and not tile.has("setmaxnreg"):
+        out.append(f"head_dim={hd} with two consumer warpgroups needs setmaxnreg (at {max_registers(tile)} registers a "
+                   "thread the O accumulators spill)")
     if smem_bytes(tile) > SMEM_PER_BLOCK_MAX:
         out.append(f"{smem_bytes(tile)} B of shared memory > {SMEM_PER_BLOCK_MAX}")
     return out

@@ -153,6 +153,7 @@ def test_problems():
     assert "warpgroups" in " ".join(ws.problems(Tile(128, 64, 128, warps=8, stages=2), "float16"))
     assert "stages" in " ".join(ws.problems(Tile(128, 64, 128, warps=12, stages=5), "float16"))
     assert "pingpong" in " ".join(ws.problems(Tile(64, 64, 128, warps=8, stages=2, flags={"pingpong"}), "float16"))
+    assert "spill" in " ".join(ws.problems(Tile(128, 64, 256, warps=12, stages=2), "float16"))
     assert "shared memory" in " ".join(ws.problems(Tile(128, 256, 256, warps=12, stages=4), "float16"))
     with pytest.raises(ValueError, match="cannot be built"):
         ws.build(Tile(128, 40, 128, warps=12, stages=2), False, "float16")
@@ -189,7 +190,8 @@ BUILD_CASES = [  # (block_q, block_k, head_dim, warps, stages, flags, causal, dt
 ]
 MORE_BUILD_CASES = [
     (128, 128, 128, 12, 2, [], False, "float16"), (128, 128, 64, 12, 3, ["setmaxnreg"], False, "float16"),
-    (128, 80, 256, 12, 2, ["setmaxnreg", "pingpong"], True, "float16"), (128, 64, 256, 12, 2, [], False, "float16"),
+    (128, 80, 256, 12, 2, ["setmaxnreg", "pingpong"], True, "float16"), (64, 64, 256, 8, 2, [], False, "float16"),
+    (128, 64, 256, 12, 2, ["setmaxnreg"], False, "float16"),
     (128, 96, 192, 12, 2, ["setmaxnreg"], False, "bfloat16"), (128, 176, 128, 12, 2, ["setmaxnreg"], False, "float16"),
 ]
 
@@ -230,7 +232,8 @@ GPU_TILES = [  # (d, tile)
     (128, Tile(64, 64, 128, warps=8, stages=4)),
     (96, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "tma_store"})),
     (192, Tile(128, 96, 192, warps=12, stages=2, flags={"setmaxnreg"})),
-    (256, Tile(128, 64, 256, warps=12, stages=2)),
+    (256, Tile(128, 64, 256, warps=12, stages=2, flags={"setmaxnreg"})),
+    (256, Tile(64, 64, 256, warps=8, stages=3)),
     (256, Tile(128, 80, 256, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "tma_store"})),
 ]
 
