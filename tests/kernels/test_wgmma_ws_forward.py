@@ -169,6 +169,50 @@ from numba_flash.kernels import wgmma_ws_forward as ws
 from numba_flash.tiles import Tile
 cases = json.loads(sys.argv[1])
 out = {}
+if sys.argv[2] == "intrinsics":  # every ptx/tma intrinsic, each rank, in one kernel
+    from numba import types
+    from numba_flash import ptx
+    from numba_flash.ptx import tma
+    L2, L3, L4, L5 = (tma.tma_load(r) for r in (2, 3, 4, 5))
+    S2, S3, S4, S5 = (tma.tma_store(r) for r in (2, 3, 4, 5))
+    W1 = tma.bulk_wait_read(1)
+    NB_S, NB_A = tma.named_barrier_sync(1, 256), tma.named_barrier_arrive(2, 128)
+    DEC, INC = tma.setmaxnreg(40, False), tma.setmaxnreg(232, True)
+
+    def every(maps, x):
+        smem = cuda.shared.array(0, types.uint16)
+        i = cuda.threadIdx.x
+        tma.prefetch_tensormap(maps, 0)
+        L2(smem, 0, maps, 0, smem, 8192, i, 1)
+        L3(smem, 0, maps, 128, smem, 8192, i, 1, 2)
+        L4(smem, 0, maps, 256, smem, 8192, i, 1, 2, 3)
+        L5(smem, 0, maps, 384, smem, 8192, i, 1, 2, 3, 4)
+        tma.mbarrier_arrive(smem, 8196)
+        NB_S()
+        NB_A()
+        if i < 128:
+            DEC()
+        else:
+            INC()
+        S2(maps, 0, smem, 0, i, x)
+        S3(maps, 128, smem, 0, i, x, 1)
+        S4(maps, 256, smem, 0, i, x, 1, 2)
+        S5(maps, 384, smem, 0, i, x, 1, 2, 3)
+        tma.bulk_commit()
+        W1()
+
+    ptx, _ = cuda.compile_ptx(every, (types.Array(types.uint8, 1, "A"), types.int32), cc=(9, 0, "a"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([sys.argv[-1], "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    out["intrinsics"] = dict(rc=r.returncode, log=(r.stderr + r.stdout)[-800:], loads=[
+        len(re.findall(rf"cp.async.bulk.tensor.{n}d.shared::cluster.global.mbarrier::complete_tx::bytes", ptx))
+        for n in (2, 3, 4, 5)], stores=[len(re.findall(rf"cp.async.bulk.tensor.{n}d.global.shared::cta.bulk_group",
+                                                       ptx)) for n in (2, 3, 4, 5)],
+        others=[w for w in ("prefetch.tensormap", "mbarrier.arrive.shared::cta.b64", "bar.sync 1, 256",
+                            "bar.arrive 2, 128", "setmaxnreg.dec.sync.aligned.u32 40",
+                            "setmaxnreg.inc.sync.aligned.u32 232", "cp.async.bulk.commit_group",
+                            "cp.async.bulk.wait_group.read 1") if w not in ptx])
 for bq, bk, hd, warps, stages, flags, causal, dtype in cases:
     tile = Tile(bq, bk, hd, warps=warps, stages=stages, flags=set(flags))
     ptx, _ = cuda.compile_ptx(ws.kernel_source(tile, causal, dtype), ws.kernel_signature(), cc=(9, 0, "a"))
@@ -196,10 +240,13 @@ MORE_BUILD_CASES = [
 ]
 
 
-def _check_builds(cases, tmp_path):
+def _check_builds(cases, tmp_path, intrinsics=False):
     import json
 
-    got = run_compile_child(WS_COMPILE, [json.dumps(cases)], tmp_path)
+    got = run_compile_child(WS_COMPILE, [json.dumps(cases), "intrinsics" if intrinsics else "-"], tmp_path)
+    if intrinsics:
+        r = got.pop("intrinsics")
+        assert r["rc"] == 0 and r["loads"] == [1] * 4 and r["stores"] == [1] * 4 and r["others"] == [], r
     assert len(got) == len(cases)
     for key, r in got.items():
         assert r["rc"] == 0, (key, r["log"])
@@ -209,9 +256,10 @@ def _check_builds(cases, tmp_path):
 
 
 def test_builds_for_sm90a(tmp_path):
-    """ptxas -arch=sm_90a at the block's register share (168 at 384 threads) takes the full-flag d128 build with no
-    spills, every product and the TMA loads in the PTX, no fp64."""
-    _check_builds(BUILD_CASES, tmp_path)
+    """ptxas -arch=sm_90a takes every ptx/tma intrinsic (loads and stores of each rank, prefetch, arrive, named
+    barriers, setmaxnreg, bulk groups), and, at the block's register share (168 at 384 threads), the full-flag d128
+    build with no spills, every product and the TMA loads in the PTX, no fp64."""
+    _check_builds(BUILD_CASES, tmp_path, intrinsics=True)
 
 
 @pytest.mark.heavy
