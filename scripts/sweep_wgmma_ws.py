@@ -1,7 +1,7 @@
 """Time the warp-specialised TMA forward (kernels/wgmma_ws_forward.py) beside the shipped wgmma forward and SDPA's
 cuDNN and FlashAttention-2 backends, in one process, on a GPU; or smoke-test it (--check).
 
-    python3 scripts/sweep_wgmma_ws.py --check                      # seconds: intrinsics + kernel vs float64, exit 1 on a miss
+    python3 scripts/sweep_wgmma_ws.py --check --precompile-jobs 9  # ~1 min: intrinsics + 9 builds vs float64, exit 1 on a miss
     python3 scripts/sweep_wgmma_ws.py --precompile-jobs 12         # the sweep (< 5 min on an H200, compiles included)
     python3 scripts/sweep_wgmma_ws.py --shapes 'd128$' --variants 'pp'   # a subset (regexes)
 
@@ -11,7 +11,8 @@ TFLOP/s = 4·B·H·N²·d / t (half for causal). Errors on the first batch entry
 O_fp64| of each kernel and of the naive same-dtype attention (P rounded to the dtype before P·V), so the table
 shows the flash-attn rule (ours <= 2 x naive + small) directly. Writes $OUT/sweep_wgmma_ws.json when $OUT is set.
 
-Variant names: "ws BQxBK sN" + flags: "nreg" setmaxnreg, "pp" pingpong, "tst" the TMA store of O, "grid" grid_bh_x.
+Variant names: "ws BQxBK sN" + flags: "nreg" setmaxnreg, "pp" pingpong, "ovl" overlap, "tst" the TMA store of O,
+"grid" grid_bh_x.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from numba import cuda  # noqa: E402
 from numba_flash.kernels import wgmma_forward, wgmma_ws_forward as ws  # noqa: E402
 from numba_flash.tiles import Tile  # noqa: E402
 
-WORDS = {"nreg": "setmaxnreg", "pp": "pingpong", "tst": "tma_store", "grid": "grid_bh_x"}
+WORDS = {"nreg": "setmaxnreg", "pp": "pingpong", "tst": "tma_store", "grid": "grid_bh_x", "ovl": "overlap"}
 HEADS_CHECKED = 2
 
 
@@ -47,11 +48,13 @@ def name_of(t: Tile) -> str:
 
 # per head dim, in priority order (the first few are the most likely to win: a deadline skips the tail)
 VARIANTS = {
-    64: [wst(64, 128, 2, "nreg+pp"), wst(64, 128, 2), wst(64, 128, 2, "nreg"), wst(64, 128, 3, "nreg+pp+tst"),
-         wst(64, 192, 2, "nreg+pp")],
-    128: [wst(128, 128, 2, "nreg+pp"), wst(128, 128, 2), wst(128, 128, 2, "nreg"), wst(128, 128, 2, "nreg+pp+tst"),
-          wst(128, 176, 2, "nreg+pp"), wst(128, 64, 3, "nreg+pp")],
-    256: [wst(256, 80, 2, "nreg+pp"), wst(256, 64, 2, "nreg"), wst(256, 64, 2, "nreg+pp"), wst(256, 80, 2, "nreg+pp+tst")],
+    64: [wst(64, 128, 2, "nreg+pp+ovl"), wst(64, 128, 2), wst(64, 128, 2, "nreg+pp"), wst(64, 128, 3, "nreg+pp+ovl+tst"),
+         wst(64, 192, 2, "nreg+pp+ovl")],
+    128: [wst(128, 128, 2, "nreg+pp+ovl"), wst(128, 128, 2), wst(128, 128, 2, "nreg"), wst(128, 128, 2, "nreg+pp"),
+          wst(128, 128, 2, "nreg+ovl"), wst(128, 128, 2, "nreg+pp+ovl+tst"), wst(128, 176, 2, "nreg+pp+ovl"),
+          wst(128, 128, 3, "nreg+pp+ovl")],
+    256: [wst(256, 80, 2, "nreg+pp+ovl"), wst(256, 64, 2, "nreg"), wst(256, 64, 2, "nreg+pp"), wst(256, 80, 2, "nreg+pp"),
+          wst(256, 80, 2, "nreg+pp+ovl+tst")],
 }
 
 
@@ -172,6 +175,9 @@ CHECK_CASES = [  # (B, H, Hkv, n_q, n_k, d, causal, dtype, tile)
     (2, 2, 1, 300, 300, 128, True, "float16", wst(128, 128, 2, "nreg+pp+tst")),
     (1, 2, 1, 129, 300, 256, False, "bfloat16", wst(256, 80, 2, "nreg+pp+tst")),
     (1, 2, 2, 200, 200, 96, True, "float16", wst(128, 128, 2, "nreg+tst")),
+    (1, 2, 1, 300, 517, 128, True, "float16", wst(128, 128, 2, "nreg+pp+ovl+grid")),
+    (1, 2, 2, 300, 300, 64, False, "bfloat16", wst(64, 128, 3, "nreg+pp+ovl+tst")),
+    (1, 2, 1, 129, 300, 256, True, "float16", wst(256, 80, 2, "nreg+pp+ovl")),
 ]
 
 
@@ -361,6 +367,8 @@ def main(argv=None):
                     help="compile every selected build first in this many processes (into the on-disk kernel cache)")
     args = ap.parse_args(argv)
     if args.check:
+        if args.precompile_jobs:
+            precompile(sorted({(t, c, dt) for *_, c, dt, t in CHECK_CASES}, key=str), args.precompile_jobs)
         sys.exit(0 if check() else 1)
     sweep(args)
 

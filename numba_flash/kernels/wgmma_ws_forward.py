@@ -13,18 +13,22 @@ What changes is who loads. The block is warpgroup 0, the producer, and CONSUMERS
 (block_q = 64 · CONSUMERS, warps = 4 · (CONSUMERS + 1)). One thread of the producer issues every copy, by TMA
 (ptx/tma.py: cp.async.bulk.tensor, one box per 64-column atom, landing in the 128-byte swizzle wgmma reads;
 blocks/tensor_maps.py encodes the maps): Q once, then K_j and V_j into slot j % STAGES of a ring. Each slot has
-three mbarriers: K full and V full (the copies' bytes complete them: expect_tx by the producer) and empty (one
-arrival per consumer warp after its products on the slot retired). The producer waits for "empty" before it
-refills a slot, the consumers wait for "K full" before Q·Kᵀ and for "V full" before P·V, so the loads run
-STAGES - 1 tiles ahead with no block-wide barrier after the set-up. Rows past n_q and keys past n_k arrive as
+four mbarriers: K full and V full (the copies' bytes complete them: expect_tx by the producer), K empty and V
+empty (one arrival per consumer warp once its product reading that tile retired). The producer waits for a
+tile's "empty" before it refills it, the consumers wait for "K full" before Q·Kᵀ and for "V full" before P·V, so
+the loads run STAGES - 1 tiles ahead with no block-wide barrier after the set-up. Rows past n_q and keys past n_k arrive as
 zeros (the map's bounds), the masks hide those keys.
 
 Flags (``tile.flags``):
     grid_bh_x    as mma_forward's (the heaviest causal Q tiles of every head first)
     setmaxnreg   the producer warpgroup gives registers back (setmaxnreg.dec to PRODUCER_REGS) and the
                  consumers take them (setmaxnreg.inc to CONSUMER_REGS); the build's cap is the block's share
-    pingpong     the consumers issue their Q·Kᵀ in turn (named barriers 1..CONSUMERS): one warpgroup's softmax
-                 then runs while the other's products occupy the tensor cores (FA3's warp scheduler barriers)
+    pingpong     the consumers issue their products in turn (named barriers 1 and 2: Q·Kᵀ, and with overlap
+                 P·V of the tile before): one warpgroup's softmax then runs while the other's products occupy
+                 the tensor cores (FA3's warp scheduler barriers)
+    overlap      FA3's intra-warpgroup pipelining: Q·K_jᵀ is issued with P_{j-1}·V_{j-1} behind it, tile j's mask
+                 and softmax run while that product is in flight, and O's rescale waits for it to retire
+                 (blocks.softmax.fragment_softmax_deferred); with two consumers it needs setmaxnreg
     tma_store    O leaves through shared memory (each warpgroup's rows of the Q tile, after its last Q·Kᵀ) by
                  a TMA store; without it every lane stores its fragments directly
 """
@@ -41,16 +45,17 @@ from ..configs import SMEM_PER_BLOCK_MAX
 from ..jit_cache import compile_kernel
 from ..launch import launch as launch_kernel
 from ..ptx import WGMMA_ALIGN, inline_device, tma
+from ..ptx.warpgroup import wgmma_hold_a
 from ..tiles import Tile
 from ..blocks.copies import atom_offset
 from ..blocks.entry import forward_grid
 from ..blocks.mask import fragment_mask, mask_kind
 from ..blocks.numerics import LOG2E
-from ..blocks.softmax import fragment_softmax, row_lse
+from ..blocks.softmax import fragment_softmax, fragment_softmax_deferred, row_lse
 from ..blocks.tensor_maps import device_maps
 
 DTYPES = ("float16", "bfloat16")
-FLAGS = ("grid_bh_x", "setmaxnreg", "pingpong", "tma_store")
+FLAGS = ("grid_bh_x", "setmaxnreg", "pingpong", "tma_store", "overlap")
 STAGES = (2, 3, 4)
 HEAD_DIMS = (64, 128, 192, 256)
 WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which select the bf16 build)
@@ -81,9 +86,10 @@ def max_registers(tile: Tile) -> int:
 
 
 def smem_bytes(tile: Tile) -> int:
-    """The Q tile, STAGES (K, V) slots (16-bit words, 1024-byte multiples), then the mbarriers."""
+    """The Q tile, STAGES (K, V) slots (16-bit words, 1024-byte multiples), then the mbarriers (Q full; K full,
+    V full, K empty, V empty of each slot)."""
     words = tile.head_dim * (tile.block_q + 2 * tile.stages * tile.block_k)
-    return 2 * words + BAR_BYTES * (1 + 3 * tile.stages)
+    return 2 * words + BAR_BYTES * (1 + 4 * tile.stages)
 
 
 def problems(tile: Tile, dtype: str) -> list:
@@ -108,6 +114,9 @@ def problems(tile: Tile, dtype: str) -> list:
         out.append("setmaxnreg: built for two consumer warpgroups (warps=12)")
     if tile.has("pingpong") and tile.warps != 12:
         out.append("pingpong: needs two consumer warpgroups (warps=12)")
+    if tile.has("overlap") and tile.warps == 12 and not tile.has("setmaxnreg"):
+        out.append(f"overlap with two consumer warpgroups needs setmaxnreg (S, P and O at {max_registers(tile)} "
+                   "registers a thread spill)")
     if hd >= 192 and tile.warps == 12 and not tile.has("setmaxnreg"):
         out.append(f"head_dim={hd} with two consumer warpgroups needs setmaxnreg (at {max_registers(tile)} registers a "
                    "thread the O accumulators spill)")
@@ -122,6 +131,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
     CAUSAL = bool(causal)
     GRID_BH_X = tile.has("grid_bh_x")
     SETMAXNREG, PINGPONG, TMA_STORE = tile.has("setmaxnreg"), tile.has("pingpong"), tile.has("tma_store")
+    OVERLAP = tile.has("overlap")
     CONSUMERS = consumers(tile)
     CONSUMER_WARPS = 4 * CONSUMERS
     ATOMS = HEAD_DIM // 64  # 64-column atoms of a row: one TMA box each
@@ -132,9 +142,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
     KV_WORDS = BLOCK_K * HEAD_DIM  # one K or V slot
     SQ, SK = 0, BLOCK_Q * HEAD_DIM  # word offsets: Q | K slots | V slots | barriers
     SV = SK + STAGES_ * KV_WORDS
-    BAR = SV + STAGES_ * KV_WORDS  # mbarriers, 4 words each: Q full, K full[s], V full[s], empty[s]
+    BAR = SV + STAGES_ * KV_WORDS  # mbarriers, 4 words each: Q full, K full[s], V full[s], K empty[s], V empty[s]
     Q_FULL = BAR
-    K_FULL, V_FULL, EMPTY = BAR + 4, BAR + 4 * (1 + STAGES_), BAR + 4 * (1 + 2 * STAGES_)
+    K_FULL, V_FULL = BAR + 4, BAR + 4 * (1 + STAGES_)
+    K_EMPTY, V_EMPTY = BAR + 4 * (1 + 2 * STAGES_), BAR + 4 * (1 + 3 * STAGES_)
     Q_BYTES = 2 * BLOCK_Q * HEAD_DIM
     KV_BYTES = 2 * KV_WORDS
     Q_ATOM, KV_ATOM = BLOCK_Q * 64, BLOCK_K * 64  # words of one column atom
@@ -149,7 +160,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
     mma_s = ptx.wgmma(BLOCK_K, dtype)
     mma_o = ptx.wgmma(HEAD_DIM, dtype, trans_b=True, a_regs=True)
     hold_s, hold_o = ptx.wgmma_hold(BLOCK_K), ptx.wgmma_hold(HEAD_DIM)
-    wait0 = ptx.wgmma_wait(0)
+    hold_a = wgmma_hold_a(4 * PV_STEPS)
+    wait0, wait1 = ptx.wgmma_wait(0), ptx.wgmma_wait(1)
     fence, commit, fence_async = ptx.wgmma_fence, ptx.wgmma_commit, ptx.fence_proxy_async
     K_MAJOR = ptx.wgmma_desc_bits(16)  # Q, K: the reduction (head dim) along the rows; LBO unused
     V_MN = ptx.wgmma_desc_bits(BLOCK_K * 128)  # V: the reduction (keys) down the rows; LBO = one atom
@@ -169,6 +181,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
 
     mask_tile = fragment_mask(mask_kind(CAUSAL), BLOCK_K, 1)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, 1)
+    deferred_step, deferred_rescale = fragment_softmax_deferred(S_TILES, O_TILES, 1)
 
     @inline_device
     def wait_phase(smem, bar, parity):
@@ -183,6 +196,26 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
             a = K_MAJOR + q16 + (kk >> 2) * Q_ATOM16 + (kk & 3) * 2
             b = K_MAJOR + k16 + (kk >> 2) * KV_ATOM16 + (kk & 3) * 2
             mma_s(smem, s, a, b, 1 if kk > 0 else 0)
+        commit()
+
+    @inline_device
+    def pack_p(a_p, s):
+        """P (in s) as the A fragments of P·V's k-steps: k-step kk from n-tiles 2kk, 2kk + 1."""
+        for kk in range(PV_STEPS):
+            nt = 2 * kk
+            a_p[kk, 0] = pack(s[nt, 0], s[nt, 1])
+            a_p[kk, 1] = pack(s[nt, 2], s[nt, 3])
+            a_p[kk, 2] = pack(s[nt + 1, 0], s[nt + 1, 1])
+            a_p[kk, 3] = pack(s[nt + 1, 2], s[nt + 1, 3])
+        hold_a(a_p)
+
+    @inline_device
+    def issue_o(smem, acc, a_p, v16):
+        """acc += P V from the packed a_p, one commit group, not waited for (a_p and acc are the product's until
+        it retires)."""
+        fence()
+        for kk in range(PV_STEPS):
+            mma_o(smem, acc, a_p[kk, 0], a_p[kk, 1], a_p[kk, 2], a_p[kk, 3], V_MN + v16 + kk * ROWS16_16, 1)
         commit()
 
     @inline_device
@@ -201,6 +234,53 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
         commit()
         wait0()
         hold_o(acc)
+
+    @inline_device
+    def overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, j, FIRST, c, q16, base16, row_w, n_k, shift, g, t, lane,
+                     scale_log2):
+        """Tile j of the overlap schedule: issue S_j and (unless FIRST) P_{j-1}·V_{j-1}, then tile j's softmax
+        under the product, O's deferred rescale, and P_j packed for the next step."""
+        k0 = int32(j * BLOCK_K)
+        k1 = int32(k0 + BLOCK_K)
+        slot = j % STAGES_
+        prev = (j - 1) % STAGES_
+        wait_phase(smem, K_FULL + 4 * slot, (j // STAGES_) & 1)
+        if PINGPONG:
+            if c == 0:
+                turn_sync0()
+            else:
+                turn_sync1()
+        product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
+        if not FIRST:
+            wait_phase(smem, V_FULL + 4 * prev, ((j - 1) // STAGES_) & 1)
+            issue_o(smem, acc, a_p, base16 + ((SV + prev * KV_WORDS) >> 3))
+        if PINGPONG:
+            if c == 0:
+                turn_arrive1()
+            else:
+                turn_arrive0()
+        if FIRST:
+            wait0()
+        else:
+            wait1()
+        hold_s(s)
+        if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
+            arrive(smem, K_EMPTY + 4 * slot)
+        needs_mask = k1 > n_k
+        if CAUSAL:
+            needs_mask = needs_mask or (k1 - 1 > row_w + shift)
+        if needs_mask:
+            mask_tile(s, k0, row_w, n_k, shift, g, t)
+        moved = deferred_step(s, m_i, l_i, alpha, scale_log2)
+        if not FIRST:
+            wait0()
+            hold_o(acc)
+            if lane == 0:
+                arrive(smem, V_EMPTY + 4 * prev)
+        if moved:
+            deferred_rescale(acc, alpha)
+        hold_o(acc)  # the rescaled accumulators defined here, above the next products' fence
+        pack_p(a_p, s)
 
     def kernel(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)  # atoms: 1024-byte aligned
@@ -230,7 +310,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
             for st in range(STAGES_):
                 ptx.mbarrier_init(smem, K_FULL + 4 * st, 1)
                 ptx.mbarrier_init(smem, V_FULL + 4 * st, 1)
-                ptx.mbarrier_init(smem, EMPTY + 4 * st, CONSUMER_WARPS)
+                ptx.mbarrier_init(smem, K_EMPTY + 4 * st, CONSUMER_WARPS)
+                ptx.mbarrier_init(smem, V_EMPTY + 4 * st, CONSUMER_WARPS)
             ptx.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -245,12 +326,14 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
                     load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
                 for j in range(n_tiles):
                     slot = j % STAGES_
-                    if j >= STAGES_:  # the consumers released this slot's previous tile
-                        wait_phase(smem, EMPTY + 4 * slot, (j // STAGES_ - 1) & 1)
+                    if j >= STAGES_:  # the consumers released this slot's previous K
+                        wait_phase(smem, K_EMPTY + 4 * slot, (j // STAGES_ - 1) & 1)
                     expect_tx(smem, K_FULL + 4 * slot, KV_BYTES)
                     for a in range(ATOMS):
                         load(smem, SK + slot * KV_WORDS + a * KV_ATOM, maps, MAP_K, smem, K_FULL + 4 * slot, a * 64,
                              j * BLOCK_K, h_kv, b)
+                    if j >= STAGES_:  # ... and its previous V
+                        wait_phase(smem, V_EMPTY + 4 * slot, (j // STAGES_ - 1) & 1)
                     expect_tx(smem, V_FULL + 4 * slot, KV_BYTES)
                     for a in range(ATOMS):
                         load(smem, SV + slot * KV_WORDS + a * KV_ATOM, maps, MAP_V, smem, V_FULL + 4 * slot, a * 64,
@@ -282,36 +365,59 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
             turn_arrive0()
 
         wait_phase(smem, Q_FULL, 0)
-        for j in range(n_tiles):
-            k0 = int32(j * BLOCK_K)
-            k1 = int32(k0 + BLOCK_K)
-            slot = j % STAGES_
-            parity = (j // STAGES_) & 1
-            wait_phase(smem, K_FULL + 4 * slot, parity)
-            if PINGPONG:
-                if c == 0:
-                    turn_sync0()
-                else:
-                    turn_sync1()
-            product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
-            if PINGPONG:
-                if c == 0:
-                    turn_arrive1()
-                else:
-                    turn_arrive0()
-            wait0()
-            hold_s(s)
-            needs_mask = k1 > n_k
-            if CAUSAL:
-                needs_mask = needs_mask or (k1 - 1 > row_w + shift)
-            if needs_mask:
-                mask_tile(s, k0, row_w, n_k, shift, g, t)
-            m_nw = cuda.local.array(2, float32)
-            softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
-            wait_phase(smem, V_FULL + 4 * slot, parity)
-            product_o(smem, acc, s, base16 + ((SV + slot * KV_WORDS) >> 3))
-            if lane == 0:  # this warp's products on the slot retired: one of CONSUMER_WARPS arrivals
-                arrive(smem, EMPTY + 4 * slot)
+        if OVERLAP:
+            # S_j is issued with P_{j-1}·V_{j-1} behind it; S_j retires first (groups retire in order), so tile
+            # j's mask and softmax run under that product, and O's rescale waits for it. The first tile is peeled
+            # (FIRST a constant): no branch around a product in flight, whose joins would define its registers
+            alpha = cuda.local.array(2, float32)
+            a_p = cuda.local.array((PV_STEPS, 4), uint32)
+            if n_tiles > 0:
+                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, 0, True, c, q16, base16, row_w, n_k, shift, g, t,
+                             lane, scale_log2)
+            for j in range(1, n_tiles):
+                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, j, False, c, q16, base16, row_w, n_k, shift, g, t,
+                             lane, scale_log2)
+            if n_tiles > 0:
+                last = (n_tiles - 1) % STAGES_
+                wait_phase(smem, V_FULL + 4 * last, ((n_tiles - 1) // STAGES_) & 1)
+                issue_o(smem, acc, a_p, base16 + ((SV + last * KV_WORDS) >> 3))
+                wait0()
+                hold_o(acc)
+                if lane == 0:
+                    arrive(smem, V_EMPTY + 4 * last)
+        else:
+            for j in range(n_tiles):
+                k0 = int32(j * BLOCK_K)
+                k1 = int32(k0 + BLOCK_K)
+                slot = j % STAGES_
+                parity = (j // STAGES_) & 1
+                wait_phase(smem, K_FULL + 4 * slot, parity)
+                if PINGPONG:
+                    if c == 0:
+                        turn_sync0()
+                    else:
+                        turn_sync1()
+                product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
+                if PINGPONG:
+                    if c == 0:
+                        turn_arrive1()
+                    else:
+                        turn_arrive0()
+                wait0()
+                hold_s(s)
+                if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
+                    arrive(smem, K_EMPTY + 4 * slot)
+                needs_mask = k1 > n_k
+                if CAUSAL:
+                    needs_mask = needs_mask or (k1 - 1 > row_w + shift)
+                if needs_mask:
+                    mask_tile(s, k0, row_w, n_k, shift, g, t)
+                m_nw = cuda.local.array(2, float32)
+                softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
+                wait_phase(smem, V_FULL + 4 * slot, parity)
+                product_o(smem, acc, s, base16 + ((SV + slot * KV_WORDS) >> 3))
+                if lane == 0:
+                    arrive(smem, V_EMPTY + 4 * slot)
 
         for mr in range(2):
             l_row = quad_row_sum(l_i, mr)
