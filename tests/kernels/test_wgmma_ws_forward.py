@@ -132,7 +132,7 @@ def test_ws_forward_two_consumers_every_flag_sim():
 @pytest.mark.heavy
 @pytest.mark.parametrize("d,dtype,causal,tile", [
     (128, "bfloat16", True, Tile(128, 32, 128, warps=12, stages=3)),
-    (100, "float16", False, Tile(64, 48, 128, warps=8, stages=4, flags={"tma_store"})),
+    (100, "float16", False, Tile(64, 48, 128, warps=8, stages=4)),  # rows padded to 104 (TMA strides: 16 B)
     (256, "float16", True, Tile(64, 16, 256, warps=8, stages=2)),
     (64, "float16", True, Tile(128, 16, 64, warps=12, stages=2, flags={"pingpong", "setmaxnreg", "tma_store"})),
     (64, "bfloat16", False, Tile(64, 32, 64, warps=8, stages=2, flags={"overlap"})),
@@ -149,6 +149,14 @@ def test_signature_is_what_the_launcher_takes():
     sig = ws.kernel_signature()
     assert all(a.layout == "A" for a in sig.args if isinstance(a, types.Array))
     assert [str(a.dtype) for a in sig.args if isinstance(a, types.Array)] == ["uint8", "uint16", "float32"]
+
+
+@in_simulator
+def test_tma_store_refuses_unaligned_out_rows():
+    """d = 100 stored through a map needs O's rows a multiple of 16 bytes: a clear error, not a wrong store."""
+    with pytest.raises(ValueError, match="multiples of 16"):
+        run_ws(1, 1, 1, 8, 8, 100, False, "float16", Tile(64, 48, 128, warps=8, stages=2, flags={"tma_store"}),
+               pad_to=104)
 
 
 def test_problems():
