@@ -127,7 +127,7 @@ def problems(tile: Tile, dtype: str) -> list:
 
 def kernel_source(tile: Tile, causal: bool, dtype: str):
     """The Python kernel for one specialisation (before cuda.jit)."""
-    BLOCK_Q, BLOCK_K, HEAD_DIM, WARPS, STAGES_ = tile.block_q, tile.block_k, tile.head_dim, tile.warps, tile.stages
+    BLOCK_Q, BLOCK_K, HEAD_DIM, STAGES_ = tile.block_q, tile.block_k, tile.head_dim, tile.stages
     CAUSAL = bool(causal)
     GRID_BH_X = tile.has("grid_bh_x")
     SETMAXNREG, PINGPONG, TMA_STORE = tile.has("setmaxnreg"), tile.has("pingpong"), tile.has("tma_store")
@@ -190,7 +190,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
 
     @inline_device
     def product_s(smem, s, q16, k16):
-        """s = Q_wg K_jᵀ (both K-major: rows of the head dim), one commit group, waited for."""
+        """s = Q_wg K_jᵀ (both K-major: rows of the head dim), one commit group, not waited for."""
         fence()
         for kk in range(QK_STEPS):
             a = K_MAJOR + q16 + (kk >> 2) * Q_ATOM16 + (kk & 3) * 2
