@@ -95,6 +95,38 @@ def test_tma_load_store_twins(rng):
     assert flags.copy_to_host()[0] == 1
 
 
+def test_driver_encoding_arguments(monkeypatch):
+    """What the GPU path hands cuTensorMapEncodeTiled (driver stubbed): 4-D (d, N, H, B) innermost first, the array's
+    byte strides (a dim of one element gets a valid stand-in), a 64 x rows box, 128-byte swizzle, zero fill, a
+    64-byte aligned output; a failing CUresult raises."""
+    import ctypes
+
+    from numba_flash.blocks import tensor_maps
+
+    seen = {}
+
+    def fake(out, dtype, rank, address, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        seen.update(out=out, dtype=dtype, rank=rank, dims=[dims[i] for i in range(4)],
+                    strides=[strides[i] for i in range(3)], box=[box[i] for i in range(4)],
+                    elem=[elem[i] for i in range(4)], swizzle=swizzle, interleave=interleave, oob=oob)
+        ctypes.memset(out, 0xAB, 128)
+        return seen.get("rc", 0)
+
+    monkeypatch.setattr(tensor_maps, "SIMULATOR", False)
+    monkeypatch.setattr(tensor_maps, "_driver", lambda: fake)
+    x = cuda.to_device(np.zeros((1, 3, 40, 72), np.uint16))[:, :, :, :64]  # rows of 144 B, 64 used
+    got = tensor_maps.encode(x, 128)
+    assert (got == 0xAB).all() and seen["out"] % 64 == 0
+    assert (seen["dtype"], seen["rank"], seen["swizzle"], seen["interleave"], seen["oob"]) == (1, 4, 3, 0, 0)
+    assert seen["dims"] == [64, 40, 3, 1] and seen["box"] == [64, 128, 1, 1] and seen["elem"] == [1] * 4
+    assert seen["strides"][:2] == [144, 40 * 144] and seen["strides"][2] % 16 == 0
+    seen["rc"] = 1
+    with pytest.raises(ValueError, match="CUresult 1"):
+        tensor_maps.encode(x, 64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        tensor_maps.encode(cuda.to_device(np.zeros((1, 1, 4, 20), np.uint16)), 64)
+
+
 def test_intrinsic_arguments_are_checked():
     from numba_flash.ptx import tma
 
