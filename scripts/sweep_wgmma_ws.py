@@ -304,7 +304,17 @@ def sweep(args):
         def error(o):
             return (o[:1, hc].double() - o64).abs().max().item()
 
-        def record(name, fn, config=""):
+        def registers(build):
+            """(registers, local bytes) a thread of the compiled kernel, or None where the getters fail."""
+            try:
+                kern = build()
+                regs, local = kern.get_regs_per_thread(), kern.get_local_mem_per_thread()
+                one = (lambda x: next(iter(x.values())) if isinstance(x, dict) else x)
+                return one(regs), one(local)
+            except Exception:  # noqa: BLE001 - best effort
+                return None
+
+        def record(name, fn, config="", build=None):
             row = dict(shape=label, variant=name, config=config, naive_err=naive_err)
             if time.time() - t_start > args.max_seconds:
                 row["skipped"] = "deadline"
@@ -319,8 +329,12 @@ def sweep(args):
                 row["ok"] = bool(math.isfinite(row["err"]) and row["err"] <= 2 * naive_err + 1e-3)
                 row["ms"] = timed(fn)
                 row["tflops"] = flops / row["ms"] / 1e9
+                info = registers(build) if build else None
+                if info:
+                    row["regs"], row["local_bytes"] = info
                 print(f"{label:30s} {name:28s} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s  err {row['err']:.2e} "
-                      f"(naive {naive_err:.2e}){'' if row['ok'] else ' BAD'}", flush=True)
+                      f"(naive {naive_err:.2e}){'' if row['ok'] else ' BAD'}"
+                      f"{f'  regs {info[0]} local {info[1]}' if info else ''}", flush=True)
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)
                 print(f"{label:30s} {name:28s} FAILED {e!r}", flush=True)
@@ -333,11 +347,13 @@ def sweep(args):
             record(bname, sdpa)
         shipped = MMA_WGMMA[(d, causal)]
         record("wgmma_forward (shipped)",
-               lambda: wgmma_forward.launch(*views, shipped, causal=causal, softmax_scale=scale), str(shipped))
+               lambda: wgmma_forward.launch(*views, shipped, causal=causal, softmax_scale=scale), str(shipped),
+               lambda: wgmma_forward.build(shipped, causal, dtype))
         for t in variants_for(d, causal, dtype):
             if args.variants and not re.search(args.variants, name_of(t)):
                 continue
-            record(name_of(t), lambda t=t: ws.launch(*views, t, causal=causal, softmax_scale=scale), str(t))
+            record(name_of(t), lambda t=t: ws.launch(*views, t, causal=causal, softmax_scale=scale), str(t),
+                   lambda t=t: ws.build(t, causal, dtype))
         del q, k, v, out, lse, views
         torch.cuda.empty_cache()
 
