@@ -124,3 +124,43 @@ def fragment_softmax(S_TILES: int, O_TILES: int, M_TILES: int = 1):
             l_i[mr] += exp_row(s, mr, m_or_zero(m_i[mr]), scale_log2)
 
     return tile_row_max, exp_row, quad_row_sum, step_lazy
+
+
+
+def fragment_softmax_deferred(S_TILES: int, O_TILES: int, M_TILES: int = 1):
+    """fragment_softmax's lazy step split in two, for kernels whose P·V of the previous tile is still in flight on
+    acc when this tile's scores are ready (the accumulators may not be touched until that product retires).
+    Returns (step, rescale): step(s, m_i, l_i, alpha, scale_log2) -> bool moves M and l and turns s into P as
+    step_lazy does, leaving each row's factor in alpha (exactly 1 where M held), and says whether some row's M
+    moved; rescale(acc, alpha) then applies the factors to acc once that product retired."""
+    ROWS_L = 2 * M_TILES
+    tile_row_max, exp_row, _, _ = fragment_softmax(S_TILES, O_TILES, M_TILES)
+    ex2 = ptx.ex2_approx
+    RESCALE = float32(RESCALE_LOG2)  # a Python float would make the comparison fp64
+
+    @inline_device
+    def step(s, m_i, l_i, alpha, scale_log2):
+        moved = False
+        for mr in range(ROWS_L):
+            m_c = tile_row_max(s, mr) * scale_log2
+            # -inf + RESCALE_LOG2 is -inf: a row's first visible key always sets M
+            m_nw = m_c if m_c > m_i[mr] + RESCALE else m_i[mr]
+            # 0 where the row saw nothing before (acc, l_i are 0 there)
+            alpha[mr] = ONE if m_nw == m_i[mr] else ex2(m_i[mr] - m_nw)
+            moved |= m_nw != m_i[mr]
+            l_i[mr] *= alpha[mr]
+            m_i[mr] = m_nw
+        for mr in range(ROWS_L):
+            l_i[mr] += exp_row(s, mr, m_or_zero(m_i[mr]), scale_log2)
+        return moved
+
+    @inline_device
+    def rescale(acc, alpha):
+        for mr in range(ROWS_L):
+            half = mr & 1
+            a0_ = (mr >> 1) * O_TILES
+            for dt in range(O_TILES):
+                acc[a0_ + dt, 2 * half] *= alpha[mr]
+                acc[a0_ + dt, 2 * half + 1] *= alpha[mr]
+
+    return step, rescale

@@ -9,6 +9,8 @@ indexing is checked on a machine without a GPU. ``target.pick`` makes the choice
     mma        mma.sync (f16/bf16, tf32), ldmatrix, fragment layouts, tf32 rounding, 16-bit bit patterns
     copy       cp.async and its groups, mbarriers, cp.async.bulk
     warpgroup  wgmma, its descriptors, fences, commits and waits
+    tma        TMA tensor copies (cp.async.bulk.tensor) and bulk groups, plain mbarrier arrivals, named barriers,
+               setmaxnreg (warp-specialised kernels)
     mem        loads, stores and reductions on global and shared memory, bit casts, packing, ex2.approx
     warp       shfl_xor_sync, syncwarp
     target     SIMULATOR, pick, alignments, inline_device, the device's compute capability
@@ -23,7 +25,7 @@ instruction (``[R+imm]``), where an element offset is scaled after every add. Ar
 ``cuda.shared.array(shape, dtype, alignment=SMEM_ALIGN)`` (``SMEM_ALIGN`` is None in the simulator,
 which refuses an alignment argument).
 """
-from . import copy, mem, mma, sim, target, warp, warpgroup
+from . import copy, mem, mma, sim, target, tma, warp, warpgroup
 from .copy import (
     cp_async_16, cp_async_16_zero_if, cp_async_16_zfill, cp_async_bulk, cp_async_commit, cp_async_wait,
     fence_mbarrier_init, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait_parity,

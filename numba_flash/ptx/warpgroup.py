@@ -280,6 +280,37 @@ def wgmma_wait(pending: int):
                 _make_wgmma_wait_twin(int(pending)))
 
 
+def _make_u32_hold_intrinsic(n):
+    """An empty volatile asm that reads and re-defines the first n words of a uint32 array (the A fragments of
+    products from registers), so their definitions stay above the wgmma.fence that follows it."""
+    @intrinsic
+    def hold(typingctx, regs):
+        if not (isinstance(regs, types.Array) and regs.dtype == types.uint32 and regs.layout == "C"):
+            return None
+        sig = types.void(regs)
+
+        def codegen(context, builder, sig, args):
+            ptrs = _acc_pointers(context, builder, sig.args[0], args[0], n)
+            vals = [builder.load(p) for p in ptrs]
+            ret = ir.LiteralStructType([ir.IntType(32)] * n)
+            cons = ",".join(["=r"] * n + [str(i) for i in range(n)])
+            d = _asm(builder, ret, vals, "", cons, side_effect=True)
+            for i, p in enumerate(ptrs):
+                builder.store(builder.extract_value(d, i), p)
+
+        return sig, codegen
+
+    return hold
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_hold_a(n: int):
+    """hold(a): the n uint32 A-fragment words of an array (4 per k-step) pinned where they were packed, before
+    the wgmma.fence of the products that read them (ptxas serializes products whose register inputs are defined
+    after the fence: C7513); a no-op twin."""
+    return pick(_make_u32_hold_intrinsic(int(n)), _noop_twin)
+
+
 # wgmma.fence: registers written before it are seen by the products after it
 wgmma_fence = pick(_make_plain_asm_intrinsic("wgmma.fence.sync.aligned;"), _noop_twin)
 wgmma_commit = pick(_make_plain_asm_intrinsic("wgmma.commit_group.sync.aligned;"), _wgmma_commit_twin)

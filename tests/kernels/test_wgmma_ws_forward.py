@@ -1,0 +1,381 @@
+"""The warp-specialised TMA forward (numba_flash.kernels.wgmma_ws_forward) and its intrinsics (ptx/tma.py): the twins
+in the CUDA simulator, the sm_90a build through ptxas, and GPU runs (marked gpu and variant: the kernel does not
+ship yet)."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_flash import ptx
+from numba_flash.kernels import wgmma_ws_forward as ws
+from numba_flash.tiles import Tile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_mma_forward import assert_close, run_forward  # noqa: E402
+from gpu_helpers import needs_gpu  # noqa: E402
+from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child  # noqa: E402
+
+
+def run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=0, pad_to=None):
+    """wgmma_ws_forward.launch through test_mma_forward.run_forward (GPU or simulator): (O, L, O_ref, L_ref)."""
+    return run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=seed, pad_to=pad_to, tile=tile, launch=ws.launch)
+
+
+def swizzled(tile_words):
+    """The 128-byte-swizzled image (uint16 words) of a (rows, 64) tile of 16-bit words: chunk j of row r at
+    chunk j ^ (r % 8)."""
+    rows = tile_words.shape[0]
+    out = np.empty_like(tile_words)
+    for r in range(rows):
+        for j in range(8):
+            out[r, 8 * (j ^ (r % 8)):8 * (j ^ (r % 8)) + 8] = tile_words[r, 8 * j:8 * j + 8]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The intrinsics' twins
+# --------------------------------------------------------------------------------------------
+@in_simulator
+def test_tma_load_store_twins(rng):
+    """A box half outside the tensor (rows past N read as zeros, columns past d too), landing swizzled on an
+    mbarrier with expect_tx; stored back by the TMA store to another tensor (only the part inside is written);
+    a plain arrive completing a second barrier; a named barrier between two warps."""
+    from numba_flash.blocks.tensor_maps import device_maps
+    from numba_flash.ptx import tma
+
+    N, d, ROWS = 12, 56, 16
+    x = rng.integers(1, 60000, size=(1, 2, N, d)).astype(np.uint16)
+    y = np.full((1, 2, N, d), 7, np.uint16)
+    dx, dy = cuda.to_device(x), cuda.to_device(y)
+    maps = device_maps([(dx, ROWS), (dy, ROWS)])
+    seen = cuda.to_device(np.zeros((ROWS, 64), np.uint16))
+    flags = cuda.to_device(np.zeros(2, np.int32))
+    load, store = tma.tma_load(4), tma.tma_store(4)
+    sync_a = tma.named_barrier_sync(5, 64)
+    wait_read = tma.bulk_wait_read(0)
+
+    @cuda.jit
+    def kernel(maps, seen, flags):
+        smem = cuda.shared.array(ROWS * 64 + 512 + 16, np.uint16)
+        tid = cuda.threadIdx.x
+        BAR = ROWS * 64 + 512
+        if tid == 0:
+            ptx.mbarrier_init(smem, BAR, 1)
+            ptx.mbarrier_init(smem, BAR + 4, 32)
+            ptx.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid == 0:
+            ptx.mbarrier_arrive_expect_tx(smem, BAR, ROWS * 128)
+            load(smem, 0, maps, 0, smem, BAR, 0, 4, 1, 0)  # rows 4..19 of head 1: 8 past N
+        while ptx.mbarrier_try_wait_parity(smem, BAR, 0) == 0:
+            pass
+        for i in range(tid, ROWS * 64, 64):
+            seen[i // 64, i % 64] = smem[i]
+        if tid < 32:
+            tma.mbarrier_arrive(smem, BAR + 4)
+        while ptx.mbarrier_try_wait_parity(smem, BAR + 4, 0) == 0:
+            pass
+        sync_a()
+        if tid == 0:
+            flags[0] = 1
+            store(maps, 128, smem, 0, 0, 4, 1, 0)
+            tma.bulk_commit()
+            wait_read()
+
+    kernel[1, 64](maps, seen, flags)
+    box = np.zeros((ROWS, 64), np.uint16)
+    box[:N - 4, :d] = x[0, 1, 4:]
+    np.testing.assert_array_equal(seen.copy_to_host(), swizzled(box))
+    want = np.full_like(y, 7)
+    want[0, 1, 4:] = x[0, 1, 4:]
+    np.testing.assert_array_equal(dy.copy_to_host(), want)
+    assert flags.copy_to_host()[0] == 1
+
+
+def test_driver_encoding_arguments(monkeypatch):
+    """What the GPU path hands cuTensorMapEncodeTiled (driver stubbed): 4-D (d, N, H, B) innermost first, the array's
+    byte strides (a dim of one element gets a valid stand-in), a 64 x rows box, 128-byte swizzle, zero fill, a
+    64-byte aligned output; a failing CUresult raises."""
+    import ctypes
+
+    from numba_flash.blocks import tensor_maps
+
+    seen = {}
+
+    def fake(out, dtype, rank, address, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        seen.update(out=out, dtype=dtype, rank=rank, dims=[dims[i] for i in range(4)],
+                    strides=[strides[i] for i in range(3)], box=[box[i] for i in range(4)],
+                    elem=[elem[i] for i in range(4)], swizzle=swizzle, interleave=interleave, oob=oob)
+        ctypes.memset(out, 0xAB, 128)
+        return seen.get("rc", 0)
+
+    monkeypatch.setattr(tensor_maps, "SIMULATOR", False)
+    monkeypatch.setattr(tensor_maps, "_driver", lambda: fake)
+    x = cuda.to_device(np.zeros((1, 3, 40, 72), np.uint16))[:, :, :, :64]  # rows of 144 B, 64 used
+    got = tensor_maps.encode(x, 128)
+    assert (got == 0xAB).all() and seen["out"] % 64 == 0
+    assert (seen["dtype"], seen["rank"], seen["swizzle"], seen["interleave"], seen["oob"]) == (1, 4, 3, 0, 0)
+    assert seen["dims"] == [64, 40, 3, 1] and seen["box"] == [64, 128, 1, 1] and seen["elem"] == [1] * 4
+    assert seen["strides"][:2] == [144, 40 * 144] and seen["strides"][2] % 16 == 0
+    seen["rc"] = 1
+    with pytest.raises(ValueError, match="CUresult 1"):
+        tensor_maps.encode(x, 64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        tensor_maps.encode(cuda.to_device(np.zeros((1, 1, 4, 20), np.uint16)), 64)
+
+
+def test_intrinsic_arguments_are_checked():
+    from numba_flash.ptx import tma
+
+    with pytest.raises(ValueError, match="rank"):
+        tma.tma_load(6)
+    with pytest.raises(ValueError, match="id in 1..15"):
+        tma.named_barrier_sync(0, 128)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tma.named_barrier_arrive(1, 100)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        tma.setmaxnreg(250, True)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel in the simulator
+# --------------------------------------------------------------------------------------------
+@in_simulator
+def test_ws_forward_one_consumer_sim():
+    """One consumer warpgroup, a ragged last K/V tile, every slot of a 2-slot ring refilled."""
+    r = run_ws(1, 1, 1, 70, 100, 64, False, "float16", Tile(64, 32, 64, warps=8, stages=2), seed=1)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+def test_ws_forward_two_consumers_every_flag_sim():
+    """Two consumers with pingpong, setmaxnreg, overlap and the TMA store; causal, GQA, bf16, d = 40 of a 64 build
+    (columns past d zero in the loads and unwritten by the store), 3 slots."""
+    tile = Tile(128, 16, 64, warps=12, stages=3, flags={"pingpong", "setmaxnreg", "tma_store", "grid_bh_x",
+                                                         "overlap"})
+    r = run_ws(1, 2, 1, 100, 56, 40, True, "bfloat16", tile, seed=2)
+    assert_close(*r, "bfloat16")
+
+
+@in_simulator
+@pytest.mark.heavy
+@pytest.mark.parametrize("d,dtype,causal,tile", [
+    (128, "bfloat16", True, Tile(128, 32, 128, warps=12, stages=3)),
+    (100, "float16", False, Tile(64, 48, 128, warps=8, stages=4)),  # rows padded to 104 (TMA strides: 16 B)
+    (256, "float16", True, Tile(64, 16, 256, warps=8, stages=2)),
+    (64, "float16", True, Tile(128, 16, 64, warps=12, stages=2, flags={"pingpong", "setmaxnreg", "tma_store"})),
+    (64, "bfloat16", False, Tile(64, 32, 64, warps=8, stages=2, flags={"overlap"})),
+])
+def test_ws_forward_more_sim(d, dtype, causal, tile):
+    r = run_ws(1, 2, 2, 70, 150, d, causal, dtype, tile, seed=d, pad_to=-(-d // 8) * 8 if d % 8 else None)
+    assert_close(*r, dtype)
+
+
+def test_signature_is_what_the_launcher_takes():
+    """numba_flash.launch flattens arrays of layout 'A' only (a C array would be refused at the first GPU launch)."""
+    from numba.cuda import types
+
+    sig = ws.kernel_signature()
+    assert all(a.layout == "A" for a in sig.args if isinstance(a, types.Array))
+    assert [str(a.dtype) for a in sig.args if isinstance(a, types.Array)] == ["uint8", "uint16", "float32"]
+
+
+@in_simulator
+def test_tma_store_refuses_unaligned_out_rows():
+    """d = 100 stored through a map needs O's rows a multiple of 16 bytes: a clear error, not a wrong store."""
+    with pytest.raises(ValueError, match="multiples of 16"):
+        run_ws(1, 1, 1, 8, 8, 100, False, "float16", Tile(64, 48, 128, warps=8, stages=2, flags={"tma_store"}),
+               pad_to=104)
+
+
+def test_problems():
+    assert ws.problems(Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong"}), "float16") == []
+    assert "warpgroups" in " ".join(ws.problems(Tile(128, 64, 128, warps=8, stages=2), "float16"))
+    assert "stages" in " ".join(ws.problems(Tile(128, 64, 128, warps=12, stages=5), "float16"))
+    assert "pingpong" in " ".join(ws.problems(Tile(64, 64, 128, warps=8, stages=2, flags={"pingpong"}), "float16"))
+    assert "spill" in " ".join(ws.problems(Tile(128, 64, 256, warps=12, stages=2), "float16"))
+    assert "overlap" in " ".join(ws.problems(Tile(128, 64, 128, warps=12, stages=2, flags={"overlap"}), "float16"))
+    assert "shared memory" in " ".join(ws.problems(Tile(128, 256, 256, warps=12, stages=4), "float16"))
+    with pytest.raises(ValueError, match="cannot be built"):
+        ws.build(Tile(128, 40, 128, warps=12, stages=2), False, "float16")
+
+
+# --------------------------------------------------------------------------------------------
+# The sm_90a build
+# --------------------------------------------------------------------------------------------
+WS_COMPILE = NO_GPU_PATCH + """
+import json, re, subprocess, sys, tempfile
+from numba import cuda
+from numba_flash.kernels import wgmma_ws_forward as ws
+from numba_flash.tiles import Tile
+cases = json.loads(sys.argv[1])
+out = {}
+if sys.argv[2] == "intrinsics":  # every ptx/tma intrinsic, each rank, in one kernel
+    from numba import types
+    from numba_flash import ptx
+    from numba_flash.ptx import tma
+    L2, L3, L4, L5 = (tma.tma_load(r) for r in (2, 3, 4, 5))
+    S2, S3, S4, S5 = (tma.tma_store(r) for r in (2, 3, 4, 5))
+    W1 = tma.bulk_wait_read(1)
+    NB_S, NB_A = tma.named_barrier_sync(1, 256), tma.named_barrier_arrive(2, 128)
+    DEC, INC = tma.setmaxnreg(40, False), tma.setmaxnreg(232, True)
+
+    def every(maps, x):
+        smem = cuda.shared.array(0, types.uint16)
+        i = cuda.threadIdx.x
+        tma.prefetch_tensormap(maps, 0)
+        L2(smem, 0, maps, 0, smem, 8192, i, 1)
+        L3(smem, 0, maps, 128, smem, 8192, i, 1, 2)
+        L4(smem, 0, maps, 256, smem, 8192, i, 1, 2, 3)
+        L5(smem, 0, maps, 384, smem, 8192, i, 1, 2, 3, 4)
+        tma.mbarrier_arrive(smem, 8196)
+        NB_S()
+        NB_A()
+        if i < 128:
+            DEC()
+        else:
+            INC()
+        S2(maps, 0, smem, 0, i, x)
+        S3(maps, 128, smem, 0, i, x, 1)
+        S4(maps, 256, smem, 0, i, x, 1, 2)
+        S5(maps, 384, smem, 0, i, x, 1, 2, 3)
+        tma.bulk_commit()
+        W1()
+
+    ptx, _ = cuda.compile_ptx(every, (types.Array(types.uint8, 1, "A"), types.int32), cc=(9, 0, "a"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([sys.argv[-1], "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    out["intrinsics"] = dict(rc=r.returncode, log=(r.stderr + r.stdout)[-800:], loads=[
+        len(re.findall(rf"cp.async.bulk.tensor.{n}d.shared::cluster.global.mbarrier::complete_tx::bytes", ptx))
+        for n in (2, 3, 4, 5)], stores=[len(re.findall(rf"cp.async.bulk.tensor.{n}d.global.shared::cta.bulk_group",
+                                                       ptx)) for n in (2, 3, 4, 5)],
+        others=[w for w in ("prefetch.tensormap", "mbarrier.arrive.shared::cta.b64", "bar.sync 1, 256",
+                            "bar.arrive 2, 128", "setmaxnreg.dec.sync.aligned.u32 40",
+                            "setmaxnreg.inc.sync.aligned.u32 232", "cp.async.bulk.commit_group",
+                            "cp.async.bulk.wait_group.read 1") if w not in ptx])
+for bq, bk, hd, warps, stages, flags, causal, dtype in cases:
+    tile = Tile(bq, bk, hd, warps=warps, stages=stages, flags=set(flags))
+    ptx, _ = cuda.compile_ptx(ws.kernel_source(tile, causal, dtype), ws.kernel_signature(), cc=(9, 0, "a"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([sys.argv[-1], "-arch=sm_90a", f"-maxrregcount={ws.max_registers(tile)}", "-v", f.name, "-o",
+                        "/dev/null"], capture_output=True, text=True)
+    rep = r.stderr + r.stdout
+    m = re.search(r"(\\d+) bytes stack frame, (\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
+    out[str(tile) + f" {causal} {dtype}"] = dict(
+        rc=r.returncode, spills=int(m.group(1)) + int(m.group(2)) + int(m.group(3)) if m else -1,
+        tma=len(re.findall(r"cp.async.bulk.tensor.4d.shared::cluster", ptx)), setmaxnreg="setmaxnreg" in ptx,
+        mma=len(re.findall(r"wgmma.mma_async", ptx)), want=(hd // 16 + bk // 16) * (2 if "overlap" in flags else 1),
+        serialized="serialized" in rep, f64=".f64" in ptx, log=rep[-600:] if "serialized" not in rep else rep[:1500])
+print(json.dumps(out))
+"""
+
+BUILD_CASES = [  # (block_q, block_k, head_dim, warps, stages, flags, causal, dtype)
+    (128, 128, 128, 12, 2, ["setmaxnreg", "pingpong", "tma_store", "overlap"], True, "bfloat16"),
+]
+MORE_BUILD_CASES = [
+    (128, 128, 128, 12, 2, [], False, "float16"), (128, 128, 64, 12, 3, ["setmaxnreg"], False, "float16"),
+    (128, 80, 256, 12, 2, ["setmaxnreg", "pingpong"], True, "float16"), (64, 64, 256, 8, 2, [], False, "float16"),
+    (128, 64, 256, 12, 2, ["setmaxnreg"], False, "float16"),
+    (128, 96, 192, 12, 2, ["setmaxnreg"], False, "bfloat16"), (128, 176, 128, 12, 2, ["setmaxnreg"], False, "float16"),
+    (128, 128, 128, 12, 2, ["setmaxnreg", "pingpong", "tma_store"], True, "bfloat16"),
+    (128, 80, 256, 12, 2, ["setmaxnreg", "pingpong", "overlap"], False, "float16"),
+    (128, 128, 64, 12, 3, ["setmaxnreg", "pingpong", "overlap"], True, "float16"),
+    (64, 128, 128, 8, 3, ["overlap"], False, "float16"),
+]
+
+
+def _check_builds(cases, tmp_path, intrinsics=False):
+    import json
+
+    got = run_compile_child(WS_COMPILE, [json.dumps(cases), "intrinsics" if intrinsics else "-"], tmp_path)
+    if intrinsics:
+        r = got.pop("intrinsics")
+        assert r["rc"] == 0 and r["loads"] == [1] * 4 and r["stores"] == [1] * 4 and r["others"] == [], r
+    assert len(got) == len(cases)
+    for key, r in got.items():
+        assert r["rc"] == 0, (key, r["log"])
+        assert r["spills"] == 0, (key, r)  # no stack, no spills: the consumers' fragments stay in registers
+        assert r["tma"] > 0 and r["mma"] == r["want"] and not r["f64"] and not r["serialized"], (key, r)
+        assert r["setmaxnreg"] == ("setmaxnreg" in key), (key, r)
+
+
+def test_builds_for_sm90a(tmp_path):
+    """ptxas -arch=sm_90a takes every ptx/tma intrinsic (loads and stores of each rank, prefetch, arrive, named
+    barriers, setmaxnreg, bulk groups), and, at the block's register share (168 at 384 threads), the full-flag d128
+    build with no spills, every product and the TMA loads in the PTX, no fp64."""
+    _check_builds(BUILD_CASES, tmp_path, intrinsics=True)
+
+
+@pytest.mark.heavy
+def test_more_builds_for_sm90a(tmp_path):
+    _check_builds(MORE_BUILD_CASES, tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU (variant until the kernel ships)
+# --------------------------------------------------------------------------------------------
+GPU_TILES = [  # (d, tile): each flag on and off, one and two consumers, every head dim family
+    (64, Tile(128, 128, 64, warps=12, stages=2)),
+    (64, Tile(128, 128, 64, warps=12, stages=3, flags={"setmaxnreg", "pingpong", "tma_store"})),
+    (128, Tile(128, 128, 128, warps=12, stages=2)),
+    (128, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "tma_store", "grid_bh_x"})),
+    (128, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "overlap"})),
+    (128, Tile(64, 64, 128, warps=8, stages=4, flags={"overlap"})),
+    (96, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "tma_store"})),
+    (192, Tile(128, 96, 192, warps=12, stages=2, flags={"setmaxnreg"})),
+    (256, Tile(128, 64, 256, warps=12, stages=2, flags={"setmaxnreg"})),
+    (256, Tile(128, 80, 256, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "overlap", "tma_store"})),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.variant
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,tile", GPU_TILES, ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300), (1, 2, 1, 129, 517), (1, 3, 3, 517, 129), (1, 2, 2, 1, 77)])
+def test_gpu_ws_forward_matches_float64(shape, d, tile, causal, dtype):
+    if not ptx.current_wgmma():
+        pytest.skip("TMA + wgmma need an sm_90 GPU")
+    B, H, Hkv, n_q, n_k = shape
+    r = run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=n_q + d, pad_to=-(-d // 8) * 8 if d % 8 else None)
+    assert_close(*r, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.variant
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_ws_forward_fp16_error_rule_and_determinism(causal):
+    """fp16 by the flash-attn rule (err vs fp64 <= 2 x a naive fp16 implementation's + small) on a larger problem,
+    and two runs give the same bits."""
+    import math
+
+    from reference import standard_attention
+
+    if not ptx.current_wgmma():
+        pytest.skip("TMA + wgmma need an sm_90 GPU")
+    rng = np.random.default_rng(5)
+    B, H, Hkv, N, d = 2, 8, 2, 1000, 128
+    q, k, v = (rng.standard_normal((B, h, N, d)).astype(np.float16) for h in (H, Hkv, Hkv))
+    tile = Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "tma_store"})
+    outs = []
+    for _ in range(2):
+        out = cuda.to_device(np.zeros_like(q))
+        lse = cuda.to_device(np.zeros((B, H, N), np.float32))
+        ws.launch(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, lse, tile, causal=causal,
+                  softmax_scale=1 / math.sqrt(d))
+        outs.append(out.copy_to_host())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    kr, vr = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
+    ref, _ = standard_attention(q, kr, vr, causal=causal)
+    naive, _ = standard_attention(q, kr, vr, causal=causal, dtype=np.float16)
+    err = np.abs(outs[0].astype(np.float64) - ref).max()
+    naive_err = np.abs(naive.astype(np.float64) - ref).max()
+    assert err <= 2 * naive_err + 1e-4, f"ours {err:.3e} vs naive fp16 {naive_err:.3e}"
