@@ -113,7 +113,7 @@ def test_tiles_outside_every_window_are_never_loaded():
     assert (dk[:, :, :first] == 0).all() and (dv[:, :, :first] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("float32", marks=pytest.mark.heavy)])  # fp32: the slow SIMT sim
 @pytest.mark.parametrize("left,right", [(-1, 0), (-1, -1)])
 def test_trivial_windows_run_the_plain_kernels(left, right, dtype):
     """(-1, 0) is causal and (-1, -1) no window: the same kernels (every family), the same bits, forward and

@@ -289,6 +289,7 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
 )
 
 
+@pytest.mark.heavy  # ptxas over every shipped build; CI keeps the shipped-PTX hash check of the same kernels
 def test_shipped_tf32_backward_configs_fit_sm90(tmp_path):
     """Every shipped tf32x3 backward kernel builds for sm_90: no local memory, no spills beyond
     configs.TF32_BWD_SPILL_OK, a block's registers within the 64K file, shared memory within 227 KiB."""

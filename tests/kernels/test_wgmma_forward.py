@@ -77,6 +77,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.heavy  # ptxas over every shipped build; CI keeps the shipped-PTX hash check of the same kernels
 def test_shipped_tiles_build_for_sm90a(tmp_path):
     """ptxas -arch=sm_90a takes every MMA_WGMMA tile (both dtypes) with no spills or stack, within 255 registers,
     every product of a tile in the PTX (d/16 for Q·Kᵀ, block_k/16 for P·V), none serialized by ptxas, no fp64."""
