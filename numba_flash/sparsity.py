@@ -47,7 +47,7 @@ def classify_source(spec: UserMod):
     strides over the tile's in-range scores, then the block votes (bar.red.or / .and)."""
     mask_call = spec.device_call()
     aux_types = spec.numba_aux_types()
-    sig = (types.Array(types.int8, 4, "C"), int32, int32, int32, int32, int32) + aux_types
+    sig = (types.Array(types.int8, 4, "A"), int32, int32, int32, int32, int32) + aux_types
     names = "".join(f", x{i}" for i in range(len(aux_types)))
     aux = f"({names[2:]}{',' if len(aux_types) == 1 else ''})"
     # one source, the kernel itself (the simulator swaps cuda's thread indices into a kernel's globals only)

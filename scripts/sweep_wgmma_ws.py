@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from numba_flash.kernels import wgmma_forward, wgmma_ws_forward as ws  # noqa: E402
+from numba_flash.ptx import WGMMA_ALIGN  # noqa: E402
 from numba_flash.tiles import Tile  # noqa: E402
 
 WORDS = {"nreg": "setmaxnreg", "pp": "pingpong", "tst": "tma_store", "grid": "grid_bh_x", "ovl": "overlap"}
@@ -126,11 +127,9 @@ def check_intrinsics():
     seen = cuda.to_device(np.zeros((ROWS, 64), np.uint16))
     load, store, wait_read = tma.tma_load(4), tma.tma_store(4), tma.bulk_wait_read(0)
     sync = tma.named_barrier_sync(5, 64)
-    SMEM_ALIGN = None if ptx.SIMULATOR else 1024
-
     @cuda.jit
     def kernel(maps, seen):
-        smem = cuda.shared.array(ROWS * 64 + 512 + 16, np.uint16, alignment=SMEM_ALIGN)
+        smem = cuda.shared.array(0, np.uint16, alignment=WGMMA_ALIGN)  # dynamic: closure ints are not literals
         tid = cuda.threadIdx.x
         BAR = ROWS * 64 + 512
         if tid == 0:
@@ -155,7 +154,7 @@ def check_intrinsics():
             tma.bulk_commit()
             wait_read()
 
-    kernel[1, 64](maps, seen)
+    kernel[1, 64, 0, 2 * (ROWS * 64 + 512 + 16)](maps, seen)
     box = np.zeros((ROWS, 64), np.uint16)
     box[:N - 4, :d] = x[0, 1, 4:]
     want = np.empty_like(box)

@@ -56,9 +56,10 @@ def test_user_mods_error_rule(dtype, n_q, n_k, d, causal, mods):
         kw["score_mod"] = ScoreMod(rel_bias, aux=(table,))
         bias += table[:, i - j + table.shape[1] // 2].double()[None]
     if "document" in mods:
-        seg = torch.sort(torch.randint(0, 8, (B, n_q), device="cuda", generator=g, dtype=torch.int32), dim=1)[0]
-        kw["mask_mod"] = document_mask(seg)
-        seen &= seg[:, None, :, None] == seg[:, None, None, :]
+        seg_q, seg_k = (torch.sort(torch.randint(0, 8, (B, n), device="cuda", generator=g, dtype=torch.int32),
+                                   dim=1)[0] for n in (n_q, n_k))
+        kw["mask_mod"] = document_mask(seg_q, seg_k)
+        seen &= seg_q[:, None, :, None] == seg_k[:, None, None, :]
     if mods == "stripes":
         kw["mask_mod"] = MaskMod(stripes)
         seen &= ((j // 64 + torch.arange(H, device="cuda")[:, None, None]) % 4 != 1)[None]
@@ -133,9 +134,10 @@ def test_user_mods_backward_error_rule(dtype, n_q, n_k, d, causal, mods, determi
     if "tanh" in mods:
         kw["score_mod"] = ScoreMod(tanh30, grad=tanh30_grad)
     if "document" in mods:
-        seg = torch.sort(torch.randint(0, 8, (B, n_q), device="cuda", generator=g, dtype=torch.int32), dim=1)[0]
-        kw["mask_mod"] = document_mask(seg)
-        seen &= seg[:, None, :, None] == seg[:, None, None, :]
+        seg_q, seg_k = (torch.sort(torch.randint(0, 8, (B, n), device="cuda", generator=g, dtype=torch.int32),
+                                   dim=1)[0] for n in (n_q, n_k))
+        kw["mask_mod"] = document_mask(seg_q, seg_k)
+        seen &= seg_q[:, None, :, None] == seg_k[:, None, None, :]
     if "stripes" in mods:
         kw["mask_mod"] = MaskMod(stripes)
         seen &= ((j // 64 + torch.arange(H, device="cuda")[:, None, None]) % 4 != 1)[None]
