@@ -49,24 +49,37 @@ def name_of(t: Tile) -> str:
 
 # per head dim, in priority order (the first few are the most likely to win: a deadline skips the tail)
 VARIANTS = {
-    64: [wst(64, 128, 2, "nreg+pp+ovl"), wst(64, 128, 2), wst(64, 128, 2, "nreg+pp"), wst(64, 128, 3, "nreg+pp+ovl+tst"),
-         wst(64, 192, 2, "nreg+pp+ovl")],
-    128: [wst(128, 128, 2, "nreg+pp+ovl"), wst(128, 128, 2), wst(128, 128, 2, "nreg"), wst(128, 128, 2, "nreg+pp"),
-          wst(128, 128, 2, "nreg+ovl"), wst(128, 128, 2, "nreg+pp+ovl+tst"), wst(128, 176, 2, "nreg+pp+ovl"),
-          wst(128, 128, 3, "nreg+pp+ovl")],
-    256: [wst(256, 80, 2, "nreg+pp+ovl"), wst(256, 64, 2, "nreg"), wst(256, 64, 2, "nreg+pp"), wst(256, 80, 2, "nreg+pp"),
-          wst(256, 80, 2, "nreg+pp+ovl+tst")],
+    64: [wst(64, 192, 2, "nreg+pp+ovl+tst"), wst(64, 128, 2, "nreg+pp+ovl+tst"), wst(64, 192, 2, "nreg+pp+ovl"),
+         wst(64, 128, 2, "nreg+pp+ovl"), wst(64, 128, 2), wst(64, 128, 3, "nreg+pp+ovl+tst")],
+    128: [wst(128, 128, 2, "nreg+pp+ovl+tst"), wst(128, 176, 2, "nreg+pp+ovl+tst"), wst(128, 128, 2, "nreg+pp+ovl"),
+          wst(128, 128, 2), wst(128, 128, 2, "nreg"), wst(128, 128, 2, "nreg+pp"), wst(128, 128, 2, "nreg+ovl"),
+          wst(128, 176, 2, "nreg+pp+ovl"), wst(128, 128, 3, "nreg+pp+ovl")],
+    192: [wst(192, 112, 2, "nreg+pp+ovl+tst"), wst(192, 96, 2, "nreg+pp+ovl+tst"), wst(192, 80, 2, "nreg+pp+ovl+tst"),
+          wst(192, 112, 2, "nreg+pp+ovl")],
+    256: [wst(256, 80, 2, "nreg+pp+ovl+tst"), wst(256, 64, 2, "nreg+pp+ovl+tst"), wst(256, 80, 2, "nreg+pp+ovl"),
+          wst(256, 64, 2, "nreg"), wst(256, 64, 2, "nreg+pp"), wst(256, 80, 2, "nreg+pp")],
 }
+VARIANTS[96] = VARIANTS[128]  # d 96 runs the 128-column tiles (TMA zero-fills the missing columns)
+
+
+def padded(d):
+    """The head dim of the tiles a problem of head dim d runs (the shipped table's and VARIANTS's keys)."""
+    return next(hd for hd in (64, 128, 192, 256) if hd >= d)
 
 
 def shapes():
+    """(label, dtype, B, H, Hkv, N, d, causal): the issue's forward table and the head dims of the tiles."""
     out = []
     for dt in ("float16", "bfloat16"):
-        for d in (64, 128, 256):
+        for d in (64, 96, 128, 192, 256):
+            if dt == "bfloat16" and d in (96, 192):
+                continue
             for causal in (False, True):
                 out.append((f"{'f16' if dt == 'float16' else 'bf16'} B4H16 N4096 d{d}{' causal' if causal else ''}",
-                            dt, 4, 16, 4096, d, causal))
-    out.append(("bf16 B1H16 N16384 d128", "bfloat16", 1, 16, 16384, 128, False))
+                            dt, 4, 16, 16, 4096, d, causal))
+    out.append(("bf16 B1H16 N16384 d128", "bfloat16", 1, 16, 16, 16384, 128, False))
+    out.append(("bf16 B4H32/8 N4096 d128 causal", "bfloat16", 4, 32, 8, 4096, 128, True))
+    out.append(("bf16 Llama B4H16/4 N2048 d128 causal", "bfloat16", 4, 16, 4, 2048, 128, True))
     return out
 
 
@@ -75,7 +88,7 @@ BF16_VARIANTS = 3  # bf16 shapes time only the first few (the fp16 rows rank the
 
 def variants_for(d, causal, dtype="float16"):
     """The ws variants of a shape (causal ones add grid_bh_x, as the shipped causal tiles do)."""
-    tiles = VARIANTS[d][:BF16_VARIANTS] if dtype == "bfloat16" else VARIANTS[d]
+    tiles = VARIANTS[padded(d)][:BF16_VARIANTS] if dtype == "bfloat16" else VARIANTS[padded(d)]
     return [t.with_(flags=t.flags | {"grid_bh_x"}) if causal else t for t in tiles]
 
 
@@ -237,10 +250,10 @@ def selected(args):
     from numba_flash.configs import MMA_WGMMA
 
     builds = set()
-    for label, dtype, B, H, N, d, causal in shapes():
+    for label, dtype, B, H, Hkv, N, d, causal in shapes():
         if args.shapes and not re.search(args.shapes, label):
             continue
-        builds.add((MMA_WGMMA[(d, causal)], causal, dtype))
+        builds.add((MMA_WGMMA[(padded(d), causal)], causal, dtype))
         for t in variants_for(d, causal, dtype):
             if not args.variants or re.search(args.variants, name_of(t)):
                 builds.add((t, causal, dtype))
@@ -281,18 +294,20 @@ def sweep(args):
         return bench.time_call(fn, warmup=args.warmup, reps=args.iters)[0]
 
     rows = []
-    for label, dtype, B, H, N, d, causal in shapes():
+    for label, dtype, B, H, Hkv, N, d, causal in shapes():
         if args.shapes and not re.search(args.shapes, label):
             continue
         tdt = torch.float16 if dtype == "float16" else torch.bfloat16
-        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=tdt) for _ in range(3))
+        q = torch.randn(B, H, N, d, device="cuda", dtype=tdt)
+        k, v = (torch.randn(B, Hkv, N, d, device="cuda", dtype=tdt) for _ in range(2))
         out = torch.empty_like(q)
         lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
         views = tuple(as_numba(x) for x in (q, k, v, out, lse))
         scale = 1.0 / math.sqrt(d)
         flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
         hc = slice(0, HEADS_CHECKED)
-        qs, ks, vs = (x[:1, hc] for x in (q, k, v))
+        qs = q[:1, hc]
+        ks, vs = (x[:1].repeat_interleave(H // Hkv, 1)[:, hc] for x in (k, v))
         o64 = F.scaled_dot_product_attention(qs.double(), ks.double(), vs.double(), is_causal=causal, scale=scale)
         s = (qs @ ks.transpose(-1, -2)).float() * scale  # the naive same-dtype attention: S, P, P·V in the dtype
         if causal:
@@ -342,9 +357,10 @@ def sweep(args):
         for backend, bname in ((SDPBackend.CUDNN_ATTENTION, "SDPA cuDNN"), (SDPBackend.FLASH_ATTENTION, "SDPA FA2")):
             def sdpa(backend=backend):
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                          enable_gqa=Hkv != H)
             record(bname, sdpa)
-        shipped = MMA_WGMMA[(d, causal)]
+        shipped = MMA_WGMMA[(padded(d), causal)]
         record("wgmma_forward (shipped)",
                lambda: wgmma_forward.launch(*views, shipped, causal=causal, softmax_scale=scale), str(shipped),
                lambda: wgmma_forward.build(shipped, causal, dtype))
