@@ -13,9 +13,10 @@ from numba import cuda
 from . import arrays, plans, ptx
 from .blocks.mask import window_bounds, window_kind
 from .blocks.mods import Mods
-from .configs import (MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_SMALL_SMEM, MMA_TABLE, MMA_WGMMA, SMEM_PER_BLOCK_MAX,
+from .configs import (MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_SMALL_SMEM, MMA_TABLE, MMA_WGMMA, MMA_WGMMA_WS,
+                      SMEM_PER_BLOCK_MAX,
                       SMEM_PER_SM, TF32_TABLE, simt_config)
-from .kernels import mma_forward, simt_forward, tf32_forward, wgmma_forward
+from .kernels import mma_forward, simt_forward, tf32_forward, wgmma_forward, wgmma_ws_forward
 from .launch import SIM_LOCK, address, current_device_id
 
 KERNELS = ("auto", "simt", "mma", "tf32x3", "tf32")
@@ -387,12 +388,15 @@ def tf32_config(d: int, causal: bool):
     return TF32_TABLE[tf32_forward.head_dim_for(d), bool(causal)]
 
 
-def mma_config(d: int, causal: bool):
-    """The tensor-core forward's tile for head dim d (from the H200 sweeps): on sm_90 MMA_WGMMA's (flag "wgmma": a
-    kernels/wgmma_forward.py tile), else MMA_TABLE's, or MMA_SMALL_SMEM's on a GPU with less shared memory per block
-    than that tile needs (sm_80: 163 KiB, sm_86 / sm_89: 99 KiB). Launch it with launch_mma_forward, which picks the
-    kernel module by the flag."""
+def mma_config(d: int, causal: bool, plain: bool = False):
+    """The tensor-core forward's tile for head dim d (from the sweeps): on sm_90 MMA_WGMMA_WS's for a ``plain``
+    call (flag "ws": kernels/wgmma_ws_forward.py; see ws_blockers) where it has one, else MMA_WGMMA's (flag
+    "wgmma": kernels/wgmma_forward.py); elsewhere MMA_TABLE's, or MMA_SMALL_SMEM's on a GPU with less shared memory
+    per block than that tile needs (sm_80: 163 KiB, sm_86 / sm_89: 99 KiB). Launch it with launch_mma_forward,
+    which picks the kernel module by the flag."""
     key = next(hd for hd in MMA_HEAD_DIMS if hd >= d), bool(causal)
+    if plain and key in MMA_WGMMA_WS and _ws_here():
+        return MMA_WGMMA_WS[key]
     if key in MMA_WGMMA and _wgmma_here():
         return MMA_WGMMA[key]
     tile = MMA_TABLE[key]
@@ -407,9 +411,41 @@ def _wgmma_here() -> bool:
     return bool(nb_config.ENABLE_CUDASIM or cuda.is_available()) and ptx.current_wgmma()
 
 
+def _ws_here() -> bool:
+    """The warp-specialised TMA forward is auto's choice here: an sm_90 GPU. Not in the CUDA simulator, where its
+    twins run (tests/kernels/test_wgmma_ws_forward.py) but 12 simulated warps a block would slow every forward
+    test; tests that want it there patch this."""
+    return not nb_config.ENABLE_CUDASIM and _wgmma_here()
+
+
+def ws_blockers(p: Problem, views=None) -> list[str]:
+    """Why a tensor-core call does not take the warp-specialised forward's tile (empty when it does): it has no
+    window, softcap, ALiBi, user mods or varlen, and TMA needs every stride of a dim > 1 positive."""
+    out = []
+    if p.mods.any:
+        out.append(f"mods ({mods_words(p)}) run on the wgmma forward, not the warp-specialised one")
+    if p.varlen:
+        out.append("varlen runs on the wgmma forward, not the warp-specialised one")
+    for name, x in zip("qkv", views or ()):
+        if any(st <= 0 for st, n in zip(x.strides, x.shape) if n > 1):
+            out.append(f"{name} strides {tuple(x.strides)} B: a TMA map needs positive strides (a broadcast dim "
+                       "runs on the wgmma forward)")
+    return out
+
+
 def launch_mma_forward(q, k, v, out, lse, tile, **kw):
-    """The tensor-core forward of a tile from mma_config: kernels/wgmma_forward.py for a "wgmma" tile, else
+    """The tensor-core forward of a tile from mma_config: kernels/wgmma_ws_forward.py for a "ws" tile (dense or
+    causal only: anything else is refused, never dropped), kernels/wgmma_forward.py for a "wgmma" tile, else
     kernels/mma_forward.py (keyword arguments: their launch's)."""
+    if tile.has("ws"):
+        mods = kw.get("mods")  # window and softcap values mean something only with their mods switch
+        if (mods is not None and mods.any) or kw.get("varlen") is not None or kw.get("alibi") is not None \
+                or kw.get("aux"):
+            raise ValueError(f"the warp-specialised forward ({tile}) runs dense or causal attention only; got mods "
+                             f"{mods}, varlen {kw.get('varlen') is not None}, alibi {kw.get('alibi') is not None}, "
+                             f"aux {len(kw.get('aux') or ())} arrays")
+        return wgmma_ws_forward.launch(q, k, v, out, lse, tile, causal=kw["causal"],
+                                       softmax_scale=kw["softmax_scale"], stream=kw.get("stream", 0))
     return (wgmma_forward if tile.has("wgmma") else mma_forward).launch(q, k, v, out, lse, tile, **kw)
 
 
@@ -436,13 +472,21 @@ _VARIANT_WORDS = {"smem_epilogue": "O stored through shared memory (16-byte stor
                   "stages": "double-buffered K/V", "warp_skip": "warps skip tiles their rows cannot see",
                   "lazy_rescale": "running max moved only when a tile exceeds it by 2^8 (O rescaled rarely)"}
 _MMA_ALWAYS = ("stages", "lazy_rescale")
+# the warp-specialised forward's flags (kernels/wgmma_ws_forward.py), in the order explain says them
+_WS_VARIANT_WORDS = {"setmaxnreg": "registers moved from the producer to the consumers (setmaxnreg)",
+                     "pingpong": "the two consumers' products take turns, one's softmax under the other's GEMMs",
+                     "overlap": "Q·K_{j+1}ᵀ in flight during tile j's softmax",
+                     "tma_store": "O stored through shared memory by TMA",
+                     "grid_bh_x": "heaviest causal Q tiles of every head first"}
 
 
-def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, Any, list[str]]:
+def choose_kernel(p: Problem, kernel: str = "auto", views=None, not_ws: list | None = None
+                  ) -> tuple[str, Any, list[str]]:
     """(family, config, reasons): which kernel runs for a validated problem, and why.
 
     ``views`` (the device views of q, k, v) lets the layout checks run; without them (explain on
-    shapes only) a contiguous layout is assumed.
+    shapes only) a contiguous layout is assumed. ``not_ws``: why the warp-specialised forward cannot take it
+    (_choose_with_mods asks for the plain problem's tile with its mods' reasons).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
@@ -478,17 +522,28 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None) -> tuple[str, An
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
-        cfg = mma_config(p.d, p.causal)
+        ws_why = (not_ws or ws_blockers(p, views)) if _ws_here() else ["no sm_90 GPU"]
+        cfg = mma_config(p.d, p.causal, plain=not ws_why)
         head_dim, m_tiles = cfg.head_dim, mma_forward.m_tiles(cfg)
-        if cfg.has("wgmma"):
+        if cfg.has("ws"):
+            reasons = [f"mma: tensor cores (sm_90, warp-specialised: a producer warpgroup loads Q, K and V by TMA "
+                       f"into a {cfg.stages}-slot mbarrier ring, {wgmma_ws_forward.consumers(cfg)} consumer "
+                       f"warpgroups x 64 rows run wgmma.mma_async m64n{cfg.block_k}k16 for Q·Kᵀ and "
+                       f"m64n{head_dim}k16 for P·V with P from registers; {p.dtype} in, fp32 accumulate), "
+                       f"{cfg.block_q}x{cfg.block_k} tiles, head dim {head_dim}"]
+            variants = [words for key, words in _WS_VARIANT_WORDS.items() if cfg.has(key)]
+        elif cfg.has("wgmma"):
             reasons = [f"mma: tensor cores (sm_90 warpgroup MMA: wgmma.mma_async m64n{cfg.block_k}k16 for Q·Kᵀ, "
                        f"m64n{head_dim}k16 for P·V with P from registers; {p.dtype} in, fp32 accumulate), "
                        f"{cfg.block_q}x{cfg.block_k} tiles, {cfg.warps // 4} warpgroups x 64 rows, head dim {head_dim}"]
+            variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
+            if (cfg.head_dim, p.causal) in MMA_WGMMA_WS and ws_why != ["no sm_90 GPU"]:
+                reasons.append("not the warp-specialised TMA forward: " + "; ".join(ws_why))
         else:
             reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
                        f"{cfg.block_q}x{cfg.block_k} tiles, {cfg.warps} warps x {16 * m_tiles} rows, "
                        f"head dim {head_dim}"]
-        variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
+            variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
         reasons.append("variants: " + "; ".join(variants))
         if cfg.has("smem_epilogue") and p.d % 8:  # out is ours, contiguous: rows of 2·d bytes
             reasons.append(f"O rows of {p.d} x 2 B are not 16-byte aligned: O is stored from the fragments, "
@@ -562,7 +617,7 @@ def _choose_with_mods(p: Problem, kernel: str, views):
         reasons.insert(1, words)
         return kind, cfg, reasons
     cfg = mma_config(p.d, p.mask_causal)  # window (-1, 0) with softcap / ALiBi: the causal tiles
-    kind, reasons = choose_kernel(_plain(p), "mma", views)[::2]
+    kind, reasons = choose_kernel(_plain(p), "mma", views, not_ws=ws_blockers(p, views))[::2]
     reasons.insert(1, words)
     return kind, cfg, reasons
 

@@ -196,6 +196,24 @@ MMA_WGMMA = {
     (256, False): Tile(128, 64, 256, warps=8, stages=2, flags={"wgmma"}),
     (256, True): Tile(128, 80, 256, warps=8, stages=2, flags={"wgmma", "grid_bh_x"}),
 }
+# sm_90's plain forward (no window, softcap, ALiBi or user mods; not varlen; q, k, v and O TMA-addressable):
+# kernels/wgmma_ws_forward.py (flag "ws": a producer warpgroup loading by TMA into an mbarrier ring, two consumer
+# warpgroups of 64 rows on wgmma; the other flags are that kernel's). H100 sweep (results/sweep-wgmma-ws-*.txt,
+# fp16 B4 H16 N4096, TFLOP/s, beside MMA_WGMMA's tile and SDPA cuDNN in the same run): d128 541.0 vs 395.8
+# (cuDNN 595.5), causal 391.6 vs 283.6 (493.8); d256 642.2 vs 436.9 (662.7), causal 412.8 vs 353.2 (595.5); d64
+# 128x192 328.0 vs 309.9 (417.6); bf16 B1 N16384 d128 634.6 vs 465.7 (667.1). d64 causal stays on MMA_WGMMA's tile
+# (243.7 vs the best ws tile's 241.0).
+MMA_WGMMA_WS = {
+    (64, False): Tile(128, 192, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "overlap", "pingpong"}),
+    (128, False): Tile(128, 128, 128, warps=12, stages=2,
+                       flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store"}),
+    (128, True): Tile(128, 128, 128, warps=12, stages=2,
+                      flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store", "grid_bh_x"}),
+    (256, False): Tile(128, 80, 256, warps=12, stages=2,
+                       flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store"}),
+    (256, True): Tile(128, 80, 256, warps=12, stages=2,
+                      flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store", "grid_bh_x"}),
+}
 MMA_HEAD_DIMS = sorted({hd for hd, _ in MMA_TABLE})  # the forward's compiled head dims: d is padded up to one
 # (block_q, block_k, head_dim, m-tiles per warp): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 /
 # bf16) of a shipped tile measured faster anyway: d128 causal 24 B (stored and loaded, f16 and bf16); the

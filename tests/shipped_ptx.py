@@ -128,6 +128,22 @@ def cases() -> dict:
                                          softmax_scale=0.1, layout_checked=True)
                 out[f"fwd-wgmma/d{hd}/{'causal' if causal else 'full'}/{dtype}/d{d}"] = call
 
+    # --- forward: warp-specialised TMA (fp16 / bf16 on sm_90, plain calls) ------------------------
+    for (hd, causal) in sorted(configs.MMA_WGMMA_WS):
+        for dtype in ("float16", "bfloat16"):
+            def call(hd=hd, causal=causal, dtype=dtype):
+                from numba_flash.kernels import wgmma_ws_forward as ws
+
+                view, q, k, v = qkv(dtype, hd)
+                out_, lse = view(q.shape, storage[dtype]), view(q.shape[:3], "float32")
+                real = ws.device_maps  # the maps need the driver: a stand-in array of their bytes
+                ws.device_maps = lambda specs, stream=0: view((len(specs) * 128,), "uint8")
+                try:
+                    ws.launch(q, k, v, out_, lse, configs.MMA_WGMMA_WS[hd, causal], causal=causal, softmax_scale=0.1)
+                finally:
+                    ws.device_maps = real
+            out[f"fwd-ws/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
+
     # --- forward: the shipped user mod (numba_flash.mods.document_mask) on mma.sync and wgmma --------------
     for family in ("mma", "wgmma"):
         for causal in (False, True):
@@ -414,7 +430,7 @@ def cases() -> dict:
 CI_PATTERNS = (
     r"^fwd-mma/d(64|128)/(full|causal)/float16/d(64|128)$", r"^fwd-mma/d128/causal/bfloat16/d124$",
     r"^fwd-mma/d256/causal/bfloat16/d256$", r"^fwd-mma-small/d256/full/", r"^fwd-wgmma/d(128|256)/(full|causal)/float16/d(128|256)$",
-    r"^fwd-wgmma/d64/causal/bfloat16/d60$", r"^fwd-wgmma-varlen/d128/causal/bfloat16$",
+    r"^fwd-wgmma/d64/causal/bfloat16/d60$", r"^fwd-ws/d128/(full|causal)/float16$", r"^fwd-wgmma-varlen/d128/causal/bfloat16$",
     r"^fwd-tf32x3/d(64|128)/(full|causal)/float32/rn$", r"^fwd-tf32x1/d128/full/float32/rn$",
     r"^fwd-tf32x3/d32/full/float32/rna$",
     r"^fwd-simt/d(64|256)/causal/float32$", r"^fwd-simt/d128/full/bfloat16$",

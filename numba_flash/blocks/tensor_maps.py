@@ -20,7 +20,7 @@ from collections import OrderedDict
 import numpy as np
 from numba import cuda
 
-from ..launch import address
+from ..launch import address, current_device_id
 from ..ptx import SIMULATOR
 from ..ptx.tma import TMA_SWIZZLE_BYTES, TMAP_ALIGN, TMAP_BYTES
 
@@ -97,21 +97,40 @@ def encode(x, box_rows: int) -> np.ndarray:
     return out
 
 
-def device_maps(specs):
+def _stream_id(stream) -> int:
+    """A stream's driver handle as an int (0: the legacy default stream)."""
+    if not stream:
+        return 0
+    try:
+        return int(stream.handle)
+    except (TypeError, AttributeError):
+        return id(stream)
+
+
+def device_maps(specs, stream=0):
     """A device uint8 array of the maps of ``specs`` [(array, box_rows), ...] in order, map i at byte
-    i·TMAP_BYTES; cached for repeated calls on the same arrays."""
-    key = tuple((address(x), tuple(x.shape), tuple(x.strides), int(r)) for x, r in specs)
+    i·TMAP_BYTES; cached for repeated calls on the same arrays (a map holds only the address, shape and strides,
+    so an array freed and another allocated in its place, alike, reuses it). The copy runs on ``stream``, the
+    launch's; a hit from another stream first waits for that copy once."""
     if not SIMULATOR:
+        key = (current_device_id(),) + tuple((address(x), tuple(x.shape), tuple(x.strides), int(r))
+                                             for x, r in specs)
         with _lock:
             found = _cache.get(key)
             if found is not None:
                 _cache.move_to_end(key)
-                return found
+        if found is not None:
+            dev, copied_on = found
+            if copied_on is not None and _stream_id(copied_on) != _stream_id(stream):
+                copied_on.synchronize()
+                with _lock:
+                    _cache[key] = (dev, None)
+            return dev
     host = np.concatenate([encode(x, int(r)) for x, r in specs])
-    dev = cuda.to_device(host)
+    dev = cuda.to_device(host, stream=stream) if stream else cuda.to_device(host)  # stream 0: synchronous
     if not SIMULATOR:
         with _lock:
-            _cache[key] = dev
+            _cache[key] = (dev, stream if stream else None)
             while len(_cache) > _CACHE_SIZE:
                 _cache.popitem(last=False)
     return dev

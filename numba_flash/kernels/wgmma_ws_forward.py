@@ -55,7 +55,7 @@ from ..blocks.softmax import fragment_softmax, fragment_softmax_deferred, row_ls
 from ..blocks.tensor_maps import device_maps
 
 DTYPES = ("float16", "bfloat16")
-FLAGS = ("grid_bh_x", "setmaxnreg", "pingpong", "tma_store", "overlap")
+FLAGS = ("grid_bh_x", "setmaxnreg", "pingpong", "tma_store", "overlap", "ws")  # "ws": the family's mark (dispatch)
 STAGES = (2, 3, 4)
 HEAD_DIMS = (64, 128, 192, 256)
 WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which select the bf16 build)
@@ -504,7 +504,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
     specs = [(words[0], tile.block_q), (words[1], tile.block_k), (words[2], tile.block_k)]
     if tile.has("tma_store"):
         specs.append((words[3], 64))
-    maps = device_maps(specs)
+    maps = device_maps(specs, stream)
     grid, tile = forward_grid(tile, B * H, (n_q + tile.block_q - 1) // tile.block_q)
     launch_kernel(build(tile, bool(causal), dtype), grid, threads(tile), stream, smem_bytes(tile), maps, words[3], lse,
                   H, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))

@@ -1,6 +1,7 @@
 """The warp-specialised TMA forward (numba_flash.kernels.wgmma_ws_forward) and its intrinsics (ptx/tma.py): the twins
-in the CUDA simulator, the sm_90a build through ptxas, and GPU runs (marked gpu and variant: the kernel does not
-ship yet)."""
+in the CUDA simulator, the sm_90a build through ptxas, GPU runs of tiles beyond the shipped ones (marked variant),
+and the dispatch of sm_90's plain forward to configs.MMA_WGMMA_WS's tiles."""
+import math
 import sys
 from pathlib import Path
 
@@ -379,3 +380,107 @@ def test_gpu_ws_forward_fp16_error_rule_and_determinism(causal):
     err = np.abs(outs[0].astype(np.float64) - ref).max()
     naive_err = np.abs(naive.astype(np.float64) - ref).max()
     assert err <= 2 * naive_err + 1e-4, f"ours {err:.3e} vs naive fp16 {naive_err:.3e}"
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch: sm_90's plain forward runs configs.MMA_WGMMA_WS's tiles
+# --------------------------------------------------------------------------------------------
+def test_shipped_ws_tiles_build():
+    """Every MMA_WGMMA_WS tile is a ws tile the kernel can build for both dtypes, at a head dim forward pads to."""
+    from numba_flash.configs import MMA_HEAD_DIMS, MMA_WGMMA, MMA_WGMMA_WS
+
+    for (hd, causal), tile in MMA_WGMMA_WS.items():
+        assert tile.has("ws") and tile.head_dim == hd and hd in MMA_HEAD_DIMS and (hd, causal) in MMA_WGMMA
+        assert tile.has("grid_bh_x") == causal
+        for dtype in ws.DTYPES:
+            assert ws.problems(tile, dtype) == [], (tile, dtype)
+
+
+def test_ws_tile_refuses_what_it_cannot_run():
+    """launch_mma_forward with a ws tile and a mod, varlen or ALiBi: an error, never a silently dropped argument."""
+    from numba_flash.api import launch_mma_forward
+    from numba_flash.blocks.mods import Mods
+    from numba_flash.configs import MMA_WGMMA_WS
+
+    tile = MMA_WGMMA_WS[128, False]
+    for kw in ({"mods": Mods(softcap=True), "softcap": 30.0}, {"varlen": (None, None, 8, 8)}, {"alibi": object()},
+               {"aux": (object(),)}):
+        with pytest.raises(ValueError, match="dense or causal attention only"):
+            launch_mma_forward(None, None, None, None, None, tile, causal=False, softmax_scale=0.1, **kw)
+
+
+@in_simulator
+def test_forward_routes_plain_calls_to_ws_sim(monkeypatch, rng):
+    """With the ws forward available (patched on in the simulator, where auto leaves it off), forward runs a plain
+    call on MMA_WGMMA_WS's tile (here a small one), explain says so, and the result matches float64; a softcap call
+    of the same shape runs the wgmma forward and explain says why."""
+    import numba_flash
+    from numba_flash import api
+    from reference import standard_attention
+
+    small = Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap", "tma_store"})
+    monkeypatch.setattr(api, "_ws_here", lambda: True)
+    monkeypatch.setattr(api, "MMA_WGMMA_WS", {(64, False): small})
+    B, H, Hkv, n_q, n_k, d = 1, 2, 1, 40, 50, 64
+    q, k, v = (rng.standard_normal((B, h, n, d)).astype(np.float16) for h, n in ((H, n_q), (Hkv, n_k), (Hkv, n_k)))
+    text = numba_flash.explain(q, k, v)
+    assert "warp-specialised" in text and "128x16 tiles" in text, text
+    o, lse = numba_flash.forward(q, k, v)
+    kr, vr = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
+    ref, lse_ref = standard_attention(q, kr, vr)
+    naive, _ = standard_attention(q, kr, vr, dtype=np.float16)
+    err, naive_err = np.abs(o.astype(np.float64) - ref).max(), np.abs(naive.astype(np.float64) - ref).max()
+    assert err <= 2 * naive_err + 1e-3, (err, naive_err)
+    np.testing.assert_allclose(lse, lse_ref, atol=1e-4)
+    capped = numba_flash.explain(q, k, v, softcap=30.0)
+    assert "not the warp-specialised TMA forward: mods (softcap 30)" in capped, capped
+
+
+GPU_WS_SHAPES = [(2, 4, 2, 300, 517), (1, 3, 3, 517, 129), (1, 2, 1, 1, 77)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d,causal", [(64, False), (96, False), (128, False), (128, True), (256, False),
+                                      (256, True)])
+def test_gpu_forward_ws_error_rule(d, causal, dtype):
+    """numba_flash.forward on sm_90 runs the warp-specialised tile for (d, causal) (explain says so) and meets the
+    flash-attn rule against float64 (GQA, Nq != Nk both ways, one query row); two calls of one signature on fresh
+    data give each its own result (the tensor maps follow the arrays), and a repeat gives the same bits."""
+    from gpu_helpers import HAVE_TORCH_CUDA, torch
+
+    import numba_flash
+
+    if not ptx.current_wgmma():
+        pytest.skip("TMA + wgmma need an sm_90 GPU")
+    if not HAVE_TORCH_CUDA:
+        pytest.skip("builds inputs with PyTorch")
+    tdt = getattr(torch, dtype)
+    for B, H, Hkv, n_q, n_k in GPU_WS_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(n_q * 7 + d)
+        for trial in range(2):
+            q = torch.randn(B, H, n_q, d, device="cuda", generator=g).to(tdt)
+            k, v = (torch.randn(B, Hkv, n_k, d, device="cuda", generator=g).to(tdt) for _ in range(2))
+            text = numba_flash.explain(q, k, v, causal=causal)
+            assert "warp-specialised" in text, text
+            o, lse = numba_flash.forward(q, k, v, causal=causal)
+            kr, vr = (x.repeat_interleave(H // Hkv, 1) for x in (k, v))
+            scale = 1 / math.sqrt(d)
+            s = (q.double() @ kr.double().transpose(-1, -2)) * scale
+            if causal:
+                s = s.masked_fill(torch.ones(n_q, n_k, device="cuda", dtype=torch.bool).triu(n_k - n_q + 1),
+                                  float("-inf"))
+            ref = torch.nan_to_num(torch.softmax(s, -1)) @ vr.double()
+            lse_ref = torch.logsumexp(s, -1)
+            # the naive same-dtype attention: S, P and P·V in the dtype, the same masking
+            naive = torch.softmax(torch.where(torch.isinf(s), float("-inf"), (q @ kr.transpose(-1, -2)).float()
+                                              * scale).to(tdt).float(), -1).to(tdt) @ vr
+            err = (o.double() - ref).abs().max().item()
+            naive_err = (torch.nan_to_num(naive.double()) - ref).abs().max().item()
+            assert err <= 2 * naive_err + 1e-3, f"{(B, H, Hkv, n_q, n_k)} trial {trial}: {err:.3e} vs {naive_err:.3e}"
+            fin = torch.isfinite(lse_ref)
+            assert torch.equal(torch.isfinite(lse), fin)
+            assert (lse.double()[fin] - lse_ref[fin]).abs().max().item() <= 1e-4 * max(1.0, lse_ref[fin].abs().max())
+            o2, _ = numba_flash.forward(q, k, v, causal=causal)
+            assert torch.equal(o, o2)
