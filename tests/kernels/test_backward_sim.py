@@ -394,7 +394,8 @@ CHILD = NO_GPU_PATCH + textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("group", sorted(PTXAS_CASES))
+@pytest.mark.parametrize("group", [x if x != "float32" else pytest.param(x, marks=pytest.mark.heavy)
+                                   for x in sorted(PTXAS_CASES)])  # float32's ptxas run: heavy (hashes in CI)
 def test_shipped_configs_compile_without_spills(group, tmp_path):
     """NVVM keeps the per-thread slices in registers only if it can unroll every loop over them;
     otherwise they land in local memory (a stack frame in ptxas -v), a silent slowdown."""

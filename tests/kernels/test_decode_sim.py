@@ -538,6 +538,7 @@ def compile_batch(specs, tmp_path, merges=True):
     return results
 
 
+@pytest.mark.heavy  # CI checks these builds' PTX hashes (tests/shipped_ptx.py)
 def test_shipped_kernels_compile_for_sm90_without_spills(tmp_path):
     for spec, ptx_text, _ in compile_batch(SHIPPED, tmp_path):
         if spec[0] != "merge" and spec[3]:  # the vec path copies with cp.async

@@ -214,7 +214,7 @@ def test_head_dims_above_128_sim(B, H, Hkv, n_q, n_k, d, causal, dtype, scheme):
 
 
 @in_simulator
-@pytest.mark.parametrize("n_q,n_k,splits", [(30, 200, 3), (200, 150, 2)])
+@pytest.mark.parametrize("n_q,n_k,splits", [(30, 200, 3), pytest.param(200, 150, 2, marks=pytest.mark.heavy)])
 def test_dq_splits_sim(n_q, n_k, splits):
     """backward(deterministic=True)'s splits, GQA 2, causal, key blocks of 64: Nq < Nk with 3 splits over 4
     key blocks (two launches: key blocks 0, 1, 2 into planes 0, 1, 2, then key block 3 into plane 0), and

@@ -203,7 +203,7 @@ def test_backward_mods_outside_the_mma_kernels_raise(dtype, kernel):
 
 SIMT_FORWARD = [  # (dtype, d, kernel, causal, window_size, softcap, alibi): the SIMT kernel with mods
     ("float32", 64, "auto", True, (12, 0), 4.0, "H"),  # auto: float32 with mods runs on SIMT
-    ("float32", 200, "auto", False, (30, 9), 0.0, "BH"),  # float32, d > 128: SIMT
+    pytest.param(("float32", 200, "auto", False, (30, 9), 0.0, "BH"), marks=pytest.mark.heavy),  # float32, d > 128
     ("float16", 64, "simt", False, (-1, -1), 3.0, None),
 ]
 

@@ -183,6 +183,7 @@ SPLIT_PTX_CHILD = NO_GPU_PATCH + textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_split_round_builds(tmp_path):
     """Each SPLIT_ROUND builds what it says (small tiles, forward and the backward's dq kernel, sm_90 PTX): "rn"
     cvt.rn only, "rna" cvt.rna only, "rn_raw" cvt.rn for hi alone (half of rn's, which rounds lo too)."""

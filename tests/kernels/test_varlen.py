@@ -81,7 +81,7 @@ def test_varlen_matches_the_reference_per_sequence(causal):
 
 
 @pytest.mark.parametrize("slopes, Hkv, d, window, causal", [
-    ("BH", 2, 40, (12, 0), True),  # per-sequence slopes, d = 40: a part-data copy per row
+    pytest.param("BH", 2, 40, (12, 0), True, marks=pytest.mark.heavy),  # per-sequence slopes, d = 40: part-data copies
     ("H", 1, 64, (8, 4), False),   # GQA, a window on both sides
 ], ids=["causal-window-BH-slopes-d40", "window-both-sides-H-slopes-gqa"])
 def test_varlen_mods_align_per_sequence(slopes, Hkv, d, window, causal):
@@ -143,6 +143,7 @@ def test_long_packs_keep_the_deterministic_splits_and_lopsided_ones_take_no_plan
         assert scheme == "kernel" and "past 4 x the packed dQ" in why, why
 
 
+@pytest.mark.heavy
 def test_other_sequences_have_no_effect():
     """The second sequence sees only its own rows: NaN in every other sequence's q, k, v and dout leaves its out,
     lse and gradients bitwise what they are without the NaN."""

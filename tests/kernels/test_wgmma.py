@@ -175,6 +175,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.heavy  # CI checks these builds' PTX hashes (tests/shipped_ptx.py)
 def test_wgmma_dkdv_builds_for_sm90a(tmp_path):
     """ptxas -arch=sm_90a takes the shipped builds (the atomic grid's d128, the splits' first launch causal
     d128 and an adding one, an adding split causal d64; DEFER_DQ as MMA_BWD_WGMMA says for each) without

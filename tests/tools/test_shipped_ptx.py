@@ -13,7 +13,7 @@ import pytest
 
 import shipped_ptx
 
-FAMILIES = ("fwd-mma/", "fwd-mma-small/", "fwd-wgmma/", "fwd-tf32x", "fwd-simt/", "bwd-mma/", "bwd-tf32x",
+FAMILIES = ("fwd-mma/", "fwd-mma-small/", "fwd-wgmma/", "fwd-ws/", "fwd-tf32x", "fwd-simt/", "bwd-mma/", "bwd-tf32x",
             "bwd-simt/", "decode/", "fwd-mma-varlen/", "fwd-wgmma-varlen/", "bwd-mma-varlen/", "decode-paged/")
 
 
