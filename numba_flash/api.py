@@ -523,7 +523,7 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None, not_ws: list | N
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
         ws_why = (not_ws or ws_blockers(p, views)) if _ws_here() else ["no sm_90 GPU"]
-        cfg = mma_config(p.d, p.causal, plain=not ws_why)
+        cfg = mma_config(p.d, p.causal, plain=True) if not ws_why else mma_config(p.d, p.causal)
         head_dim, m_tiles = cfg.head_dim, mma_forward.m_tiles(cfg)
         if cfg.has("ws"):
             reasons = [f"mma: tensor cores (sm_90, warp-specialised: a producer warpgroup loads Q, K and V by TMA "

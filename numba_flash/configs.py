@@ -198,21 +198,27 @@ MMA_WGMMA = {
 }
 # sm_90's plain forward (no window, softcap, ALiBi or user mods; not varlen; q, k, v and O TMA-addressable):
 # kernels/wgmma_ws_forward.py (flag "ws": a producer warpgroup loading by TMA into an mbarrier ring, two consumer
-# warpgroups of 64 rows on wgmma; the other flags are that kernel's). H100 sweep (results/sweep-wgmma-ws-*.txt,
-# fp16 B4 H16 N4096, TFLOP/s, beside MMA_WGMMA's tile and SDPA cuDNN in the same run): d128 541.0 vs 395.8
-# (cuDNN 595.5), causal 391.6 vs 283.6 (493.8); d256 642.2 vs 436.9 (662.7), causal 412.8 vs 353.2 (595.5); d64
-# 128x192 328.0 vs 309.9 (417.6); bf16 B1 N16384 d128 634.6 vs 465.7 (667.1). d64 causal stays on MMA_WGMMA's tile
-# (243.7 vs the best ws tile's 241.0).
+# warpgroups of 64 rows on wgmma; the other flags are that kernel's). H100 sweep, results/sweep-wgmma-ws-2026-12-05-
+# h100-full.txt, B4 H16 N4096, TFLOP/s fp16 / bf16, beside MMA_WGMMA's tile and SDPA cuDNN in the same run:
+#   d64     128x192 + tma_store        336.8 / 338.0   MMA_WGMMA 306.9 / 311.1   cuDNN 429.3 / 417.4
+#   d96     (the d128 tile)            417.2 (fp16)              303.4                   448.1
+#   d128    128x128 + tma_store        530.9 / 581.5             388.2 / 414.2           606.4 / 630.5
+#   causal  128x128 + tma_store        412.0 / 443.3             286.7 / 298.3           498.6 / 503.8
+#   d192    128x112 + tma_store        634.1 (fp16)              423.3                   645.4
+#   causal  128x96 + tma_store         458.6 (fp16)              340.1                   554.0
+#   d256    128x80, no tma_store       613.7 / 625.8             441.2 / 437.5           680.5 / 692.7
+#   causal  128x64 + tma_store         473.7 / 510.8             351.6 / 363.4           358.3 / 601.7
+# (d256: 128x80 with tma_store ran 665.2 in fp16 but 467.5 in bf16, so the tile without it, the best worst case.)
+# d64 causal stays on MMA_WGMMA's tile: 237.1 / 266.5 against the best ws tile's 256.2 / 257.1.
+_WS = frozenset({"ws", "setmaxnreg", "overlap", "pingpong"})
 MMA_WGMMA_WS = {
-    (64, False): Tile(128, 192, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "overlap", "pingpong"}),
-    (128, False): Tile(128, 128, 128, warps=12, stages=2,
-                       flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store"}),
-    (128, True): Tile(128, 128, 128, warps=12, stages=2,
-                      flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store", "grid_bh_x"}),
-    (256, False): Tile(128, 80, 256, warps=12, stages=2,
-                       flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store"}),
-    (256, True): Tile(128, 80, 256, warps=12, stages=2,
-                      flags={"ws", "setmaxnreg", "overlap", "pingpong", "tma_store", "grid_bh_x"}),
+    (64, False): Tile(128, 192, 64, warps=12, stages=2, flags=_WS | {"tma_store"}),
+    (128, False): Tile(128, 128, 128, warps=12, stages=2, flags=_WS | {"tma_store"}),
+    (128, True): Tile(128, 128, 128, warps=12, stages=2, flags=_WS | {"tma_store", "grid_bh_x"}),
+    (192, False): Tile(128, 112, 192, warps=12, stages=2, flags=_WS | {"tma_store"}),
+    (192, True): Tile(128, 96, 192, warps=12, stages=2, flags=_WS | {"tma_store", "grid_bh_x"}),
+    (256, False): Tile(128, 80, 256, warps=12, stages=2, flags=_WS),
+    (256, True): Tile(128, 64, 256, warps=12, stages=2, flags=_WS | {"tma_store", "grid_bh_x"}),
 }
 MMA_HEAD_DIMS = sorted({hd for hd, _ in MMA_TABLE})  # the forward's compiled head dims: d is padded up to one
 # (block_q, block_k, head_dim, m-tiles per warp): spill bytes (ptxas 13.0, sm_90, worst of causal / not, f16 /

@@ -442,7 +442,7 @@ GPU_WS_SHAPES = [(2, 4, 2, 300, 517), (1, 3, 3, 517, 129), (1, 2, 1, 1, 77)]
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d,causal", [(64, False), (96, False), (128, False), (128, True), (256, False),
+@pytest.mark.parametrize("d,causal", [(64, False), (96, False), (128, False), (128, True), (192, False), (192, True), (256, False),
                                       (256, True)])
 def test_gpu_forward_ws_error_rule(d, causal, dtype):
     """numba_flash.forward on sm_90 runs the warp-specialised tile for (d, causal) (explain says so) and meets the
