@@ -284,3 +284,24 @@ def test_gpu_torch_attention_takes_a_block_mask(rng):
     assert (out.float() - dense.float()).abs().max().item() <= 2e-2
     with pytest.raises(NotImplementedError, match="block_mask with gradients"):
         nft.attention(q.requires_grad_(), k, v, causal=True, block_mask=bm)
+
+
+@pytest.mark.parametrize("family", ["mma", "wgmma"])
+def test_block_sparse_causal_with_empty_query_tiles_and_nq_ne_nk(family, rng, tiny_tile):
+    """Causal walks the shipped causal tiles take (grid_bh_x): Nq > Nk, so the first query tiles list no key
+    tile (count 0: no K/V load, no barrier, O = 0, L = -inf), and Nq < Nk with a query document no key shares."""
+    tile = tiny_tile(family)
+    tiny_tile_bh = tile.with_(flags=tile.flags | {"grid_bh_x"})
+    numba_flash.api.mma_config = lambda d, causal: tiny_tile_bh  # (monkeypatch undoes tiny_tile's setattr)
+    for n_q, n_k, q_docs, k_docs in ((150, 40, (0, 0), (0, 0)), (40, 70, (0, 5), (0, 2))):
+        q, k, v, _ = _inputs(int(rng.integers(2**31)), 1, 2, 1, n_q, n_k, 64)
+        q_seg = np.repeat(np.asarray(q_docs, np.int32), [n_q // 2, n_q - n_q // 2])[None]
+        k_seg = np.repeat(np.asarray(k_docs, np.int32), [n_k // 3, n_k - n_k // 3])[None]
+        bm = numba_flash.block_mask(document_mask(q_seg, k_seg), 1, 2, n_q, n_k, tile.block_q, tile.block_k)
+        if n_q > n_k:
+            assert (bm.lists(True)[0] == 0).any()
+        out, lse = numba_flash.forward(q, k, v, causal=True, block_mask=bm)
+        ref = dict(mask_mod=lambda b, h, i, j, a, c: a[b, i] == c[b, j], mask_aux=(q_seg, k_seg))
+        o64, l64 = reference.standard_attention(q, k, v, causal=True, **ref)
+        o16, _ = reference.standard_attention(q, k, v, causal=True, dtype=np.float16, **ref)
+        _check(out, lse, o64, l64, o16)
