@@ -426,6 +426,8 @@ def ws_blockers(p: Problem, views=None) -> list[str]:
         out.append(f"mods ({mods_words(p)}) run on the wgmma forward, not the warp-specialised one")
     if p.varlen:
         out.append("varlen runs on the wgmma forward, not the warp-specialised one")
+    if p.n_k == 0:
+        out.append("Nk = 0: no keys to load (the wgmma forward writes O = 0, L = -inf)")
     for name, x in zip("qkv", views or ()):
         if any(st <= 0 for st, n in zip(x.strides, x.shape) if n > 1):
             out.append(f"{name} strides {tuple(x.strides)} B: a TMA map needs positive strides (a broadcast dim "

@@ -297,12 +297,23 @@ _LAUNCHERS: dict = {}
 _RAW = {"ok": None}
 # plans.py watches the launches of a call it is about to cache: while this thread's
 # ``recording.launches`` is a list, ``launch`` appends (dispatcher, grid, block, stream,
-# shared_bytes, args) to it (and launches as usual); ``arrays.empty_like_kind`` notes allocations.
+# shared_bytes, args) to it (and launches as usual); ``arrays.empty_like_kind`` notes allocations, and
+# ``derived`` the arguments computed from the call's arrays (recording.derived: id(owner) -> (sources, rebuild)).
 recording = threading.local()
 # The CUDA simulator runs one kernel at a time (a second thread's launch fails an assert in numba), and while
 # one runs it swaps the kernel modules' ``cuda`` global for its fake (a kernel built meanwhile finds no
 # cuda.jit): one re-entrant lock, held by each launch and, through api._on_device, by each public call.
 SIM_LOCK = threading.RLock()
+
+
+def derived(view: DeviceView, sources: list, rebuild) -> DeviceView:
+    """Note for plans that the launch argument ``view`` is computed from the call's arrays ``sources`` [(DeviceView,
+    extra), ...] by ``rebuild(sources, stream) -> DeviceView`` (TMA maps hold their tensors' addresses): a replay
+    rebuilds it at that call's pointers. Returns ``view``."""
+    watched = getattr(recording, "derived", None)
+    if watched is not None:
+        watched[id(view.owner)] = (sources, rebuild)
+    return view
 
 
 def launcher_of(dispatcher) -> _Launcher:

@@ -110,12 +110,12 @@ def call(entry, args: tuple, options: tuple):
     if plan is not None:  # uncacheable, or inputs not on the current device
         return entry(*args, *options)
     _state["misses"] += 1
-    recording.launches, recording.allocations, recording.warnings = [], [], []
+    recording.launches, recording.allocations, recording.warnings, recording.derived = [], [], [], {}
     try:
         result = entry(*args, *options)
-        watched = recording.launches, recording.allocations, recording.warnings
+        watched = recording.launches, recording.allocations, recording.warnings, recording.derived
     finally:
-        recording.launches = recording.allocations = recording.warnings = None
+        recording.launches = recording.allocations = recording.warnings = recording.derived = None
     try:
         plan = Plan.build(args, ptrs, result, *watched)
     except Exception as e:  # a bug here must not cost the user a result the ordinary path computed
@@ -192,28 +192,45 @@ def _signature(x):
 class _Step:
     """One watched launch: its kernel, grid, block, shared memory, the parameter bytes as packed for
     the first call, and the slots to rewrite per call: (slot, buffer, byte offset), where buffer
-    indexes the call's pointers (arguments, then allocations)."""
+    indexes the call's pointers (arguments, then allocations); and the arguments computed from the call's
+    arrays (launch.derived): (slot, sources as (buffer, byte offset, shape, strides, dtype, extra), rebuild)."""
 
-    __slots__ = ("dispatcher", "launcher", "grid", "block", "shared_bytes", "template", "patches", "args")
+    __slots__ = ("dispatcher", "launcher", "grid", "block", "shared_bytes", "template", "patches", "args",
+                 "rebuilds")
+
+    def rebuilt(self, ptrs: list, stream) -> list:
+        """(slot, view) of each derived argument, rebuilt from this call's arrays."""
+        out = []
+        for slot, sources, rebuild in self.rebuilds:
+            specs = [(DeviceView(ptrs[buffer] + offset, shape, strides, dtype), extra)
+                     for buffer, offset, shape, strides, dtype, extra in sources]
+            out.append((slot, rebuild(specs, stream)))
+        return out
 
     def launch(self, ptrs: list, stream, device_id) -> None:
+        fresh = self.rebuilt(ptrs, stream) if self.rebuilds else ()
         if _launch._RAW["ok"]:
             cufunc = _launch.function(self.launcher, device_id, self.shared_bytes)
             slots, pointers = self.launcher.buffers()  # this thread's, shared with launch.launch
             ctypes.memmove(slots, self.template, len(self.template))
             for slot, buffer, offset in self.patches:
                 slots[slot] = ptrs[buffer] + offset
+            for slot, view in fresh:
+                slots[slot] = view.ptr
             _launch.raw_launch(cufunc, self.grid, self.block, self.shared_bytes, stream, pointers)
         else:  # the cuda.core fallback: the ordinary launch, on views at this call's pointers
-            _launch.launch(self.dispatcher, self.grid, self.block, stream, self.shared_bytes, *self.views(ptrs))
+            _launch.launch(self.dispatcher, self.grid, self.block, stream, self.shared_bytes,
+                           *self.views(ptrs, fresh))
 
-    def views(self, ptrs: list) -> list:
-        """The watched arguments with each array moved to this call's pointer."""
+    def views(self, ptrs: list, fresh=()) -> list:
+        """The watched arguments with each array moved to this call's pointer (derived ones: ``fresh``)."""
         args = list(self.args)
         for slot, buffer, offset in self.patches:
             i = self.launcher.data_slots.index(slot)
             a = args[i]
             args[i] = DeviceView(ptrs[buffer] + offset, a.shape, a.strides, a.dtype)
+        for slot, view in fresh:
+            args[self.launcher.data_slots.index(slot)] = view
         return args
 
 
@@ -246,7 +263,7 @@ class Plan:
         return tuple(objs[i] for i in self.result)
 
     @classmethod
-    def build(cls, args, ptrs, result, launches, allocations, warned):
+    def build(cls, args, ptrs, result, launches, allocations, warned, derived=None):
         """The plan of a watched call, or None if some launch reads memory the plan cannot place."""
         n_args = len(args)
         where = {}  # id(object) -> index into the call's pointers
@@ -283,19 +300,29 @@ class Plan:
                 step.template = step.launcher.template(largs)
             except (struct.error, OverflowError, TypeError):
                 return None
-            step.patches = []
+            step.patches, step.rebuilds = [], []
             for a, slot in zip(largs, step.launcher.data_slots):
                 if slot is None:
                     continue
                 if not isinstance(a, DeviceView):
                     return None
                 buffer = where.get(id(a.owner))
+                if buffer is None and derived and id(a.owner) in derived:  # rebuilt per call from its sources
+                    sources, rebuild = derived[id(a.owner)]
+                    placed = []
+                    for src, extra in sources:
+                        b = where.get(id(src.owner)) if isinstance(src, DeviceView) else None
+                        if b is None:
+                            return None
+                        placed.append((b, src.ptr - base[b], src.shape, src.strides, src.dtype, extra))
+                    step.rebuilds.append((slot, tuple(placed), rebuild))
+                    continue
                 if buffer is None:
                     if a.ptr == 0 and a.owner is None:
                         continue  # a placeholder the kernel never reads (decode without lengths)
                     return None
                 step.patches.append((slot, buffer, a.ptr - base[buffer]))
-            step.patches = tuple(step.patches)
+            step.patches, step.rebuilds = tuple(step.patches), tuple(step.rebuilds)
             plan.steps.append(step)
         # The device the launches ran on: the inputs' (the ordinary path makes it current), or for
         # arrays that do not say (Numba, __cuda_array_interface__) the current one, whose compute

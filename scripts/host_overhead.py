@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 if "--child" not in sys.argv:  # the child imports the old package from its PYTHONPATH
@@ -170,6 +171,11 @@ class StubTensor:
 StubTensor.__module__ = "torch"  # arrays.kind_of goes by the module
 
 
+_FAKE_MAPS: dict = {}  # install_stubs' stand-in for blocks.tensor_maps.device_maps: key -> fake pointer
+MAPS_OF: dict = {}  # fake maps pointer -> the addresses of the arrays it maps (q, k, v, out)
+_FAKE_LOCK = threading.Lock()
+
+
 def install_stubs():
     """Stand-ins for torch, the driver calls and kernel compilation; returns the torch stand-in."""
     import types as pytypes
@@ -220,6 +226,16 @@ def install_stubs():
     cuda.jit = jit
     from numba_flash import launch
 
+    from numba_flash.blocks import tensor_maps
+
+    def device_maps(specs, stream=0):  # the TMA maps need the driver: one fake pointer per set of arrays
+        key = tuple((launch.address(x), tuple(x.shape), tuple(x.strides), int(r)) for x, r in specs)
+        with _FAKE_LOCK:
+            ptr = _FAKE_MAPS.setdefault(key, (1 << 45) + 4096 * len(_FAKE_MAPS))
+            MAPS_OF[ptr] = tuple(address for address, *_ in key)
+        return launch.DeviceView(ptr, (128 * len(specs),), (1,), "uint8")
+
+    tensor_maps.device_maps = device_maps
     cufunc = pytypes.SimpleNamespace(handle=0, device=pytypes.SimpleNamespace(id=0), name="stub")
     launch._Launcher.cufunc = lambda self, device_id: cufunc
     return torch

@@ -136,12 +136,12 @@ def cases() -> dict:
 
                 view, q, k, v = qkv(dtype, hd)
                 out_, lse = view(q.shape, storage[dtype]), view(q.shape[:3], "float32")
-                real = ws.device_maps  # the maps need the driver: a stand-in array of their bytes
-                ws.device_maps = lambda specs, stream=0: view((len(specs) * 128,), "uint8")
+                real = ws.maps_view  # the maps need the driver: a stand-in array of their bytes
+                ws.maps_view = lambda specs, stream=0: view((len(specs) * 128,), "uint8")
                 try:
                     ws.launch(q, k, v, out_, lse, configs.MMA_WGMMA_WS[hd, causal], causal=causal, softmax_scale=0.1)
                 finally:
-                    ws.device_maps = real
+                    ws.maps_view = real
             out[f"fwd-ws/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
 
     # --- forward: the shipped user mod (numba_flash.mods.document_mask) on mma.sync and wgmma --------------

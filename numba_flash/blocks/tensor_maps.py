@@ -20,7 +20,7 @@ from collections import OrderedDict
 import numpy as np
 from numba import cuda
 
-from ..launch import address, current_device_id
+from ..launch import DeviceView, address, current_device_id, derived
 from ..ptx import SIMULATOR
 from ..ptx.tma import TMA_SWIZZLE_BYTES, TMAP_ALIGN, TMAP_BYTES
 
@@ -134,3 +134,11 @@ def device_maps(specs, stream=0):
             while len(_cache) > _CACHE_SIZE:
                 _cache.popitem(last=False)
     return dev
+
+
+def maps_view(specs, stream=0) -> DeviceView:
+    """device_maps(specs, stream) as a launch argument (a uint8 DeviceView), noted for plans as computed from the
+    specs' arrays (launch.derived): a replayed call gets the maps of its own arrays."""
+    dev = device_maps(specs, stream)
+    view = DeviceView(address(dev), (len(specs) * TMAP_BYTES,), (1,), np.uint8, owner=dev)
+    return derived(view, list(specs), maps_view)

@@ -52,7 +52,7 @@ from ..blocks.entry import forward_grid
 from ..blocks.mask import fragment_mask, mask_kind
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, fragment_softmax_deferred, row_lse
-from ..blocks.tensor_maps import device_maps
+from ..blocks.tensor_maps import device_maps, maps_view
 
 DTYPES = ("float16", "bfloat16")
 FLAGS = ("grid_bh_x", "setmaxnreg", "pingpong", "tma_store", "overlap", "ws")  # "ws": the family's mark (dispatch)
@@ -504,7 +504,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
     specs = [(words[0], tile.block_q), (words[1], tile.block_k), (words[2], tile.block_k)]
     if tile.has("tma_store"):
         specs.append((words[3], 64))
-    maps = device_maps(specs, stream)
+    maps = device_maps(specs, stream) if ptx.SIMULATOR else maps_view(specs, stream)
     grid, tile = forward_grid(tile, B * H, (n_q + tile.block_q - 1) // tile.block_q)
     launch_kernel(build(tile, bool(causal), dtype), grid, threads(tile), stream, smem_bytes(tile), maps, words[3], lse,
                   H, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
