@@ -31,6 +31,14 @@ def stripes(b, h, q_idx, kv_idx):
     return (kv_idx // 64 + h) % 4 != 1
 
 
+def documents(g, B, n_q, n_k):
+    """(document_mask of sorted random ids over 8 documents, separate for queries and keys; its visibility
+    (B, 1, Nq, Nk))."""
+    seg_q, seg_k = (torch.sort(torch.randint(0, 8, (B, n), device="cuda", generator=g, dtype=torch.int32), dim=1)[0]
+                    for n in (n_q, n_k))
+    return document_mask(seg_q, seg_k), seg_q[:, None, :, None] == seg_k[:, None, None, :]
+
+
 CASES = [  # (dtype, Nq, Nk, d, causal, mods)
     ("bfloat16", 2048, 2048, 128, True, "document+relbias"),
     ("float16", 1000, 1500, 64, False, "stripes"),
@@ -56,10 +64,8 @@ def test_user_mods_error_rule(dtype, n_q, n_k, d, causal, mods):
         kw["score_mod"] = ScoreMod(rel_bias, aux=(table,))
         bias += table[:, i - j + table.shape[1] // 2].double()[None]
     if "document" in mods:
-        seg_q, seg_k = (torch.sort(torch.randint(0, 8, (B, n), device="cuda", generator=g, dtype=torch.int32),
-                                   dim=1)[0] for n in (n_q, n_k))
-        kw["mask_mod"] = document_mask(seg_q, seg_k)
-        seen &= seg_q[:, None, :, None] == seg_k[:, None, None, :]
+        kw["mask_mod"], same_doc = documents(g, B, n_q, n_k)
+        seen &= same_doc
     if mods == "stripes":
         kw["mask_mod"] = MaskMod(stripes)
         seen &= ((j // 64 + torch.arange(H, device="cuda")[:, None, None]) % 4 != 1)[None]
@@ -134,10 +140,8 @@ def test_user_mods_backward_error_rule(dtype, n_q, n_k, d, causal, mods, determi
     if "tanh" in mods:
         kw["score_mod"] = ScoreMod(tanh30, grad=tanh30_grad)
     if "document" in mods:
-        seg_q, seg_k = (torch.sort(torch.randint(0, 8, (B, n), device="cuda", generator=g, dtype=torch.int32),
-                                   dim=1)[0] for n in (n_q, n_k))
-        kw["mask_mod"] = document_mask(seg_q, seg_k)
-        seen &= seg_q[:, None, :, None] == seg_k[:, None, None, :]
+        kw["mask_mod"], same_doc = documents(g, B, n_q, n_k)
+        seen &= same_doc
     if "stripes" in mods:
         kw["mask_mod"] = MaskMod(stripes)
         seen &= ((j // 64 + torch.arange(H, device="cuda")[:, None, None]) % 4 != 1)[None]
