@@ -524,8 +524,9 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None, not_ws: list | N
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
     if kernel in ("auto", "mma") and not blockers:
-        ws_why = (not_ws or ws_blockers(p, views)) if _ws_here() else ["no sm_90 GPU"]
-        cfg = mma_config(p.d, p.causal, plain=True) if not ws_why else mma_config(p.d, p.causal)
+        ws_here = _ws_here()
+        ws_why = (not_ws or ws_blockers(p, views)) if ws_here else []
+        cfg = mma_config(p.d, p.causal, plain=True) if ws_here and not ws_why else mma_config(p.d, p.causal)
         head_dim, m_tiles = cfg.head_dim, mma_forward.m_tiles(cfg)
         if cfg.has("ws"):
             reasons = [f"mma: tensor cores (sm_90, warp-specialised: a producer warpgroup loads Q, K and V by TMA "
@@ -539,7 +540,7 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None, not_ws: list | N
                        f"m64n{head_dim}k16 for P·V with P from registers; {p.dtype} in, fp32 accumulate), "
                        f"{cfg.block_q}x{cfg.block_k} tiles, {cfg.warps // 4} warpgroups x 64 rows, head dim {head_dim}"]
             variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
-            if (cfg.head_dim, p.causal) in MMA_WGMMA_WS and ws_why != ["no sm_90 GPU"]:
+            if (cfg.head_dim, p.causal) in MMA_WGMMA_WS and ws_why:
                 reasons.append("not the warp-specialised TMA forward: " + "; ".join(ws_why))
         else:
             reasons = [f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), "
