@@ -420,7 +420,8 @@ def _ws_here() -> bool:
 
 def ws_blockers(p: Problem, views=None) -> list[str]:
     """Why a tensor-core call does not take the warp-specialised forward's tile (empty when it does): it has no
-    window, softcap, ALiBi, user mods or varlen, and TMA needs every stride of a dim > 1 positive."""
+    window, softcap, ALiBi, user mods or varlen, and TMA needs every stride of a dim > 1 positive and 16-byte rows
+    of O (d % 8 == 0)."""
     out = []
     if p.mods.any:
         out.append(f"mods ({mods_words(p)}) run on the wgmma forward, not the warp-specialised one")
@@ -428,6 +429,8 @@ def ws_blockers(p: Problem, views=None) -> list[str]:
         out.append("varlen runs on the wgmma forward, not the warp-specialised one")
     if p.n_k == 0:
         out.append("Nk = 0: no keys to load (the wgmma forward writes O = 0, L = -inf)")
+    if p.d % 8:  # O is ours, contiguous: its map (TMA store) needs 16-byte rows
+        out.append(f"O rows of {p.d} x 2 B are not a multiple of 16 B, which a TMA map needs")
     for name, x in zip("qkv", views or ()):
         if any(st <= 0 for st, n in zip(x.strides, x.shape) if n > 1):
             out.append(f"{name} strides {tuple(x.strides)} B: a TMA map needs positive strides (a broadcast dim "

@@ -8,7 +8,8 @@
 
 The cases are derived from the shipped tables, so a new entry gets a case of its own:
     forward   configs.MMA_TABLE (float16 and bfloat16; what sm_80-89 run), configs.MMA_WGMMA (sm_90's wgmma
-              forward), configs.MMA_SMALL_SMEM (the tiles of GPUs with 99-163 KiB per block, reached by
+              forward), configs.MMA_WGMMA_WS (sm_90's warp-specialised TMA forward, which plain calls take),
+              configs.MMA_SMALL_SMEM (the tiles of GPUs with 99-163 KiB per block, reached by
               patching the shared memory the API sees; MMA_TABLE's tiles that do not fit this GPU are skipped),
               configs.TF32_TABLE (kernel 'tf32x3' and 'tf32'),
               configs.SIMT_CONFIGS (kernel 'simt', every compiled head dim)
@@ -56,6 +57,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and os.environ.get("NUMBA_FLASH
         pass
 
 import numba_flash  # noqa: E402
+from numba import config as nb_config  # noqa: E402
 import reference  # noqa: E402
 from numba_flash import api, backward_plan, configs, ptx  # noqa: E402
 from numba_flash.api import Problem  # noqa: E402
@@ -75,6 +77,7 @@ FAMILIES = ("forward", "backward", "decode")
 TABLES = {
     "MMA_TABLE": configs.MMA_TABLE,
     "MMA_WGMMA": configs.MMA_WGMMA,
+    "MMA_WGMMA_WS": configs.MMA_WGMMA_WS,
     "MMA_SMALL_SMEM": configs.MMA_SMALL_SMEM,
     "TF32_TABLE": configs.TF32_TABLE,
     "SIMT_CONFIGS": configs.SIMT_CONFIGS,
@@ -105,6 +108,7 @@ class Case:
     deterministic: bool | None = None  # backward
     scheme: str | None = None  # backward tensor cores: the dQ scheme dq_scheme should pick
     wgmma: bool | None = None  # mma: with sm_90's MMA_WGMMA / MMA_BWD_WGMMA overrides, or without
+    ws: bool = False  # forward mma with wgmma: MMA_WGMMA_WS's tile (the warp-specialised TMA forward) for a plain call
     small_smem: bool = False  # forward mma: as on a GPU of 99 KiB shared memory per block (MMA_SMALL_SMEM's tiles)
     splits: int | None = None  # decode: num_splits
     shape: tuple = ()  # (B, H, Hkv, Nq, Nk)
@@ -152,7 +156,7 @@ SMALL_SMEM = (99 * 1024, 100 * 1024)  # an sm_86 / sm_89's opt-in shared memory 
 def tiles_of(case: Case):
     """The API's tile choice as the case needs it: wgmma_as(case.wgmma), and for a small_smem case the shared memory
     of a GPU that takes MMA_SMALL_SMEM's tiles."""
-    with wgmma_as(case.wgmma):
+    with wgmma_as(case.wgmma, case.ws):
         if not case.small_smem:
             yield
             return
@@ -165,18 +169,19 @@ def tiles_of(case: Case):
 
 
 @contextlib.contextmanager
-def wgmma_as(on: bool | None):
+def wgmma_as(on: bool | None, ws: bool = False):
     """api.mma_config and backward.mma_config with (True) or without (False) sm_90's MMA_WGMMA / MMA_BWD_WGMMA
-    overrides; None: as the GPU says."""
+    overrides, and with MMA_WGMMA_WS's tiles for plain calls only where ``ws``; None: as the GPU says."""
     if on is None:
         yield
         return
-    saved = bwd.current_wgmma, api._wgmma_here
+    saved = bwd.current_wgmma, api._wgmma_here, api._ws_here
     bwd.current_wgmma = api._wgmma_here = lambda: on
+    api._ws_here = lambda: bool(on and ws)
     try:
         yield
     finally:
-        bwd.current_wgmma, api._wgmma_here = saved
+        bwd.current_wgmma, api._wgmma_here, api._ws_here = saved
 
 
 def picks(case: Case, shape: tuple) -> str:
@@ -240,6 +245,12 @@ def forward_cases() -> list[Case]:
                 d = _padded(hd, _below(hd, MMA_HEAD_DIMS), 8) if dtype == "float16" else hd
                 out.append(Case("forward", "mma", dtype, d, causal, [(table, (hd, causal))], str(tile), wgmma=wgmma,
                                 small_smem=table == "MMA_SMALL_SMEM"))
+    # the warp-specialised TMA forward (sm_90's plain calls): its tiles, both dtypes, float16 with a padded head dim
+    for (hd, causal), tile in sorted(configs.MMA_WGMMA_WS.items()):
+        for dtype in ("float16", "bfloat16"):
+            d = _padded(hd, _below(hd, MMA_HEAD_DIMS), 8) if dtype == "float16" else hd
+            out.append(Case("forward", "mma", dtype, d, causal, [("MMA_WGMMA_WS", (hd, causal))], f"ws {tile}",
+                            wgmma=True, ws=True))
     for kernel in ("tf32x3", "tf32"):
         for (hd, causal), tile in sorted(configs.TF32_TABLE.items()):
             d = _padded(hd, _below(hd, TF32_HEAD_DIMS), 4) if causal else hd
@@ -407,6 +418,8 @@ def skip_reason(case: Case) -> str:
         return "bfloat16 needs ml_dtypes (NumPy bf16), not installed"
     if case.wgmma and not ptx.current_wgmma():
         return f"the wgmma {case.family} needs an sm_90 GPU"
+    if case.ws and nb_config.ENABLE_CUDASIM:
+        return "the warp-specialised forward runs in the simulator only through its tests (12 simulated warps)"
     if case.family == "forward" and case.covers[0][0] == "MMA_TABLE":
         tile = configs.MMA_TABLE[case.covers[0][1]]
         if kernels_mma_forward.smem_bytes(tile) > api._device_smem()[0]:

@@ -409,6 +409,28 @@ def test_ws_tile_refuses_what_it_cannot_run():
             launch_mma_forward(None, None, None, None, None, tile, causal=False, softmax_scale=0.1, **kw)
 
 
+def test_ws_blockers_name_each_reason():
+    """ws_blockers: a plain call has none; mods, Nk = 0, O rows that are not 16-byte multiples and a broadcast
+    (zero-stride) view each give their reason, so auto keeps such a call on the wgmma forward."""
+    from numba_flash.api import Problem, ws_blockers
+
+    def problem(**kw):
+        base = dict(kind="numpy", dtype="float16", q_shape=(1, 2, 40, 64), B=1, H=2, Hkv=1, n_q=40, n_k=50, d=64,
+                    causal=False, softmax_scale=0.125, device=None)
+        base.update(kw)
+        if "d" in kw:
+            base["q_shape"] = (1, 2, 40, kw["d"])
+        return Problem(**base)
+
+    assert ws_blockers(problem()) == []
+    assert "mods (softcap" in " ".join(ws_blockers(problem(softcap=30.0)))
+    assert "Nk = 0" in " ".join(ws_blockers(problem(n_k=0)))
+    assert "O rows of 100 x 2 B" in " ".join(ws_blockers(problem(d=100)))
+    broadcast = np.lib.stride_tricks.as_strided(np.zeros((1, 1, 50, 64), np.float16), (1, 2, 50, 64), (0, 0, 128, 2))
+    plain = np.zeros((1, 2, 40, 64), np.float16)
+    assert "k strides (0, 0, 128, 2)" in " ".join(ws_blockers(problem(), (plain, broadcast, plain)))
+
+
 @in_simulator
 def test_forward_routes_plain_calls_to_ws_sim(monkeypatch, rng):
     """With the ws forward available (patched on in the simulator, where auto leaves it off), forward runs a plain

@@ -177,6 +177,7 @@ def _shipped_tables():
 
     return {"MMA_TABLE": configs.MMA_TABLE, "TF32_TABLE": configs.TF32_TABLE, "SIMT_CONFIGS": configs.SIMT_CONFIGS,
             "MMA_BWD_TABLE": configs.MMA_BWD_TABLE, "MMA_BWD_WGMMA": configs.MMA_BWD_WGMMA,
+            "MMA_WGMMA_WS": configs.MMA_WGMMA_WS,
             "TF32_BWD_TABLE": configs.TF32_BWD_TABLE, "SIMT_BWD_CONFIGS": simt_backward.BACKWARD_CONFIGS}
 
 
@@ -207,10 +208,11 @@ def test_sanitize_cases_cover_every_shipped_table_entry():
     assert all(c.shape[1] != c.shape[2] for c in cases if c.family == "decode")
     assert any(c.shape[1] != c.shape[2] for c in back) and all(c.shape[3] != c.shape[4] for c in cases)
     assert {c.kernel for c in cases if c.family == "forward"} == {"mma", "tf32x3", "tf32", "simt"}
-    assert all(c.wgmma for c in cases if any(n == "MMA_WGMMA" for n, _ in c.covers))
+    assert all(c.wgmma for c in cases if any(n in ("MMA_WGMMA", "MMA_WGMMA_WS") for n, _ in c.covers))
+    assert all(c.ws == any(n == "MMA_WGMMA_WS" for n, _ in c.covers) for c in cases)
     assert all(c.wgmma is False for c in cases if any(n == "MMA_TABLE" for n, _ in c.covers))
-    # the check itself: a case list without the wgmma cases leaves MMA_WGMMA and MMA_BWD_WGMMA uncovered
-    assert set(sanitize.missing([c for c in cases if not c.wgmma])) == {"MMA_WGMMA", "MMA_BWD_WGMMA"}
+    # the check itself: a case list without the wgmma cases leaves MMA_WGMMA, MMA_WGMMA_WS and MMA_BWD_WGMMA uncovered
+    assert set(sanitize.missing([c for c in cases if not c.wgmma])) == {"MMA_WGMMA", "MMA_WGMMA_WS", "MMA_BWD_WGMMA"}
 
 
 def test_sanitize_list_runs_without_a_gpu(tmp_path):
