@@ -419,12 +419,10 @@ def _ws_here() -> bool:
 
 
 def ws_blockers(p: Problem, views=None) -> list[str]:
-    """Why a tensor-core call does not take the warp-specialised forward's tile (empty when it does): it has no
-    window, softcap, ALiBi, user mods or varlen, and TMA needs every stride of a dim > 1 positive and 16-byte rows
-    of O (d % 8 == 0)."""
+    """Why a tensor-core call does not take the warp-specialised forward's tile (empty when it does): varlen runs
+    elsewhere, and TMA needs every stride of a dim > 1 positive and 16-byte rows of O (d % 8 == 0). The masks and
+    mods (window, softcap, ALiBi, user mods, a BlockMask) run in it."""
     out = []
-    if p.mods.any:
-        out.append(f"mods ({mods_words(p)}) run on the wgmma forward, not the warp-specialised one")
     if p.varlen:
         out.append("varlen runs on the wgmma forward, not the warp-specialised one")
     if p.n_k == 0:
@@ -439,18 +437,14 @@ def ws_blockers(p: Problem, views=None) -> list[str]:
 
 
 def launch_mma_forward(q, k, v, out, lse, tile, **kw):
-    """The tensor-core forward of a tile from mma_config: kernels/wgmma_ws_forward.py for a "ws" tile (dense or
-    causal only: anything else is refused, never dropped), kernels/wgmma_forward.py for a "wgmma" tile, else
-    kernels/mma_forward.py (keyword arguments: their launch's)."""
+    """The tensor-core forward of a tile from mma_config: kernels/wgmma_ws_forward.py for a "ws" tile (no varlen:
+    refused, never dropped; its TMA maps check the layout themselves), kernels/wgmma_forward.py for a "wgmma"
+    tile, else kernels/mma_forward.py (keyword arguments: their launch's)."""
     if tile.has("ws"):
-        mods = kw.get("mods")  # window and softcap values mean something only with their mods switch
-        if (mods is not None and mods.any) or kw.get("varlen") is not None or kw.get("alibi") is not None \
-                or kw.get("aux"):
-            raise ValueError(f"the warp-specialised forward ({tile}) runs dense or causal attention only; got mods "
-                             f"{mods}, varlen {kw.get('varlen') is not None}, alibi {kw.get('alibi') is not None}, "
-                             f"aux {len(kw.get('aux') or ())} arrays")
-        return wgmma_ws_forward.launch(q, k, v, out, lse, tile, causal=kw["causal"],
-                                       softmax_scale=kw["softmax_scale"], stream=kw.get("stream", 0))
+        if kw.get("varlen") is not None:
+            raise ValueError(f"the warp-specialised forward ({tile}) has no varlen build (the wgmma forward has)")
+        return wgmma_ws_forward.launch(q, k, v, out, lse, tile, **{key: val for key, val in kw.items()
+                                                                    if key not in ("layout_checked", "varlen")})
     return (wgmma_forward if tile.has("wgmma") else mma_forward).launch(q, k, v, out, lse, tile, **kw)
 
 
@@ -496,7 +490,7 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None, not_ws: list | N
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     if p.mods.any:
-        return _choose_with_mods(p, kernel, views)
+        return _choose_with_mods(p, kernel, views, not_ws)
     if p.mask_causal != p.causal:  # window_size (-1, 0): the causal kernel
         from dataclasses import replace
 
@@ -597,7 +591,7 @@ def mods_words(p: Problem) -> str:
     return ", ".join(words)
 
 
-def _choose_with_mods(p: Problem, kernel: str, views):
+def _choose_with_mods(p: Problem, kernel: str, views, not_ws: list | None = None):
     """A window, softcap or ALiBi: the mma kernel (fp16 / bf16, d <= 256) or the SIMT kernel (any dtype and head
     dim; auto takes it, with its PerformanceWarning, where mma cannot run); the tf32 kernels have no mods."""
     if kernel in TF32_KERNELS:
@@ -622,8 +616,8 @@ def _choose_with_mods(p: Problem, kernel: str, views):
             reasons[-1] = f"{p.dtype} on the SIMT path (fp32 FMA), not tensor cores: {why}"
         reasons.insert(1, words)
         return kind, cfg, reasons
-    cfg = mma_config(p.d, p.mask_causal)  # window (-1, 0) with softcap / ALiBi: the causal tiles
-    kind, reasons = choose_kernel(_plain(p), "mma", views, not_ws=ws_blockers(p, views))[::2]
+    kind, cfg, reasons = choose_kernel(_plain(p), "mma", views, not_ws=list(not_ws or ()) + ws_blockers(p, views))
+    # window (-1, 0) with softcap / ALiBi: the causal tiles (_plain's causal is mask_causal)
     reasons.insert(1, words)
     return kind, cfg, reasons
 
@@ -752,7 +746,7 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
                 lse_obj = arrays.full_like_kind(p.kind, q, p.lse_shape, "float32", -math.inf, stream)[0]
         else:
             qd, kd, vd = (arrays.to_device_view(x, stream) for x in (q, k, v))
-            family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd))
+            family, cfg, reasons = choose_kernel(p, kernel, (qd, kd, vd), not_ws=_block_mask_not_ws(p, block_mask))
             # a tensor-core kernel exists for every dtype (the simulator's fp32 choice is not a slow path)
             if family == "simt" and kernel == "auto" and not (nb_config.ENABLE_CUDASIM and p.dtype == "float32"):
                 plans.warn("numba_flash.forward: " + reasons[-1], PerformanceWarning)
@@ -794,12 +788,25 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (views, no copies)
         with _on_device(p.device):
             views = tuple(arrays.to_device_view(x, 0) for x in (q, k, v))
-    family, cfg, reasons = choose_kernel(p, kernel, views)
+    family, cfg, reasons = choose_kernel(p, kernel, views, not_ws=_block_mask_not_ws(p, block_mask))
     if block_mask is not None:  # user mods run on the tensor-core forwards only (choose_kernel raised otherwise)
         reasons.append(_walk_line(p, block_mask, mask_mod, cfg))
     elif mask_mod is not None and hasattr(cfg, "block_q"):
         reasons.append(_block_mask_line(p, mask_mod, cfg))
     return "\n".join(reasons)
+
+
+def _block_mask_not_ws(p: Problem, block_mask: Any) -> list:
+    """Why a call with this block_mask keeps off the warp-specialised forward: the BlockMask was built at other
+    tiles than its (sparsity.forward_tile gives its tiles where it runs; a BlockMask at the wgmma forward's tiles
+    runs there)."""
+    if block_mask is None or not _ws_here():
+        return []
+    ws = mma_config(p.d, p.mask_causal, plain=True)
+    if not ws.has("ws") or (block_mask.block_q, block_mask.block_k) == (ws.block_q, ws.block_k):
+        return []
+    return [f"the block_mask was built at {block_mask.block_q}x{block_mask.block_k} tiles, not its "
+            f"{ws.block_q}x{ws.block_k} (sparsity.forward_tile gives them)"]
 
 
 def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:

@@ -184,10 +184,11 @@ def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int = 128,
 
 def forward_tile(head_dim: int, causal: bool = False) -> tuple:
     """(block_q, block_k) of the tensor-core forward's tile for this head dim and causal on the current GPU (the
-    tile a BlockMask for ``forward(..., block_mask=)`` is built at; numba_flash.explain names it too)."""
+    tile a BlockMask for ``forward(..., block_mask=)`` is built at; numba_flash.explain names it too): on sm_90 the
+    warp-specialised forward's where it has one (a BlockMask at the wgmma forward's tiles runs on that one)."""
     from .api import mma_config
 
-    tile = mma_config(int(head_dim), bool(causal))
+    tile = mma_config(int(head_dim), bool(causal), plain=True)
     return tile.block_q, tile.block_k
 
 

@@ -125,6 +125,29 @@ def forward_entry(body, home: dict, name: str, mods: bool, slopes_stand_in: str 
     return _at_home(kernel, home, name)
 
 
+def maps_entry(body, home: dict, name: str, mods: bool, user_aux: int = -1):
+    """The kernel (before cuda.jit) of a forward that reads q, k and v through TMA maps (kernels/wgmma_ws_forward.py),
+    named ``name`` (``name + "_mods"`` with mods, ``name + "_user"`` with user mods) in module ``home``:
+    (maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2), then MOD_ARGS with mods, then user_aux aux arrays
+    (user_aux >= 0), which ``body`` gets as one tuple, its last parameter. Without mods the body gets constants
+    for MOD_ARGS (lse stands in for the slopes), which its pruned branches never read."""
+    lead = "maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2"
+    if user_aux >= 0:
+        aux = [f"aux{i}" for i in range(user_aux)]
+        params = lead + ", left, right, cap_a, cap_b, slopes, inv_scale" + "".join(", " + a for a in aux)
+        call = lead + ", left, right, cap_a, cap_b, slopes, inv_scale, (" + "".join(a + ", " for a in aux) + ")"
+        suffix = "_user"
+    elif mods:
+        params = call = lead + ", left, right, cap_a, cap_b, slopes, inv_scale"
+        suffix = "_mods"
+    else:
+        params, call, suffix = lead, lead + ", 0, 0, zero, zero, lse, zero", ""
+    src = f"def make(body, zero):\n    def kernel({params}):\n        body({call})\n    return kernel\n"
+    scope: dict = {}
+    exec(compile(src, f"<maps_entry {name}{suffix}>", "exec"), scope)  # one parameter per aux array
+    return _at_home(scope["make"](body, float32(0.0)), home, name + suffix)
+
+
 def dkdv_entry(body, home: dict, name: str, atomic_dq: bool, dq_splits: int = 0, first: bool = True,
                stand_in: str = "l2", mods: bool = False, varlen_block_n: int = 0):
     """The kernel (before cuda.jit) that runs ``body`` for its block, named ``name`` in module ``home``

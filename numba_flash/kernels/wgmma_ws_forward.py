@@ -44,14 +44,17 @@ from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..jit_cache import compile_kernel
 from ..launch import launch as launch_kernel
+from ..launch import unused_slopes
 from ..ptx import WGMMA_ALIGN, inline_device, tma
 from ..ptx.warpgroup import wgmma_hold_a
 from ..tiles import Tile
 from ..blocks.copies import atom_offset
-from ..blocks.entry import forward_grid
-from ..blocks.mask import fragment_mask, mask_kind
+from ..blocks.entry import MOD_ARGS, forward_grid, maps_entry
+from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
+from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, fragment_softmax_deferred, row_lse
+from ..blocks.sparsity import entry, is_full, list_length, lists_of, tile_of
 from ..blocks.tensor_maps import device_maps, maps_view
 
 DTYPES = ("float16", "bfloat16")
@@ -65,11 +68,13 @@ BAR_BYTES = 8
 MAPS = ("q", "k", "v", "o")  # map i at byte i * TMAP_BYTES of the kernel's maps array
 
 
-def kernel_signature():
+def kernel_signature(mods: Mods = NO_MODS):
     """(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2): the tensor maps (uint8, MAPS order), O as
-    16-bit words, L float32."""
+    16-bit words, L float32; with mods blocks.entry.MOD_ARGS, then the user mods' aux arrays and a BlockMask's
+    lists (blocks.mods.user_aux_types)."""
+    tail = (MOD_ARGS + user_aux_types(mods)) if mods.any else ()
     return types.void(types.Array(types.uint8, 1, "A"), types.Array(types.uint16, 4, "A"),
-                      types.Array(types.float32, 3, "A"), int32, int32, int32, int32, int32, float32)
+                      types.Array(types.float32, 3, "A"), int32, int32, int32, int32, int32, float32, *tail)
 
 
 def consumers(tile: Tile) -> int:
@@ -125,10 +130,19 @@ def problems(tile: Tile, dtype: str) -> list:
     return out
 
 
-def kernel_source(tile: Tile, causal: bool, dtype: str):
-    """The Python kernel for one specialisation (before cuda.jit)."""
+def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
+    """The Python kernel for one specialisation (before cuda.jit). mods: a window, softcap, ALiBi, user mask /
+    score mods, or a BlockMask's key-tile lists (blocks/mods.py, blocks/sparsity.py) on the S fragments, as
+    wgmma_forward applies them; the producer and the consumers walk the same key tiles (the window's range, or
+    the lists) so the ring stays in step."""
     BLOCK_Q, BLOCK_K, HEAD_DIM, STAGES_ = tile.block_q, tile.block_k, tile.head_dim, tile.stages
-    CAUSAL = bool(causal)
+    WINDOW, SOFTCAP, ALIBI = bool(mods.window), bool(mods.softcap), bool(mods.alibi)
+    SCORE_MODS = SOFTCAP or ALIBI
+    USER = mods.user
+    CAUSAL = bool(causal) and not WINDOW
+    BLOCK_SPARSE = bool(mods.block_sparse)
+    RANGE_CAUSAL, RANGE_WINDOW = CAUSAL and not BLOCK_SPARSE, WINDOW and not BLOCK_SPARSE
+    lists = lists_of(len(user_aux_types(mods)) - 2)  # (counts, entries) from aux (block_sparse)
     GRID_BH_X = tile.has("grid_bh_x")
     SETMAXNREG, PINGPONG, TMA_STORE = tile.has("setmaxnreg"), tile.has("pingpong"), tile.has("tma_store")
     OVERLAP = tile.has("overlap")
@@ -180,6 +194,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
     ZERO = float32(0.0)
 
     mask_tile = fragment_mask(mask_kind(CAUSAL), BLOCK_K, 1)
+    window_range, window_edge, _ = window_rules(BLOCK_K, 16)
+    window_tile = fragment_window(BLOCK_K, 1)
+    mod_tile = fragment_mods(mods, BLOCK_K, 1)
+    user_tile = fragment_user_mods(mods, BLOCK_K, 1)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, 1)
     deferred_step, deferred_rescale = fragment_softmax_deferred(S_TILES, O_TILES, 1)
 
@@ -187,6 +205,55 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
     def wait_phase(smem, bar, parity):
         while try_wait(smem, bar, parity) == 0:
             pass
+
+    @inline_device
+    def kv_walk(b, h, q0, q_tile, n_q, n_k, shift, left, right, aux):
+        """(j_first, n_iter): the first key tile and how many tiles the block walks (the producer's loads and
+        each consumer's products, in the same order)."""
+        n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
+        j_first = 0
+        if RANGE_CAUSAL:
+            visible = min(q0 + BLOCK_Q, n_q) + shift
+            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
+        if BLOCK_SPARSE:  # list entries, not key tiles
+            kv_counts, _ = lists(aux)
+            n_tiles = list_length(kv_counts, b, h, q_tile)
+        if RANGE_WINDOW:
+            j_first, n_tiles = window_range(q0, min(q0 + BLOCK_Q, n_q), n_k, shift, left, right)
+        return int32(j_first), int32(max(n_tiles - j_first, 0))
+
+    @inline_device
+    def key_tile(r, j_first, b, h, q_tile, aux):
+        """(key tile, FULL) of the block's r-th step: j_first + r, or the r-th listed tile of a BlockMask."""
+        if BLOCK_SPARSE:
+            _, kv_entries = lists(aux)
+            e = entry(kv_entries, b, h, q_tile, r)
+            return tile_of(e), is_full(e)
+        return int32(j_first + r), False
+
+    @inline_device
+    def scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale, inv_scale,
+               aux):
+        """Tile j's mods and masks on S (wgmma_forward's order): softcap / ALiBi, the user's score mod and mask,
+        then the window, or causal and the sequence end, where the tile crosses them."""
+        k0 = int32(j * BLOCK_K)
+        k1 = int32(k0 + BLOCK_K)
+        if SCORE_MODS:
+            mod_tile(s, k0, row_w, shift, g, t, cap_a, cap_b, slope)
+        if USER:
+            if BLOCK_SPARSE:  # a FULL tile: no mask_mod call
+                user_tile(s, k0, row_w, n_q, n_k, b, h, scale, inv_scale, g, t, aux, not full)
+            else:
+                user_tile(s, k0, row_w, n_q, n_k, b, h, scale, inv_scale, g, t, aux)
+        if WINDOW:
+            if window_edge(k0, k1, row_w, n_k, shift, left, right):
+                window_tile(s, k0, row_w, n_k, shift, left, right, g, t)
+        else:
+            needs_mask = k1 > n_k
+            if CAUSAL:
+                needs_mask = needs_mask or (k1 - 1 > row_w + shift)
+            if needs_mask:
+                mask_tile(s, k0, row_w, n_k, shift, g, t)
 
     @inline_device
     def product_s(smem, s, q16, k16):
@@ -236,15 +303,13 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
         hold_o(acc)
 
     @inline_device
-    def overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, j, FIRST, c, q16, base16, row_w, n_k, shift, g, t, lane,
-                     scale_log2):
-        """Tile j of the overlap schedule: issue S_j and (unless FIRST) P_{j-1}·V_{j-1}, then tile j's softmax
-        under the product, O's deferred rescale, and P_j packed for the next step."""
-        k0 = int32(j * BLOCK_K)
-        k1 = int32(k0 + BLOCK_K)
-        slot = j % STAGES_
-        prev = (j - 1) % STAGES_
-        wait_phase(smem, K_FULL + 4 * slot, (j // STAGES_) & 1)
+    def overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, r, j, full, FIRST, c, q16, base16, row_w, n_q, n_k, shift,
+                     b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale, aux):
+        """Step r (key tile j) of the overlap schedule: issue S_j and (unless FIRST) the previous step's P·V, then
+        tile j's mods, masks and softmax under the product, O's deferred rescale, and P_j packed for the next."""
+        slot = r % STAGES_
+        prev = (r - 1) % STAGES_
+        wait_phase(smem, K_FULL + 4 * slot, (r // STAGES_) & 1)
         if PINGPONG:
             if c == 0:
                 turn_sync0()
@@ -252,7 +317,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
                 turn_sync1()
         product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
         if not FIRST:
-            wait_phase(smem, V_FULL + 4 * prev, ((j - 1) // STAGES_) & 1)
+            wait_phase(smem, V_FULL + 4 * prev, ((r - 1) // STAGES_) & 1)
             issue_o(smem, acc, a_p, base16 + ((SV + prev * KV_WORDS) >> 3))
         if PINGPONG:
             if c == 0:
@@ -266,11 +331,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
         hold_s(s)
         if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
             arrive(smem, K_EMPTY + 4 * slot)
-        needs_mask = k1 > n_k
-        if CAUSAL:
-            needs_mask = needs_mask or (k1 - 1 > row_w + shift)
-        if needs_mask:
-            mask_tile(s, k0, row_w, n_k, shift, g, t)
+        scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale, inv_scale,
+               aux)
         moved = deferred_step(s, m_i, l_i, alpha, scale_log2)
         if not FIRST:
             wait0()
@@ -282,74 +344,54 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
         hold_o(acc)  # the rescaled accumulators defined here, above the next products' fence
         pack_p(a_p, s)
 
-    def kernel(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2):
-        smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)  # atoms: 1024-byte aligned
-        tid = cuda.threadIdx.x
-        warp = tid >> 5
-        wg = warp >> 2
-        lane = tid & 31
-        if GRID_BH_X:
-            q_tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
-            bh = cuda.blockIdx.x
-        else:
-            q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
-            bh = cuda.blockIdx.y
-        b = bh // n_heads
-        h = bh - b * n_heads
-        h_kv = h // group
-        q0 = q_tile * BLOCK_Q
-        shift = n_k - n_q
-        n_tiles = (n_k + BLOCK_K - 1) // BLOCK_K
-        if CAUSAL:
-            visible = min(q0 + BLOCK_Q, n_q) + shift
-            n_tiles = min(n_tiles, (max(visible, 0) + BLOCK_K - 1) // BLOCK_K)
-        n_tiles = int32(n_tiles)
-
-        if tid == 0:
-            ptx.mbarrier_init(smem, Q_FULL, 1)
-            for st in range(STAGES_):
-                ptx.mbarrier_init(smem, K_FULL + 4 * st, 1)
-                ptx.mbarrier_init(smem, V_FULL + 4 * st, 1)
-                ptx.mbarrier_init(smem, K_EMPTY + 4 * st, CONSUMER_WARPS)
-                ptx.mbarrier_init(smem, V_EMPTY + 4 * st, CONSUMER_WARPS)
-            ptx.fence_mbarrier_init()
-        cuda.syncthreads()
-
-        if wg == 0:  # the producer
-            if SETMAXNREG:
-                regs_down()
-            if tid == 0:
-                tma.prefetch_tensormap(maps, MAP_K)
-                tma.prefetch_tensormap(maps, MAP_V)
-                expect_tx(smem, Q_FULL, Q_BYTES)
+    @inline_device
+    def producer(smem, maps, b, h, h_kv, q0, q_tile, j_first, n_iter, aux):
+        """One thread loads Q, then K_j and V_j of each step into the ring, a slot refilled once released."""
+        if SETMAXNREG:
+            regs_down()
+        if cuda.threadIdx.x == 0:
+            tma.prefetch_tensormap(maps, MAP_K)
+            tma.prefetch_tensormap(maps, MAP_V)
+            expect_tx(smem, Q_FULL, Q_BYTES)
+            for a in range(ATOMS):
+                load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
+            for r in range(n_iter):
+                j, _ = key_tile(r, j_first, b, h, q_tile, aux)
+                slot = r % STAGES_
+                if r >= STAGES_:  # the consumers released this slot's previous K
+                    wait_phase(smem, K_EMPTY + 4 * slot, (r // STAGES_ - 1) & 1)
+                expect_tx(smem, K_FULL + 4 * slot, KV_BYTES)
                 for a in range(ATOMS):
-                    load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
-                for j in range(n_tiles):
-                    slot = j % STAGES_
-                    if j >= STAGES_:  # the consumers released this slot's previous K
-                        wait_phase(smem, K_EMPTY + 4 * slot, (j // STAGES_ - 1) & 1)
-                    expect_tx(smem, K_FULL + 4 * slot, KV_BYTES)
-                    for a in range(ATOMS):
-                        load(smem, SK + slot * KV_WORDS + a * KV_ATOM, maps, MAP_K, smem, K_FULL + 4 * slot, a * 64,
-                             j * BLOCK_K, h_kv, b)
-                    if j >= STAGES_:  # ... and its previous V
-                        wait_phase(smem, V_EMPTY + 4 * slot, (j // STAGES_ - 1) & 1)
-                    expect_tx(smem, V_FULL + 4 * slot, KV_BYTES)
-                    for a in range(ATOMS):
-                        load(smem, SV + slot * KV_WORDS + a * KV_ATOM, maps, MAP_V, smem, V_FULL + 4 * slot, a * 64,
-                             j * BLOCK_K, h_kv, b)
-            return
+                    load(smem, SK + slot * KV_WORDS + a * KV_ATOM, maps, MAP_K, smem, K_FULL + 4 * slot, a * 64,
+                         j * BLOCK_K, h_kv, b)
+                if r >= STAGES_:  # ... and its previous V
+                    wait_phase(smem, V_EMPTY + 4 * slot, (r // STAGES_ - 1) & 1)
+                expect_tx(smem, V_FULL + 4 * slot, KV_BYTES)
+                for a in range(ATOMS):
+                    load(smem, SV + slot * KV_WORDS + a * KV_ATOM, maps, MAP_V, smem, V_FULL + 4 * slot, a * 64,
+                         j * BLOCK_K, h_kv, b)
 
-        # a consumer: warpgroup c = wg - 1 owns query rows q0 + 64c ..
+    @inline_device
+    def consumer(smem, maps, out, lse, b, h, q0, q_tile, j_first, n_iter, n_q, n_k, d, shift, scale_log2, left,
+                 right, cap_a, cap_b, alibi, inv_scale, aux):
+        """Warpgroup c = wg - 1: query rows q0 + 64c .., the products, the softmax and O's store."""
         if SETMAXNREG:
             regs_up()
-        c = wg - 1
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        c = (warp >> 2) - 1
         warp_c = warp - 4
         g = lane >> 2
         t = lane & 3
         row_w = q0 + 16 * warp_c  # this warp's first query row
         base16 = int64(ptx.shared_base(smem) >> 4)  # descriptors are 64-bit (the simulator's arithmetic too)
         q16 = base16 + (2 * SQ >> 4) + c * WG_ROWS16
+        slope = ZERO
+        if ALIBI:
+            slope = head_slope(alibi, b, h, inv_scale)
+        scale = ZERO
+        if USER:  # a score mod sees the scaled logit scale·s
+            scale = float32(1.0) / inv_scale
 
         s = cuda.local.array((S_TILES, 4), float32)
         acc = cuda.local.array((O_TILES, 4), float32)
@@ -366,31 +408,34 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
 
         wait_phase(smem, Q_FULL, 0)
         if OVERLAP:
-            # S_j is issued with P_{j-1}·V_{j-1} behind it; S_j retires first (groups retire in order), so tile
-            # j's mask and softmax run under that product, and O's rescale waits for it. The first tile is peeled
-            # (FIRST a constant): no branch around a product in flight, whose joins would define its registers
+            # S_j is issued with the previous step's P·V behind it; S_j retires first (groups retire in order), so
+            # tile j's mask and softmax run under that product, and O's rescale waits for it. The first step is
+            # peeled (FIRST a constant): no branch around a product in flight, whose joins would define its registers
             alpha = cuda.local.array(2, float32)
             a_p = cuda.local.array((PV_STEPS, 4), uint32)
-            if n_tiles > 0:
-                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, 0, True, c, q16, base16, row_w, n_k, shift, g, t,
-                             lane, scale_log2)
-            for j in range(1, n_tiles):
-                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, j, False, c, q16, base16, row_w, n_k, shift, g, t,
-                             lane, scale_log2)
-            if n_tiles > 0:
-                last = (n_tiles - 1) % STAGES_
-                wait_phase(smem, V_FULL + 4 * last, ((n_tiles - 1) // STAGES_) & 1)
+            if n_iter > 0:
+                j, full = key_tile(0, j_first, b, h, q_tile, aux)
+                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, 0, j, full, True, c, q16, base16, row_w, n_q, n_k,
+                             shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale,
+                             aux)
+            for r in range(1, n_iter):
+                j, full = key_tile(r, j_first, b, h, q_tile, aux)
+                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, r, j, full, False, c, q16, base16, row_w, n_q, n_k,
+                             shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale,
+                             aux)
+            if n_iter > 0:
+                last = (n_iter - 1) % STAGES_
+                wait_phase(smem, V_FULL + 4 * last, ((n_iter - 1) // STAGES_) & 1)
                 issue_o(smem, acc, a_p, base16 + ((SV + last * KV_WORDS) >> 3))
                 wait0()
                 hold_o(acc)
                 if lane == 0:
                     arrive(smem, V_EMPTY + 4 * last)
         else:
-            for j in range(n_tiles):
-                k0 = int32(j * BLOCK_K)
-                k1 = int32(k0 + BLOCK_K)
-                slot = j % STAGES_
-                parity = (j // STAGES_) & 1
+            for r in range(n_iter):
+                j, full = key_tile(r, j_first, b, h, q_tile, aux)
+                slot = r % STAGES_
+                parity = (r // STAGES_) & 1
                 wait_phase(smem, K_FULL + 4 * slot, parity)
                 if PINGPONG:
                     if c == 0:
@@ -407,11 +452,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
                 hold_s(s)
                 if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
                     arrive(smem, K_EMPTY + 4 * slot)
-                needs_mask = k1 > n_k
-                if CAUSAL:
-                    needs_mask = needs_mask or (k1 - 1 > row_w + shift)
-                if needs_mask:
-                    mask_tile(s, k0, row_w, n_k, shift, g, t)
+                scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale,
+                       inv_scale, aux)
                 m_nw = cuda.local.array(2, float32)
                 softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
                 wait_phase(smem, V_FULL + 4 * slot, parity)
@@ -429,8 +471,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
                 r_wg = 16 * (warp_c & 3) + 8 * mr + g
                 for dt in range(O_TILES):
                     bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
-                    chunk = dt
-                    word = SQ + c * 64 * 64 + atom_offset(r_wg, chunk, BLOCK_Q) + 2 * t
+                    word = SQ + c * 64 * 64 + atom_offset(r_wg, dt, BLOCK_Q) + 2 * t
                     ptx.st_shared_b32(smem, word, bits)
             else:
                 if row < n_q:
@@ -453,19 +494,51 @@ def kernel_source(tile: Tile, causal: bool, dtype: str):
                 bulk_commit()
                 bulk_wait()
 
-    kernel.__name__ = "wgmma_ws_forward"
-    return kernel
+    @inline_device
+    def ws_body(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
+                inv_scale, aux=()):
+        smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)  # atoms: 1024-byte aligned
+        if GRID_BH_X:
+            q_tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
+            bh = cuda.blockIdx.x
+        else:
+            q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
+            bh = cuda.blockIdx.y
+        b = bh // n_heads
+        h = bh - b * n_heads
+        q0 = q_tile * BLOCK_Q
+        shift = n_k - n_q
+        j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, shift, left, right, aux)
+
+        if cuda.threadIdx.x == 0:
+            ptx.mbarrier_init(smem, Q_FULL, 1)
+            for st in range(STAGES_):
+                ptx.mbarrier_init(smem, K_FULL + 4 * st, 1)
+                ptx.mbarrier_init(smem, V_FULL + 4 * st, 1)
+                ptx.mbarrier_init(smem, K_EMPTY + 4 * st, CONSUMER_WARPS)
+                ptx.mbarrier_init(smem, V_EMPTY + 4 * st, CONSUMER_WARPS)
+            ptx.fence_mbarrier_init()
+        cuda.syncthreads()
+
+        if cuda.threadIdx.x < 128:  # warpgroup 0, the producer
+            producer(smem, maps, b, h, h // group, q0, q_tile, j_first, n_iter, aux)
+        else:
+            consumer(smem, maps, out, lse, b, h, q0, q_tile, j_first, n_iter, n_q, n_k, d, shift, scale_log2, left,
+                     right, cap_a, cap_b, alibi, inv_scale, aux)
+
+    return maps_entry(ws_body, globals(), "wgmma_ws_forward", mods.any,
+                      user_aux=len(user_aux_types(mods)) if USER else -1)
 
 
 @lru_cache(maxsize=None)
-def build(tile: Tile, causal: bool, dtype: str):
+def build(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
     """The compiled kernel for one specialisation (sm_90 only: TMA, wgmma and setmaxnreg are sm_90(a))."""
     bad = problems(tile, dtype)
     if bad:
         raise ValueError(f"wgmma_ws forward ({tile}, {dtype}) cannot be built: {'; '.join(bad)}")
-    key = ("wgmma_ws_forward", tile, bool(causal), dtype)
+    key = ("wgmma_ws_forward", tile, bool(causal), dtype, mods)
     options = {} if ptx.SIMULATOR else {"max_registers": max_registers(tile)}
-    return compile_kernel(key, kernel_signature(), kernel_source(tile, bool(causal), dtype), **options)
+    return compile_kernel(key, kernel_signature(mods), kernel_source(tile, bool(causal), dtype, mods), **options)
 
 
 def check_arrays(q, k, v, out, lse, tile: Tile):
@@ -485,11 +558,11 @@ def check_arrays(q, k, v, out, lse, tile: Tile):
         raise ValueError(f"lse: float32 (B, H, Nq) = {(B, H, n_q)}, got {lse.dtype} {tuple(lse.shape)}")
 
 
-def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mods=None, varlen=None, **unused):
+def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mods: Mods = NO_MODS, window=(0, 0),
+           softcap=0.0, alibi=None, aux=()):
     """Run the warp-specialised forward on device arrays (B, H, N, d), f16 or bf16 bits as uint16; L float32 (B, H,
-    Nq). q, k, v (and out with tma_store) need 16-byte aligned data and byte strides of 16-byte multiples (TMA)."""
-    if mods is not None or varlen is not None or unused:
-        raise ValueError(f"wgmma_ws forward: no mods, varlen or {sorted(unused)} (dense, causal or not, GQA only)")
+    Nq). q, k, v (and out with tma_store) need 16-byte aligned data and byte strides of 16-byte multiples (TMA).
+    mods, window, softcap, alibi, aux: as wgmma_forward.launch's (no varlen here)."""
     check_arrays(q, k, v, out, lse, tile)
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -499,6 +572,8 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     if n_k == 0:
         raise ValueError("wgmma_ws forward: Nk = 0 (no keys)")
+    if not mods.any and (alibi is not None or aux):
+        raise ValueError(f"wgmma_ws forward: alibi / aux arrays without the mods that read them (mods {mods})")
     words = [x if np.dtype(x.dtype) == WORD else x.view(WORD) for x in (q, k, v, out)]
     dtype = "bfloat16" if np.dtype(q.dtype) == WORD else "float16"
     specs = [(words[0], tile.block_q), (words[1], tile.block_k), (words[2], tile.block_k)]
@@ -506,5 +581,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
         specs.append((words[3], 64))
     maps = device_maps(specs, stream) if ptx.SIMULATOR else maps_view(specs, stream)
     grid, tile = forward_grid(tile, B * H, (n_q + tile.block_q - 1) // tile.block_q)
-    launch_kernel(build(tile, bool(causal), dtype), grid, threads(tile), stream, smem_bytes(tile), maps, words[3], lse,
-                  H, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
+    args = (maps, words[3], lse, H, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
+    if mods.any:
+        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux)
+    launch_kernel(build(tile, bool(causal), dtype, mods), grid, threads(tile), stream, smem_bytes(tile), *args)

@@ -458,6 +458,101 @@ def test_forward_routes_plain_calls_to_ws_sim(monkeypatch, rng):
     assert "not the warp-specialised TMA forward: mods (softcap 30)" in capped, capped
 
 
+SMALL_WS = {"overlap": Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap",
+                                                                        "tma_store"}),
+            "plain": Tile(128, 16, 64, warps=12, stages=3, flags={"ws", "grid_bh_x"})}
+
+
+def _ws_mods_case(which, rng, d=64, n_q=70, n_k=91, H=2, Hkv=1):
+    """(q, k, v, forward's keywords, the reference's keywords, causal) of one mods case (fp16; causal-window swaps
+    Nq and Nk so that Nq > Nk)."""
+    from test_user_mods import checkerboard, rel_bias
+
+    import numba_flash
+    from numba_flash.mods import ScoreMod, document_mask
+    from numba_flash.sparsity import forward_tile
+
+    if which == "causal-window":
+        n_q, n_k = max(n_q, n_k), min(n_q, n_k)
+    q, k, v = ((rng.standard_normal((1, h, n, d)) * sc).astype(np.float16)
+               for h, n, sc in ((H, n_q, 1.5), (Hkv, n_k, 1.0), (Hkv, n_k, 1.0)))
+    if which == "builtins":  # window both sides, softcap, per-batch ALiBi slopes
+        slopes = (rng.random((1, H)) * 0.5 + 0.05).astype(np.float32)
+        kw = dict(window_size=(20, 7), softcap=5.0, alibi_slopes=slopes)
+        return q, k, v, kw, dict(kw), False
+    if which == "causal-window":  # Nq > Nk: the first rows see no key (O = 0, L = -inf)
+        slopes = (rng.random(H) * 0.5 + 0.05).astype(np.float32)
+        kw = dict(window_size=(25, 0), alibi_slopes=slopes)
+        return q, k, v, kw, dict(kw), True
+    if which == "user":
+        table = rng.standard_normal((H, n_q + n_k + 1)).astype(np.float32)
+        n_k_arr = np.array([n_k], np.int32)
+        kw = dict(mask_mod=checkerboard, score_mod=ScoreMod(rel_bias, aux=(table, n_k_arr)))
+        return q, k, v, kw, dict(mask_mod=checkerboard, score_mod=rel_bias, score_aux=(table, n_k_arr)), True
+    # three documents, query and key ids of their own (Nq != Nk)
+    seg = np.repeat(np.arange(3, dtype=np.int32), [3 * n_q // 7, n_q // 3, n_q - 3 * n_q // 7 - n_q // 3])[None]
+    k_seg = np.repeat(np.arange(3, dtype=np.int32), [2 * n_k // 9, 4 * n_k // 9, n_k - 6 * n_k // 9])[None]
+    bm = numba_flash.block_mask(document_mask(seg, k_seg), 1, H, n_q, n_k, *forward_tile(d, True))
+    ref = dict(mask_mod=lambda b, h, i, j, a, c: a[b, i] == c[b, j], mask_aux=(seg, k_seg))
+    return q, k, v, dict(block_mask=bm), ref, True
+
+
+@in_simulator
+@pytest.mark.parametrize("which,tile", [("builtins", "overlap"), ("causal-window", "plain"), ("user", "overlap"),
+                                        ("block_mask", "plain")])
+def test_ws_forward_mods_sim(which, tile, monkeypatch, rng):
+    """The masks and mods in the warp-specialised forward (patched on in the simulator, small tiles): a two-sided
+    window with softcap and per-batch ALiBi, causal with a window and Nq > Nk (rows that see no key), user
+    mask and score mods with an aux table, and a BlockMask's walk (EMPTY, FULL and PARTIAL tiles); each by the
+    flash-attn rule against float64, L too, with the overlap schedule and without. explain names the kernel."""
+    import numba_flash
+    from numba_flash import api
+
+    monkeypatch.setattr(api, "_ws_here", lambda: True)
+    monkeypatch.setattr(api, "MMA_WGMMA_WS", {(64, False): SMALL_WS[tile], (64, True): SMALL_WS[tile]})
+    q, k, v, kw, ref_kw, causal = _ws_mods_case(which, rng)
+    text = numba_flash.explain(q, k, v, causal=causal, **kw)
+    assert "warp-specialised" in text and "128x16 tiles" in text, text
+    _check_ws_mods(q, k, v, kw, ref_kw, causal)
+    if which == "causal-window":
+        assert not np.isfinite(numba_flash.forward(q, k, v, causal=causal, **kw)[1]).all(), "rows that see no key"
+
+
+def _check_ws_mods(q, k, v, kw, ref_kw, causal):
+    """forward against float64 by the flash-attn rule, L too; rows that see no key: O = 0, L = -inf."""
+    import numba_flash
+    from reference import standard_attention
+    from test_mods import _bound
+
+    o, lse = numba_flash.forward(q, k, v, causal=causal, **kw)
+    group = q.shape[1] // k.shape[1]
+    kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    ref, lse_ref = standard_attention(q, kr, vr, causal=causal, **ref_kw)
+    naive, _ = standard_attention(q, kr, vr, causal=causal, dtype=np.float16, **ref_kw)
+    _bound(o.astype(np.float64), ref, naive.astype(np.float64), 1e-3)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=1e-4 * max(1.0, np.abs(lse_ref[fin]).max()), rtol=0)
+    assert (o[~fin] == 0).all(), "a row that sees no key has O = 0"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("which,d", [("builtins", 64), ("causal-window", 128), ("user", 128), ("block_mask", 128),
+                                     ("builtins", 192), ("causal-window", 256), ("block_mask", 256)])
+def test_gpu_forward_ws_mods_error_rule(which, d, rng):
+    """The masks and mods on sm_90's shipped warp-specialised tiles (explain says so): window, softcap, ALiBi, user
+    mods with aux arrays, a BlockMask's walk; GQA 4/2, Nq != Nk, by the flash-attn rule against float64."""
+    import numba_flash
+
+    if not ptx.current_wgmma():
+        pytest.skip("TMA + wgmma need an sm_90 GPU")
+    q, k, v, kw, ref_kw, causal = _ws_mods_case(which, rng, d=d, n_q=300, n_k=517, H=4, Hkv=2)
+    text = numba_flash.explain(q, k, v, causal=causal, **kw)
+    assert "warp-specialised" in text, text
+    _check_ws_mods(q, k, v, kw, ref_kw, causal)
+
+
 GPU_WS_SHAPES = [(2, 4, 2, 300, 517), (1, 3, 3, 517, 129), (1, 2, 1, 1, 77)]
 
 
