@@ -128,24 +128,39 @@ def cases() -> dict:
                                          softmax_scale=0.1, layout_checked=True)
                 out[f"fwd-wgmma/d{hd}/{'causal' if causal else 'full'}/{dtype}/d{d}"] = call
 
-    # --- forward: warp-specialised TMA (fp16 / bf16 on sm_90, plain calls) ------------------------
+    # --- forward: warp-specialised TMA (fp16 / bf16 on sm_90) ----------------------------------
+    def ws_launch(view, q, k, v, out_, lse, tile, **kw):
+        from numba_flash.kernels import wgmma_ws_forward as ws
+
+        real = ws.maps_view  # the maps need the driver: a stand-in array of their bytes
+        ws.maps_view = lambda specs, stream=0: view((len(specs) * 128,), "uint8")
+        try:
+            ws.launch(q, k, v, out_, lse, tile, **kw)
+        finally:
+            ws.maps_view = real
+
     for (hd, causal) in sorted(configs.MMA_WGMMA_WS):
         for dtype in ("float16", "bfloat16"):
             def call(hd=hd, causal=causal, dtype=dtype):
-                from numba_flash.kernels import wgmma_ws_forward as ws
-
                 view, q, k, v = qkv(dtype, hd)
                 out_, lse = view(q.shape, storage[dtype]), view(q.shape[:3], "float32")
-                real = ws.maps_view  # the maps need the driver: a stand-in array of their bytes
-                ws.maps_view = lambda specs, stream=0: view((len(specs) * 128,), "uint8")
-                try:
-                    ws.launch(q, k, v, out_, lse, configs.MMA_WGMMA_WS[hd, causal], causal=causal, softmax_scale=0.1)
-                finally:
-                    ws.maps_view = real
+                ws_launch(view, q, k, v, out_, lse, configs.MMA_WGMMA_WS[hd, causal], causal=causal,
+                          softmax_scale=0.1)
             out[f"fwd-ws/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
 
-    # --- forward: the shipped user mod (numba_flash.mods.document_mask) on mma.sync and wgmma --------------
-    for family in ("mma", "wgmma"):
+    # the built-in variants in it: a window (causal-aligned) with softcap and ALiBi
+    def call():
+        from numba_flash.blocks.mods import Mods
+
+        view, q, k, v = qkv("bfloat16", 128)
+        out_, lse = view(q.shape, "uint16"), view(q.shape[:3], "float32")
+        ws_launch(view, q, k, v, out_, lse, configs.MMA_WGMMA_WS[128, True], causal=True, softmax_scale=0.1,
+                  mods=Mods(window=True, softcap=True, alibi=True), window=(100, 0), softcap=30.0,
+                  alibi=view((1, H), "float32"))
+    out["fwd-ws/d128/causal/bfloat16/window-softcap-alibi"] = call
+
+    # --- forward: the shipped user mod (numba_flash.mods.document_mask) on mma.sync, wgmma and ws --------------
+    for family in ("mma", "wgmma", "ws"):
         for causal in (False, True):
             def call(family=family, causal=causal):
                 from numba_flash.blocks.mods import Mods, UserMod
@@ -156,6 +171,10 @@ def cases() -> dict:
                 out_, lse = view(q.shape, "uint16"), view(q.shape[:3], "float32")
                 mods = Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))))
                 aux = (view((B, n_q), "int32"), view((B, n_k), "int32"))
+                if family == "ws":
+                    ws_launch(view, q, k, v, out_, lse, configs.MMA_WGMMA_WS[128, causal], causal=causal,
+                              softmax_scale=0.1, mods=mods, aux=aux)
+                    return
                 kernel, table = ((wgmma_forward, configs.MMA_WGMMA) if family == "wgmma" else
                                  (mma_forward, configs.MMA_TABLE))
                 kernel.launch(q, k, v, out_, lse, table[128, causal], causal=causal, softmax_scale=0.1,
@@ -163,7 +182,7 @@ def cases() -> dict:
             out[f"fwd-{family}/d128/{'causal' if causal else 'full'}/bfloat16/docmask"] = call
 
     # --- forward: the document mask walking its BlockMask (Mods.block_sparse: the key-tile lists) ----------------
-    for family in ("mma", "wgmma"):
+    for family in ("mma", "wgmma", "ws"):
         for causal in (False, True):
             def call(family=family, causal=causal):
                 from numba_flash.blocks.mods import Mods, UserMod
@@ -173,12 +192,15 @@ def cases() -> dict:
                 view, q, k, v = qkv("bfloat16", 128)
                 out_, lse = view(q.shape, "uint16"), view(q.shape[:3], "float32")
                 mods = Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))), block_sparse=True)
-                kernel, table = ((wgmma_forward, configs.MMA_WGMMA) if family == "wgmma" else
-                                 (mma_forward, configs.MMA_TABLE))
+                kernel, table = {"wgmma": (wgmma_forward, configs.MMA_WGMMA), "mma": (mma_forward, configs.MMA_TABLE),
+                                 "ws": (None, configs.MMA_WGMMA_WS)}[family]
                 tile = table[128, causal]
                 n_qt, n_kt = -(-n_q // tile.block_q), -(-n_k // tile.block_k)
                 aux = (view((B, n_q), "int32"), view((B, n_k), "int32"), view((B, H, n_qt), "int32"),
                        view((B, H, n_qt, n_kt), "int32"))
+                if family == "ws":
+                    ws_launch(view, q, k, v, out_, lse, tile, causal=causal, softmax_scale=0.1, mods=mods, aux=aux)
+                    return
                 kernel.launch(q, k, v, out_, lse, tile, causal=causal, softmax_scale=0.1, layout_checked=True,
                               mods=mods, aux=aux)
             out[f"fwd-{family}/d128/{'causal' if causal else 'full'}/bfloat16/docmask-sparse"] = call
@@ -440,6 +462,7 @@ CI_PATTERNS = (
     r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$", r"^decode-paged/d128/float16/rows4-.*/splits4$",
     r"^fwd-mma-varlen/d128/causal/bfloat16$", r"^bwd-mma-varlen/d128/causal/bfloat16/sm90/splits$",
     r"^fwd-wgmma/d128/causal/bfloat16/docmask$", r"^fwd-wgmma/d128/causal/bfloat16/docmask-sparse$",
+    r"^fwd-ws/d128/causal/bfloat16/docmask-sparse$",
     r"^bwd-mma/d128/causal/bfloat16/sm90/atomic/docmask$",
 )
 

@@ -30,7 +30,7 @@ TINY = {"mma": Tile(16, 16, 64, warps=1, stages=2), "wgmma": Tile(64, 16, 64, wa
 def tiny_tile(monkeypatch):
     """The forward's tile replaced by a tiny one of the asked family (returns a setter)."""
     def use(family):
-        monkeypatch.setattr(numba_flash.api, "mma_config", lambda d, causal: TINY[family])
+        monkeypatch.setattr(numba_flash.api, "mma_config", lambda d, causal, plain=False: TINY[family])
         return TINY[family]
     return use
 
@@ -292,7 +292,7 @@ def test_block_sparse_causal_with_empty_query_tiles_and_nq_ne_nk(family, rng, ti
     tile (count 0: no K/V load, no barrier, O = 0, L = -inf), and Nq < Nk with a query document no key shares."""
     tile = tiny_tile(family)
     tiny_tile_bh = tile.with_(flags=tile.flags | {"grid_bh_x"})
-    numba_flash.api.mma_config = lambda d, causal: tiny_tile_bh  # (monkeypatch undoes tiny_tile's setattr)
+    numba_flash.api.mma_config = lambda d, causal, plain=False: tiny_tile_bh  # (monkeypatch undoes tiny_tile's setattr)
     for n_q, n_k, q_docs, k_docs in ((150, 40, (0, 0), (0, 0)), (40, 70, (0, 5), (0, 2))):
         q, k, v, _ = _inputs(int(rng.integers(2**31)), 1, 2, 1, n_q, n_k, 64)
         q_seg = np.repeat(np.asarray(q_docs, np.int32), [n_q // 2, n_q - n_q // 2])[None]

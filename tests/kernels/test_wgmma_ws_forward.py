@@ -490,8 +490,8 @@ def _ws_mods_case(which, rng, d=64, n_q=70, n_k=91, H=2, Hkv=1):
         kw = dict(mask_mod=checkerboard, score_mod=ScoreMod(rel_bias, aux=(table, n_k_arr)))
         return q, k, v, kw, dict(mask_mod=checkerboard, score_mod=rel_bias, score_aux=(table, n_k_arr)), True
     # three documents, query and key ids of their own (Nq != Nk)
-    seg = np.repeat(np.arange(3, dtype=np.int32), [3 * n_q // 7, n_q // 3, n_q - 3 * n_q // 7 - n_q // 3])[None]
-    k_seg = np.repeat(np.arange(3, dtype=np.int32), [2 * n_k // 9, 4 * n_k // 9, n_k - 6 * n_k // 9])[None]
+    seg = np.searchsorted([3 * n_q // 7, 16 * n_q // 21], np.arange(n_q), side="right").astype(np.int32)[None]
+    k_seg = np.searchsorted([2 * n_k // 9, 6 * n_k // 9], np.arange(n_k), side="right").astype(np.int32)[None]
     bm = numba_flash.block_mask(document_mask(seg, k_seg), 1, H, n_q, n_k, *forward_tile(d, True))
     ref = dict(mask_mod=lambda b, h, i, j, a, c: a[b, i] == c[b, j], mask_aux=(seg, k_seg))
     return q, k, v, dict(block_mask=bm), ref, True
