@@ -443,6 +443,10 @@ def launch_mma_forward(q, k, v, out, lse, tile, **kw):
     if tile.has("ws"):
         if kw.get("varlen") is not None:
             raise ValueError(f"the warp-specialised forward ({tile}) has no varlen build (the wgmma forward has)")
+        if tile.has("persistent"):
+            from .decode import _sm_count  # (decode imports this module)
+
+            kw["n_sm"] = _sm_count()
         return wgmma_ws_forward.launch(q, k, v, out, lse, tile, **{key: val for key, val in kw.items()
                                                                     if key not in ("layout_checked", "varlen")})
     return (wgmma_forward if tile.has("wgmma") else mma_forward).launch(q, k, v, out, lse, tile, **kw)

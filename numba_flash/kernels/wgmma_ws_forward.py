@@ -29,6 +29,11 @@ Flags (``tile.flags``):
     overlap      FA3's intra-warpgroup pipelining: Q·K_jᵀ is issued with P_{j-1}·V_{j-1} behind it, tile j's mask
                  and softmax run while that product is in flight, and O's rescale waits for it to retire
                  (blocks.softmax.fragment_softmax_deferred); with two consumers it needs setmaxnreg
+    persistent   one block per SM (the grid: min(work items, n_sm)) walks work items w = blockIdx.x, + gridDim.x,
+                 .. in grid_bh_x's order (the heaviest causal Q tiles of every head first); the ring's steps count
+                 on across items, so the producer loads the next item's first K/V tiles while the consumers
+                 finish the last one, and its Q once they release the Q tile (a "Q empty" mbarrier, after O's
+                 store has read it)
     tma_store    O leaves through shared memory (each warpgroup's rows of the Q tile, after its last Q·Kᵀ) by
                  a TMA store; without it every lane stores its fragments directly
 """
@@ -58,7 +63,7 @@ from ..blocks.sparsity import entry, is_full, list_length, lists_of, tile_of
 from ..blocks.tensor_maps import device_maps, maps_view
 
 DTYPES = ("float16", "bfloat16")
-FLAGS = ("grid_bh_x", "setmaxnreg", "pingpong", "tma_store", "overlap", "ws")  # "ws": the family's mark (dispatch)
+FLAGS = ("grid_bh_x", "setmaxnreg", "pingpong", "tma_store", "overlap", "persistent", "ws")  # "ws": the family's mark (dispatch)
 STAGES = (2, 3, 4)
 HEAD_DIMS = (64, 128, 192, 256)
 WORD = np.dtype(np.uint16)  # bf16 arrays travel as uint16 bit patterns (which select the bf16 build)
@@ -92,9 +97,9 @@ def max_registers(tile: Tile) -> int:
 
 def smem_bytes(tile: Tile) -> int:
     """The Q tile, STAGES (K, V) slots (16-bit words, 1024-byte multiples), then the mbarriers (Q full; K full,
-    V full, K empty, V empty of each slot)."""
+    V full, K empty, V empty of each slot; Q empty)."""
     words = tile.head_dim * (tile.block_q + 2 * tile.stages * tile.block_k)
-    return 2 * words + BAR_BYTES * (1 + 4 * tile.stages)
+    return 2 * words + BAR_BYTES * (2 + 4 * tile.stages)
 
 
 def problems(tile: Tile, dtype: str) -> list:
@@ -115,6 +120,8 @@ def problems(tile: Tile, dtype: str) -> list:
     unknown = sorted(tile.flags - set(FLAGS))
     if unknown:
         out.append(f"flags {unknown}: not among {FLAGS}")
+    if tile.has("persistent") and tile.has("grid_bh_x"):
+        out.append("persistent with grid_bh_x: a persistent grid walks its own heaviest-first order")
     if tile.has("setmaxnreg") and tile.warps != 12:
         out.append("setmaxnreg: built for two consumer warpgroups (warps=12)")
     if tile.has("pingpong") and tile.warps != 12:
@@ -146,6 +153,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
     GRID_BH_X = tile.has("grid_bh_x")
     SETMAXNREG, PINGPONG, TMA_STORE = tile.has("setmaxnreg"), tile.has("pingpong"), tile.has("tma_store")
     OVERLAP = tile.has("overlap")
+    PERSISTENT = tile.has("persistent")
     CONSUMERS = consumers(tile)
     CONSUMER_WARPS = 4 * CONSUMERS
     ATOMS = HEAD_DIM // 64  # 64-column atoms of a row: one TMA box each
@@ -160,6 +168,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
     Q_FULL = BAR
     K_FULL, V_FULL = BAR + 4, BAR + 4 * (1 + STAGES_)
     K_EMPTY, V_EMPTY = BAR + 4 * (1 + 2 * STAGES_), BAR + 4 * (1 + 3 * STAGES_)
+    Q_EMPTY = BAR + 4 * (1 + 4 * STAGES_)  # persistent: the consumers are done with the Q tile (O's store too)
     Q_BYTES = 2 * BLOCK_Q * HEAD_DIM
     KV_BYTES = 2 * KV_WORDS
     Q_ATOM, KV_ATOM = BLOCK_Q * 64, BLOCK_K * 64  # words of one column atom
@@ -303,13 +312,14 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         hold_o(acc)
 
     @inline_device
-    def overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, r, j, full, FIRST, c, q16, base16, row_w, n_q, n_k, shift,
+    def overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R, j, full, FIRST, c, q16, base16, row_w, n_q, n_k, shift,
                      b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale, aux):
-        """Step r (key tile j) of the overlap schedule: issue S_j and (unless FIRST) the previous step's P·V, then
-        tile j's mods, masks and softmax under the product, O's deferred rescale, and P_j packed for the next."""
-        slot = r % STAGES_
-        prev = (r - 1) % STAGES_
-        wait_phase(smem, K_FULL + 4 * slot, (r // STAGES_) & 1)
+        """Ring step R (key tile j) of the overlap schedule: issue S_j and (unless FIRST, a work item's first step)
+        the previous step's P·V, then tile j's mods, masks and softmax under the product, O's deferred rescale, and
+        P_j packed for the next."""
+        slot = R % STAGES_
+        prev = (R - 1) % STAGES_
+        wait_phase(smem, K_FULL + 4 * slot, (R // STAGES_) & 1)
         if PINGPONG:
             if c == 0:
                 turn_sync0()
@@ -317,7 +327,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
                 turn_sync1()
         product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
         if not FIRST:
-            wait_phase(smem, V_FULL + 4 * prev, ((r - 1) // STAGES_) & 1)
+            wait_phase(smem, V_FULL + 4 * prev, ((R - 1) // STAGES_) & 1)
             issue_o(smem, acc, a_p, base16 + ((SV + prev * KV_WORDS) >> 3))
         if PINGPONG:
             if c == 0:
@@ -345,36 +355,74 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         pack_p(a_p, s)
 
     @inline_device
-    def producer(smem, maps, b, h, h_kv, q0, q_tile, j_first, n_iter, aux):
-        """One thread loads Q, then K_j and V_j of each step into the ring, a slot refilled once released."""
+    def load_kv(smem, maps, R, j, h_kv, b):
+        """Ring step R (over the block's whole walk): K_j and V_j into slot R % STAGES, each once its previous
+        tile (step R - STAGES) is released."""
+        slot = R % STAGES_
+        if R >= STAGES_:  # the consumers released this slot's previous K
+            wait_phase(smem, K_EMPTY + 4 * slot, (R // STAGES_ - 1) & 1)
+        expect_tx(smem, K_FULL + 4 * slot, KV_BYTES)
+        for a in range(ATOMS):
+            load(smem, SK + slot * KV_WORDS + a * KV_ATOM, maps, MAP_K, smem, K_FULL + 4 * slot, a * 64,
+                 j * BLOCK_K, h_kv, b)
+        if R >= STAGES_:  # ... and its previous V
+            wait_phase(smem, V_EMPTY + 4 * slot, (R // STAGES_ - 1) & 1)
+        expect_tx(smem, V_FULL + 4 * slot, KV_BYTES)
+        for a in range(ATOMS):
+            load(smem, SV + slot * KV_WORDS + a * KV_ATOM, maps, MAP_V, smem, V_FULL + 4 * slot, a * 64,
+                 j * BLOCK_K, h_kv, b)
+
+    @inline_device
+    def work(w, n_bh, q_tiles):
+        """(q_tile, bh) of the block's work item w: persistent, item w of the heaviest-first order (the last query
+        tiles of every head first); else the block's own tile, from the grid."""
+        if PERSISTENT:
+            qi = w // n_bh
+            return q_tiles - 1 - qi, w - qi * n_bh
+        if GRID_BH_X:
+            return cuda.gridDim.y - 1 - cuda.blockIdx.y, cuda.blockIdx.x
+        return cuda.gridDim.x - 1 - cuda.blockIdx.x, cuda.blockIdx.y
+
+    @inline_device
+    def producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, w0, w_stop, w_step, n_bh, q_tiles):
+        """One thread loads, for each work item, Q, then K_j and V_j of each step into the ring, a slot refilled
+        once released. Persistent: the next item's first STAGES steps go out before its Q, which waits for the
+        consumers to release the Q tile (O's store reads it)."""
         if SETMAXNREG:
             regs_down()
         if cuda.threadIdx.x == 0:
             tma.prefetch_tensormap(maps, MAP_K)
             tma.prefetch_tensormap(maps, MAP_V)
-            expect_tx(smem, Q_FULL, Q_BYTES)
-            for a in range(ATOMS):
-                load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
-            for r in range(n_iter):
-                j, _ = key_tile(r, j_first, b, h, q_tile, aux)
-                slot = r % STAGES_
-                if r >= STAGES_:  # the consumers released this slot's previous K
-                    wait_phase(smem, K_EMPTY + 4 * slot, (r // STAGES_ - 1) & 1)
-                expect_tx(smem, K_FULL + 4 * slot, KV_BYTES)
+            R0 = int32(0)  # ring steps of the items before
+            i = int32(0)  # items before
+            for w in range(w0, w_stop, w_step):
+                q_tile, bh = work(w, n_bh, q_tiles)
+                b = bh // n_heads
+                h = bh - b * n_heads
+                h_kv = h // group
+                q0 = q_tile * BLOCK_Q
+                j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, n_k - n_q, left, right, aux)
+                pre = int32(0)
+                if PERSISTENT and i > 0:
+                    pre = min(n_iter, int32(STAGES_))
+                    for r in range(pre):
+                        j, _ = key_tile(r, j_first, b, h, q_tile, aux)
+                        load_kv(smem, maps, R0 + r, j, h_kv, b)
+                    wait_phase(smem, Q_EMPTY, (i - 1) & 1)
+                expect_tx(smem, Q_FULL, Q_BYTES)
                 for a in range(ATOMS):
-                    load(smem, SK + slot * KV_WORDS + a * KV_ATOM, maps, MAP_K, smem, K_FULL + 4 * slot, a * 64,
-                         j * BLOCK_K, h_kv, b)
-                if r >= STAGES_:  # ... and its previous V
-                    wait_phase(smem, V_EMPTY + 4 * slot, (r // STAGES_ - 1) & 1)
-                expect_tx(smem, V_FULL + 4 * slot, KV_BYTES)
-                for a in range(ATOMS):
-                    load(smem, SV + slot * KV_WORDS + a * KV_ATOM, maps, MAP_V, smem, V_FULL + 4 * slot, a * 64,
-                         j * BLOCK_K, h_kv, b)
+                    load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
+                for r in range(pre, n_iter):
+                    j, _ = key_tile(r, j_first, b, h, q_tile, aux)
+                    load_kv(smem, maps, R0 + r, j, h_kv, b)
+                R0 += n_iter
+                i += 1
 
     @inline_device
-    def consumer(smem, maps, out, lse, b, h, q0, q_tile, j_first, n_iter, n_q, n_k, d, shift, scale_log2, left,
-                 right, cap_a, cap_b, alibi, inv_scale, aux):
-        """Warpgroup c = wg - 1: query rows q0 + 64c .., the products, the softmax and O's store."""
+    def consumer(smem, maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
+                 inv_scale, aux, w0, w_stop, w_step, n_bh, q_tiles):
+        """Warpgroup c = wg - 1: for each work item, query rows q0 + 64c .., the products, the softmax and O's
+        store; persistent: then it releases the Q tile."""
         if SETMAXNREG:
             regs_up()
         warp = cuda.threadIdx.x >> 5
@@ -383,135 +431,147 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         warp_c = warp - 4
         g = lane >> 2
         t = lane & 3
-        row_w = q0 + 16 * warp_c  # this warp's first query row
         base16 = int64(ptx.shared_base(smem) >> 4)  # descriptors are 64-bit (the simulator's arithmetic too)
         q16 = base16 + (2 * SQ >> 4) + c * WG_ROWS16
-        slope = ZERO
-        if ALIBI:
-            slope = head_slope(alibi, b, h, inv_scale)
+        shift = n_k - n_q
         scale = ZERO
         if USER:  # a score mod sees the scaled logit scale·s
             scale = float32(1.0) / inv_scale
-
         s = cuda.local.array((S_TILES, 4), float32)
         acc = cuda.local.array((O_TILES, 4), float32)
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
-        for dt in range(O_TILES):
-            for r in range(4):
-                acc[dt, r] = ZERO
-        for r in range(2):
-            m_i[r] = NEG_INF
-            l_i[r] = ZERO
         if PINGPONG and c == 0:  # consumer 0 goes first: its own arrival opens its first turn
             turn_arrive0()
 
-        wait_phase(smem, Q_FULL, 0)
-        if OVERLAP:
-            # S_j is issued with the previous step's P·V behind it; S_j retires first (groups retire in order), so
-            # tile j's mask and softmax run under that product, and O's rescale waits for it. The first step is
-            # peeled (FIRST a constant): no branch around a product in flight, whose joins would define its registers
-            alpha = cuda.local.array(2, float32)
-            a_p = cuda.local.array((PV_STEPS, 4), uint32)
-            if n_iter > 0:
-                j, full = key_tile(0, j_first, b, h, q_tile, aux)
-                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, 0, j, full, True, c, q16, base16, row_w, n_q, n_k,
-                             shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale,
-                             aux)
-            for r in range(1, n_iter):
-                j, full = key_tile(r, j_first, b, h, q_tile, aux)
-                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, r, j, full, False, c, q16, base16, row_w, n_q, n_k,
-                             shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale,
-                             aux)
-            if n_iter > 0:
-                last = (n_iter - 1) % STAGES_
-                wait_phase(smem, V_FULL + 4 * last, ((n_iter - 1) // STAGES_) & 1)
-                issue_o(smem, acc, a_p, base16 + ((SV + last * KV_WORDS) >> 3))
-                wait0()
-                hold_o(acc)
-                if lane == 0:
-                    arrive(smem, V_EMPTY + 4 * last)
-        else:
-            for r in range(n_iter):
-                j, full = key_tile(r, j_first, b, h, q_tile, aux)
-                slot = r % STAGES_
-                parity = (r // STAGES_) & 1
-                wait_phase(smem, K_FULL + 4 * slot, parity)
-                if PINGPONG:
-                    if c == 0:
-                        turn_sync0()
-                    else:
-                        turn_sync1()
-                product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
-                if PINGPONG:
-                    if c == 0:
-                        turn_arrive1()
-                    else:
-                        turn_arrive0()
-                wait0()
-                hold_s(s)
-                if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
-                    arrive(smem, K_EMPTY + 4 * slot)
-                scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale,
-                       inv_scale, aux)
-                m_nw = cuda.local.array(2, float32)
-                softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
-                wait_phase(smem, V_FULL + 4 * slot, parity)
-                product_o(smem, acc, s, base16 + ((SV + slot * KV_WORDS) >> 3))
-                if lane == 0:
-                    arrive(smem, V_EMPTY + 4 * slot)
+        R0 = int32(0)  # ring steps of the items before (the producer's count)
+        i = int32(0)
+        for w in range(w0, w_stop, w_step):
+            q_tile, bh = work(w, n_bh, q_tiles)
+            b = bh // n_heads
+            h = bh - b * n_heads
+            q0 = q_tile * BLOCK_Q
+            row_w = q0 + 16 * warp_c  # this warp's first query row
+            j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, shift, left, right, aux)
+            slope = ZERO
+            if ALIBI:
+                slope = head_slope(alibi, b, h, inv_scale)
+            for dt in range(O_TILES):
+                for r in range(4):
+                    acc[dt, r] = ZERO
+            for r in range(2):
+                m_i[r] = NEG_INF
+                l_i[r] = ZERO
 
-        for mr in range(2):
-            l_row = quad_row_sum(l_i, mr)
-            row = row_w + 8 * mr + g
-            inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
-            if row < n_q and t == 0:
-                lse[b, h, row] = row_lse(m_i[mr], l_row) if l_row != ZERO else NEG_INF
-            if TMA_STORE:  # into this warpgroup's rows of the Q tile (its last Q·Kᵀ has retired)
-                r_wg = 16 * (warp_c & 3) + 8 * mr + g
-                for dt in range(O_TILES):
-                    bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
-                    word = SQ + c * 64 * 64 + atom_offset(r_wg, dt, BLOCK_Q) + 2 * t
-                    ptx.st_shared_b32(smem, word, bits)
+            wait_phase(smem, Q_FULL, i & 1)
+            if OVERLAP:
+                # S_j is issued with the previous step's P·V behind it; S_j retires first (groups retire in order),
+                # so tile j's mask and softmax run under that product, and O's rescale waits for it. The first step
+                # is peeled (FIRST a constant): no branch around a product in flight, whose joins would define its
+                # registers
+                alpha = cuda.local.array(2, float32)
+                a_p = cuda.local.array((PV_STEPS, 4), uint32)
+                if n_iter > 0:
+                    j, full = key_tile(0, j_first, b, h, q_tile, aux)
+                    overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0, j, full, True, c, q16, base16, row_w, n_q,
+                                 n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale,
+                                 inv_scale, aux)
+                for r in range(1, n_iter):
+                    j, full = key_tile(r, j_first, b, h, q_tile, aux)
+                    overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0 + r, j, full, False, c, q16, base16, row_w,
+                                 n_q, n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope,
+                                 scale, inv_scale, aux)
+                if n_iter > 0:
+                    last = R0 + n_iter - 1
+                    wait_phase(smem, V_FULL + 4 * (last % STAGES_), (last // STAGES_) & 1)
+                    issue_o(smem, acc, a_p, base16 + ((SV + (last % STAGES_) * KV_WORDS) >> 3))
+                    wait0()
+                    hold_o(acc)
+                    if lane == 0:
+                        arrive(smem, V_EMPTY + 4 * (last % STAGES_))
             else:
-                if row < n_q:
+                for r in range(n_iter):
+                    j, full = key_tile(r, j_first, b, h, q_tile, aux)
+                    slot = (R0 + r) % STAGES_
+                    parity = ((R0 + r) // STAGES_) & 1
+                    wait_phase(smem, K_FULL + 4 * slot, parity)
+                    if PINGPONG:
+                        if c == 0:
+                            turn_sync0()
+                        else:
+                            turn_sync1()
+                    product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
+                    if PINGPONG:
+                        if c == 0:
+                            turn_arrive1()
+                        else:
+                            turn_arrive0()
+                    wait0()
+                    hold_s(s)
+                    if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
+                        arrive(smem, K_EMPTY + 4 * slot)
+                    scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale,
+                           inv_scale, aux)
+                    m_nw = cuda.local.array(2, float32)
+                    softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
+                    wait_phase(smem, V_FULL + 4 * slot, parity)
+                    product_o(smem, acc, s, base16 + ((SV + slot * KV_WORDS) >> 3))
+                    if lane == 0:
+                        arrive(smem, V_EMPTY + 4 * slot)
+
+            for mr in range(2):
+                l_row = quad_row_sum(l_i, mr)
+                row = row_w + 8 * mr + g
+                inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
+                if row < n_q and t == 0:
+                    lse[b, h, row] = row_lse(m_i[mr], l_row) if l_row != ZERO else NEG_INF
+                if TMA_STORE:  # into this warpgroup's rows of the Q tile (its last Q·Kᵀ has retired)
+                    r_wg = 16 * (warp_c & 3) + 8 * mr + g
                     for dt in range(O_TILES):
-                        col = dt * 8 + 2 * t
                         bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
-                        if col < d:
-                            out[b, h, row, col] = uint16(bits & 0xFFFF)
-                        if col + 1 < d:
-                            out[b, h, row, col + 1] = uint16(bits >> 16)
-        if TMA_STORE:
-            fence_async()  # the st.shared above, visible to the TMA engine's reads
-            if c == 0:
-                o_ready0()
-            else:
-                o_ready1()
-            if warp_c & 3 == 0 and lane == 0:
-                for a in range(ATOMS):
-                    store(maps, MAP_O, smem, SQ + a * Q_ATOM + c * 64 * 64, a * 64, q0 + 64 * c, h, b)
-                bulk_commit()
-                bulk_wait()
+                        word = SQ + c * 64 * 64 + atom_offset(r_wg, dt, BLOCK_Q) + 2 * t
+                        ptx.st_shared_b32(smem, word, bits)
+                else:
+                    if row < n_q:
+                        for dt in range(O_TILES):
+                            col = dt * 8 + 2 * t
+                            bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
+                            if col < d:
+                                out[b, h, row, col] = uint16(bits & 0xFFFF)
+                            if col + 1 < d:
+                                out[b, h, row, col + 1] = uint16(bits >> 16)
+            if TMA_STORE:
+                fence_async()  # the st.shared above, visible to the TMA engine's reads
+                if c == 0:
+                    o_ready0()
+                else:
+                    o_ready1()
+                if warp_c & 3 == 0 and lane == 0:
+                    for a in range(ATOMS):
+                        store(maps, MAP_O, smem, SQ + a * Q_ATOM + c * 64 * 64, a * 64, q0 + 64 * c, h, b)
+                    bulk_commit()
+                    bulk_wait()  # the store has read the Q tile's rows
+                    if PERSISTENT:
+                        arrive(smem, Q_EMPTY)
+            elif PERSISTENT and lane == 0:  # this warp's products that read Q have retired
+                arrive(smem, Q_EMPTY)
+            R0 += n_iter
+            i += 1
 
     @inline_device
     def ws_body(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
                 inv_scale, aux=()):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)  # atoms: 1024-byte aligned
-        if GRID_BH_X:
-            q_tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
-            bh = cuda.blockIdx.x
-        else:
-            q_tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
-            bh = cuda.blockIdx.y
-        b = bh // n_heads
-        h = bh - b * n_heads
-        q0 = q_tile * BLOCK_Q
-        shift = n_k - n_q
-        j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, shift, left, right, aux)
+        n_bh = out.shape[0] * n_heads
+        q_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
+        w0, w_stop, w_step = 0, 1, 1  # one work item: the block's tile
+        if PERSISTENT:
+            w0, w_stop, w_step = cuda.blockIdx.x, n_bh * q_tiles, cuda.gridDim.x
 
         if cuda.threadIdx.x == 0:
             ptx.mbarrier_init(smem, Q_FULL, 1)
+            if PERSISTENT:
+                ptx.mbarrier_init(smem, Q_EMPTY, CONSUMERS if TMA_STORE else CONSUMER_WARPS)
             for st in range(STAGES_):
                 ptx.mbarrier_init(smem, K_FULL + 4 * st, 1)
                 ptx.mbarrier_init(smem, V_FULL + 4 * st, 1)
@@ -521,10 +581,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         cuda.syncthreads()
 
         if cuda.threadIdx.x < 128:  # warpgroup 0, the producer
-            producer(smem, maps, b, h, h // group, q0, q_tile, j_first, n_iter, aux)
+            producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, w0, w_stop, w_step, n_bh, q_tiles)
         else:
-            consumer(smem, maps, out, lse, b, h, q0, q_tile, j_first, n_iter, n_q, n_k, d, shift, scale_log2, left,
-                     right, cap_a, cap_b, alibi, inv_scale, aux)
+            consumer(smem, maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
+                     inv_scale, aux, w0, w_stop, w_step, n_bh, q_tiles)
 
     return maps_entry(ws_body, globals(), "wgmma_ws_forward", mods.any,
                       user_aux=len(user_aux_types(mods)) if USER else -1)
@@ -559,10 +619,11 @@ def check_arrays(q, k, v, out, lse, tile: Tile):
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mods: Mods = NO_MODS, window=(0, 0),
-           softcap=0.0, alibi=None, aux=()):
+           softcap=0.0, alibi=None, aux=(), n_sm=None):
     """Run the warp-specialised forward on device arrays (B, H, N, d), f16 or bf16 bits as uint16; L float32 (B, H,
     Nq). q, k, v (and out with tma_store) need 16-byte aligned data and byte strides of 16-byte multiples (TMA).
-    mods, window, softcap, alibi, aux: as wgmma_forward.launch's (no varlen here)."""
+    mods, window, softcap, alibi, aux: as wgmma_forward.launch's (no varlen here). n_sm: the GPU's SM count, which
+    a persistent tile's grid takes."""
     check_arrays(q, k, v, out, lse, tile)
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -580,7 +641,13 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
     if tile.has("tma_store"):
         specs.append((words[3], 64))
     maps = device_maps(specs, stream) if ptx.SIMULATOR else maps_view(specs, stream)
-    grid, tile = forward_grid(tile, B * H, (n_q + tile.block_q - 1) // tile.block_q)
+    q_tiles = (n_q + tile.block_q - 1) // tile.block_q
+    if tile.has("persistent"):  # one block per SM (or per work item, if fewer) walks the work items
+        if not n_sm or n_sm < 1:
+            raise ValueError(f"wgmma_ws forward: a persistent tile needs n_sm (the GPU's SM count), got {n_sm!r}")
+        grid = (min(B * H * q_tiles, int(n_sm)),)
+    else:
+        grid, tile = forward_grid(tile, B * H, q_tiles)
     args = (maps, words[3], lse, H, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
         args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux)

@@ -1,6 +1,8 @@
 """The warp-specialised TMA forward (numba_flash.kernels.wgmma_ws_forward) and its intrinsics (ptx/tma.py): the twins
 in the CUDA simulator, the sm_90a build through ptxas, GPU runs of tiles beyond the shipped ones (marked variant),
 and the dispatch of sm_90's plain forward to configs.MMA_WGMMA_WS's tiles."""
+import functools
+import importlib
 import math
 import sys
 from pathlib import Path
@@ -20,9 +22,11 @@ from gpu_helpers import needs_gpu  # noqa: E402
 from test_ptx import NO_GPU_PATCH, in_simulator, run_compile_child  # noqa: E402
 
 
-def run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=0, pad_to=None):
-    """wgmma_ws_forward.launch through test_mma_forward.run_forward (GPU or simulator): (O, L, O_ref, L_ref)."""
-    return run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=seed, pad_to=pad_to, tile=tile, launch=ws.launch)
+def run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=0, pad_to=None, n_sm=None):
+    """wgmma_ws_forward.launch through test_mma_forward.run_forward (GPU or simulator): (O, L, O_ref, L_ref);
+    n_sm: the SM count a persistent tile's grid takes."""
+    launch = functools.partial(ws.launch, n_sm=n_sm) if n_sm else ws.launch
+    return run_forward(B, H, Hkv, n_q, n_k, d, causal, dtype, seed=seed, pad_to=pad_to, tile=tile, launch=launch)
 
 
 def swizzled(tile_words):
@@ -159,6 +163,31 @@ def test_ws_forward_two_consumers_every_flag_sim():
                                                          "overlap"})
     r = run_ws(1, 2, 1, 100, 56, 40, True, "bfloat16", tile, seed=2)
     assert_close(*r, "bfloat16")
+
+
+@in_simulator
+def test_ws_forward_persistent_sim():
+    """persistent: two blocks walk six work items (3 causal Q tiles x 2 heads, GQA), so the ring's steps, its
+    parities and the Q tile's full / empty barriers carry across items; every flag, the TMA store of O through
+    the Q tile the next item's Q load then overwrites."""
+    tile = Tile(128, 16, 64, warps=12, stages=2, flags={"pingpong", "setmaxnreg", "tma_store", "overlap",
+                                                         "persistent"})
+    r = run_ws(1, 2, 1, 300, 70, 64, True, "float16", tile, seed=3, n_sm=2)
+    assert_close(*r, "float16")
+
+
+@in_simulator
+def test_ws_forward_persistent_plain_sim():
+    """persistent without overlap or the TMA store (each consumer warp releases the Q tile), 3 slots, five work
+    items over four blocks (one walks two), not causal, bf16."""
+    tile = Tile(128, 32, 64, warps=12, stages=3, flags={"setmaxnreg", "persistent"})
+    r = run_ws(1, 5, 5, 100, 90, 64, False, "bfloat16", tile, seed=4, n_sm=4)
+    assert_close(*r, "bfloat16")
+
+
+def test_persistent_tile_needs_the_sm_count_and_no_grid_order():
+    tile = Tile(128, 16, 64, warps=12, stages=2, flags={"persistent", "grid_bh_x"})
+    assert any("grid_bh_x" in p for p in ws.problems(tile, "float16"))
 
 
 @in_simulator
@@ -435,7 +464,7 @@ def test_ws_blockers_name_each_reason():
 def test_forward_routes_plain_calls_to_ws_sim(monkeypatch, rng):
     """With the ws forward available (patched on in the simulator, where auto leaves it off), forward runs a plain
     call on MMA_WGMMA_WS's tile (here a small one), explain says so, and the result matches float64; a softcap call
-    of the same shape runs the wgmma forward and explain says why."""
+    runs there too (explain names the mod)."""
     import numba_flash
     from numba_flash import api
     from reference import standard_attention
@@ -455,12 +484,14 @@ def test_forward_routes_plain_calls_to_ws_sim(monkeypatch, rng):
     assert err <= 2 * naive_err + 1e-3, (err, naive_err)
     np.testing.assert_allclose(lse, lse_ref, atol=1e-4)
     capped = numba_flash.explain(q, k, v, softcap=30.0)
-    assert "not the warp-specialised TMA forward: mods (softcap 30)" in capped, capped
+    assert "warp-specialised" in capped and "mods: softcap 30" in capped, capped
 
 
 SMALL_WS = {"overlap": Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap",
                                                                         "tma_store"}),
-            "plain": Tile(128, 16, 64, warps=12, stages=3, flags={"ws", "grid_bh_x"})}
+            "plain": Tile(128, 16, 64, warps=12, stages=3, flags={"ws", "grid_bh_x"}),
+            "persistent": Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap",
+                                                                       "tma_store", "persistent"})}
 
 
 def _ws_mods_case(which, rng, d=64, n_q=70, n_k=91, H=2, Hkv=1):
@@ -499,7 +530,8 @@ def _ws_mods_case(which, rng, d=64, n_q=70, n_k=91, H=2, Hkv=1):
 
 @in_simulator
 @pytest.mark.parametrize("which,tile", [("builtins", "overlap"), ("causal-window", "plain"), ("user", "overlap"),
-                                        ("block_mask", "plain")])
+                                        ("block_mask", "plain"), ("causal-window", "persistent"),
+                                        ("block_mask", "persistent")])
 def test_ws_forward_mods_sim(which, tile, monkeypatch, rng):
     """The masks and mods in the warp-specialised forward (patched on in the simulator, small tiles): a two-sided
     window with softcap and per-batch ALiBi, causal with a window and Nq > Nk (rows that see no key), user
@@ -510,6 +542,8 @@ def test_ws_forward_mods_sim(which, tile, monkeypatch, rng):
 
     monkeypatch.setattr(api, "_ws_here", lambda: True)
     monkeypatch.setattr(api, "MMA_WGMMA_WS", {(64, False): SMALL_WS[tile], (64, True): SMALL_WS[tile]})
+    decode_module = importlib.import_module("numba_flash.decode")  # (numba_flash.decode is the function)
+    monkeypatch.setattr(decode_module, "_sm_count", lambda device=None: 1)  # persistent: one block walks all
     q, k, v, kw, ref_kw, causal = _ws_mods_case(which, rng)
     text = numba_flash.explain(q, k, v, causal=causal, **kw)
     assert "warp-specialised" in text and "128x16 tiles" in text, text
