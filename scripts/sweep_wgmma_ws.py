@@ -12,7 +12,8 @@ O_fp64| of each kernel and of the naive same-dtype attention (P rounded to the d
 shows the flash-attn rule (ours <= 2 x naive + small) directly. Writes $OUT/sweep_wgmma_ws.json when $OUT is set.
 
 Variant names: "ws BQxBK sN" + flags: "nreg" setmaxnreg, "pp" pingpong, "ovl" overlap, "tst" the TMA store of O,
-"grid" grid_bh_x.
+"grid" grid_bh_x, "pers" persistent (one block per SM walking the work items; causal shapes order them heaviest
+first themselves, so they take no grid_bh_x).
 """
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ from numba_flash.kernels import wgmma_forward, wgmma_ws_forward as ws  # noqa: E
 from numba_flash.ptx import WGMMA_ALIGN  # noqa: E402
 from numba_flash.tiles import Tile  # noqa: E402
 
-WORDS = {"nreg": "setmaxnreg", "pp": "pingpong", "tst": "tma_store", "grid": "grid_bh_x", "ovl": "overlap"}
+WORDS = {"nreg": "setmaxnreg", "pp": "pingpong", "tst": "tma_store", "grid": "grid_bh_x", "ovl": "overlap",
+         "pers": "persistent"}
 HEADS_CHECKED = 2
+N_SM = None  # main sets it: the GPU's SM count (a persistent tile's grid)
 
 
 def wst(hd, bk, stages=2, flags=""):
@@ -49,14 +52,16 @@ def name_of(t: Tile) -> str:
 
 # per head dim, in priority order (the first few are the most likely to win: a deadline skips the tail)
 VARIANTS = {
-    64: [wst(64, 192, 2, "nreg+pp+ovl+tst"), wst(64, 128, 2, "nreg+pp+ovl+tst"), wst(64, 192, 2, "nreg+pp+ovl"),
+    64: [wst(64, 192, 2, "nreg+pp+ovl+tst"), wst(64, 192, 2, "nreg+pp+ovl+tst+pers"), wst(64, 128, 2, "nreg+pp+ovl+tst"), wst(64, 192, 2, "nreg+pp+ovl"),
          wst(64, 128, 2, "nreg+pp+ovl"), wst(64, 128, 2), wst(64, 128, 3, "nreg+pp+ovl+tst")],
-    128: [wst(128, 128, 2, "nreg+pp+ovl+tst"), wst(128, 176, 2, "nreg+pp+ovl+tst"), wst(128, 128, 2, "nreg+pp+ovl"),
+    128: [wst(128, 128, 2, "nreg+pp+ovl+tst"), wst(128, 128, 2, "nreg+pp+ovl+tst+pers"), wst(128, 176, 2, "nreg+pp+ovl+tst"), wst(128, 128, 2, "nreg+pp+ovl"),
           wst(128, 128, 2), wst(128, 128, 2, "nreg"), wst(128, 128, 2, "nreg+pp"), wst(128, 128, 2, "nreg+ovl"),
           wst(128, 176, 2, "nreg+pp+ovl"), wst(128, 128, 3, "nreg+pp+ovl")],
-    192: [wst(192, 112, 2, "nreg+pp+ovl+tst"), wst(192, 96, 2, "nreg+pp+ovl+tst"), wst(192, 80, 2, "nreg+pp+ovl+tst"),
+    192: [wst(192, 112, 2, "nreg+pp+ovl+tst"), wst(192, 96, 2, "nreg+pp+ovl+tst"),
+          wst(192, 112, 2, "nreg+pp+ovl+tst+pers"), wst(192, 96, 2, "nreg+pp+ovl+tst+pers"), wst(192, 80, 2, "nreg+pp+ovl+tst"),
           wst(192, 112, 2, "nreg+pp+ovl")],
     256: [wst(256, 80, 2, "nreg+pp+ovl+tst"), wst(256, 64, 2, "nreg+pp+ovl+tst"), wst(256, 80, 2, "nreg+pp+ovl"),
+          wst(256, 80, 2, "nreg+pp+ovl+pers"), wst(256, 64, 2, "nreg+pp+ovl+tst+pers"),
           wst(256, 64, 2, "nreg"), wst(256, 64, 2, "nreg+pp"), wst(256, 80, 2, "nreg+pp")],
 }
 VARIANTS[96] = VARIANTS[128]  # d 96 runs the 128-column tiles (TMA zero-fills the missing columns)
@@ -89,7 +94,7 @@ BF16_VARIANTS = 3  # bf16 shapes time only the first few (the fp16 rows rank the
 def variants_for(d, causal, dtype="float16"):
     """The ws variants of a shape (causal ones add grid_bh_x, as the shipped causal tiles do)."""
     tiles = VARIANTS[padded(d)][:BF16_VARIANTS] if dtype == "bfloat16" else VARIANTS[padded(d)]
-    return [t.with_(flags=t.flags | {"grid_bh_x"}) if causal else t for t in tiles]
+    return [t.with_(flags=t.flags | {"grid_bh_x"}) if causal and not t.has("persistent") else t for t in tiles]
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +199,8 @@ CHECK_CASES = [  # (B, H, Hkv, n_q, n_k, d, causal, dtype, tile)
     (1, 2, 1, 300, 517, 128, True, "float16", wst(128, 128, 2, "nreg+pp+ovl+grid")),
     (1, 2, 2, 300, 300, 64, False, "bfloat16", wst(64, 128, 3, "nreg+pp+ovl+tst")),
     (1, 2, 1, 129, 300, 256, True, "float16", wst(256, 80, 2, "nreg+pp+ovl")),
+    (2, 4, 2, 517, 300, 128, True, "bfloat16", wst(128, 128, 2, "nreg+pp+ovl+tst+pers")),
+    (1, 3, 1, 300, 517, 64, False, "float16", wst(64, 192, 2, "nreg+pp+ovl+tst+pers")),
 ]
 
 
@@ -208,7 +215,7 @@ def check():
         lse = cuda.to_device(np.zeros((B, H, n_q), np.float32))
         t0 = time.time()
         try:
-            ws.launch(*(cuda.to_device(w) for w in words), out, lse, tile, causal=causal, softmax_scale=scale)
+            ws.launch(*(cuda.to_device(w) for w in words), out, lse, tile, causal=causal, softmax_scale=scale, n_sm=N_SM)
             cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             print(f"kernel {tile} d{d} causal={causal} {dtype}: FAILED {e!r}", flush=True)
@@ -367,7 +374,7 @@ def sweep(args):
         for t in variants_for(d, causal, dtype):
             if args.variants and not re.search(args.variants, name_of(t)):
                 continue
-            record(name_of(t), lambda t=t: ws.launch(*views, t, causal=causal, softmax_scale=scale), str(t),
+            record(name_of(t), lambda t=t: ws.launch(*views, t, causal=causal, softmax_scale=scale, n_sm=N_SM), str(t),
                    lambda t=t: ws.build(t, causal, dtype))
         del q, k, v, out, lse, views
         torch.cuda.empty_cache()
@@ -401,6 +408,8 @@ def main(argv=None):
     ap.add_argument("--precompile-jobs", type=int, default=0,
                     help="compile every selected build first in this many processes (into the on-disk kernel cache)")
     args = ap.parse_args(argv)
+    global N_SM
+    N_SM = cuda.get_current_device().MULTIPROCESSOR_COUNT
     if args.check:
         if args.precompile_jobs:
             precompile(sorted({(t, c, dt) for *_, c, dt, t in CHECK_CASES}, key=str), args.precompile_jobs)
