@@ -360,6 +360,9 @@ GPU_TILES = [  # (d, tile): each flag on and off, one and two consumers, every h
     (192, Tile(128, 96, 192, warps=12, stages=2, flags={"setmaxnreg"})),
     (256, Tile(128, 64, 256, warps=12, stages=2, flags={"setmaxnreg"})),
     (256, Tile(128, 80, 256, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "overlap", "tma_store"})),
+    (128, Tile(128, 128, 128, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "overlap", "tma_store",
+                                                          "persistent"})),
+    (64, Tile(128, 192, 64, warps=12, stages=2, flags={"setmaxnreg", "pingpong", "overlap", "persistent"})),
 ]
 
 
@@ -374,7 +377,8 @@ def test_gpu_ws_forward_matches_float64(shape, d, tile, causal, dtype):
     if not ptx.current_wgmma():
         pytest.skip("TMA + wgmma need an sm_90 GPU")
     B, H, Hkv, n_q, n_k = shape
-    r = run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=n_q + d, pad_to=-(-d // 8) * 8 if d % 8 else None)
+    r = run_ws(B, H, Hkv, n_q, n_k, d, causal, dtype, tile, seed=n_q + d, pad_to=-(-d // 8) * 8 if d % 8 else None,
+               n_sm=3)  # persistent: 3 blocks walk every work item
     assert_close(*r, dtype)
 
 
