@@ -429,22 +429,27 @@ def test_shipped_ws_tiles_build():
             assert ws.problems(tile, dtype) == [], (tile, dtype)
 
 
-def test_ws_tile_refuses_what_it_cannot_run():
-    """launch_mma_forward with a ws tile and a mod, varlen or ALiBi: an error, never a silently dropped argument."""
+def test_ws_tile_refuses_what_it_cannot_run(rng):
+    """launch_mma_forward with a ws tile and varlen, or the ws launch with ALiBi slopes or aux arrays but no mods
+    that read them: an error, never a silently dropped argument."""
     from numba_flash.api import launch_mma_forward
-    from numba_flash.blocks.mods import Mods
     from numba_flash.configs import MMA_WGMMA_WS
 
     tile = MMA_WGMMA_WS[128, False]
-    for kw in ({"mods": Mods(softcap=True), "softcap": 30.0}, {"varlen": (None, None, 8, 8)}, {"alibi": object()},
-               {"aux": (object(),)}):
-        with pytest.raises(ValueError, match="dense or causal attention only"):
-            launch_mma_forward(None, None, None, None, None, tile, causal=False, softmax_scale=0.1, **kw)
+    with pytest.raises(ValueError, match="no varlen build"):
+        launch_mma_forward(None, None, None, None, None, tile, causal=False, softmax_scale=0.1,
+                           varlen=(None, None, 8, 8))
+    q = np.zeros((1, 1, 8, 128), np.float16)
+    lse = np.zeros((1, 1, 8), np.float32)
+    for kw in ({"alibi": np.zeros((1, 1), np.float32)}, {"aux": (np.zeros(3, np.int32),)}):
+        with pytest.raises(ValueError, match="without the mods that read them"):
+            ws.launch(q, q, q, q.copy(), lse, tile, causal=False, softmax_scale=0.1, **kw)
 
 
 def test_ws_blockers_name_each_reason():
-    """ws_blockers: a plain call has none; mods, Nk = 0, O rows that are not 16-byte multiples and a broadcast
-    (zero-stride) view each give their reason, so auto keeps such a call on the wgmma forward."""
+    """ws_blockers: a plain call and a call with mods have none; varlen, Nk = 0, O rows that are not 16-byte
+    multiples and a broadcast (zero-stride) view each give their reason, so auto keeps such a call on the wgmma
+    forward."""
     from numba_flash.api import Problem, ws_blockers
 
     def problem(**kw):
@@ -456,7 +461,8 @@ def test_ws_blockers_name_each_reason():
         return Problem(**base)
 
     assert ws_blockers(problem()) == []
-    assert "mods (softcap" in " ".join(ws_blockers(problem(softcap=30.0)))
+    assert ws_blockers(problem(softcap=30.0, window_size=(20, 3))) == []
+    assert "varlen" in " ".join(ws_blockers(problem(varlen=True)))
     assert "Nk = 0" in " ".join(ws_blockers(problem(n_k=0)))
     assert "O rows of 100 x 2 B" in " ".join(ws_blockers(problem(d=100)))
     broadcast = np.lib.stride_tricks.as_strided(np.zeros((1, 1, 50, 64), np.float16), (1, 2, 50, 64), (0, 0, 128, 2))
@@ -535,7 +541,7 @@ def _ws_mods_case(which, rng, d=64, n_q=70, n_k=91, H=2, Hkv=1):
 @in_simulator
 @pytest.mark.parametrize("which,tile", [("builtins", "overlap"), ("causal-window", "plain"), ("user", "overlap"),
                                         ("block_mask", "plain"), ("causal-window", "persistent"),
-                                        ("block_mask", "persistent")])
+                                        pytest.param("block_mask", "persistent", marks=pytest.mark.heavy)])
 def test_ws_forward_mods_sim(which, tile, monkeypatch, rng):
     """The masks and mods in the warp-specialised forward (patched on in the simulator, small tiles): a two-sided
     window with softcap and per-batch ALiBi, causal with a window and Nq > Nk (rows that see no key), user
