@@ -384,45 +384,169 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         return cuda.gridDim.x - 1 - cuda.blockIdx.x, cuda.blockIdx.y
 
     @inline_device
-    def producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, w0, w_stop, w_step, n_bh, q_tiles):
-        """One thread loads, for each work item, Q, then K_j and V_j of each step into the ring, a slot refilled
-        once released. Persistent: the next item's first STAGES steps go out before its Q, which waits for the
-        consumers to release the Q tile (O's store reads it)."""
+    def produce_item(smem, maps, w, R0, i, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles):
+        """Work item w (the block's i-th, its ring steps from R0): Q, then K_j and V_j of each step; persistent and
+        not the first item: its first STAGES steps before its Q, which waits for the consumers to release the Q tile
+        (O's store reads it). Returns the item's step count."""
+        q_tile, bh = work(w, n_bh, q_tiles)
+        b = bh // n_heads
+        h = bh - b * n_heads
+        h_kv = h // group
+        q0 = q_tile * BLOCK_Q
+        j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, n_k - n_q, left, right, aux)
+        pre = int32(0)
+        if PERSISTENT and i > 0:
+            pre = min(n_iter, int32(STAGES_))
+            for r in range(pre):
+                j, _ = key_tile(r, j_first, b, h, q_tile, aux)
+                load_kv(smem, maps, R0 + r, j, h_kv, b)
+            wait_phase(smem, Q_EMPTY, (i - 1) & 1)
+        expect_tx(smem, Q_FULL, Q_BYTES)
+        for a in range(ATOMS):
+            load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
+        for r in range(pre, n_iter):
+            j, _ = key_tile(r, j_first, b, h, q_tile, aux)
+            load_kv(smem, maps, R0 + r, j, h_kv, b)
+        return n_iter
+
+    @inline_device
+    def producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles):
+        """One thread of warpgroup 0 loads every work item's tiles into the ring, a slot refilled once released."""
         if SETMAXNREG:
             regs_down()
         if cuda.threadIdx.x == 0:
             tma.prefetch_tensormap(maps, MAP_K)
             tma.prefetch_tensormap(maps, MAP_V)
-            R0 = int32(0)  # ring steps of the items before
-            i = int32(0)  # items before
-            for w in range(w0, w_stop, w_step):
-                q_tile, bh = work(w, n_bh, q_tiles)
-                b = bh // n_heads
-                h = bh - b * n_heads
-                h_kv = h // group
-                q0 = q_tile * BLOCK_Q
-                j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, n_k - n_q, left, right, aux)
-                pre = int32(0)
-                if PERSISTENT and i > 0:
-                    pre = min(n_iter, int32(STAGES_))
-                    for r in range(pre):
-                        j, _ = key_tile(r, j_first, b, h, q_tile, aux)
-                        load_kv(smem, maps, R0 + r, j, h_kv, b)
-                    wait_phase(smem, Q_EMPTY, (i - 1) & 1)
-                expect_tx(smem, Q_FULL, Q_BYTES)
+            if PERSISTENT:
+                R0 = int32(0)  # ring steps of the items before
+                i = int32(0)
+                for w in range(cuda.blockIdx.x, n_bh * q_tiles, cuda.gridDim.x):
+                    R0 += produce_item(smem, maps, w, R0, i, n_heads, n_q, n_k, group, left, right, aux, n_bh,
+                                       q_tiles)
+                    i += 1
+            else:
+                produce_item(smem, maps, 0, 0, 0, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles)
+
+    @inline_device
+    def consume_item(smem, maps, out, lse, w, R0, i, c, warp_c, lane, g, t, base16, q16, s, acc, m_i, l_i, n_heads,
+                     n_q, n_k, d, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale, scale, aux, n_bh, q_tiles):
+        """Work item w (the block's i-th, its ring steps from R0) for warpgroup c: query rows q0 + 64c .., the
+        products, the softmax and O's store; persistent: then it releases the Q tile. Returns the step count."""
+        shift = n_k - n_q
+        q_tile, bh = work(w, n_bh, q_tiles)
+        b = bh // n_heads
+        h = bh - b * n_heads
+        q0 = q_tile * BLOCK_Q
+        row_w = q0 + 16 * warp_c  # this warp's first query row
+        j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, shift, left, right, aux)
+        slope = ZERO
+        if ALIBI:
+            slope = head_slope(alibi, b, h, inv_scale)
+        for dt in range(O_TILES):
+            for r in range(4):
+                acc[dt, r] = ZERO
+        for r in range(2):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+
+        wait_phase(smem, Q_FULL, i & 1)
+        if OVERLAP:
+            # S_j is issued with the previous step's P·V behind it; S_j retires first (groups retire in order),
+            # so tile j's mask and softmax run under that product, and O's rescale waits for it. The first step
+            # is peeled (FIRST a constant): no branch around a product in flight, whose joins would define its
+            # registers
+            alpha = cuda.local.array(2, float32)
+            a_p = cuda.local.array((PV_STEPS, 4), uint32)
+            if n_iter > 0:
+                j, full = key_tile(0, j_first, b, h, q_tile, aux)
+                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0, j, full, True, c, q16, base16, row_w, n_q,
+                             n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale,
+                             inv_scale, aux)
+            for r in range(1, n_iter):
+                j, full = key_tile(r, j_first, b, h, q_tile, aux)
+                overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0 + r, j, full, False, c, q16, base16, row_w,
+                             n_q, n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope,
+                             scale, inv_scale, aux)
+            if n_iter > 0:
+                last = R0 + n_iter - 1
+                wait_phase(smem, V_FULL + 4 * (last % STAGES_), (last // STAGES_) & 1)
+                issue_o(smem, acc, a_p, base16 + ((SV + (last % STAGES_) * KV_WORDS) >> 3))
+                wait0()
+                hold_o(acc)
+                if lane == 0:
+                    arrive(smem, V_EMPTY + 4 * (last % STAGES_))
+        else:
+            for r in range(n_iter):
+                j, full = key_tile(r, j_first, b, h, q_tile, aux)
+                slot = (R0 + r) % STAGES_
+                parity = ((R0 + r) // STAGES_) & 1
+                wait_phase(smem, K_FULL + 4 * slot, parity)
+                if PINGPONG:
+                    if c == 0:
+                        turn_sync0()
+                    else:
+                        turn_sync1()
+                product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
+                if PINGPONG:
+                    if c == 0:
+                        turn_arrive1()
+                    else:
+                        turn_arrive0()
+                wait0()
+                hold_s(s)
+                if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
+                    arrive(smem, K_EMPTY + 4 * slot)
+                scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale,
+                       inv_scale, aux)
+                m_nw = cuda.local.array(2, float32)
+                softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
+                wait_phase(smem, V_FULL + 4 * slot, parity)
+                product_o(smem, acc, s, base16 + ((SV + slot * KV_WORDS) >> 3))
+                if lane == 0:
+                    arrive(smem, V_EMPTY + 4 * slot)
+
+        for mr in range(2):
+            l_row = quad_row_sum(l_i, mr)
+            row = row_w + 8 * mr + g
+            inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
+            if row < n_q and t == 0:
+                lse[b, h, row] = row_lse(m_i[mr], l_row) if l_row != ZERO else NEG_INF
+            if TMA_STORE:  # into this warpgroup's rows of the Q tile (its last Q·Kᵀ has retired)
+                r_wg = 16 * (warp_c & 3) + 8 * mr + g
+                for dt in range(O_TILES):
+                    bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
+                    word = SQ + c * 64 * 64 + atom_offset(r_wg, dt, BLOCK_Q) + 2 * t
+                    ptx.st_shared_b32(smem, word, bits)
+            else:
+                if row < n_q:
+                    for dt in range(O_TILES):
+                        col = dt * 8 + 2 * t
+                        bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
+                        if col < d:
+                            out[b, h, row, col] = uint16(bits & 0xFFFF)
+                        if col + 1 < d:
+                            out[b, h, row, col + 1] = uint16(bits >> 16)
+        if TMA_STORE:
+            fence_async()  # the st.shared above, visible to the TMA engine's reads
+            if c == 0:
+                o_ready0()
+            else:
+                o_ready1()
+            if warp_c & 3 == 0 and lane == 0:
                 for a in range(ATOMS):
-                    load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
-                for r in range(pre, n_iter):
-                    j, _ = key_tile(r, j_first, b, h, q_tile, aux)
-                    load_kv(smem, maps, R0 + r, j, h_kv, b)
-                R0 += n_iter
-                i += 1
+                    store(maps, MAP_O, smem, SQ + a * Q_ATOM + c * 64 * 64, a * 64, q0 + 64 * c, h, b)
+                bulk_commit()
+                bulk_wait()  # the store has read the Q tile's rows
+                if PERSISTENT:
+                    arrive(smem, Q_EMPTY)
+        elif PERSISTENT and lane == 0:  # this warp's products that read Q have retired
+            arrive(smem, Q_EMPTY)
+        return n_iter
 
     @inline_device
     def consumer(smem, maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
-                 inv_scale, aux, w0, w_stop, w_step, n_bh, q_tiles):
-        """Warpgroup c = wg - 1: for each work item, query rows q0 + 64c .., the products, the softmax and O's
-        store; persistent: then it releases the Q tile."""
+                 inv_scale, aux, n_bh, q_tiles):
+        """Warpgroup c = wg - 1: its rows of every work item."""
         if SETMAXNREG:
             regs_up()
         warp = cuda.threadIdx.x >> 5
@@ -433,7 +557,6 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         t = lane & 3
         base16 = int64(ptx.shared_base(smem) >> 4)  # descriptors are 64-bit (the simulator's arithmetic too)
         q16 = base16 + (2 * SQ >> 4) + c * WG_ROWS16
-        shift = n_k - n_q
         scale = ZERO
         if USER:  # a score mod sees the scaled logit scale·s
             scale = float32(1.0) / inv_scale
@@ -444,129 +567,27 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         if PINGPONG and c == 0:  # consumer 0 goes first: its own arrival opens its first turn
             turn_arrive0()
 
-        R0 = int32(0)  # ring steps of the items before (the producer's count)
-        i = int32(0)
-        for w in range(w0, w_stop, w_step):
-            q_tile, bh = work(w, n_bh, q_tiles)
-            b = bh // n_heads
-            h = bh - b * n_heads
-            q0 = q_tile * BLOCK_Q
-            row_w = q0 + 16 * warp_c  # this warp's first query row
-            j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, shift, left, right, aux)
-            slope = ZERO
-            if ALIBI:
-                slope = head_slope(alibi, b, h, inv_scale)
-            for dt in range(O_TILES):
-                for r in range(4):
-                    acc[dt, r] = ZERO
-            for r in range(2):
-                m_i[r] = NEG_INF
-                l_i[r] = ZERO
-
-            wait_phase(smem, Q_FULL, i & 1)
-            if OVERLAP:
-                # S_j is issued with the previous step's P·V behind it; S_j retires first (groups retire in order),
-                # so tile j's mask and softmax run under that product, and O's rescale waits for it. The first step
-                # is peeled (FIRST a constant): no branch around a product in flight, whose joins would define its
-                # registers
-                alpha = cuda.local.array(2, float32)
-                a_p = cuda.local.array((PV_STEPS, 4), uint32)
-                if n_iter > 0:
-                    j, full = key_tile(0, j_first, b, h, q_tile, aux)
-                    overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0, j, full, True, c, q16, base16, row_w, n_q,
-                                 n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale,
-                                 inv_scale, aux)
-                for r in range(1, n_iter):
-                    j, full = key_tile(r, j_first, b, h, q_tile, aux)
-                    overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0 + r, j, full, False, c, q16, base16, row_w,
-                                 n_q, n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope,
-                                 scale, inv_scale, aux)
-                if n_iter > 0:
-                    last = R0 + n_iter - 1
-                    wait_phase(smem, V_FULL + 4 * (last % STAGES_), (last // STAGES_) & 1)
-                    issue_o(smem, acc, a_p, base16 + ((SV + (last % STAGES_) * KV_WORDS) >> 3))
-                    wait0()
-                    hold_o(acc)
-                    if lane == 0:
-                        arrive(smem, V_EMPTY + 4 * (last % STAGES_))
-            else:
-                for r in range(n_iter):
-                    j, full = key_tile(r, j_first, b, h, q_tile, aux)
-                    slot = (R0 + r) % STAGES_
-                    parity = ((R0 + r) // STAGES_) & 1
-                    wait_phase(smem, K_FULL + 4 * slot, parity)
-                    if PINGPONG:
-                        if c == 0:
-                            turn_sync0()
-                        else:
-                            turn_sync1()
-                    product_s(smem, s, q16, base16 + ((SK + slot * KV_WORDS) >> 3))
-                    if PINGPONG:
-                        if c == 0:
-                            turn_arrive1()
-                        else:
-                            turn_arrive0()
-                    wait0()
-                    hold_s(s)
-                    if lane == 0:  # this warp's Q·K_jᵀ retired: one of CONSUMER_WARPS arrivals
-                        arrive(smem, K_EMPTY + 4 * slot)
-                    scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale,
-                           inv_scale, aux)
-                    m_nw = cuda.local.array(2, float32)
-                    softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
-                    wait_phase(smem, V_FULL + 4 * slot, parity)
-                    product_o(smem, acc, s, base16 + ((SV + slot * KV_WORDS) >> 3))
-                    if lane == 0:
-                        arrive(smem, V_EMPTY + 4 * slot)
-
-            for mr in range(2):
-                l_row = quad_row_sum(l_i, mr)
-                row = row_w + 8 * mr + g
-                inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
-                if row < n_q and t == 0:
-                    lse[b, h, row] = row_lse(m_i[mr], l_row) if l_row != ZERO else NEG_INF
-                if TMA_STORE:  # into this warpgroup's rows of the Q tile (its last Q·Kᵀ has retired)
-                    r_wg = 16 * (warp_c & 3) + 8 * mr + g
-                    for dt in range(O_TILES):
-                        bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
-                        word = SQ + c * 64 * 64 + atom_offset(r_wg, dt, BLOCK_Q) + 2 * t
-                        ptx.st_shared_b32(smem, word, bits)
-                else:
-                    if row < n_q:
-                        for dt in range(O_TILES):
-                            col = dt * 8 + 2 * t
-                            bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
-                            if col < d:
-                                out[b, h, row, col] = uint16(bits & 0xFFFF)
-                            if col + 1 < d:
-                                out[b, h, row, col + 1] = uint16(bits >> 16)
-            if TMA_STORE:
-                fence_async()  # the st.shared above, visible to the TMA engine's reads
-                if c == 0:
-                    o_ready0()
-                else:
-                    o_ready1()
-                if warp_c & 3 == 0 and lane == 0:
-                    for a in range(ATOMS):
-                        store(maps, MAP_O, smem, SQ + a * Q_ATOM + c * 64 * 64, a * 64, q0 + 64 * c, h, b)
-                    bulk_commit()
-                    bulk_wait()  # the store has read the Q tile's rows
-                    if PERSISTENT:
-                        arrive(smem, Q_EMPTY)
-            elif PERSISTENT and lane == 0:  # this warp's products that read Q have retired
-                arrive(smem, Q_EMPTY)
-            R0 += n_iter
-            i += 1
+        if PERSISTENT:
+            R0 = int32(0)  # ring steps of the items before (the producer's count)
+            i = int32(0)
+            for w in range(cuda.blockIdx.x, n_bh * q_tiles, cuda.gridDim.x):
+                R0 += consume_item(smem, maps, out, lse, w, R0, i, c, warp_c, lane, g, t, base16, q16, s, acc, m_i,
+                                   l_i, n_heads, n_q, n_k, d, scale_log2, left, right, cap_a, cap_b, alibi,
+                                   inv_scale, scale, aux, n_bh, q_tiles)
+                i += 1
+        else:
+            consume_item(smem, maps, out, lse, 0, 0, 0, c, warp_c, lane, g, t, base16, q16, s, acc, m_i, l_i,
+                         n_heads, n_q, n_k, d, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale, scale, aux,
+                         n_bh, q_tiles)
 
     @inline_device
     def ws_body(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
                 inv_scale, aux=()):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)  # atoms: 1024-byte aligned
-        n_bh = out.shape[0] * n_heads
-        q_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
-        w0, w_stop, w_step = 0, 1, 1  # one work item: the block's tile
+        n_bh, q_tiles = 0, 0  # persistent: the work items are (q tile, b·h) pairs
         if PERSISTENT:
-            w0, w_stop, w_step = cuda.blockIdx.x, n_bh * q_tiles, cuda.gridDim.x
+            n_bh = out.shape[0] * n_heads
+            q_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
 
         if cuda.threadIdx.x == 0:
             ptx.mbarrier_init(smem, Q_FULL, 1)
@@ -581,10 +602,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         cuda.syncthreads()
 
         if cuda.threadIdx.x < 128:  # warpgroup 0, the producer
-            producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, w0, w_stop, w_step, n_bh, q_tiles)
+            producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles)
         else:
             consumer(smem, maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
-                     inv_scale, aux, w0, w_stop, w_step, n_bh, q_tiles)
+                     inv_scale, aux, n_bh, q_tiles)
 
     return maps_entry(ws_body, globals(), "wgmma_ws_forward", mods.any,
                       user_aux=len(user_aux_types(mods)) if USER else -1)
