@@ -15,7 +15,8 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans
-from .api import PerformanceWarning, _on_device, validate
+from .api import PerformanceWarning, _on_device, validate, window_pair
+from .blocks.mask import window_bounds, window_kind
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
 from .kernels.decode import DecodeConfig, decode_config
@@ -186,11 +187,13 @@ def check_cache_combination(block_table, cache_batch_idx, cache_leftpad) -> None
                                   "flash-attn); left-pad a contiguous cache, or start each sequence on a page")
 
 def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None,
-                    config=None, block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+                    config=None, block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """All checks of a decode call; returns (Problem, seqlens dtype or None). Raises like ``validate``.
 
     The Problem's n_k is Nmax, the most keys a sequence can have (a paged cache: pages x page size)."""
-    p = validate(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, kv_batch_free=True)  # rows: below
+    p = validate(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                 softcap=softcap, alibi_slopes=alibi_slopes, kv_batch_free=True)  # cache rows: below
     if len(p.q_shape) != 4:
         raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d) (paged: "
                          f"(num_pages, Hkv, page_size, d)); got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")
@@ -217,11 +220,13 @@ def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
 
 
 def plan(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None,
-         block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+         block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True, window_size=(-1, -1), softcap=0.0,
+         alibi_slopes=None):
     """(Problem, config, num_splits, row chunks) that ``decode`` would use for these inputs."""
     p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                            num_splits=num_splits, config=config, block_table=block_table,
-                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal)
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal,
+                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     with _on_device(p.device):
         return (p, *_tiles_and_splits(p, num_splits, config))
 
@@ -232,12 +237,22 @@ def _tiles_and_splits(p, num_splits, config) -> tuple:
     cfg = config or decode_config(p.d, p.dtype, group * max(p.n_q, 1))
     chunks = decode_kernels.n_row_chunks(cfg, group, max(p.n_q, 1))
     if num_splits is None:
-        num_splits = choose_num_splits(p.B * p.Hkv * chunks, p.n_k, cfg, _sm_count(p.device))
+        num_splits = choose_num_splits(p.B * p.Hkv * chunks, _keys_seen(p), cfg, _sm_count(p.device))
     return cfg, int(num_splits), chunks
 
 
+def _keys_seen(p) -> int:
+    """The most keys one sequence's rows see together: Nmax, or a window's left + Nq + right when shorter
+    (the split rule sizes the splits by what the kernel loads: tiles left of every row's window are not)."""
+    left, right = p.window_size
+    if window_kind(p.causal, p.window_size) != "window" or left < 0:
+        return p.n_k
+    return min(p.n_k, left + max(p.n_q, 1) + (0 if p.causal else max(right, 0)))
+
+
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None,
-           block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+           block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True, window_size=(-1, -1),
+           softcap=0.0, alibi_slopes=None):
     """One decoding step: Nq new queries per sequence attend to a KV cache.
 
     Args:
@@ -272,6 +287,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
         NumPy indices are checked by value; device ones are clamped into the arrays by the kernel
         (a bad index reads a wrong row, never outside the arrays).
         causal: True (default): bottom-right causal, below; False: every query sees all len_b keys.
+        window_size: flash-attn's (left, right), -1 unbounded: query i (at position pos = i + len_b - Nq)
+            sees keys pos - left <= j <= pos + right (causal makes right 0). Tiles left of every row's
+            window are never loaded, so a window of W keys reads about W + Nq keys per sequence.
+        softcap: > 0 caps the scaled scores, softcap·tanh(x / softcap) (flash-attn's; 0.0 off).
+        alibi_slopes: float32 (H,) or (B, H), where q is: subtracts slope·|pos - j| from the (capped)
+            scaled scores (flash-attn's ALiBi with each sequence's own alignment).
 
     Masking: the Nq queries are the last Nq positions of each sequence, so with causal query i of
     sequence b sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with
@@ -293,16 +314,18 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans); NumPy
     lengths are checked on every call (they take the ordinary path).
     """
-    return plans.call(_decode, (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad),
-                      (softmax_scale, num_splits, config, causal))
+    left, right = window_pair(window_size)
+    return plans.call(_decode, (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                                alibi_slopes), (softmax_scale, num_splits, config, causal, left, right, softcap))
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, softmax_scale,
-            num_splits, config, causal):
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, alibi_slopes,
+            softmax_scale, num_splits, config, causal, left=-1, right=-1, softcap=0.0):
     """``decode`` without plans (plans.call runs it for a new signature and watches)."""
     p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                            num_splits=num_splits, config=config, block_table=block_table,
-                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal)
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal,
+                           window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes)
     with _on_device(p.device):  # once per call: each context switch or query is a driver call
         cfg, n_splits, chunks = _tiles_and_splits(p, num_splits, config)
         if p.n_q > MAX_DECODE_QUERIES and chunks > 1:
@@ -321,9 +344,12 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, ca
             partials, keep_alive = None, None
             if n_splits > 1:
                 keep_alive, partials = _scratch(p, q, n_splits, stream)
+            window = window_bounds(p.causal, p.window_size) if p.mods.window else None
+            alibi = None if alibi_slopes is None else arrays.to_device_view(alibi_slopes, stream, 2)
             decode_kernels.launch(cfg, qd, kd, vd, lens, out_dev, lse_dev, softmax_scale=p.softmax_scale,
                                   d=p.d, num_splits=n_splits, partials=partials, stream=stream,
-                                  block_table=table, cache_batch_idx=index, cache_leftpad=starts, causal=p.causal)
+                                  block_table=table, cache_batch_idx=index, cache_leftpad=starts,
+                                  causal=p.mask_causal, window=window, softcap=p.softcap, alibi=alibi)
             del keep_alive  # stream-ordered allocators: freeing after the launch is safe
         return (
             arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),

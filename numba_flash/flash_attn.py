@@ -12,12 +12,12 @@ The varlen functions take packed (total, nheads, headdim) tensors with cu_seqlen
 and softmax_lse (H, total_q), as flash-attn's; their offsets are checked on the device (torch._assert_async).
 
 Differences from flash-attn, all raised as NotImplementedError naming the argument, never ignored:
-dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache window_size / softcap /
-alibi_slopes and rotary with cache_leftpad. flash_attn_with_kvcache takes paged caches (block_table, page
-sizes multiples of 16, not only flash-attn 2's multiples of 256), cache_batch_idx, cache_leftpad, any number
-of queries, causal or not, num_splits, and rotary embeddings (applied by PyTorch ops before the kernel, not
-fused). return_attn_probs=True returns (out,
-softmax_lse, None): the probabilities are never materialised. causal=True makes window_size's right 0, as
+dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary with cache_leftpad.
+flash_attn_with_kvcache takes window_size, softcap and alibi_slopes (applied in the decode kernel), paged
+caches (block_table, page sizes multiples of 16, not only flash-attn 2's multiples of 256), cache_batch_idx,
+cache_leftpad, any number of queries, causal or not, num_splits, and rotary embeddings (applied by PyTorch
+ops before the kernel, not fused). return_attn_probs=True returns (out, softmax_lse, None): the
+probabilities are never materialised. causal=True makes window_size's right 0, as
 flash-attn's kernels do (whatever right was passed; numba_flash.forward itself refuses a right other than 0 or
 -1 with causal). deterministic defaults to False here as there.
 """
@@ -163,10 +163,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (GPT-J) or half-split (GPT-NeoX) pairs. Applied by PyTorch elementwise ops before the append and the kernel
     (not fused into the kernel); not with cache_leftpad.
     """
-    if alibi_slopes is not None:
-        _unsupported("flash_attn_with_kvcache alibi_slopes")
-    if tuple(window_size) != (-1, -1) or softcap:
-        _unsupported(f"flash_attn_with_kvcache window_size={tuple(window_size)} / softcap={softcap}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_layout(name, x, 4)
     B = q.shape[0]
@@ -206,7 +202,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lens = (lens + k.shape[1]).to(torch.int32)
     out, lse = decode(_heads_first(q), _heads_first(k_cache), _heads_first(v_cache), cache_seqlens=lens,
                       softmax_scale=softmax_scale, num_splits=num_splits or None, block_table=block_table,
-                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=bool(causal))
+                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=bool(causal),
+                      window_size=_window(causal, window_size), softcap=softcap, alibi_slopes=alibi_slopes)
     out = _heads_first(out).contiguous()
     return (out, lse) if return_softmax_lse else out
 

@@ -15,7 +15,8 @@ require grad, skipping the dispatcher's ~13 µs per call (~50 with gradients; ``
     torch.ops.numba_flash.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
                               window_left, window_right, softcap, alibi_slopes) -> (dq, dk, dv)
     torch.ops.numba_flash.decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, block_table,
-                                 cache_batch_idx, cache_leftpad, causal) -> (out, lse)
+                                 cache_batch_idx, cache_leftpad, causal, window_left, window_right, softcap,
+                                 alibi_slopes) -> (out, lse)
     torch.ops.numba_flash.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                      softmax_scale, window_left, window_right, softcap, alibi_slopes,
                                      deterministic) -> (out, lse)
@@ -170,11 +171,13 @@ _UserModAttention = _eager_function("_UserModAttention", _user_fwd_body, _user_s
 def _decode_body(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
                  softmax_scale: Optional[float], num_splits: Optional[int], block_table: Optional[Tensor] = None,
                  cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
-                 causal: bool = True) -> tuple[Tensor, Tensor]:
+                 causal: bool = True, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                 alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """``numba_flash.decode`` as an op: (out, lse)."""
     return _decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                    num_splits=num_splits, block_table=block_table, cache_batch_idx=cache_batch_idx,
-                   cache_leftpad=cache_leftpad, causal=causal)
+                   cache_leftpad=cache_leftpad, causal=causal, window_size=(window_left, window_right),
+                   softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 decode_op = torch.library.custom_op("numba_flash::decode", mutates_args=())(_decode_body)
@@ -182,7 +185,8 @@ decode_op = torch.library.custom_op("numba_flash::decode", mutates_args=())(_dec
 
 @decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, block_table=None,
-                 cache_batch_idx=None, cache_leftpad=None, causal=True):
+                 cache_batch_idx=None, cache_leftpad=None, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+                 alibi_slopes=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
@@ -425,16 +429,18 @@ def _check_user_mods_for_grad(q, mask_mod, score_mod):
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, block_table=None,
-           cache_batch_idx=None, cache_leftpad=None, causal=True):
+           cache_batch_idx=None, cache_leftpad=None, causal=True, window_size=(-1, -1), softcap=0.0,
+           alibi_slopes=None):
     """``numba_flash.decode`` on PyTorch CUDA tensors through ``torch.ops.numba_flash.decode``: (out, lse).
 
     Arguments as ``numba_flash.decode`` (q (B, H, Nq, d) against the caches (B, Hkv, Nmax, d), or pages
     (num_pages, Hkv, page_size, d) with block_table; cache_seqlens, block_table, cache_batch_idx and
-    cache_leftpad CUDA tensors or None); no gradient. The tile config override of ``numba_flash.decode`` is
-    not an op argument.
+    cache_leftpad CUDA tensors or None; window_size, softcap and alibi_slopes (a float32 CUDA tensor) as
+    ``attention``); no gradient. The tile config override of ``numba_flash.decode`` is not an op argument.
     """
     for name, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table),
-                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                    ("alibi_slopes", alibi_slopes)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor (int32, or int64 for cache_seqlens, on q's device) or "
                             f"None; got {type(x).__name__}")
@@ -445,9 +451,11 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     if _needs_grad(*(x for x in (q, k_cache, v_cache) if isinstance(x, torch.Tensor))):
         raise NotImplementedError("numba_flash.torch.decode has no gradient: call it under torch.no_grad() (or on "
                                   "tensors that do not require grad); for training use attention / varlen_attention")
+    _check_mods(softcap, alibi_slopes)
+    left, right = window_pair(window_size)
     args = (q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits, block_table,
-            cache_batch_idx, cache_leftpad, causal)
-    eager = _eager(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
+            cache_batch_idx, cache_leftpad, causal, left, right, float(softcap), alibi_slopes)
+    eager = _eager(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, alibi_slopes)
     return _decode_body(*args) if eager else decode_op(*args)
 
 

@@ -4,6 +4,7 @@
     python scripts/bench_decode.py --quick    # fp16, Nk = 32768 only
     python scripts/bench_decode.py --sweep    # also time DecodeConfig candidates x num_splits at the targets
     python scripts/bench_decode.py --paged    # only the paged-cache rows -> decode-paged-<date>.{json,md}
+    python scripts/bench_decode.py --mods     # flash-attn's variants in decode -> decode-mods-<date>.{json,md}
 
 One decoding step, Nq = 1, B = 8, H = 32, Hkv in {32, 8}, Nk in {4096, 32768}, d = 128, every
 cache full. GB/s = bytes of K and V actually read (2·B·Hkv·Nk·d·itemsize; q and out are < 0.1 %)
@@ -31,6 +32,14 @@ of all sequences in a random physical order, read through block_table by the ker
 two rows and SDPA's backends on the contiguous cache (SDPA has no paged cache). flash-attn's
 ``flash_attn_with_kvcache`` is timed too where the ``flash_attn`` package imports (it is not installed
 on the project's GPU host: the row then records that).
+
+Variant rows (``--mods``; fp16 B8 H32 Hkv8 Nk32768 d128, Nq = 1, every cache full): numba_flash.decode plain, with a
+sliding window of 4096 keys (window_size (4095, 0): the tiles left of it are never loaded), softcap 30, ALiBi, and
+window + softcap; beside them SDPA's default backend with the window as a boolean mask (B, 1, 1, Nk) and ALiBi as a
+float bias (B, H, 1, Nk) (SDPA cannot express softcap), and FlexAttention (torch.compile'd flex_attention, its
+decoding path for one query: the window as a BlockMask, softcap and ALiBi as score_mods). GB/s counts the K and V
+bytes the variant needs: a window's visible 4096 keys, else the whole cache. err: max |out - float64| over the first
+sequence's heads (its float64 reference with the same variant).
 
 ``numba-flash bench`` runs this file's ``run_suite`` (numba_flash.bench's registry): the quick
 cases on a GPU, or one tiny case on the CUDA simulator checked against reference.decode.
@@ -163,6 +172,110 @@ def run_case(B, H, Hkv, n_k, d, dtype, sdpa_only=False):
     for r in rows:
         r.update(B=B, H=H, Hkv=Hkv, Nk=n_k, d=d, dtype=dtype)
     return rows
+
+
+MODS_CASE = (8, 32, 8, 32768, 128)  # (B, H, Hkv, Nk, d), fp16
+MODS_WINDOW = 4096  # keys a window row sees: window_size (MODS_WINDOW - 1, 0)
+MODS = {"plain": {}, "window": {"window_size": (MODS_WINDOW - 1, 0)}, "softcap": {"softcap": 30.0},
+        "alibi": {"alibi": True}, "window+softcap": {"window_size": (MODS_WINDOW - 1, 0), "softcap": 30.0}}
+
+
+def run_mods_case(B, H, Hkv, n_k, d, dtype="float16"):
+    """numba_flash.decode with each variant beside SDPA (mask / bias) and FlexAttention (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(B * H + n_k)
+    q = torch.randn(B, H, 1, d, device="cuda", generator=g).to(tdt)
+    k, v = (torch.randn(B, Hkv, n_k, d, device="cuda", generator=g).to(tdt) for _ in range(2))
+    slopes = torch.rand(H, device="cuda", generator=g) * 2 ** -8  # a few units of bias over the whole cache
+    scale = 1 / d ** 0.5
+    j = torch.arange(n_k, device="cuda")
+    flex = _flex()
+    rows = []
+    for name, mod in MODS.items():
+        window = mod.get("window_size", (-1, -1))
+        cap = mod.get("softcap", 0.0)
+        alibi = slopes if mod.get("alibi") else None
+        seen = min(n_k, window[0] + 1) if window[0] >= 0 else n_k
+        nbytes = kv_bytes(B, Hkv, seen, d, q.element_size())
+        # the float64 truth for sequence 0: its final logits as reference.attention's rule makes them
+        s = (q[0].double() @ k[0].repeat_interleave(H // Hkv, 0).double().transpose(-1, -2)).squeeze(1) * scale
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        if alibi is not None:
+            s = s - alibi.double()[:, None] * (n_k - 1 - j).double()
+        if window[0] >= 0:
+            s = s.masked_fill(j < n_k - 1 - window[0], float("-inf"))
+        ref = torch.softmax(s, -1) @ v[0].repeat_interleave(H // Hkv, 0).double()
+
+        def err(out):
+            return float((out[0, :, 0].double() - ref).abs().max())
+
+        kw = dict(window_size=window, softcap=cap, alibi_slopes=alibi)
+        out, _ = decode(q, k, v, **kw)
+        rows.append(_timed(f"numba_flash.decode {name}", lambda: decode(q, k, v, **kw), nbytes, err=err(out),
+                           num_splits=plan(q, k, v, **kw)[2]))
+        if not cap:  # SDPA's default backend: the window as a mask, ALiBi as a bias
+            mask = None
+            if window[0] >= 0:
+                mask = (j >= n_k - 1 - window[0]).view(1, 1, 1, n_k).expand(B, 1, 1, n_k)
+            if alibi is not None:
+                mask = (-(alibi[:, None] * (n_k - 1 - j)).view(1, H, 1, n_k)).to(tdt).expand(B, H, 1, n_k)
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            try:
+                out = sdpa()
+                rows.append(_timed(f"sdpa default {name}" + (" (mask / bias)" if mask is not None else ""), sdpa,
+                                   nbytes, err=err(out)))
+            except Exception as e:  # a backend that refuses the case is a result
+                rows.append({"impl": f"sdpa default {name}", "ms": None, "gbps": None, "error": str(e)[:160]})
+        if flex is None:
+            rows.append({"impl": f"flex_attention {name}", "ms": None, "gbps": None,
+                         "error": "torch.nn.attention.flex_attention not importable"})
+            continue
+        try:
+            fn = flex.call(B, H, n_k, window, cap, alibi, scale)
+            out = fn(q, k, v)
+            rows.append(_timed(f"flex_attention {name}", lambda: fn(q, k, v), nbytes, err=err(out)))
+        except Exception as e:
+            rows.append({"impl": f"flex_attention {name}", "ms": None, "gbps": None, "error": str(e)[:160]})
+        torch.cuda.empty_cache()
+    for r in rows:
+        r.update(B=B, H=H, Hkv=Hkv, Nk=n_k, d=d, dtype=dtype)
+    return rows
+
+
+def _flex():
+    """A maker of compiled FlexAttention decode calls, or None where flex_attention does not import."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    class Flex:
+        @staticmethod
+        def call(B, H, n_k, window, cap, alibi, scale):
+            block_mask = None
+            if window[0] >= 0:
+                left = window[0]
+                block_mask = create_block_mask(lambda b, h, qi, kv: kv >= n_k - 1 - left + qi, None, None, 1, n_k,
+                                               device="cuda")
+
+            def score_mod(score, b, h, qi, kv):
+                if cap:
+                    score = cap * torch.tanh(score / cap)
+                if alibi is not None:
+                    score = score - alibi[h] * (n_k - 1 + qi - kv)
+                return score
+
+            mod = score_mod if (cap or alibi is not None) else None
+            return lambda q, k, v: compiled(q, k, v, score_mod=mod, block_mask=block_mask, scale=scale,
+                                            enable_gqa=True)
+
+    return Flex()
 
 
 PAGED_CASE = (8, 32, 8, 32768, 128)  # (B, H, Hkv, Nk, d), fp16
@@ -333,6 +446,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--paged", action="store_true", help="only the paged-cache rows (module docstring)")
+    ap.add_argument("--mods", action="store_true", help="only the variant rows (module docstring)")
     ap.add_argument("--dtypes", nargs="+", default=["float16", "float32"])
     ap.add_argument("--out", default=os.path.join(HERE, "..", "benchmarks", "results"))
     args = ap.parse_args(argv)
@@ -354,6 +468,8 @@ def main(argv=None):
     }
     if args.paged:
         return paged_main(args, meta)
+    if args.mods:
+        return mods_main(args, meta)
     result = {"meta": meta, "decode": [], "sweep": None}
     dtypes = ["float16"] if args.quick else args.dtypes
     for (B, H, Hkv, n_k, d) in (QUICK if args.quick else CASES):
@@ -383,6 +499,28 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def mods_main(args, meta):
+    rows = run_mods_case(*MODS_CASE)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"decode-mods-{meta['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "decode": rows}, f, indent=1)
+    lines = [f"# Decode with flash-attn's variants (Nq = 1)\n\nGPU: {meta['gpu']} ({meta['sms']} SMs); date: "
+             f"{meta['date']}; command: `{meta['command']}`; commit {meta['commit']}; torch {meta['torch']}.\n\n"
+             f"GB/s = bytes of the K and V each variant needs (a window's {MODS_WINDOW} keys, else the cache) / median "
+             "time; err = max |out - float64| over the first sequence.\n",
+             "| impl | ms | GB/s | err |\n|---|---|---|---|"]
+    for r in rows:
+        if r.get("gbps"):
+            lines.append(f"| {r['impl']} | {r['ms']:.4f} | {r['gbps']:.0f} | {r.get('err', float('nan')):.1e} |")
+        else:
+            lines.append(f"| {r['impl']} | — | — | {r.get('error', '')} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
     print(f"wrote {stem}.json and {stem}.md")
 
 

@@ -445,6 +445,22 @@ def cases() -> dict:
                           block_table=table)
             out[f"decode-paged/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
                 f"{'-ws' if cfg.warp_split else ''}/splits{splits}"] = call
+    # --- decode with flash-attn's variants (window + softcap + ALiBi in one build): the same two shipped tiles
+    for rows in (1, 4):
+        cfg = dk.decode_config(128, "float16", rows)
+
+        def call(cfg=cfg):
+            view = _views()
+            group, hd = max(cfg.rows, 1), 128
+            q = view((1, group, 1, hd), "float16")
+            k, v = view((1, 1, 512, hd), "uint16"), view((1, 1, 512, hd), "uint16")
+            lens = view((1,), "int32")
+            out_, lse = view(q.shape, "float16"), view(q.shape[:3], "float32")
+            parts = tuple(view(s, "float32") for s in dk.scratch_shapes(1, group, 1, 4, hd))
+            dk.launch(cfg, q, k, v, lens, out_, lse, softmax_scale=0.1, d=hd, num_splits=4, partials=parts,
+                      window=(255, 0), softcap=30.0, alibi=view((1, group), "float32"))
+        out[f"decode-mods/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
+            f"{'-ws' if cfg.warp_split else ''}/window-softcap-alibi"] = call
     return {k: (v if isinstance(v, tuple) else ("sm90", v)) for k, v in out.items()}
 
 
@@ -460,6 +476,7 @@ CI_PATTERNS = (
     r"^bwd-simt/d64/causal/float32$", r"^bwd-simt/d128/full/float16$",
     r"^decode/d128/float16/.*/contiguous/splits4/sm90$", r"^decode/d64/float32/rows1-.*/splits4/sm80$",
     r"^decode/d256/bfloat16/rows1-.*/strided/splits1/sm90$", r"^decode-paged/d128/float16/rows4-.*/splits4$",
+    r"^decode-mods/d128/float16/rows4-",
     r"^fwd-mma-varlen/d128/causal/bfloat16$", r"^bwd-mma-varlen/d128/causal/bfloat16/sm90/splits$",
     r"^fwd-wgmma/d128/causal/bfloat16/docmask$", r"^fwd-wgmma/d128/causal/bfloat16/docmask-sparse$",
     r"^fwd-ws/d128/causal/bfloat16/docmask-sparse$",

@@ -86,9 +86,11 @@ from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
 from .. import ptx
 from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, SMEM_PER_SM, head_dim_bucket
-from ..launch import DeviceView, address
+from ..launch import DeviceView, address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, bits_from_f32, f16x2_to_f32, f32_from_bits, inline_device, ld_shared_u32x4
+from ..blocks.entry import MOD_ARGS
+from ..blocks.mods import alibi_bias, capped, head_slope, launch_args
 from ..jit_cache import compile_kernel
 
 # Indices are cast to unsigned before indexing: Numba then skips its negative-index wraparound code.
@@ -117,12 +119,24 @@ class CacheMode:
     leftpad: sequence b's keys start at row cache_leftpad[b] of its cache (contiguous caches only);
     cache_seqlens[b] stays the end, so it has cache_seqlens[b] - cache_leftpad[b] keys.
     causal: query i of Nq sees keys j <= i + len - Nq (bottom-right); else every key < len.
+    window, softcap, alibi: flash-attn's variants (blocks/mods.py), their values launch arguments
+    (MOD_ARGS after scale_log2): with the window, query i at position pos = i + len - Nq sees keys
+    pos - left <= j <= pos + right (right = 0 when causal), and tiles left of every row's window
+    are never loaded; the softcap caps q·k, then ALiBi subtracts slope·|pos - j|, then the mask.
     """
 
     paged: bool = False
     batch_idx: bool = False
     leftpad: bool = False
     causal: bool = True
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+
+    @property
+    def mods(self) -> bool:
+        """Whether the kernel takes MOD_ARGS (any of window, softcap, alibi)."""
+        return self.window or self.softcap or self.alibi
 
     def problems(self) -> list[str]:
         if self.paged and (self.batch_idx or self.leftpad):
@@ -367,9 +381,10 @@ def decode_config(d: int, dtype: str, rows_needed: int) -> DecodeConfig:
 # --------------------------------------------------------------------------------------------
 # Kernel factories
 # --------------------------------------------------------------------------------------------
-def kernel_signature(dtype: str, lens_dtype: str = "int32"):
+def kernel_signature(dtype: str, lens_dtype: str = "int32", mods: bool = False):
     """q, k, v, seqlens, block_table, cache_batch_idx, cache_leftpad, out, lse, m_part, l_part, acc_part,
-    n_q, d, group, scale_log2 (the three index arrays int32, read only under their CacheMode switch)."""
+    n_q, d, group, scale_log2 (the three index arrays int32, read only under their CacheMode switch); with
+    mods (CacheMode.mods) blocks.entry.MOD_ARGS after them: left, right, cap_a, cap_b, slopes, 1 / scale."""
     qio = types.Array(Q_STORAGE[dtype], 4, "A")
     kv = types.Array(KV_STORAGE[dtype], 4, "A")
     lens = types.Array(getattr(types, lens_dtype), 1, "A")
@@ -378,7 +393,8 @@ def kernel_signature(dtype: str, lens_dtype: str = "int32"):
     lse = types.Array(types.float32, 3, "A")
     part = types.Array(types.float32, 4, "A")
     acc = types.Array(types.float32, 5, "A")
-    return types.void(qio, kv, kv, lens, table, index, index, qio, lse, part, part, acc, int32, int32, int32, float32)
+    return types.void(qio, kv, kv, lens, table, index, index, qio, lse, part, part, acc, int32, int32, int32, float32,
+                      *(MOD_ARGS if mods else ()))
 
 
 def element_helpers(dtype: str):
@@ -418,7 +434,7 @@ def element_helpers(dtype: str):
 
 def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int, q_swizzle: bool = False,
                   mode: CacheMode = PLAIN):
-    """What both split kernels do first: (block_rows, load_q, page_of, row_limit).
+    """What both split kernels do first: (block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score).
 
     block_rows(k, seqlens, table, cache_idx, starts, group, n_q) -> (b, bc, h_kv, r0, rows_total,
     length, start): this block's sequence, its cache row bc (cache_batch_idx[b], else b), kv head
@@ -427,13 +443,22 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
     indices and pages are not checked on the host: clamped here into the arrays (no stray reads).
     page_of(k, table, bc, start, j) -> (p, r): key j is k[p, h, r] (a paged cache's page and row,
     else bc and start + j); the keys of one tile share a page when the page size is a multiple of it.
-    row_limit(rg, n_q, length, rows_total): the last key row rg of the group sees (-1: none).
+    row_limit(rg, n_q, length, rows_total, right): the last key row rg of the group sees (-1: none).
+    key_bounds(n_q, length, left, right) -> (k_lo, first_limit, last_low): the first key any row sees (a
+    window's: tiles before it are never loaded), the least row limit (tiles past it need the mask) and the
+    greatest window start (tiles before it need the mask).
+    row_mods(rg, n_q, length, rows_total, b, h_kv, group, left, slopes, inv_scale) -> (pos, low, slope): row
+    rg's key position i + len - Nq, its window start, ALiBi's slope / scale of its head (mods builds).
+    score(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b): a raw q·k of key col ->
+    its base-2 exponent: softcap, ALiBi, then the mask (-inf) where needs_mask (blocks/mods.py's order).
     load_q(...) puts rows r0.. of the group's queries into smem_f[Q_OFF..] as fp32, zero past G·Nq
     and past d; row r0 + r = g·Nq + i is query i of head g of the group. q_swizzle (the bulk
     kernel, 16-bit caches): element e of a row is stored at e ^ ((e >> 5) & 1), see kernel_source."""
     q_to_f32 = element_helpers(dtype)[0]
     ZERO = float32(0.0)
     PAGED, BATCH_IDX, LEFTPAD, CAUSAL = mode.paged, mode.batch_idx, mode.leftpad, mode.causal
+    WINDOW, SOFTCAP, ALIBI = mode.window, mode.softcap, mode.alibi
+    NEG_INF = float32(-math.inf)
 
     @inline_device
     def block_rows(k, seqlens, table, cache_idx, starts, group, n_q):
@@ -467,12 +492,40 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
         return bc, start + j
 
     @inline_device
-    def row_limit(rg, n_q, length, rows_total):
+    def row_limit(rg, n_q, length, rows_total, right):
         if rg >= rows_total:
             return -1
+        if WINDOW:  # right = 0 when causal (blocks/mask.window_bounds); an open side is 2**30
+            return min(rg - (rg // n_q) * n_q + length - n_q + right, length - 1)
         if CAUSAL:
             return rg - (rg // n_q) * n_q + length - n_q
         return length - 1
+
+    @inline_device
+    def key_bounds(n_q, length, left, right):
+        if WINDOW:
+            return max(length - n_q - left, 0), min(length - n_q + right, length - 1), length - 1 - left
+        return 0, (length - n_q if CAUSAL else length - 1), -1
+
+    @inline_device
+    def row_mods(rg, n_q, length, rows_total, b, h_kv, group, left, slopes, inv_scale):
+        rg = min(rg, rows_total - 1)  # a padding row takes a real row's values (its scores are never stored)
+        g = rg // n_q
+        pos = rg - g * n_q + length - n_q
+        slope = head_slope(slopes, b, h_kv * group + g, inv_scale) if ALIBI else ZERO
+        return pos, pos - left, slope
+
+    @inline_device
+    def score(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b):
+        if SOFTCAP:
+            s = capped(s, cap_a, cap_b)
+        if ALIBI:
+            s -= alibi_bias(slope, pos, col, 0)
+        x = s * scale_log2
+        if needs_mask:
+            if col > limit or (WINDOW and col < low):
+                x = NEG_INF
+        return x
 
     Q_SWIZZLE = bool(q_swizzle)
 
@@ -491,7 +544,26 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
             else:
                 smem_f[U(Q_OFF + idx)] = x
 
-    return block_rows, load_q, page_of, row_limit
+    return block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score
+
+
+def split_entry(body, mods: bool):
+    """The phase-1 kernel (before cuda.jit) running ``body``: with mods it takes MOD_ARGS after scale_log2 and
+    passes them on; without, the body gets constants for them (lse stands in for the slopes), which its pruned
+    branches never read."""
+    zero = float32(0.0)
+    if mods:
+        def decode_split(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                         scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
+            body(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                 scale_log2, left, right, cap_a, cap_b, slopes, inv_scale)
+        return decode_split
+
+    def decode_split(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                     scale_log2):
+        body(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+             scale_log2, 0, 0, zero, zero, lse, zero)
+    return decode_split
 
 
 def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = PLAIN):
@@ -630,12 +702,13 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
             pass
 
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q, page_of, row_limit = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF,
-                                                           q_swizzle=Q_FLIP, mode=mode)
-    CAUSAL = mode.causal
+    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score = block_helpers(
+        cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, q_swizzle=Q_FLIP, mode=mode)
+    WINDOW, ROW_MODS = mode.window, mode.window or mode.alibi
 
-    def decode_split(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
-                     scale_log2):
+    @inline_device
+    def decode_body(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                    scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         smem_u = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # same bytes, as bits
         smem_h = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # same bytes, as 16-bit words
@@ -653,14 +726,15 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
             rg = r0 + r
             smem_f[U(M_OFF + r)] = NEG_INF
             smem_f[U(L_OFF + r)] = ZERO
-            smem_i[U(LIM_OFF + r)] = row_limit(rg, n_q, length, rows_total)
+            smem_i[U(LIM_OFF + r)] = row_limit(rg, n_q, length, rows_total, right)
 
-        # This split's tiles: ceil(n_tiles / n_splits) each; trailing splits may be empty.
+        # This split's tiles, from the first any row sees: ceil(tiles / n_splits) each; trailing splits may be empty.
+        k_lo, first_limit, last_low = key_bounds(n_q, length, left, right)
+        t_lo = k_lo // BLOCK_N
         n_tiles = (length + BLOCK_N - 1) // BLOCK_N
-        per_split = (n_tiles + n_splits - 1) // n_splits
-        t_begin = min(split_id * per_split, n_tiles)
+        per_split = (n_tiles - t_lo + n_splits - 1) // n_splits
+        t_begin = min(t_lo + split_id * per_split, n_tiles)
         t_end = min(t_begin + per_split, n_tiles)
-        first_limit = length - n_q if CAUSAL else length - 1  # the least limit: tiles past it need the mask
 
         # S phase: lane 4·kq + p, keys key_base + 8·ks + kq, words p + 4·jw.
         kq = lane >> 2
@@ -728,8 +802,10 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
             k_off = KV_OFF + (j % STAGES) * STAGE_WORDS
             v_off = k_off + TILE_WORDS
             needs_mask = k0 + BLOCK_N - 1 > first_limit
+            if WINDOW:
+                needs_mask = needs_mask or k0 < last_low
 
-            # S = Q Kᵀ · scale·log2(e), masked to -inf, into shared memory.
+            # S = Q Kᵀ · scale·log2(e), modded and masked to -inf, into shared memory.
             k_lane = k_off + (key_base + kq) * ROW_WORDS + p
             for rc in range(S_CHUNKS):
                 for i in range(S_ROWS):
@@ -765,11 +841,14 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
                     r = rc * S_ROWS + i
                     if (i & 3) == p and r < ROWS:  # the quad shares the stores
                         limit = smem_i[U(LIM_OFF + r)] if needs_mask else 0
+                        pos, low, slope = 0, 0, ZERO
+                        if ROW_MODS:
+                            pos, low, slope = row_mods(r0 + r, n_q, length, rows_total, b, h_kv, group, left, slopes,
+                                                       inv_scale)
                         for ks in range(KEY_STEPS):
                             n = key_base + 8 * ks + kq
-                            x = s_acc[i, ks] * scale_log2
-                            if needs_mask and k0 + n > limit:
-                                x = NEG_INF
+                            x = score(s_acc[i, ks], k0 + n, limit, low, pos, slope, needs_mask, scale_log2, cap_a,
+                                      cap_b)
                             smem_f[U(S_OFF + r * BLOCK_N + n)] = x
             cuda.syncthreads()
 
@@ -868,7 +947,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
                     lse[U(b), U(h), U(i)] = (
                         (smem_f[U(M_OFF + r)] + log2(l_row)) * float32(LN2) if l_row != ZERO else NEG_INF)
 
-    return decode_split
+    return split_entry(decode_body, mode.mods)
 
 
 def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = PLAIN):
@@ -925,8 +1004,9 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
     ld4 = ptx.ld_shared_f32x4
     exp2, log2 = math.exp2, math.log2
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q, page_of, row_limit = block_helpers(cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, mode=mode)
-    CAUSAL = mode.causal
+    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score = block_helpers(
+        cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, mode=mode)
+    WINDOW, ROW_MODS = mode.window, mode.window or mode.alibi
 
     @inline_device
     def unpack_bits(bits):
@@ -982,8 +1062,9 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
                         x = src[U(row0 + r), U(e)] if ok else uint16(0)
                         smem_h[U(2 * (dst + r * ROW_WORDS) + e)] = x
 
-    def decode_split(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
-                     scale_log2):
+    @inline_device
+    def decode_body(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
+                    scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         smem_u = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # same bytes, as bits
         smem_h = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # same bytes, as 16-bit words
@@ -999,14 +1080,21 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
 
         # Row r = query i of head g (r0 + r = g·Nq + i) sees keys <= i + len - Nq; padding rows none.
         limit = cuda.local.array(ROWS, int32)
+        low = cuda.local.array(ROWS, int32)  # with mods: each row's window start, key position, ALiBi slope
+        pos = cuda.local.array(ROWS, int32)
+        slope = cuda.local.array(ROWS, float32)
         for i in range(ROWS):
             rg = r0 + i
-            limit[i] = row_limit(rg, n_q, length, rows_total)
+            limit[i] = row_limit(rg, n_q, length, rows_total, right)
+            if ROW_MODS:
+                pos[i], low[i], slope[i] = row_mods(rg, n_q, length, rows_total, b, h_kv, group, left, slopes,
+                                                    inv_scale)
+        k_lo, first_limit, last_low = key_bounds(n_q, length, left, right)
+        t_lo = k_lo // BLOCK_N  # tiles before it are left of every row's window (never loaded)
         n_tiles = (length + BLOCK_N - 1) // BLOCK_N
-        per_split = (n_tiles + n_splits - 1) // n_splits
-        t_begin = min(split_id * per_split, n_tiles)
+        per_split = (n_tiles - t_lo + n_splits - 1) // n_splits
+        t_begin = min(t_lo + split_id * per_split, n_tiles)
         t_end = min(t_begin + per_split, n_tiles)
-        first_limit = length - n_q if CAUSAL else length - 1  # the least limit: tiles past it need the mask
         n_mine = (t_end - t_begin - warp + WARPS - 1) // WARPS if t_end - t_begin > warp else 0
         k_row = k.strides[2] // ITEM  # row stride in elements (a multiple of 16 bytes on the cp.async path)
         v_row = v.strides[2] // ITEM
@@ -1062,6 +1150,8 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
             k_off = ring + (j % STAGES) * STAGE_WORDS
             v_off = k_off + TILE_WORDS
             needs_mask = k0 + BLOCK_N - 1 > first_limit
+            if WINDOW:
+                needs_mask = needs_mask or k0 < last_low
 
             # S = Q Kᵀ: 16 bytes of a K row per LDS.128, q broadcast from shared memory.
             for i in range(ROWS):
@@ -1098,9 +1188,8 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
                     x = s_lo[i, kk] + s_hi[i, kk]
                     for sh in range(LOG_KQ):
                         x += shfl_xor(FULL, x, KEYS_PER_PASS << sh)
-                    x *= scale_log2
-                    if needs_mask and k0 + key_lane + KEYS_PER_PASS * kk > limit[i]:
-                        x = NEG_INF
+                    x = score(x, k0 + key_lane + KEYS_PER_PASS * kk, limit[i], low[i], pos[i], slope[i], needs_mask,
+                              scale_log2, cap_a, cap_b)
                     s_lo[i, kk] = x
                     m_tile = max(m_tile, x)
                 for sh in range(LOG_KEYS):
@@ -1192,7 +1281,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
                 if e == 0:
                     lse[U(b), U(h), U(i)] = (m + log2(l_row)) * float32(LN2) if l_row != ZERO else NEG_INF
 
-    return decode_split
+    return split_entry(decode_body, mode.mods)
 
 
 def merge_signature(dtype: str):
@@ -1260,7 +1349,7 @@ def make_split_kernel(cfg: DecodeConfig, vec: bool, split: bool, lens_dtype: str
     if lens_dtype not in LENS_DTYPES:
         raise ValueError(f"cache_seqlens dtype {lens_dtype!r} not in {LENS_DTYPES}")
     key = ("decode.split", cfg, bool(vec), bool(split), lens_dtype) + (() if mode == PLAIN else (mode,))
-    return compile_kernel(key, kernel_signature(cfg.dtype, lens_dtype),
+    return compile_kernel(key, kernel_signature(cfg.dtype, lens_dtype, mode.mods),
                           kernel_source(cfg, bool(vec), bool(split), mode), fastmath=FASTMATH)
 
 
@@ -1310,7 +1399,7 @@ def _absent(ndim: int):
 
 def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: float, d: int,
            num_splits: int, partials=None, stream=0, block_table=None, cache_batch_idx=None,
-           cache_leftpad=None, causal: bool = True) -> None:
+           cache_leftpad=None, causal: bool = True, window=None, softcap: float = 0.0, alibi=None) -> None:
     """Run both phases on device arrays (``launch.DeviceView``s, Numba device arrays, or anything with
     ``__cuda_array_interface__``); the caller has validated the problem.
 
@@ -1320,7 +1409,9 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     when num_splits > 1. softmax_scale multiplies q·kᵀ. block_table ((B, pages) int32: k, v are then
     (num_pages, Hkv, page_size, d)), cache_batch_idx, cache_leftpad ((B,) int32) and causal as
     CacheMode says; page_size must be a multiple of a warp_split config's block_n (one page per
-    tile). Any strides; rows that cp.async cannot
+    tile). window: None, or (left, right) as blocks/mask.window_bounds gives them (a window kind: not
+    (-1, -1) and not causal's (-1, 0)); softcap > 0 caps the scores; alibi: float32 (Ba, H) slopes, Ba = 1
+    or B. Any strides; rows that cp.async cannot
     copy (see cp_async_ok) take the scalar-load kernel, and a cfg.bulk config whose caches one bulk
     copy per tile cannot fetch (see bulk_ok), or on a GPU below sm_90 (no cp.async.bulk), runs as
     the same config with bulk=False.
@@ -1332,7 +1423,8 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     group = H // Hkv
     split = num_splits > 1
     mode = CacheMode(paged=block_table is not None, batch_idx=cache_batch_idx is not None,
-                     leftpad=cache_leftpad is not None, causal=bool(causal))
+                     leftpad=cache_leftpad is not None, causal=bool(causal), window=window is not None,
+                     softcap=softcap > 0, alibi=alibi is not None)
     if cfg.bulk and (mode.paged or not (ptx.current_sm90() and bulk_ok(k, d, cfg.head_dim)
                                         and bulk_ok(v, d, cfg.head_dim))):
         cfg = replace(cfg, bulk=False)
@@ -1351,9 +1443,10 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
         acc_part = lse.reshape((B, H, n_q, 1, 1))
     table = _absent(2) if block_table is None else block_table
     index, starts = (_absent(1) if x is None else x for x in (cache_batch_idx, cache_leftpad))
+    mod_args = launch_args(window or (0, 0), softcap, softmax_scale, alibi, unused_slopes(lse)) if mode.mods else ()
     launch_kernel(kernel, (num_splits, blocks_y), cfg.threads, stream, cfg.smem_bytes,
                   q, k, v, seqlens, table, index, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
-                  float32(softmax_scale * LOG2E))
+                  float32(softmax_scale * LOG2E), *mod_args)
     if split:
         merge = make_merge_kernel(cfg.dtype)
         launch_kernel(merge, B * H * n_q, MERGE_THREADS, stream, 4 * num_splits, m_part, l_part, acc_part, out, lse)

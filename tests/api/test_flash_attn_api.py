@@ -35,13 +35,16 @@ def _logical_cache(x, b, block_table, cache_batch_idx):
 
 
 def _twin_decode(q, k, v, *, cache_seqlens=None, softmax_scale=None, num_splits=None, block_table=None,
-                 cache_batch_idx=None, cache_leftpad=None, causal=True):
+                 cache_batch_idx=None, cache_leftpad=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None):
     outs = []
     for b in range(q.shape[0]):
         kb, vb = (_logical_cache(x, b, block_table, cache_batch_idx) for x in (k, v))
         n = kb.shape[2] if cache_seqlens is None else int(cache_seqlens[b])
         s = 0 if cache_leftpad is None else int(cache_leftpad[b])
-        outs.append(attention_mods_torch(q[b:b + 1], kb[:, :, s:n], vb[:, :, s:n], causal, softmax_scale))
+        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b])
+        outs.append(attention_mods_torch(q[b:b + 1], kb[:, :, s:n], vb[:, :, s:n], causal, softmax_scale,
+                                         window_size, softcap, slopes))
     return torch.cat(outs), torch.zeros(q.shape[:-1], dtype=torch.float32)
 
 
@@ -158,6 +161,26 @@ def test_kvcache_appends_in_place_and_attends(twin):
     torch.testing.assert_close(out1, _ref(q[:, :1], k_cache[:, :7], v_cache[:, :7]))
 
 
+def test_kvcache_window_softcap_alibi(twin):
+    """flash-attn's variants in the KV-cache call: each sequence's own bottom-right alignment (its cache length
+    after the append), causal making the window's right 0, (B, H) slopes picked per sequence."""
+    B, Nmax, H, Hkv, d = 2, 40, 4, 2, 16
+    k_cache, v_cache = _bnhd(B, Nmax, Hkv, d, 40), _bnhd(B, Nmax, Hkv, d, 41)
+    lens = torch.tensor([30, 12], dtype=torch.int32)
+    q, kn, vn = _bnhd(B, 2, H, d, 42), _bnhd(B, 1, Hkv, d, 43), _bnhd(B, 1, Hkv, d, 44)
+    slopes = torch.rand(B, H, generator=torch.Generator().manual_seed(45)) * 0.5
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, causal=True,
+                                     window_size=(6, 3), softcap=3.0, alibi_slopes=slopes)
+    for b in range(B):
+        n = int(lens[b]) + 1
+        ref = _ref(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True, window_size=(6, 0),
+                   softcap=3.0, alibi_slopes=slopes[b])
+        torch.testing.assert_close(out[b:b + 1], ref)
+    windowless = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + 1, causal=True, softcap=3.0,
+                                           alibi_slopes=slopes)
+    assert not torch.allclose(out, windowless), "the window must change the result"
+
+
 def _paged(x, page, table_width, seed):
     """x (B, N, Hkv, d) cut into pages of ``page`` rows at random physical places: (pages, table), table
     (B, table_width) int32 with -1 past each row's pages."""
@@ -268,9 +291,6 @@ def test_kvcache_rotary(twin, interleaved, causal):
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, dropout_p=0.1), "dropout_p=0.1"),
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, block_table=torch.zeros(1, 1)),
      "block_table"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, alibi_slopes=torch.zeros(2)), "alibi_slopes"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, window_size=(4, 0)), "window_size"),
-    (lambda q, c: fa.flash_attn_with_kvcache(q[:, :1], c, c, softcap=5.0), "softcap"),
 ])
 def test_what_is_not_supported_is_named(twin, call, match):
     q, c = _bnhd(1, 17, 2, 16, 9), _bnhd(1, 40, 2, 16, 10)

@@ -151,10 +151,11 @@ def twin_launches(monkeypatch):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(grads).result()
 
-    def decode(q, k, v, *, cache_seqlens, softmax_scale, num_splits, causal=True, **cache_layout):
+    def decode(q, k, v, *, cache_seqlens, softmax_scale, num_splits, causal=True, window_size=(-1, -1), softcap=0.0,
+               alibi_slopes=None, **cache_layout):
         assert all(x is None for x in cache_layout.values()), cache_layout  # the twin knows contiguous caches only
         seen.append(("decode", _through_dispatcher()))
-        out, lse = _softmax_pv(*_masked_scores(q, k, v, causal, softmax_scale))
+        out, lse = _softmax_pv(*_masked_scores(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes))
         return out.contiguous(), lse.float()
 
     def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
@@ -211,6 +212,14 @@ def test_eager_and_op_paths_give_identical_results(twin_launches):
     assert [through for _, through in twin_launches] == [False, False, True, True]
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), name
+    q, k, v = (x.detach() for x in (q, k, v))  # decode takes the same mods, eagerly and through its op
+    eager = decode(q[:, :, -2:], k, v, causal=True, softmax_scale=0.3, window_size=(9, 0), softcap=7.0,
+                   alibi_slopes=slopes)
+    op = nft.decode_op(q[:, :, -2:], k, v, None, 0.3, None, None, None, None, True, 9, 0, 7.0, slopes)
+    assert [through for _, through in twin_launches[-2:]] == [False, True]
+    assert torch.equal(eager[0], op[0]) and torch.equal(eager[1], op[1])
+    plain = decode(q[:, :, -2:], k, v, causal=True, softmax_scale=0.3)
+    assert not torch.equal(eager[0], plain[0]), "the twin must see the mods"
 
 
 def test_traced_calls_keep_the_op(twin_launches):
@@ -303,6 +312,8 @@ def test_opcheck_mods_and_decode():
     lens = torch.tensor([700, 1, 333], device="cuda", dtype=torch.int32)
     torch.library.opcheck(nft.decode_op, (qd, kc, vc, lens, None, None))
     torch.library.opcheck(nft.decode_op, (qd, kc, vc, None, 0.05, 3))
+    slopes8 = torch.rand(8, device="cuda") * 0.1
+    torch.library.opcheck(nft.decode_op, (qd, kc, vc, lens, None, None, None, None, None, True, 200, 0, 30.0, slopes8))
 
 
 def _train_step(q, k, v, w, **kw):

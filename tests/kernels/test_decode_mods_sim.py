@@ -1,0 +1,97 @@
+"""numba_flash.decode with flash-attn's variants (sliding window, softcap, ALiBi) in the CUDA simulator, against
+reference.decode in float64, on both split kernels (block-wide and warp_split).
+
+Tiny problems on the one- and two-warp configs of test_decode_cache_sim.py. The window case also fills the V rows of
+the tiles left of every row's window with NaN: the kernel must never load them (a loaded NaN row would reach O
+through 0 · NaN), so the test fails if the tile range ignored the window's left edge.
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_ptx import in_simulator  # noqa: E402
+
+from numba_flash.decode import decode, plan  # noqa: E402
+from numba_flash.kernels.decode import DecodeConfig  # noqa: E402
+from reference.decode import decode_attention  # noqa: E402
+
+CONFIGS = {
+    "block": lambda dt, rows: DecodeConfig(16, dt, rows, block_n=8, stages=2, warps=1),
+    "warp": lambda dt, rows: DecodeConfig(16, dt, rows, block_n=16, stages=2, warps=2, warp_split=True),
+}
+
+
+def check(out, lse, ref_o, ref_l, dtype):
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_l), err_msg="rows seeing no key must be -inf")
+    assert (out[np.isneginf(ref_l)] == 0).all()
+    assert np.isfinite(out).all()
+    tol = 2e-6 if dtype == "float32" else 2e-3  # fp16: output rounding (2^-11 relative) dominates
+    err = np.abs(out.astype(np.float64) - ref_o).max(initial=0)
+    assert err <= tol * max(1.0, np.abs(ref_o).max(initial=0)), err
+    fin = np.isfinite(ref_l)
+    assert np.abs(lse[fin] - ref_l[fin]).max(initial=0) <= 1e-5 * max(1.0, np.abs(ref_l[fin]).max(initial=0))
+
+
+CASES = [  # kind, dtype, G, Nq, splits, causal, window_size, softcap, alibi
+    ("block", "float16", 2, 2, 3, True, (9, -1), 0.0, False),   # causal window: tiles left of it are skipped
+    ("block", "float32", 1, 3, 2, False, (5, 3), 4.0, True),    # a two-sided window, softcap and ALiBi together
+    ("warp", "float16", 4, 1, 2, True, (-1, -1), 2.5, True),    # softcap + ALiBi, no window
+    ("warp", "float32", 2, 2, 1, True, (20, 0), 0.0, False),    # warp_split's tile range from the window
+]
+
+
+@in_simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, dtype, G, n_q, splits, causal, window_size, softcap, alibi", CASES)
+def test_mods_against_reference_sim(kind, dtype, G, n_q, splits, causal, window_size, softcap, alibi, rng):
+    B, Hkv, n_max, d = 3, 1, 48, 16
+    H = G * Hkv
+    q = (2 * rng.standard_normal((B, H, n_q, d))).astype(dtype)  # scores of a few units: the softcap bites
+    k = rng.standard_normal((B, Hkv, n_max, d)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, n_max, d)).astype(dtype)
+    lens = np.array([n_max, 29, 1], np.int32)  # full, ragged, one key
+    slopes = rng.uniform(0.05, 0.5, (B, H)).astype(np.float32) if alibi else None
+    cfg = CONFIGS[kind](dtype, 4)
+    left = window_size[0]
+    if left >= 0:  # V rows of the tiles left of every row's window: NaN, never to be loaded
+        for b, n in enumerate(lens):
+            first = max(int(n) - n_q - left, 0) // cfg.block_n * cfg.block_n
+            v[b, :, :first] = np.nan
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=splits, config=cfg, causal=causal,
+                      window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+    v_ref = np.nan_to_num(v)  # the reference masks those keys out; its 0 · NaN would not
+    ref_o, ref_l = decode_attention(q, k, v_ref, cache_seqlens=lens, causal=causal, window_size=window_size,
+                                    softcap=softcap, alibi_slopes=slopes)
+    check(out, lse, ref_o, ref_l, dtype)
+    if left >= 0:  # the window changed the result (not a window wider than every sequence)
+        full_o, _ = decode_attention(q, k, v_ref, cache_seqlens=lens, causal=causal, softcap=softcap,
+                                     alibi_slopes=slopes)
+        assert np.abs(full_o - ref_o).max() > 1e-2
+
+
+@in_simulator
+def test_window_sizes_the_splits():
+    """The split rule counts the keys a window lets the rows see, not Nmax."""
+    q = np.ones((1, 8, 1, 64), np.float16)
+    k = np.ones((1, 8, 32768, 64), np.float16)
+    full = plan(q, k, k)[2]
+    windowed = plan(q, k, k, window_size=(255, 0))[2]
+    assert windowed < full, (windowed, full)
+
+
+@in_simulator
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(window_size=(4, 2)), ValueError, "right"),  # causal decoding takes right 0 or -1
+    (dict(window_size=(-2, 0)), ValueError, "window_size left"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, "alibi_slopes has shape"),
+    (dict(alibi_slopes=np.ones(2, np.float64)), TypeError, "alibi_slopes"),
+])
+def test_mods_refusals_name_the_argument(kwargs, exc, match):
+    q = np.ones((1, 2, 1, 16), np.float16)
+    k = np.ones((1, 1, 8, 16), np.float16)
+    with pytest.raises(exc, match=match):
+        decode(q, k, k, **kwargs)
