@@ -419,36 +419,34 @@ def _ws_here() -> bool:
 
 
 def ws_blockers(p: Problem, views=None) -> list[str]:
-    """Why a tensor-core call does not take the warp-specialised forward's tile (empty when it does): varlen runs
-    elsewhere, and TMA needs every stride of a dim > 1 positive and 16-byte rows of O (d % 8 == 0). The masks and
-    mods (window, softcap, ALiBi, user mods, a BlockMask) run in it."""
+    """Why a tensor-core call does not take the warp-specialised forward's tile (empty when it does): TMA needs every
+    stride of a dim > 1 positive (varlen's views repeat the pack along the batch with stride 0: its maps cover the
+    pack once) and 16-byte rows of O (d % 8 == 0). The masks and mods (window, softcap, ALiBi, user mods, a
+    BlockMask) and varlen run in it."""
     out = []
-    if p.varlen:
-        out.append("varlen runs on the wgmma forward, not the warp-specialised one")
     if p.n_k == 0:
         out.append("Nk = 0: no keys to load (the wgmma forward writes O = 0, L = -inf)")
     if p.d % 8:  # O is ours, contiguous: its map (TMA store) needs 16-byte rows
         out.append(f"O rows of {p.d} x 2 B are not a multiple of 16 B, which a TMA map needs")
     for name, x in zip("qkv", views or ()):
-        if any(st <= 0 for st, n in zip(x.strides, x.shape) if n > 1):
+        dims = list(zip(x.strides, x.shape))[1 if p.varlen else 0:]
+        if any(st <= 0 for st, n in dims if n > 1):
             out.append(f"{name} strides {tuple(x.strides)} B: a TMA map needs positive strides (a broadcast dim "
                        "runs on the wgmma forward)")
     return out
 
 
 def launch_mma_forward(q, k, v, out, lse, tile, **kw):
-    """The tensor-core forward of a tile from mma_config: kernels/wgmma_ws_forward.py for a "ws" tile (no varlen:
-    refused, never dropped; its TMA maps check the layout themselves), kernels/wgmma_forward.py for a "wgmma"
-    tile, else kernels/mma_forward.py (keyword arguments: their launch's)."""
+    """The tensor-core forward of a tile from mma_config: kernels/wgmma_ws_forward.py for a "ws" tile (its TMA maps
+    check the layout themselves), kernels/wgmma_forward.py for a "wgmma" tile, else kernels/mma_forward.py (keyword
+    arguments: their launch's)."""
     if tile.has("ws"):
-        if kw.get("varlen") is not None:
-            raise ValueError(f"the warp-specialised forward ({tile}) has no varlen build (the wgmma forward has)")
         if tile.has("persistent"):
             from .decode import _sm_count  # (decode imports this module)
 
             kw["n_sm"] = _sm_count()
         return wgmma_ws_forward.launch(q, k, v, out, lse, tile, **{key: val for key, val in kw.items()
-                                                                    if key not in ("layout_checked", "varlen")})
+                                                                    if key != "layout_checked"})
     return (wgmma_forward if tile.has("wgmma") else mma_forward).launch(q, k, v, out, lse, tile, **kw)
 
 
@@ -535,7 +533,11 @@ def choose_kernel(p: Problem, kernel: str = "auto", views=None, not_ws: list | N
                        f"warpgroups x 64 rows run wgmma.mma_async m64n{cfg.block_k}k16 for Q·Kᵀ and "
                        f"m64n{head_dim}k16 for P·V with P from registers; {p.dtype} in, fp32 accumulate), "
                        f"{cfg.block_q}x{cfg.block_k} tiles, head dim {head_dim}"]
-            variants = [words for key, words in _WS_VARIANT_WORDS.items() if cfg.has(key)]
+            variants = [words for key, words in _WS_VARIANT_WORDS.items()
+                        if cfg.has(key) and not (key == "tma_store" and p.varlen)]
+            if p.varlen and cfg.has("tma_store"):
+                reasons.append("varlen: O stored from the fragments, not by the tile's TMA store (a Q tile's box "
+                               "runs past its sequence's rows)")
         elif cfg.has("wgmma"):
             reasons = [f"mma: tensor cores (sm_90 warpgroup MMA: wgmma.mma_async m64n{cfg.block_k}k16 for Q·Kᵀ, "
                        f"m64n{head_dim}k16 for P·V with P from registers; {p.dtype} in, fp32 accumulate), "

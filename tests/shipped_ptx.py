@@ -307,6 +307,14 @@ def cases() -> dict:
             wgmma_forward.launch(a["q"], a["k"], a["v"], a["out"], a["lse"], configs.MMA_WGMMA[hd, causal],
                                  causal=causal, softmax_scale=0.1, layout_checked=True, varlen=varlen)
         out[f"fwd-wgmma-varlen/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
+    for (hd, causal) in sorted(configs.MMA_WGMMA_WS):  # sm_90's varlen forward: the ws tiles, tma_store dropped
+        dtype = "bfloat16" if causal else "float16"
+
+        def call(hd=hd, causal=causal, dtype=dtype):
+            a, varlen = varlen_arrays(dtype, hd, 0)
+            ws_launch(_views(), a["q"], a["k"], a["v"], a["out"], a["lse"], configs.MMA_WGMMA_WS[hd, causal],
+                      causal=causal, softmax_scale=0.1, varlen=varlen)
+        out[f"fwd-ws-varlen/d{hd}/{'causal' if causal else 'full'}/{dtype}"] = call
     for target, hd, causal, scheme in (("sm90", 128, True, "splits"), ("sm90", 128, True, "atomic"),
                                        ("sm90", 64, False, "kernel"), ("sm80", 128, True, "atomic"),
                                        ("sm90", 192, False, "splits"), ("sm90", 256, True, "kernel")):
@@ -469,6 +477,7 @@ CI_PATTERNS = (
     r"^fwd-mma/d128/causal/float16/d128$", r"^fwd-mma/d128/causal/bfloat16/d124$", r"^fwd-mma/d256/causal/bfloat16/d256$",
     r"^fwd-mma-small/d256/full/", r"^fwd-wgmma/d128/causal/float16/d128$", r"^fwd-wgmma/d64/causal/bfloat16/d60$",
     r"^fwd-ws/d128/(full|causal)/float16$", r"^fwd-wgmma-varlen/d128/causal/bfloat16$",
+    r"^fwd-ws-varlen/d128/causal/bfloat16$",
     r"^fwd-tf32x3/d128/causal/float32/rn$", r"^fwd-tf32x1/d128/full/float32/rn$", r"^fwd-tf32x3/d32/full/float32/rna$",
     r"^fwd-simt/d64/causal/float32$", r"^fwd-simt/d128/full/bfloat16$",
     r"^bwd-mma/d128/causal/float16/sm90/(kernel|splits|atomic)/d128$", r"^bwd-mma/d128/full/bfloat16/sm80/atomic/d124$",

@@ -125,13 +125,40 @@ def forward_entry(body, home: dict, name: str, mods: bool, slopes_stand_in: str 
     return _at_home(kernel, home, name)
 
 
-def maps_entry(body, home: dict, name: str, mods: bool, user_aux: int = -1):
+def maps_entry(body, home: dict, name: str, mods: bool, user_aux: int = -1, varlen: bool = False, block_q: int = 0,
+               grid_bh_x: bool = False):
     """The kernel (before cuda.jit) of a forward that reads q, k and v through TMA maps (kernels/wgmma_ws_forward.py),
     named ``name`` (``name + "_mods"`` with mods, ``name + "_user"`` with user mods) in module ``home``:
     (maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2), then MOD_ARGS with mods, then user_aux aux arrays
-    (user_aux >= 0), which ``body`` gets as one tuple, its last parameter. Without mods the body gets constants
-    for MOD_ARGS (lse stands in for the slopes), which its pruned branches never read."""
+    (user_aux >= 0), which ``body`` gets as one tuple, its parameter ``aux``. Without mods the body gets constants
+    for MOD_ARGS (lse stands in for the slopes), which its pruned branches never read.
+
+    varlen: the packed-sequences form (``name + "_varlen"``), VARLEN_ARGS last. The block finds its sequence b
+    from blockIdx as varlen_rules("q_tiles", block_q, grid_bh_x) says (heads = out.shape[1]), returns at once
+    where its Q tile lies past the sequence, and runs the body with the sequence's lengths for n_q and n_k and
+    its first rows as the body's q_base, k_base (parameters after aux)."""
     lead = "maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2"
+    if varlen:
+        if user_aux >= 0:
+            raise ValueError("maps_entry: user mods have no varlen build")
+        sequence, outside = varlen_rules("q_tiles", block_q, grid_bh_x)
+        mod_params = ", left, right, cap_a, cap_b, slopes, inv_scale" if mods else ""
+        mod_call = mod_params if mods else ", 0, 0, zero, zero, lse, zero"
+        src = (f"def make(body, zero, sequence, outside, int32):\n"
+               f"    def kernel({lead}{mod_params}, cu_q, cu_k):\n"
+               f"        b = sequence(out)\n"
+               f"        q_base = cu_q[b]\n"
+               f"        k_base = cu_k[b]\n"
+               f"        n_q_b = int32(cu_q[b + 1] - q_base)\n"
+               f"        n_k_b = int32(cu_k[b + 1] - k_base)\n"
+               f"        if outside(n_q_b, n_k_b, 0):\n"
+               f"            return\n"
+               f"        body(maps, out, lse, n_heads, n_q_b, n_k_b, d, group, scale_log2{mod_call}, (), q_base, k_base)\n"
+               f"    return kernel\n")
+        scope: dict = {}
+        exec(compile(src, f"<maps_entry {name}_varlen>", "exec"), scope)
+        suffix = ("_mods" if mods else "") + "_varlen"
+        return _at_home(scope["make"](body, float32(0.0), sequence, outside, int32), home, name + suffix)
     if user_aux >= 0:
         aux = [f"aux{i}" for i in range(user_aux)]
         params = lead + ", left, right, cap_a, cap_b, slopes, inv_scale" + "".join(", " + a for a in aux)

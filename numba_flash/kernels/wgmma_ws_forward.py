@@ -48,13 +48,13 @@ from numba import cuda, float32, int32, int64, types, uint16, uint32
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
 from ..jit_cache import compile_kernel
+from ..launch import DeviceView, unused_slopes
 from ..launch import launch as launch_kernel
-from ..launch import unused_slopes
 from ..ptx import WGMMA_ALIGN, inline_device, tma
 from ..ptx.warpgroup import wgmma_hold_a
 from ..tiles import Tile
 from ..blocks.copies import atom_offset
-from ..blocks.entry import MOD_ARGS, forward_grid, maps_entry
+from ..blocks.entry import MOD_ARGS, VARLEN_ARGS, forward_grid, maps_entry, varlen_key
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
 from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
@@ -73,11 +73,12 @@ BAR_BYTES = 8
 MAPS = ("q", "k", "v", "o")  # map i at byte i * TMAP_BYTES of the kernel's maps array
 
 
-def kernel_signature(mods: Mods = NO_MODS):
+def kernel_signature(mods: Mods = NO_MODS, varlen: bool = False):
     """(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2): the tensor maps (uint8, MAPS order), O as
     16-bit words, L float32; with mods blocks.entry.MOD_ARGS, then the user mods' aux arrays and a BlockMask's
-    lists (blocks.mods.user_aux_types)."""
+    lists (blocks.mods.user_aux_types); varlen: cu_seqlens_q and cu_seqlens_k last (blocks.entry.VARLEN_ARGS)."""
     tail = (MOD_ARGS + user_aux_types(mods)) if mods.any else ()
+    tail += VARLEN_ARGS if varlen else ()
     return types.void(types.Array(types.uint8, 1, "A"), types.Array(types.uint16, 4, "A"),
                       types.Array(types.float32, 3, "A"), int32, int32, int32, int32, int32, float32, *tail)
 
@@ -102,7 +103,7 @@ def smem_bytes(tile: Tile) -> int:
     return 2 * words + BAR_BYTES * (2 + 4 * tile.stages)
 
 
-def problems(tile: Tile, dtype: str) -> list:
+def problems(tile: Tile, dtype: str, varlen: bool = False) -> list:
     """Why a specialisation cannot be built (empty when it can)."""
     out = []
     bq, bk, hd = tile.block_q, tile.block_k, tile.head_dim
@@ -122,6 +123,11 @@ def problems(tile: Tile, dtype: str) -> list:
         out.append(f"flags {unknown}: not among {FLAGS}")
     if tile.has("persistent") and tile.has("grid_bh_x"):
         out.append("persistent with grid_bh_x: a persistent grid walks its own heaviest-first order")
+    if varlen and tile.has("persistent"):
+        out.append("persistent with varlen: a persistent grid walks the work items of one dense batch")
+    if varlen and tile.has("tma_store"):
+        out.append("tma_store with varlen: a Q tile's box runs past its sequence into the next one's rows (the "
+                   "fragment stores stop at the sequence's end; launch drops the flag)")
     if tile.has("setmaxnreg") and tile.warps != 12:
         out.append("setmaxnreg: built for two consumer warpgroups (warps=12)")
     if tile.has("pingpong") and tile.warps != 12:
@@ -137,11 +143,19 @@ def problems(tile: Tile, dtype: str) -> list:
     return out
 
 
-def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
+def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, varlen: bool = False):
     """The Python kernel for one specialisation (before cuda.jit). mods: a window, softcap, ALiBi, user mask /
     score mods, or a BlockMask's key-tile lists (blocks/mods.py, blocks/sparsity.py) on the S fragments, as
     wgmma_forward applies them; the producer and the consumers walk the same key tiles (the window's range, or
-    the lists) so the ring stays in step."""
+    the lists) so the ring stays in step.
+
+    varlen: packed sequences (blocks.entry.maps_entry's varlen form). The maps are over the packed arrays as one
+    batch, so a block loads its sequence's rows at q_base + row and keys at k_base + key (batch coordinate 0);
+    the boxes of a sequence's last Q and K/V tiles run on into the next sequence's rows (past the pack: zeros).
+    Those keys are masked like keys past n_k (their scores become -inf whatever K held), those rows are never
+    stored, and each consumer warpgroup zeroes the V rows past n_k of the tile that crosses it (the walk's last)
+    before its P·V (``clear_past_keys``): P = 0 times a NaN or inf of the next sequence would be NaN, and no other
+    sequence may reach this one's O."""
     BLOCK_Q, BLOCK_K, HEAD_DIM, STAGES_ = tile.block_q, tile.block_k, tile.head_dim, tile.stages
     WINDOW, SOFTCAP, ALIBI = bool(mods.window), bool(mods.softcap), bool(mods.alibi)
     SCORE_MODS = SOFTCAP or ALIBI
@@ -154,6 +168,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
     SETMAXNREG, PINGPONG, TMA_STORE = tile.has("setmaxnreg"), tile.has("pingpong"), tile.has("tma_store")
     OVERLAP = tile.has("overlap")
     PERSISTENT = tile.has("persistent")
+    VARLEN = bool(varlen)
     CONSUMERS = consumers(tile)
     CONSUMER_WARPS = 4 * CONSUMERS
     ATOMS = HEAD_DIM // 64  # 64-column atoms of a row: one TMA box each
@@ -355,22 +370,47 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         pack_p(a_p, s)
 
     @inline_device
-    def load_kv(smem, maps, R, j, h_kv, b):
+    def clear_past_keys(smem, slot, j, n_k, c, warp_c, lane):
+        """varlen: the V rows past n_k of tile j in slot (the next sequence's keys) set to zero by this consumer
+        warpgroup before its P·V reads them (the whole 128-byte rows of every atom: the swizzle only permutes
+        chunks within a row); the other warpgroup writes the same zeros. Generic-proxy stores, then
+        fence.proxy.async and the warpgroup's named barrier, so its wgmma (the async proxy) sees them."""
+        valid = n_k - j * BLOCK_K
+        if valid < BLOCK_K:  # uniform over the warpgroup: every thread takes the barrier
+            first = max(valid, 0)
+            per_row = ATOMS * 32  # 32-bit words of a row over the atoms
+            base = SV + slot * KV_WORDS
+            for i in range(32 * (warp_c & 3) + lane, (BLOCK_K - first) * per_row, 128):
+                r = first + i // per_row
+                rest = i - (r - first) * per_row
+                a = rest // 32
+                ptx.st_shared_b32(smem, base + a * KV_ATOM + r * 64 + 2 * (rest - 32 * a), uint32(0))
+            fence_async()
+            if c == 0:
+                o_ready0()
+            else:
+                o_ready1()
+
+    @inline_device
+    def load_kv(smem, maps, R, j, h_kv, b, k_base):
         """Ring step R (over the block's whole walk): K_j and V_j into slot R % STAGES, each once its previous
-        tile (step R - STAGES) is released."""
+        tile (step R - STAGES) is released; keys from row k_base on (varlen: the sequence's first key)."""
         slot = R % STAGES_
+        row = j * BLOCK_K + k_base
+        if VARLEN:
+            b = 0  # the maps' one batch: the whole pack
         if R >= STAGES_:  # the consumers released this slot's previous K
             wait_phase(smem, K_EMPTY + 4 * slot, (R // STAGES_ - 1) & 1)
         expect_tx(smem, K_FULL + 4 * slot, KV_BYTES)
         for a in range(ATOMS):
-            load(smem, SK + slot * KV_WORDS + a * KV_ATOM, maps, MAP_K, smem, K_FULL + 4 * slot, a * 64,
-                 j * BLOCK_K, h_kv, b)
+            load(smem, SK + slot * KV_WORDS + a * KV_ATOM, maps, MAP_K, smem, K_FULL + 4 * slot, a * 64, row,
+                 h_kv, b)
         if R >= STAGES_:  # ... and its previous V
             wait_phase(smem, V_EMPTY + 4 * slot, (R // STAGES_ - 1) & 1)
         expect_tx(smem, V_FULL + 4 * slot, KV_BYTES)
         for a in range(ATOMS):
-            load(smem, SV + slot * KV_WORDS + a * KV_ATOM, maps, MAP_V, smem, V_FULL + 4 * slot, a * 64,
-                 j * BLOCK_K, h_kv, b)
+            load(smem, SV + slot * KV_WORDS + a * KV_ATOM, maps, MAP_V, smem, V_FULL + 4 * slot, a * 64, row,
+                 h_kv, b)
 
     @inline_device
     def work(w, n_bh, q_tiles):
@@ -384,7 +424,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         return cuda.gridDim.x - 1 - cuda.blockIdx.x, cuda.blockIdx.y
 
     @inline_device
-    def produce_item(smem, maps, w, R0, i, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles):
+    def produce_item(smem, maps, w, R0, i, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles, q_base, k_base):
         """Work item w (the block's i-th, its ring steps from R0): Q, then K_j and V_j of each step; persistent and
         not the first item: its first STAGES steps before its Q, which waits for the consumers to release the Q tile
         (O's store reads it). Returns the item's step count."""
@@ -399,18 +439,18 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
             pre = min(n_iter, int32(STAGES_))
             for r in range(pre):
                 j, _ = key_tile(r, j_first, b, h, q_tile, aux)
-                load_kv(smem, maps, R0 + r, j, h_kv, b)
+                load_kv(smem, maps, R0 + r, j, h_kv, b, k_base)
             wait_phase(smem, Q_EMPTY, (i - 1) & 1)
         expect_tx(smem, Q_FULL, Q_BYTES)
         for a in range(ATOMS):
-            load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q0, h, b)
+            load(smem, SQ + a * Q_ATOM, maps, MAP_Q, smem, Q_FULL, a * 64, q_base + q0, h, 0 if VARLEN else b)
         for r in range(pre, n_iter):
             j, _ = key_tile(r, j_first, b, h, q_tile, aux)
-            load_kv(smem, maps, R0 + r, j, h_kv, b)
+            load_kv(smem, maps, R0 + r, j, h_kv, b, k_base)
         return n_iter
 
     @inline_device
-    def producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles):
+    def producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles, q_base, k_base):
         """One thread of warpgroup 0 loads every work item's tiles into the ring, a slot refilled once released."""
         if SETMAXNREG:
             regs_down()
@@ -422,14 +462,16 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
                 i = int32(0)
                 for w in range(cuda.blockIdx.x, n_bh * q_tiles, cuda.gridDim.x):
                     R0 += produce_item(smem, maps, w, R0, i, n_heads, n_q, n_k, group, left, right, aux, n_bh,
-                                       q_tiles)
+                                       q_tiles, q_base, k_base)
                     i += 1
             else:
-                produce_item(smem, maps, 0, 0, 0, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles)
+                produce_item(smem, maps, 0, 0, 0, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles, q_base,
+                             k_base)
 
     @inline_device
     def consume_item(smem, maps, out, lse, w, R0, i, c, warp_c, lane, g, t, base16, q16, s, acc, m_i, l_i, n_heads,
-                     n_q, n_k, d, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale, scale, aux, n_bh, q_tiles):
+                     n_q, n_k, d, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale, scale, aux, n_bh, q_tiles,
+                     q_base):
         """Work item w (the block's i-th, its ring steps from R0) for warpgroup c: query rows q0 + 64c .., the
         products, the softmax and O's store; persistent: then it releases the Q tile. Returns the step count."""
         shift = n_k - n_q
@@ -470,6 +512,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
             if n_iter > 0:
                 last = R0 + n_iter - 1
                 wait_phase(smem, V_FULL + 4 * (last % STAGES_), (last // STAGES_) & 1)
+                if VARLEN:  # the walk's last tile is the only one that can cross n_k
+                    j_last, _ = key_tile(n_iter - 1, j_first, b, h, q_tile, aux)
+                    clear_past_keys(smem, last % STAGES_, j_last, n_k, c, warp_c, lane)
                 issue_o(smem, acc, a_p, base16 + ((SV + (last % STAGES_) * KV_WORDS) >> 3))
                 wait0()
                 hold_o(acc)
@@ -501,6 +546,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
                 m_nw = cuda.local.array(2, float32)
                 softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
                 wait_phase(smem, V_FULL + 4 * slot, parity)
+                if VARLEN:
+                    clear_past_keys(smem, slot, j, n_k, c, warp_c, lane)
                 product_o(smem, acc, s, base16 + ((SV + slot * KV_WORDS) >> 3))
                 if lane == 0:
                     arrive(smem, V_EMPTY + 4 * slot)
@@ -510,7 +557,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
             row = row_w + 8 * mr + g
             inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
             if row < n_q and t == 0:
-                lse[b, h, row] = row_lse(m_i[mr], l_row) if l_row != ZERO else NEG_INF
+                lse[b, h, q_base + row] = row_lse(m_i[mr], l_row) if l_row != ZERO else NEG_INF
             if TMA_STORE:  # into this warpgroup's rows of the Q tile (its last Q·Kᵀ has retired)
                 r_wg = 16 * (warp_c & 3) + 8 * mr + g
                 for dt in range(O_TILES):
@@ -523,9 +570,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
                         col = dt * 8 + 2 * t
                         bits = pack(acc[dt, 2 * mr] * inv_l, acc[dt, 2 * mr + 1] * inv_l)
                         if col < d:
-                            out[b, h, row, col] = uint16(bits & 0xFFFF)
+                            out[b, h, q_base + row, col] = uint16(bits & 0xFFFF)
                         if col + 1 < d:
-                            out[b, h, row, col + 1] = uint16(bits >> 16)
+                            out[b, h, q_base + row, col + 1] = uint16(bits >> 16)
         if TMA_STORE:
             fence_async()  # the st.shared above, visible to the TMA engine's reads
             if c == 0:
@@ -545,7 +592,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
 
     @inline_device
     def consumer(smem, maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
-                 inv_scale, aux, n_bh, q_tiles):
+                 inv_scale, aux, n_bh, q_tiles, q_base):
         """Warpgroup c = wg - 1: its rows of every work item."""
         if SETMAXNREG:
             regs_up()
@@ -573,16 +620,16 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
             for w in range(cuda.blockIdx.x, n_bh * q_tiles, cuda.gridDim.x):
                 R0 += consume_item(smem, maps, out, lse, w, R0, i, c, warp_c, lane, g, t, base16, q16, s, acc, m_i,
                                    l_i, n_heads, n_q, n_k, d, scale_log2, left, right, cap_a, cap_b, alibi,
-                                   inv_scale, scale, aux, n_bh, q_tiles)
+                                   inv_scale, scale, aux, n_bh, q_tiles, q_base)
                 i += 1
         else:
             consume_item(smem, maps, out, lse, 0, 0, 0, c, warp_c, lane, g, t, base16, q16, s, acc, m_i, l_i,
                          n_heads, n_q, n_k, d, scale_log2, left, right, cap_a, cap_b, alibi, inv_scale, scale, aux,
-                         n_bh, q_tiles)
+                         n_bh, q_tiles, q_base)
 
     @inline_device
     def ws_body(maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
-                inv_scale, aux=()):
+                inv_scale, aux=(), q_base=0, k_base=0):
         smem = cuda.shared.array(0, uint16, alignment=WGMMA_ALIGN)  # atoms: 1024-byte aligned
         n_bh, q_tiles = 0, 0  # persistent: the work items are (q tile, b·h) pairs
         if PERSISTENT:
@@ -602,24 +649,37 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
         cuda.syncthreads()
 
         if cuda.threadIdx.x < 128:  # warpgroup 0, the producer
-            producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles)
+            producer(smem, maps, n_heads, n_q, n_k, group, left, right, aux, n_bh, q_tiles, q_base, k_base)
         else:
             consumer(smem, maps, out, lse, n_heads, n_q, n_k, d, group, scale_log2, left, right, cap_a, cap_b, alibi,
-                     inv_scale, aux, n_bh, q_tiles)
+                     inv_scale, aux, n_bh, q_tiles, q_base)
 
     return maps_entry(ws_body, globals(), "wgmma_ws_forward", mods.any,
-                      user_aux=len(user_aux_types(mods)) if USER else -1)
+                      user_aux=len(user_aux_types(mods)) if USER else -1, varlen=VARLEN, block_q=BLOCK_Q,
+                      grid_bh_x=GRID_BH_X)
 
 
 @lru_cache(maxsize=None)
-def build(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS):
+def build(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, varlen: bool = False):
     """The compiled kernel for one specialisation (sm_90 only: TMA, wgmma and setmaxnreg are sm_90(a))."""
-    bad = problems(tile, dtype)
+    bad = problems(tile, dtype, varlen)
+    if mods.user and varlen:
+        bad.append("user mods have no varlen build")
     if bad:
-        raise ValueError(f"wgmma_ws forward ({tile}, {dtype}) cannot be built: {'; '.join(bad)}")
-    key = ("wgmma_ws_forward", tile, bool(causal), dtype, mods)
+        raise ValueError(f"wgmma_ws forward ({tile}, {dtype}{', varlen' if varlen else ''}) cannot be built: "
+                         f"{'; '.join(bad)}")
+    key = ("wgmma_ws_forward", tile, bool(causal), dtype, mods) + varlen_key(varlen)
     options = {} if ptx.SIMULATOR else {"max_registers": max_registers(tile)}
-    return compile_kernel(key, kernel_signature(mods), kernel_source(tile, bool(causal), dtype, mods), **options)
+    return compile_kernel(key, kernel_signature(mods, varlen), kernel_source(tile, bool(causal), dtype, mods, varlen),
+                          **options)
+
+
+def one_batch(x):
+    """A varlen (B, H, total, d) view with batch stride 0 as its first batch, (1, H, total, d): the whole pack, which
+    the tensor maps cover once."""
+    if isinstance(x, DeviceView):
+        return DeviceView(x.ptr, (1,) + tuple(x.shape[1:]), x.strides, x.dtype, x.owner)
+    return x[:1]
 
 
 def check_arrays(q, k, v, out, lse, tile: Tile):
@@ -640,14 +700,20 @@ def check_arrays(q, k, v, out, lse, tile: Tile):
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mods: Mods = NO_MODS, window=(0, 0),
-           softcap=0.0, alibi=None, aux=(), n_sm=None):
+           softcap=0.0, alibi=None, aux=(), n_sm=None, varlen=None):
     """Run the warp-specialised forward on device arrays (B, H, N, d), f16 or bf16 bits as uint16; L float32 (B, H,
     Nq). q, k, v (and out with tma_store) need 16-byte aligned data and byte strides of 16-byte multiples (TMA).
-    mods, window, softcap, alibi, aux: as wgmma_forward.launch's (no varlen here). n_sm: the GPU's SM count, which
-    a persistent tile's grid takes."""
+    mods, window, softcap, alibi, aux: as wgmma_forward.launch's. n_sm: the GPU's SM count, which a persistent
+    tile's grid takes. varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) as
+    wgmma_forward.launch takes it (views of the packed arrays with a batch stride of 0); the tile's tma_store is
+    dropped (the fragment stores stop at each sequence's end) and a persistent tile refused."""
+    if varlen is not None and tile.has("tma_store"):
+        tile = tile.with_(flags=tile.flags - {"tma_store"})
     check_arrays(q, k, v, out, lse, tile)
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
+    if varlen is not None:
+        n_q, n_k = int(varlen[2]), int(varlen[3])
     if B * H * n_q == 0:
         return
     if not softmax_scale > 0:
@@ -658,11 +724,14 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
         raise ValueError(f"wgmma_ws forward: alibi / aux arrays without the mods that read them (mods {mods})")
     words = [x if np.dtype(x.dtype) == WORD else x.view(WORD) for x in (q, k, v, out)]
     dtype = "bfloat16" if np.dtype(q.dtype) == WORD else "float16"
-    specs = [(words[0], tile.block_q), (words[1], tile.block_k), (words[2], tile.block_k)]
+    mapped = [one_batch(x) for x in words[:3]] if varlen is not None else words[:3]
+    specs = [(mapped[0], tile.block_q), (mapped[1], tile.block_k), (mapped[2], tile.block_k)]
     if tile.has("tma_store"):
         specs.append((words[3], 64))
     maps = device_maps(specs, stream) if ptx.SIMULATOR else maps_view(specs, stream)
     q_tiles = (n_q + tile.block_q - 1) // tile.block_q
+    if tile.has("persistent") and varlen is not None:
+        raise ValueError(f"wgmma_ws forward: a persistent tile ({tile}) has no varlen build")
     if tile.has("persistent"):  # one block per SM (or per work item, if fewer) walks the work items
         if not n_sm or n_sm < 1:
             raise ValueError(f"wgmma_ws forward: a persistent tile needs n_sm (the GPU's SM count), got {n_sm!r}")
@@ -672,4 +741,9 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
     args = (maps, words[3], lse, H, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
         args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux)
-    launch_kernel(build(tile, bool(causal), dtype, mods), grid, threads(tile), stream, smem_bytes(tile), *args)
+    extra = {}
+    if varlen is not None:
+        args += (varlen[0], varlen[1])
+        extra["varlen"] = True  # passed only when on: the dense builds keep their cache key
+    launch_kernel(build(tile, bool(causal), dtype, mods, **extra), grid, threads(tile), stream, smem_bytes(tile),
+                  *args)

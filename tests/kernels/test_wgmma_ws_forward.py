@@ -430,15 +430,13 @@ def test_shipped_ws_tiles_build():
 
 
 def test_ws_tile_refuses_what_it_cannot_run(rng):
-    """launch_mma_forward with a ws tile and varlen, or the ws launch with ALiBi slopes or aux arrays but no mods
-    that read them: an error, never a silently dropped argument."""
-    from numba_flash.api import launch_mma_forward
+    """The ws launch with ALiBi slopes or aux arrays but no mods that read them, or a persistent tile with varlen:
+    an error, never a silently dropped argument."""
     from numba_flash.configs import MMA_WGMMA_WS
 
     tile = MMA_WGMMA_WS[128, False]
-    with pytest.raises(ValueError, match="no varlen build"):
-        launch_mma_forward(None, None, None, None, None, tile, causal=False, softmax_scale=0.1,
-                           varlen=(None, None, 8, 8))
+    assert any("persistent with varlen" in p for p in ws.problems(tile.with_(flags=tile.flags | {"persistent"}),
+                                                                  "float16", varlen=True))
     q = np.zeros((1, 1, 8, 128), np.float16)
     lse = np.zeros((1, 1, 8), np.float32)
     for kw in ({"alibi": np.zeros((1, 1), np.float32)}, {"aux": (np.zeros(3, np.int32),)}):
@@ -447,9 +445,9 @@ def test_ws_tile_refuses_what_it_cannot_run(rng):
 
 
 def test_ws_blockers_name_each_reason():
-    """ws_blockers: a plain call and a call with mods have none; varlen, Nk = 0, O rows that are not 16-byte
-    multiples and a broadcast (zero-stride) view each give their reason, so auto keeps such a call on the wgmma
-    forward."""
+    """ws_blockers: a plain call, a call with mods and a varlen one (its views' batch stride 0 aside) have none;
+    Nk = 0, O rows that are not 16-byte multiples and a broadcast (zero-stride) view each give their reason, so
+    auto keeps such a call on the wgmma forward."""
     from numba_flash.api import Problem, ws_blockers
 
     def problem(**kw):
@@ -462,7 +460,9 @@ def test_ws_blockers_name_each_reason():
 
     assert ws_blockers(problem()) == []
     assert ws_blockers(problem(softcap=30.0, window_size=(20, 3))) == []
-    assert "varlen" in " ".join(ws_blockers(problem(varlen=True)))
+    assert ws_blockers(problem(varlen=True)) == []
+    packed = np.lib.stride_tricks.as_strided(np.zeros((1, 2, 90, 64), np.float16), (3, 2, 90, 64), (0, 128, 256, 2))
+    assert ws_blockers(problem(varlen=True, B=3), (packed, packed, packed)) == []  # the pack's batch stride 0
     assert "Nk = 0" in " ".join(ws_blockers(problem(n_k=0)))
     assert "O rows of 100 x 2 B" in " ".join(ws_blockers(problem(d=100)))
     broadcast = np.lib.stride_tricks.as_strided(np.zeros((1, 1, 50, 64), np.float16), (1, 2, 50, 64), (0, 0, 128, 2))
@@ -495,6 +495,49 @@ def test_forward_routes_plain_calls_to_ws_sim(monkeypatch, rng):
     np.testing.assert_allclose(lse, lse_ref, atol=1e-4)
     capped = numba_flash.explain(q, k, v, softcap=30.0)
     assert "warp-specialised" in capped and "mods: softcap 30" in capped, capped
+
+
+@in_simulator
+@pytest.mark.parametrize("causal, mods", [(True, False), (False, True)])
+def test_varlen_forward_on_ws_sim(causal, mods, monkeypatch, rng):
+    """varlen_forward on the ws kernel (patched on, a small tile with the TMA store, which varlen drops): three
+    sequences of their own lengths (one of a single row, one shorter than a Q tile's box and one over two), their
+    boxes running into the next sequence's rows (the last one's into NaN rows past the pack); per-sequence causal, or
+    a window, softcap and (B, H) ALiBi with GQA. Against reference.varlen in float64 by the error rule."""
+    import numba_flash
+    from numba_flash import api
+    from reference.varlen import varlen_attention
+
+    small = Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap", "tma_store",
+                                                          "grid_bh_x"})
+    monkeypatch.setattr(api, "_ws_here", lambda: True)
+    monkeypatch.setattr(api, "MMA_WGMMA_WS", {(64, causal): small})
+    H, Hkv, d = (2, 1, 64) if mods else (1, 1, 64)  # GQA with the mods (simulated blocks are slow: few heads)
+    lens_q, lens_k = [1, 50, 140], [30, 45, 150]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = (rng.standard_normal((cu_q[-1], H, d)) * 1.5).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], Hkv, d)).astype(np.float16) for _ in range(2))
+    # NaN rows after the pack (no sequence's: the offsets are not checked) that the last sequence's boxes read: its
+    # V rows past n_k must be cleared before P·V, its Q rows past n_q never stored
+    q_nan, k_nan, v_nan = (np.concatenate([x, np.full((40,) + x.shape[1:], np.nan, x.dtype)]) for x in (q, k, v))
+    kw = dict(causal=causal)
+    if mods:
+        kw.update(window_size=(33, 12), softcap=6.0, alibi_slopes=(rng.random((3, H)) * 0.3).astype(np.float32))
+    launched = []
+    ws_launch = ws.launch
+    monkeypatch.setattr(ws, "launch", lambda *a, **k_: (launched.append(k_.get("varlen")), ws_launch(*a, **k_))[1])
+    out, lse = numba_flash.varlen_forward(q_nan, k_nan, v_nan, cu_q, cu_k, max(lens_q), max(lens_k),
+                                          check_seqlens=False, **kw)
+    assert len(launched) == 1 and launched[0] is not None, "the ws kernel ran the pack"
+    out, lse = out[:cu_q[-1]], lse[:, :cu_q[-1]]
+    ref, lse_ref = varlen_attention(q, k, v, cu_q, cu_k, **kw)
+    naive, _ = varlen_attention(q, k, v, cu_q, cu_k, dtype=np.float16, **kw)
+    err, naive_err = np.abs(out.astype(np.float64) - ref).max(), np.abs(naive.astype(np.float64) - ref).max()
+    assert err <= 2 * naive_err + 1e-3, (err, naive_err)
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=1e-4)
 
 
 SMALL_WS = {"overlap": Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap",
