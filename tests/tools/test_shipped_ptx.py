@@ -14,7 +14,8 @@ import pytest
 import shipped_ptx
 
 FAMILIES = ("fwd-mma/", "fwd-mma-small/", "fwd-wgmma/", "fwd-ws/", "fwd-tf32x", "fwd-simt/", "bwd-mma/", "bwd-tf32x",
-            "bwd-simt/", "decode/", "fwd-mma-varlen/", "fwd-wgmma-varlen/", "bwd-mma-varlen/", "decode-paged/")
+            "bwd-simt/", "decode/", "fwd-mma-varlen/", "fwd-wgmma-varlen/", "fwd-ws-varlen/", "bwd-mma-varlen/",
+            "decode-paged/", "decode-mods/")
 
 
 def test_every_case_is_recorded_and_every_family_is_checked_in_ci():
