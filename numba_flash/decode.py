@@ -15,7 +15,8 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans
-from .api import PerformanceWarning, _on_device, validate, window_pair
+from .api import PerformanceWarning, _on_device, user_aux, validate, window_pair
+from .blocks.mods import Mods
 from .blocks.mask import window_bounds, window_kind
 from .configs import head_dim_bucket
 from .kernels import decode as decode_kernels
@@ -188,12 +189,13 @@ def check_cache_combination(block_table, cache_batch_idx, cache_leftpad) -> None
 
 def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None,
                     config=None, block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None):
     """All checks of a decode call; returns (Problem, seqlens dtype or None). Raises like ``validate``.
 
     The Problem's n_k is Nmax, the most keys a sequence can have (a paged cache: pages x page size)."""
     p = validate(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                 softcap=softcap, alibi_slopes=alibi_slopes, kv_batch_free=True)  # cache rows: below
+                 softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+                 kv_batch_free=True)  # cache rows: below
     if len(p.q_shape) != 4:
         raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d) (paged: "
                          f"(num_pages, Hkv, page_size, d)); got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")
@@ -252,7 +254,7 @@ def _keys_seen(p) -> int:
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None,
            block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True, window_size=(-1, -1),
-           softcap=0.0, alibi_slopes=None):
+           softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None):
     """One decoding step: Nq new queries per sequence attend to a KV cache.
 
     Args:
@@ -293,6 +295,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
         softcap: > 0 caps the scaled scores, softcap·tanh(x / softcap) (flash-attn's; 0.0 off).
         alibi_slopes: float32 (H,) or (B, H), where q is: subtracts slope·|pos - j| from the (capped)
             scaled scores (flash-attn's ALiBi with each sequence's own alignment).
+        mask_mod, score_mod: numba_flash.mods.MaskMod / ScoreMod (or bare functions), as ``forward``'s, compiled
+            into the kernel: mask_mod(b, h, q_idx, kv_idx, *aux) -> bool and score_mod(score, b, h, q_idx, kv_idx,
+            *aux) with q_idx the query's index in q (0 .. Nq - 1; its position in the sequence is q_idx + len_b -
+            Nq) and kv_idx the key's index in its sequence (after cache_leftpad), called on keys < len_b only; the
+            score mod on the scaled logit after softcap and ALiBi, the mask ANDed with causal / window. Calls with
+            them do not replay plans (each checks its aux arrays).
 
     Masking: the Nq queries are the last Nq positions of each sequence, so with causal query i of
     sequence b sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with
@@ -315,17 +323,21 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     lengths are checked on every call (they take the ordinary path).
     """
     left, right = window_pair(window_size)
+    if mask_mod is not None or score_mod is not None:  # (no plan key: each call checks its aux arrays)
+        return _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, alibi_slopes,
+                       softmax_scale, num_splits, config, causal, left, right, softcap, mask_mod, score_mod)
     return plans.call(_decode, (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
                                 alibi_slopes), (softmax_scale, num_splits, config, causal, left, right, softcap))
 
 
 def _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, alibi_slopes,
-            softmax_scale, num_splits, config, causal, left=-1, right=-1, softcap=0.0):
+            softmax_scale, num_splits, config, causal, left=-1, right=-1, softcap=0.0, mask_mod=None, score_mod=None):
     """``decode`` without plans (plans.call runs it for a new signature and watches)."""
     p, _ = validate_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                            num_splits=num_splits, config=config, block_table=block_table,
                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal,
-                           window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes)
+                           window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                           score_mod=score_mod)
     with _on_device(p.device):  # once per call: each context switch or query is a driver call
         cfg, n_splits, chunks = _tiles_and_splits(p, num_splits, config)
         if p.n_q > MAX_DECODE_QUERIES and chunks > 1:
@@ -349,7 +361,9 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, ca
             decode_kernels.launch(cfg, qd, kd, vd, lens, out_dev, lse_dev, softmax_scale=p.softmax_scale,
                                   d=p.d, num_splits=n_splits, partials=partials, stream=stream,
                                   block_table=table, cache_batch_idx=index, cache_leftpad=starts,
-                                  causal=p.mask_causal, window=window, softcap=p.softcap, alibi=alibi)
+                                  causal=p.mask_causal, window=window, softcap=p.softcap, alibi=alibi,
+                                  user=Mods(mask_mod=p.mask_mod, score_mod=p.score_mod),
+                                  aux=user_aux(p, mask_mod, score_mod, stream))
             del keep_alive  # stream-ordered allocators: freeing after the launch is safe
         return (
             arrays.to_host_kind(p.kind, out_obj, p.dtype, stream),

@@ -430,13 +430,15 @@ def _check_user_mods_for_grad(q, mask_mod, score_mod):
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, block_table=None,
            cache_batch_idx=None, cache_leftpad=None, causal=True, window_size=(-1, -1), softcap=0.0,
-           alibi_slopes=None):
+           alibi_slopes=None, mask_mod=None, score_mod=None):
     """``numba_flash.decode`` on PyTorch CUDA tensors through ``torch.ops.numba_flash.decode``: (out, lse).
 
     Arguments as ``numba_flash.decode`` (q (B, H, Nq, d) against the caches (B, Hkv, Nmax, d), or pages
     (num_pages, Hkv, page_size, d) with block_table; cache_seqlens, block_table, cache_batch_idx and
     cache_leftpad CUDA tensors or None; window_size, softcap and alibi_slopes (a float32 CUDA tensor) as
     ``attention``); no gradient. The tile config override of ``numba_flash.decode`` is not an op argument.
+    mask_mod / score_mod (numba_flash.decode's): Python functions, which no op can take, so eager only (plain
+    CUDA tensors, outside torch.compile and tracing; NotImplementedError there).
     """
     for name, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table),
                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
@@ -451,6 +453,16 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
     if _needs_grad(*(x for x in (q, k_cache, v_cache) if isinstance(x, torch.Tensor))):
         raise NotImplementedError("numba_flash.torch.decode has no gradient: call it under torch.no_grad() (or on "
                                   "tensors that do not require grad); for training use attention / varlen_attention")
+    if mask_mod is not None or score_mod is not None:
+        if not _eager(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, alibi_slopes):
+            raise NotImplementedError("numba_flash.torch.decode with mask_mod / score_mod under torch.compile, tracing, "
+                                      "fake tensors or a dispatch mode: a custom op cannot take Python functions; "
+                                      "call it outside the compiled or traced region, on plain CUDA tensors")
+        _check_mods(softcap, alibi_slopes)
+        return _decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=_check_scale(softmax_scale),
+                       num_splits=num_splits, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                       cache_leftpad=cache_leftpad, causal=causal, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
     _check_mods(softcap, alibi_slopes)
     left, right = window_pair(window_size)
     args = (q, k_cache, v_cache, cache_seqlens, _check_scale(softmax_scale), num_splits, block_table,

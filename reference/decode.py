@@ -55,7 +55,7 @@ from ._validation import (
     check_window_size,
     compute_dtype,
 )
-from .attention import _final_logits
+from .attention import _final_logits, _user_mods
 from .softmax import OnlineSoftmaxState
 
 __all__ = ["split_bounds", "decode_partials", "merge_partials", "decode_attention"]
@@ -190,7 +190,8 @@ def _resolve_splits(splits, length: int, b: int, block_n: int) -> list[tuple[int
 
 def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, splits=1,
                     block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                    block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+                    block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True, mask_mod=None,
+                    score_mod=None, mask_aux=(), score_aux=()):
     """Phase 1: one online-softmax state per (sequence, query head, split), as arrays.
 
     ``splits``: an int (that many splits by :func:`split_bounds` with ``block_n``), a sequence of
@@ -201,7 +202,9 @@ def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
     (B, H)): flash-attn's variants with shift_b = len_b − Nq (the module docstring).
     ``block_table``, ``cache_batch_idx``, ``cache_leftpad``: flash-attn's cache layouts, the module
     docstring; lengths and splits count the keys after the left padding. ``causal=False``: every
-    query sees all len_b keys.
+    query sees all len_b keys. ``mask_mod`` / ``score_mod`` (with ``mask_aux`` / ``score_aux``): the user's
+    mods as ``reference.attention``'s, called as mod(b, h, q_idx, kv_idx, *aux) with q_idx the query's index
+    in q and kv_idx the key's in its sequence; the score mod after ALiBi, the mask ANDed with the others.
 
     Returns ``(m, l, acc)`` with shapes (B, H, Nq, S), (B, H, Nq, S), (B, H, Nq, S, d): split s of
     query i of head h holds m = max of its visible scores (−inf if none), ℓ = Σ exp(s − m) and
@@ -228,14 +231,25 @@ def decode_partials(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
         for h in range(H):
             k_h, v_h = ks[b][h // group], vs[b][h // group]
             slope = None if slopes is None else slopes[b, h]
+            user = _user_mods(_at(mask_mod, b, h), _at(score_mod, b, h, score=True), None, mask_aux, score_aux, ())
             for s, (start, stop) in enumerate(per_b[b]):
                 state = OnlineSoftmaxState(n_q, d, dtype=dt)
                 if stop > start:
                     scores, _ = _final_logits((q[b, h] @ k_h[start:stop].T) * scale, rows, np.arange(start, stop),
-                                              length, shift, window, softcap, slope)
+                                              length, shift, window, softcap, slope, user=user)
                     state.update(scores, v_h[start:stop])
                 m[b, h, :, s], l[b, h, :, s], acc[b, h, :, s] = state.m, state.l, state.acc
     return m, l, acc
+
+
+def _at(mod, b: int, h: int, score: bool = False):
+    """A user mod with its (b, h) fixed: the (batch, head) of one sequence's head, which _final_logits' leading-dim
+    indices (none here) would not give."""
+    if mod is None:
+        return None
+    if score:
+        return lambda x, _b, _h, i, j, *aux: mod(x, b, h, i, j, *aux)
+    return lambda _b, _h, i, j, *aux: mod(b, h, i, j, *aux)
 
 
 def merge_partials(m, l, acc):
@@ -259,7 +273,8 @@ def merge_partials(m, l, acc):
 
 def decode_attention(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, splits=1,
                      block_n: int = 1, dtype=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                     block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True):
+                     block_table=None, cache_batch_idx=None, cache_leftpad=None, causal=True, mask_mod=None,
+                     score_mod=None, mask_aux=(), score_aux=()):
     """Split-KV decoding, both phases: ``merge_partials(*decode_partials(...))``.
 
     Arguments as :func:`decode_partials`. Returns ``(O, L)``: O (B, H, Nq, d), L (B, H, Nq).
@@ -270,7 +285,8 @@ def decode_attention(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=N
     """
     args = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
                 softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
-                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal)
+                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal, mask_mod=mask_mod,
+                score_mod=score_mod, mask_aux=mask_aux, score_aux=score_aux)
     q, *_, dt, _, _, _ = _prepare(q, k_cache, v_cache, cache_seqlens, softmax_scale, dtype, window_size, softcap,
                                   alibi_slopes, block_table, cache_batch_idx, cache_leftpad, causal)
     if 0 in q.shape[:3]:  # no sequences, heads or queries: nothing to split

@@ -89,8 +89,8 @@ from ..configs import MAX_HEAD_DIM, SMEM_PER_BLOCK_MAX, SMEM_PER_SM, head_dim_bu
 from ..launch import DeviceView, address, unused_slopes
 from ..launch import launch as launch_kernel
 from ..ptx import SMEM_ALIGN, bits_from_f32, f16x2_to_f32, f32_from_bits, inline_device, ld_shared_u32x4
-from ..blocks.entry import MOD_ARGS
-from ..blocks.mods import alibi_bias, capped, head_slope, launch_args
+from ..blocks.entry import MOD_ARGS, _at_home
+from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, launch_args, user_aux_types
 from ..jit_cache import compile_kernel
 
 # Indices are cast to unsigned before indexing: Numba then skips its negative-index wraparound code.
@@ -123,6 +123,10 @@ class CacheMode:
     (MOD_ARGS after scale_log2): with the window, query i at position pos = i + len - Nq sees keys
     pos - left <= j <= pos + right (right = 0 when causal), and tiles left of every row's window
     are never loaded; the softcap caps q·k, then ALiBi subtracts slope·|pos - j|, then the mask.
+    user: a blocks.mods.Mods holding the user's mask_mod / score_mod (numba_flash.mods), compiled in and
+    called as mod(b, h, q_idx, kv_idx, *aux) with q_idx the query's index in q (0 .. Nq - 1) and kv_idx the
+    key's in its sequence (after any left padding), on keys < len only; the score mod after ALiBi, on the scaled
+    logit; their aux arrays are launch arguments after MOD_ARGS.
     """
 
     paged: bool = False
@@ -132,16 +136,25 @@ class CacheMode:
     window: bool = False
     softcap: bool = False
     alibi: bool = False
+    user: Mods = NO_MODS
 
     @property
     def mods(self) -> bool:
-        """Whether the kernel takes MOD_ARGS (any of window, softcap, alibi)."""
-        return self.window or self.softcap or self.alibi
+        """Whether the kernel takes MOD_ARGS (any of window, softcap, alibi, user mods)."""
+        return self.window or self.softcap or self.alibi or self.user.user
+
+    @property
+    def aux_types(self) -> tuple:
+        """The user mods' aux arrays' Numba types (launch arguments after MOD_ARGS)."""
+        return user_aux_types(self.user) if self.user.user else ()
 
     def problems(self) -> list[str]:
+        out = []
         if self.paged and (self.batch_idx or self.leftpad):
-            return ["a paged cache takes neither cache_batch_idx nor cache_leftpad (as flash-attn)"]
-        return []
+            out.append("a paged cache takes neither cache_batch_idx nor cache_leftpad (as flash-attn)")
+        if self.user.window or self.user.softcap or self.user.alibi or self.user.block_sparse:
+            out.append(f"user: only mask_mod / score_mod (the built-in variants are CacheMode's own); got {self.user}")
+        return out
 
 
 PLAIN = CacheMode()
@@ -381,10 +394,11 @@ def decode_config(d: int, dtype: str, rows_needed: int) -> DecodeConfig:
 # --------------------------------------------------------------------------------------------
 # Kernel factories
 # --------------------------------------------------------------------------------------------
-def kernel_signature(dtype: str, lens_dtype: str = "int32", mods: bool = False):
+def kernel_signature(dtype: str, lens_dtype: str = "int32", mods: bool = False, aux: tuple = ()):
     """q, k, v, seqlens, block_table, cache_batch_idx, cache_leftpad, out, lse, m_part, l_part, acc_part,
     n_q, d, group, scale_log2 (the three index arrays int32, read only under their CacheMode switch); with
-    mods (CacheMode.mods) blocks.entry.MOD_ARGS after them: left, right, cap_a, cap_b, slopes, 1 / scale."""
+    mods (CacheMode.mods) blocks.entry.MOD_ARGS after them: left, right, cap_a, cap_b, slopes, 1 / scale; then the
+    user mods' aux arrays (``aux``: CacheMode.aux_types)."""
     qio = types.Array(Q_STORAGE[dtype], 4, "A")
     kv = types.Array(KV_STORAGE[dtype], 4, "A")
     lens = types.Array(getattr(types, lens_dtype), 1, "A")
@@ -394,7 +408,7 @@ def kernel_signature(dtype: str, lens_dtype: str = "int32", mods: bool = False):
     part = types.Array(types.float32, 4, "A")
     acc = types.Array(types.float32, 5, "A")
     return types.void(qio, kv, kv, lens, table, index, index, qio, lse, part, part, acc, int32, int32, int32, float32,
-                      *(MOD_ARGS if mods else ()))
+                      *(MOD_ARGS if mods else ()), *aux)
 
 
 def element_helpers(dtype: str):
@@ -458,6 +472,10 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
     ZERO = float32(0.0)
     PAGED, BATCH_IDX, LEFTPAD, CAUSAL = mode.paged, mode.batch_idx, mode.leftpad, mode.causal
     WINDOW, SOFTCAP, ALIBI = mode.window, mode.softcap, mode.alibi
+    MASK_MOD, SCORE_MOD = mode.user.mask_mod is not None, mode.user.score_mod is not None
+    mask_call = mode.user.mask_mod.device_call() if MASK_MOD else None
+    score_call = (mode.user.score_mod.device_call(len(mode.user.mask_mod.aux_types) if MASK_MOD else 0)
+                  if SCORE_MOD else None)
     NEG_INF = float32(-math.inf)
 
     @inline_device
@@ -527,6 +545,37 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
                 x = NEG_INF
         return x
 
+    @inline_device
+    def row_ids(rg, n_q, rows_total, h_kv, group):
+        """(query head, q_idx) of row rg, a padding row clamped to the last real one (its scores are never stored)."""
+        rg = min(rg, rows_total - 1)
+        g = rg // n_q
+        return int32(h_kv * group + g), int32(rg - g * n_q)
+
+    @inline_device
+    def score_user(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b, b, hq, iq, length, inv_scale,
+                   aux):
+        """score with the user mods between ALiBi and the mask: the score mod on the scaled logit s / inv_scale (its
+        result back in raw units), the mask_mod -inf wherever it hides the key; called on keys < length only."""
+        if SOFTCAP:
+            s = capped(s, cap_a, cap_b)
+        if ALIBI:
+            s -= alibi_bias(slope, pos, col, 0)
+        hidden = False
+        if col < length:
+            c32 = int32(col)
+            if SCORE_MOD:
+                s = float32(score_call(s / inv_scale, int32(b), hq, iq, c32, aux)) * inv_scale
+            if MASK_MOD:
+                hidden = not mask_call(int32(b), hq, iq, c32, aux)
+        x = s * scale_log2
+        if needs_mask:
+            if col > limit or (WINDOW and col < low):
+                x = NEG_INF
+        if hidden:
+            x = NEG_INF
+        return x
+
     Q_SWIZZLE = bool(q_swizzle)
 
     @inline_device
@@ -544,14 +593,26 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
             else:
                 smem_f[U(Q_OFF + idx)] = x
 
-    return block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score
+    return block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids, score_user
 
 
-def split_entry(body, mods: bool):
+def split_entry(body, mods: bool, n_aux: int = 0):
     """The phase-1 kernel (before cuda.jit) running ``body``: with mods it takes MOD_ARGS after scale_log2 and
-    passes them on; without, the body gets constants for them (lse stands in for the slopes), which its pruned
-    branches never read."""
+    passes them on (then n_aux user aux arrays, which the body gets as one tuple, its last parameter ``aux``);
+    without, the body gets constants for them (lse stands in for the slopes), which its pruned branches never
+    read."""
     zero = float32(0.0)
+    if n_aux:
+        aux = [f"aux{i}" for i in range(n_aux)]
+        lead = ("q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group, "
+                "scale_log2, left, right, cap_a, cap_b, slopes, inv_scale")
+        src = (f"def make(body):\n"
+               f"    def decode_split({lead}{''.join(', ' + a for a in aux)}):\n"
+               f"        body({lead}, ({''.join(a + ', ' for a in aux)}))\n"
+               f"    return decode_split\n")
+        scope: dict = {}
+        exec(compile(src, "<split_entry user>", "exec"), scope)  # one parameter per aux array
+        return _at_home(scope["make"](body), globals(), "decode_split")  # this module's globals, as the body's
     if mods:
         def decode_split(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
                          scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
@@ -702,13 +763,13 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
             pass
 
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score = block_helpers(
+    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids, score_user = block_helpers(
         cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, q_swizzle=Q_FLIP, mode=mode)
-    WINDOW, ROW_MODS = mode.window, mode.window or mode.alibi
+    WINDOW, ROW_MODS, USER = mode.window, mode.window or mode.alibi, mode.user.user
 
     @inline_device
     def decode_body(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
-                    scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
+                    scale_log2, left, right, cap_a, cap_b, slopes, inv_scale, aux=()):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         smem_u = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # same bytes, as bits
         smem_h = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # same bytes, as 16-bit words
@@ -845,10 +906,17 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
                         if ROW_MODS:
                             pos, low, slope = row_mods(r0 + r, n_q, length, rows_total, b, h_kv, group, left, slopes,
                                                        inv_scale)
+                        hq, iq = int32(0), int32(0)
+                        if USER:
+                            hq, iq = row_ids(r0 + r, n_q, rows_total, h_kv, group)
                         for ks in range(KEY_STEPS):
                             n = key_base + 8 * ks + kq
-                            x = score(s_acc[i, ks], k0 + n, limit, low, pos, slope, needs_mask, scale_log2, cap_a,
-                                      cap_b)
+                            if USER:
+                                x = score_user(s_acc[i, ks], k0 + n, limit, low, pos, slope, needs_mask, scale_log2,
+                                               cap_a, cap_b, b, hq, iq, length, inv_scale, aux)
+                            else:
+                                x = score(s_acc[i, ks], k0 + n, limit, low, pos, slope, needs_mask, scale_log2, cap_a,
+                                          cap_b)
                             smem_f[U(S_OFF + r * BLOCK_N + n)] = x
             cuda.syncthreads()
 
@@ -947,7 +1015,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
                     lse[U(b), U(h), U(i)] = (
                         (smem_f[U(M_OFF + r)] + log2(l_row)) * float32(LN2) if l_row != ZERO else NEG_INF)
 
-    return split_entry(decode_body, mode.mods)
+    return split_entry(decode_body, mode.mods, len(mode.aux_types))
 
 
 def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = PLAIN):
@@ -1004,9 +1072,9 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
     ld4 = ptx.ld_shared_f32x4
     exp2, log2 = math.exp2, math.log2
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score = block_helpers(
+    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids, score_user = block_helpers(
         cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, mode=mode)
-    WINDOW, ROW_MODS = mode.window, mode.window or mode.alibi
+    WINDOW, ROW_MODS, USER = mode.window, mode.window or mode.alibi, mode.user.user
 
     @inline_device
     def unpack_bits(bits):
@@ -1064,7 +1132,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
 
     @inline_device
     def decode_body(q, k, v, seqlens, table, cache_idx, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
-                    scale_log2, left, right, cap_a, cap_b, slopes, inv_scale):
+                    scale_log2, left, right, cap_a, cap_b, slopes, inv_scale, aux=()):
         smem_f = cuda.shared.array(0, float32, alignment=SMEM_ALIGN)
         smem_u = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # same bytes, as bits
         smem_h = cuda.shared.array(0, uint16, alignment=SMEM_ALIGN)  # same bytes, as 16-bit words
@@ -1083,12 +1151,16 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
         low = cuda.local.array(ROWS, int32)  # with mods: each row's window start, key position, ALiBi slope
         pos = cuda.local.array(ROWS, int32)
         slope = cuda.local.array(ROWS, float32)
+        hq = cuda.local.array(ROWS, int32)  # with user mods: each row's query head and q_idx
+        iq = cuda.local.array(ROWS, int32)
         for i in range(ROWS):
             rg = r0 + i
             limit[i] = row_limit(rg, n_q, length, rows_total, right)
             if ROW_MODS:
                 pos[i], low[i], slope[i] = row_mods(rg, n_q, length, rows_total, b, h_kv, group, left, slopes,
                                                     inv_scale)
+            if USER:
+                hq[i], iq[i] = row_ids(rg, n_q, rows_total, h_kv, group)
         k_lo, first_limit, last_low = key_bounds(n_q, length, left, right)
         t_lo = k_lo // BLOCK_N  # tiles before it are left of every row's window (never loaded)
         n_tiles = (length + BLOCK_N - 1) // BLOCK_N
@@ -1188,8 +1260,12 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
                     x = s_lo[i, kk] + s_hi[i, kk]
                     for sh in range(LOG_KQ):
                         x += shfl_xor(FULL, x, KEYS_PER_PASS << sh)
-                    x = score(x, k0 + key_lane + KEYS_PER_PASS * kk, limit[i], low[i], pos[i], slope[i], needs_mask,
-                              scale_log2, cap_a, cap_b)
+                    if USER:
+                        x = score_user(x, k0 + key_lane + KEYS_PER_PASS * kk, limit[i], low[i], pos[i], slope[i],
+                                       needs_mask, scale_log2, cap_a, cap_b, b, hq[i], iq[i], length, inv_scale, aux)
+                    else:
+                        x = score(x, k0 + key_lane + KEYS_PER_PASS * kk, limit[i], low[i], pos[i], slope[i],
+                                  needs_mask, scale_log2, cap_a, cap_b)
                     s_lo[i, kk] = x
                     m_tile = max(m_tile, x)
                 for sh in range(LOG_KEYS):
@@ -1281,7 +1357,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
                 if e == 0:
                     lse[U(b), U(h), U(i)] = (m + log2(l_row)) * float32(LN2) if l_row != ZERO else NEG_INF
 
-    return split_entry(decode_body, mode.mods)
+    return split_entry(decode_body, mode.mods, len(mode.aux_types))
 
 
 def merge_signature(dtype: str):
@@ -1349,7 +1425,7 @@ def make_split_kernel(cfg: DecodeConfig, vec: bool, split: bool, lens_dtype: str
     if lens_dtype not in LENS_DTYPES:
         raise ValueError(f"cache_seqlens dtype {lens_dtype!r} not in {LENS_DTYPES}")
     key = ("decode.split", cfg, bool(vec), bool(split), lens_dtype) + (() if mode == PLAIN else (mode,))
-    return compile_kernel(key, kernel_signature(cfg.dtype, lens_dtype, mode.mods),
+    return compile_kernel(key, kernel_signature(cfg.dtype, lens_dtype, mode.mods, mode.aux_types),
                           kernel_source(cfg, bool(vec), bool(split), mode), fastmath=FASTMATH)
 
 
@@ -1399,7 +1475,8 @@ def _absent(ndim: int):
 
 def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: float, d: int,
            num_splits: int, partials=None, stream=0, block_table=None, cache_batch_idx=None,
-           cache_leftpad=None, causal: bool = True, window=None, softcap: float = 0.0, alibi=None) -> None:
+           cache_leftpad=None, causal: bool = True, window=None, softcap: float = 0.0, alibi=None, user=NO_MODS,
+           aux=()) -> None:
     """Run both phases on device arrays (``launch.DeviceView``s, Numba device arrays, or anything with
     ``__cuda_array_interface__``); the caller has validated the problem.
 
@@ -1411,7 +1488,7 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     CacheMode says; page_size must be a multiple of a warp_split config's block_n (one page per
     tile). window: None, or (left, right) as blocks/mask.window_bounds gives them (a window kind: not
     (-1, -1) and not causal's (-1, 0)); softcap > 0 caps the scores; alibi: float32 (Ba, H) slopes, Ba = 1
-    or B. Any strides; rows that cp.async cannot
+    or B; user: a Mods with the user's mask_mod / score_mod (CacheMode.user), aux their arrays. Any strides; rows that cp.async cannot
     copy (see cp_async_ok) take the scalar-load kernel, and a cfg.bulk config whose caches one bulk
     copy per tile cannot fetch (see bulk_ok), or on a GPU below sm_90 (no cp.async.bulk), runs as
     the same config with bulk=False.
@@ -1424,7 +1501,7 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     split = num_splits > 1
     mode = CacheMode(paged=block_table is not None, batch_idx=cache_batch_idx is not None,
                      leftpad=cache_leftpad is not None, causal=bool(causal), window=window is not None,
-                     softcap=softcap > 0, alibi=alibi is not None)
+                     softcap=softcap > 0, alibi=alibi is not None, user=user)
     if cfg.bulk and (mode.paged or not (ptx.current_sm90() and bulk_ok(k, d, cfg.head_dim)
                                         and bulk_ok(v, d, cfg.head_dim))):
         cfg = replace(cfg, bulk=False)
@@ -1444,6 +1521,9 @@ def launch(cfg: DecodeConfig, q, k, v, seqlens, out, lse, *, softmax_scale: floa
     table = _absent(2) if block_table is None else block_table
     index, starts = (_absent(1) if x is None else x for x in (cache_batch_idx, cache_leftpad))
     mod_args = launch_args(window or (0, 0), softcap, softmax_scale, alibi, unused_slopes(lse)) if mode.mods else ()
+    if len(aux) != len(mode.aux_types):
+        raise ValueError(f"decode: {len(aux)} aux arrays for user mods that take {len(mode.aux_types)}")
+    mod_args += tuple(aux)
     launch_kernel(kernel, (num_splits, blocks_y), cfg.threads, stream, cfg.smem_bytes,
                   q, k, v, seqlens, table, index, starts, out, lse, m_part, l_part, acc_part, n_q, d, group,
                   float32(softmax_scale * LOG2E), *mod_args)

@@ -95,3 +95,43 @@ def test_mods_refusals_name_the_argument(kwargs, exc, match):
     k = np.ones((1, 1, 8, 16), np.float16)
     with pytest.raises(exc, match=match):
         decode(q, k, k, **kwargs)
+
+
+def _every_third(b, h, q_idx, kv_idx, drop):
+    return (kv_idx + q_idx + h) % 3 != drop[b]
+
+
+def _table_bias(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, kv_idx % 7] - 0.25 * q_idx
+
+
+@in_simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, dtype, causal, window_size, softcap", [
+    ("block", "float32", True, (13, 0), 3.0),    # with a window and the softcap: the mods' order
+    ("warp", "float16", False, (-1, -1), 0.0),
+])
+def test_user_mods_against_reference_sim(kind, dtype, causal, window_size, softcap, rng):
+    """mask_mod and score_mod with aux arrays, compiled into both split kernels: (b, h, q_idx, kv_idx) as the reference
+    passes them (q_idx the query's index in q, kv_idx the key's in its sequence), the score mod after softcap, the
+    mask ANDed with causal / window; ragged lengths (keys past a length never reach the mods: the aux table is
+    read at kv_idx % 7 anyway, the drop array only at b)."""
+    from numba_flash.mods import MaskMod, ScoreMod
+
+    B, H, Hkv, n_q, n_max, d = 3, 2, 1, 2, 40, 16
+    q = (2 * rng.standard_normal((B, H, n_q, d))).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, n_max, d)).astype(dtype) for _ in range(2))
+    lens = np.array([n_max, 23, 2], np.int32)
+    drop = np.array([0, 1, 2], np.int32)
+    table = rng.standard_normal((H, 7)).astype(np.float32)
+    cfg = CONFIGS[kind](dtype, 4)
+    out, lse = decode(q, k, v, cache_seqlens=lens, num_splits=2, config=cfg, causal=causal, window_size=window_size,
+                      softcap=softcap, mask_mod=MaskMod(_every_third, aux=(drop,)),
+                      score_mod=ScoreMod(_table_bias, aux=(table,)))
+    ref_o, ref_l = decode_attention(q, k, v, cache_seqlens=lens, causal=causal, window_size=window_size,
+                                    softcap=softcap, mask_mod=_every_third, mask_aux=(drop,), score_mod=_table_bias,
+                                    score_aux=(table,))
+    check(out, lse, ref_o, ref_l, dtype)
+    plain_o, _ = decode_attention(q, k, v, cache_seqlens=lens, causal=causal, window_size=window_size,
+                                  softcap=softcap)
+    assert np.abs(plain_o - ref_o).max() > 1e-2, "the mods must change the result"

@@ -119,3 +119,47 @@ def test_replayed_plan_reads_new_slopes():
     assert not torch.equal(o1, o2)
     assert_rule(o2, l2, q, k, v, lens, True, (-1, -1), 0.0, s2)
 
+
+
+def _same_document(b, h, q_idx, kv_idx, q_doc, kv_doc):
+    return q_doc[b, q_idx] == kv_doc[b, kv_idx]
+
+
+def _rel_bias(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, kv_idx % 64]
+
+
+@pytest.mark.parametrize("dtype, heads, n_q", [("float16", (32, 8), 1), ("bfloat16", (16, 16), 3)])
+def test_user_mods_by_the_error_rule(dtype, heads, n_q):
+    """mask_mod / score_mod with aux arrays (a document mask from per-position ids, a bias table) through
+    numba_flash.torch.decode (eager), against reference.decode in float64 and its naive same-dtype run."""
+    import numpy as np
+
+    from numba_flash.mods import MaskMod, ScoreMod
+    from numba_flash.torch import decode as torch_decode
+    from reference.decode import decode_attention
+
+    tdt = getattr(torch, dtype)
+    H, Hkv = heads
+    B, n_max, d = 3, 900, 128
+    q, k, v = make(B, H, Hkv, n_q, n_max, d, tdt, 31 + n_q)
+    lens = ragged(B, n_max, 31)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kv_doc = torch.cumsum(torch.rand(B, n_max, device="cuda", generator=g) < 0.01, dim=1).to(torch.int32)
+    # the queries are the last positions of each sequence: they belong to its last document
+    q_doc = kv_doc.gather(1, (lens.long()[:, None] - 1).clamp(min=0)).expand(B, n_q).contiguous()
+    table = torch.randn(H, 64, device="cuda", generator=g) * 0.5
+    out, lse = torch_decode(q, k, v, cache_seqlens=lens, mask_mod=MaskMod(_same_document, aux=(q_doc, kv_doc)),
+                            score_mod=ScoreMod(_rel_bias, aux=(table,)))
+    host = [x.cpu().float().numpy() for x in (q, k, v)]
+    aux_np = dict(cache_seqlens=lens.cpu().numpy(), mask_mod=_same_document, score_mod=_rel_bias,
+                  mask_aux=(q_doc.cpu().numpy(), kv_doc.cpu().numpy()), score_aux=(table.cpu().numpy(),))
+    ref_o, ref_l = decode_attention(*host, **aux_np)
+    naive_o, _ = decode_attention(*host, **aux_np, dtype=np.float32)
+    naive_o = torch.tensor(naive_o).to(tdt).double().numpy()  # rounded to the output dtype, as a naive kernel's
+    err = np.abs(out.double().cpu().numpy() - ref_o).max()
+    naive_err = np.abs(naive_o - ref_o).max()
+    assert err <= 2 * naive_err + 1e-4, (err, naive_err)
+    fin = np.isfinite(ref_l)
+    assert np.array_equal(np.isfinite(lse.cpu().numpy()), fin)
+    assert np.abs(lse.cpu().numpy()[fin] - ref_l[fin]).max() <= 1e-4 * max(1.0, np.abs(ref_l[fin]).max())
