@@ -15,7 +15,7 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans
-from .api import PerformanceWarning, _on_device, user_aux, validate, window_pair
+from .api import PerformanceWarning, _check_user_mod, _on_device, unbounded_past_keys, user_aux, validate, window_pair
 from .blocks.mods import Mods
 from .blocks.mask import window_bounds, window_kind
 from .configs import head_dim_bucket
@@ -194,12 +194,16 @@ def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
 
     The Problem's n_k is Nmax, the most keys a sequence can have (a paged cache: pages x page size)."""
     p = validate(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                 softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
-                 kv_batch_free=True)  # cache rows: below
+                 softcap=softcap, alibi_slopes=alibi_slopes, kv_batch_free=True)  # cache rows, user mods: below
     if len(p.q_shape) != 4:
         raise ValueError(f"decode needs q of shape (B, H, Nq, d) and caches of shape (B, Hkv, Nmax, d) (paged: "
                          f"(num_pages, Hkv, page_size, d)); got q {p.q_shape}, k_cache {arrays.shape_of(k_cache)}")
     p.n_k = _check_cache_layout(p, k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
+    # validate took k_cache's rows for Nk (a paged cache: one page): a window side is unbounded only past Nmax
+    p.window_size = unbounded_past_keys(window_pair(window_size), p.n_k)
+    for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):  # aux shapes against Nmax, not a page
+        if mod is not None:
+            setattr(p, name, _check_user_mod(name, mod, p.kind, p.device, (p.B, p.H, p.n_q, p.n_k)))
     lens_dtype = _check_seqlens(cache_seqlens, p, p.n_k)
     if num_splits is not None:
         if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
@@ -244,12 +248,13 @@ def _tiles_and_splits(p, num_splits, config) -> tuple:
 
 
 def _keys_seen(p) -> int:
-    """The most keys one sequence's rows see together: Nmax, or a window's left + Nq + right when shorter
-    (the split rule sizes the splits by what the kernel loads: tiles left of every row's window are not)."""
-    left, right = p.window_size
+    """The most keys one sequence's rows see together: Nmax, or a window's left + Nq when shorter (the last row
+    sits at the last key, so a right side adds none; the split rule sizes the splits by what the kernel loads:
+    tiles left of every row's window are not)."""
+    left, _ = p.window_size
     if window_kind(p.causal, p.window_size) != "window" or left < 0:
         return p.n_k
-    return min(p.n_k, left + max(p.n_q, 1) + (0 if p.causal else max(right, 0)))
+    return min(p.n_k, left + max(p.n_q, 1))
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_splits=None, config=None,

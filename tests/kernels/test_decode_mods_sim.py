@@ -135,3 +135,24 @@ def test_user_mods_against_reference_sim(kind, dtype, causal, window_size, softc
     plain_o, _ = decode_attention(q, k, v, cache_seqlens=lens, causal=causal, window_size=window_size,
                                   softcap=softcap)
     assert np.abs(plain_o - ref_o).max() > 1e-2, "the mods must change the result"
+
+
+@in_simulator
+def test_window_on_a_paged_cache_sim(rng):
+    """A paged cache: Nk is Nmax (pages x page size), not one page, so a window wider than a page stays a window; the
+    same bits as the contiguous cache."""
+    from test_decode_cache_sim import paged
+
+    B, Hkv, n, d = 2, 1, 64, 16
+    q = (2 * rng.standard_normal((B, 2, 1, d))).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, n, d)).astype(np.float32) for _ in range(2))
+    kp, vp, table = paged(rng, k, v, 16)
+    lens = np.array([60, 37], np.int32)
+    cfg = CONFIGS["block"]("float32", 4)
+    kw = dict(cache_seqlens=lens, num_splits=2, config=cfg, window_size=(20, 0))
+    out, lse = decode(q, kp, vp, block_table=table, **kw)
+    ref_o, ref_l = decode_attention(q, k, v, cache_seqlens=lens, window_size=(20, 0))
+    check(out, lse, ref_o, ref_l, "float32")
+    out_c, lse_c = decode(q, k, v, **kw)
+    np.testing.assert_array_equal(out, out_c)
+    np.testing.assert_array_equal(lse, lse_c)

@@ -500,18 +500,30 @@ def test_forward_routes_plain_calls_to_ws_sim(monkeypatch, rng):
 @in_simulator
 @pytest.mark.parametrize("causal, mods", [(True, False), (False, True)])
 def test_varlen_forward_on_ws_sim(causal, mods, monkeypatch, rng):
-    """varlen_forward on the ws kernel (patched on, a small tile with the TMA store, which varlen drops): three
+    """varlen_forward on the ws kernel (patched on, small tiles; the overlap one has the TMA store, which varlen drops): three
     sequences of their own lengths (one of a single row, one shorter than a Q tile's box and one over two), their
-    boxes running into the next sequence's rows (the last one's into NaN rows past the pack); per-sequence causal, or
-    a window, softcap and (B, H) ALiBi with GQA. Against reference.varlen in float64 by the error rule."""
+    boxes running into the next sequence's rows (the last one's into NaN rows past the pack, which must come back
+    unwritten); per-sequence causal on the plain schedule, or a window, softcap and (B, H) ALiBi with GQA on the
+    overlap one. Against reference.varlen in float64 by the error rule."""
     import numba_flash
     from numba_flash import api
     from reference.varlen import varlen_attention
 
-    small = Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap", "tma_store",
-                                                          "grid_bh_x"})
+    if mods:  # the overlap schedule (the shipped tiles'): the last tile's P·V after the loop
+        small = Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap", "tma_store",
+                                                              "grid_bh_x"})
+    else:  # the plain schedule: every step's P·V in the loop
+        small = Tile(128, 16, 64, warps=12, stages=3, flags={"ws", "grid_bh_x"})
     monkeypatch.setattr(api, "_ws_here", lambda: True)
     monkeypatch.setattr(api, "MMA_WGMMA_WS", {(64, causal): small})
+    alloc = numba_flash.arrays.empty_like_kind
+
+    def sentinel(kind, ref, shape, dtype, stream):  # outputs start as 7s: rows past the pack must stay so
+        obj, view = alloc(kind, ref, shape, dtype, stream)
+        view.copy_to_device(np.full(shape, 7, view.dtype))
+        return obj, view
+
+    monkeypatch.setattr(numba_flash.arrays, "empty_like_kind", sentinel)
     H, Hkv, d = (2, 1, 64) if mods else (1, 1, 64)  # GQA with the mods (simulated blocks are slow: few heads)
     lens_q, lens_k = [1, 50, 140], [30, 45, 150]
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -530,6 +542,7 @@ def test_varlen_forward_on_ws_sim(causal, mods, monkeypatch, rng):
     out, lse = numba_flash.varlen_forward(q_nan, k_nan, v_nan, cu_q, cu_k, max(lens_q), max(lens_k),
                                           check_seqlens=False, **kw)
     assert len(launched) == 1 and launched[0] is not None, "the ws kernel ran the pack"
+    assert (out[cu_q[-1]:] == 7).all() and (lse[:, cu_q[-1]:] == 7).all(), "rows past a sequence were stored"
     out, lse = out[:cu_q[-1]], lse[:, :cu_q[-1]]
     ref, lse_ref = varlen_attention(q, k, v, cu_q, cu_k, **kw)
     naive, _ = varlen_attention(q, k, v, cu_q, cu_k, dtype=np.float16, **kw)
