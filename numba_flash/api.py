@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -424,6 +425,9 @@ def ws_blockers(p: Problem, views=None) -> list[str]:
     pack once) and 16-byte rows of O (d % 8 == 0). The masks and mods (window, softcap, ALiBi, user mods, a
     BlockMask) and varlen run in it."""
     out = []
+    if p.varlen and os.environ.get("NUMBA_FLASH_WS_VARLEN", "0") != "1":
+        out.append("varlen on the warp-specialised forward is built and simulator-tested but not yet run on a GPU "
+                   "(NUMBA_FLASH_WS_VARLEN=1 takes it)")
     if p.n_k == 0:
         out.append("Nk = 0: no keys to load (the wgmma forward writes O = 0, L = -inf)")
     if p.d % 8:  # O is ours, contiguous: its map (TMA store) needs 16-byte rows
