@@ -281,6 +281,8 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         if not _fp32_ratio_ok(1.0 / scale):
             raise ValueError(f"softmax_scale = {scale:g} with alibi_slopes: the kernels take 1 / scale in fp32; accepted "
                              "with ALiBi: softmax_scale >= 2**-127")
+    if score_mod is not None:
+        check_score_mod_scale(scale)
     user = {}
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if mod is not None:
@@ -293,6 +295,14 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
         n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
         device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape, varlen=packed is not None, **user,
     )
+
+
+def check_score_mod_scale(scale: float) -> None:
+    """A score mod sees scale·s and the kernels take its result back with 1 / scale in fp32: refuse a scale whose
+    inverse overflows (it would turn every score into inf or NaN)."""
+    if not _fp32_ratio_ok(1.0 / scale):
+        raise ValueError(f"softmax_scale = {scale:g} with a score_mod: the kernels take 1 / scale in fp32; accepted "
+                         "with a score_mod: softmax_scale >= 2**-127")
 
 
 def _check_user_mod(name: str, mod: Any, kind_q: str, device, sizes: tuple):

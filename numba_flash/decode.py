@@ -15,7 +15,7 @@ from numba import config as nb_config
 from numba import cuda
 
 from . import arrays, plans
-from .api import PerformanceWarning, _check_user_mod, _on_device, unbounded_past_keys, user_aux, validate, window_pair
+from .api import PerformanceWarning, _check_user_mod, check_score_mod_scale, _on_device, unbounded_past_keys, user_aux, validate, window_pair
 from .blocks.mods import Mods
 from .blocks.mask import window_bounds, window_kind
 from .configs import head_dim_bucket
@@ -201,6 +201,8 @@ def validate_decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=No
     p.n_k = _check_cache_layout(p, k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
     # validate took k_cache's rows for Nk (a paged cache: one page): a window side is unbounded only past Nmax
     p.window_size = unbounded_past_keys(window_pair(window_size), p.n_k)
+    if score_mod is not None:
+        check_score_mod_scale(p.softmax_scale)
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):  # aux shapes against Nmax, not a page
         if mod is not None:
             setattr(p, name, _check_user_mod(name, mod, p.kind, p.device, (p.B, p.H, p.n_q, p.n_k)))
@@ -305,7 +307,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, softmax_scale=None, num_s
             *aux) with q_idx the query's index in q (0 .. Nq - 1; its position in the sequence is q_idx + len_b -
             Nq) and kv_idx the key's index in its sequence (after cache_leftpad), called on keys < len_b only; the
             score mod on the scaled logit after softcap and ALiBi, the mask ANDed with causal / window. Calls with
-            them do not replay plans (each checks its aux arrays).
+            them do not replay plans (each checks its aux arrays). Aux arrays sized by the keys are checked against
+            Nmax (a paged cache: block_table's pages x page size), the most keys a sequence can have.
 
     Masking: the Nq queries are the last Nq positions of each sequence, so with causal query i of
     sequence b sees key j iff j <= i + len_b - Nq (bottom-right causal alignment, as ``forward`` with

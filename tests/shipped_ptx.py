@@ -469,6 +469,23 @@ def cases() -> dict:
                       window=(255, 0), softcap=30.0, alibi=view((1, group), "float32"))
         out[f"decode-mods/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
             f"{'-ws' if cfg.warp_split else ''}/window-softcap-alibi"] = call
+
+        def call(cfg=cfg):  # the shipped user mod (numba_flash.mods.document_mask) in decode
+            from numba_flash.blocks.mods import Mods, UserMod
+            from numba_flash.mods import same_document
+
+            view = _views()
+            group, hd = max(cfg.rows, 1), 128
+            q = view((1, group, 1, hd), "float16")
+            k, v = view((1, 1, 512, hd), "uint16"), view((1, 1, 512, hd), "uint16")
+            lens = view((1,), "int32")
+            out_, lse = view(q.shape, "float16"), view(q.shape[:3], "float32")
+            parts = tuple(view(s, "float32") for s in dk.scratch_shapes(1, group, 1, 4, hd))
+            user = Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))))
+            dk.launch(cfg, q, k, v, lens, out_, lse, softmax_scale=0.1, d=hd, num_splits=4, partials=parts,
+                      user=user, aux=(view((1, 1), "int32"), view((1, 512), "int32")))
+        out[f"decode-mods/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
+            f"{'-ws' if cfg.warp_split else ''}/docmask"] = call
     return {k: (v if isinstance(v, tuple) else ("sm90", v)) for k, v in out.items()}
 
 

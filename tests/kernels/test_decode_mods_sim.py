@@ -83,6 +83,33 @@ def test_window_sizes_the_splits():
 
 
 @in_simulator
+def test_user_mask_with_leftpad_batch_idx_and_padding_rows_sim(rng):
+    """A bare mask_mod (no aux) on cache rows picked by cache_batch_idx and left-padded: kv_idx counts from the pad;
+    G·Nq = 2 rows in 4-row blocks (two padding rows, clamped for the mod's indices); a row whose mask hides every key
+    gets O = 0, L = -inf."""
+    def odd_keys_for_head1(b, h, q_idx, kv_idx):
+        return h == 0 or (kv_idx % 2 == 1 and q_idx == 0)
+
+    B, H, n_q, d = 2, 3, 1, 16
+    q = rng.standard_normal((B, H, n_q, d)).astype(np.float32)
+    k, v = (rng.standard_normal((3, 3, 30, d)).astype(np.float32) for _ in range(2))  # Hkv 3: G = 1 x Nq 1
+    q = np.concatenate([q, q[:, :, :1] + 1], axis=2)  # Nq 2: rows of head 1 at q_idx 1 see nothing
+    idx, pad, lens = np.array([2, 0], np.int32), np.array([3, 0], np.int32), np.array([25, 9], np.int32)
+    kw = dict(cache_seqlens=lens, cache_batch_idx=idx, cache_leftpad=pad, causal=False)
+    out, lse = decode(q, k, v, num_splits=2, config=CONFIGS["block"]("float32", 4), mask_mod=odd_keys_for_head1, **kw)
+    ref_o, ref_l = decode_attention(q, k, v, mask_mod=odd_keys_for_head1, **kw)
+    check(out, lse, ref_o, ref_l, "float32")
+    assert np.isneginf(lse[:, 1, 1]).all() and np.isfinite(lse[:, 1, 0]).all()
+
+
+def test_score_mod_refuses_a_scale_whose_inverse_overflows():
+    q = np.ones((1, 1, 1, 16), np.float32)
+    k = np.ones((1, 1, 8, 16), np.float32)
+    with pytest.raises(ValueError, match="1 / scale in fp32"):
+        decode(q, k, k, softmax_scale=1e-39, score_mod=lambda s, b, h, i, j: s + 1.0)
+
+
+@in_simulator
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(window_size=(4, 2)), ValueError, "right"),  # causal decoding takes right 0 or -1
     (dict(window_size=(-2, 0)), ValueError, "window_size left"),

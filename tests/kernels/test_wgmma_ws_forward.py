@@ -461,6 +461,7 @@ def test_ws_blockers_name_each_reason(monkeypatch):
 
     assert ws_blockers(problem()) == []
     assert ws_blockers(problem(softcap=30.0, window_size=(20, 3))) == []
+    monkeypatch.delenv("NUMBA_FLASH_WS_VARLEN", raising=False)
     assert "NUMBA_FLASH_WS_VARLEN=1" in " ".join(ws_blockers(problem(varlen=True)))  # off until GPU-tested
     monkeypatch.setenv("NUMBA_FLASH_WS_VARLEN", "1")
     assert ws_blockers(problem(varlen=True)) == []
