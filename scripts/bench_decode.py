@@ -502,14 +502,23 @@ def main(argv=None):
     print(f"wrote {stem}.json and {stem}.md")
 
 
-def mods_main(args, meta):
-    rows = run_mods_case(*MODS_CASE)
+def _write_result(args, meta, name, rows, lines):
+    """benchmarks/results/NAME-DATE.{json,md}: the rows with meta, and lines (a title, then text) as markdown."""
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"decode-mods-{meta['date'][:10]}")
+    stem = os.path.join(args.out, f"{name}-{meta['date'][:10]}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "decode": rows}, f, indent=1)
-    lines = [f"# Decode with flash-attn's variants (Nq = 1)\n\nGPU: {meta['gpu']} ({meta['sms']} SMs); date: "
-             f"{meta['date']}; command: `{meta['command']}`; commit {meta['commit']}; torch {meta['torch']}.\n\n"
+    lines[0] = (f"# {lines[0]}\n\nGPU: {meta['gpu']} ({meta['sms']} SMs); date: {meta['date']}; command: "
+                f"`{meta['command']}`; commit {meta['commit']}; torch {meta['torch']}.\n")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def mods_main(args, meta):
+    rows = run_mods_case(*MODS_CASE)
+    lines = ["Decode with flash-attn's variants (Nq = 1)",
              f"GB/s = bytes of the K and V each variant needs (a window's {MODS_WINDOW} keys, else the cache) / median "
              "time; err = max |out - float64| over the first sequence.\n",
              "| impl | ms | GB/s | err |\n|---|---|---|---|"]
@@ -518,10 +527,7 @@ def mods_main(args, meta):
             lines.append(f"| {r['impl']} | {r['ms']:.4f} | {r['gbps']:.0f} | {r.get('err', float('nan')):.1e} |")
         else:
             lines.append(f"| {r['impl']} | — | — | {r.get('error', '')} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and {stem}.md")
+    _write_result(args, meta, "decode-mods", rows, lines)
 
 
 def paged_main(args, meta):
@@ -531,12 +537,7 @@ def paged_main(args, meta):
         base = contiguous.get("decode kernels only" if "kernels only" in r["impl"] else "numba_flash.decode")
         if r["impl"].startswith("paged-") and r.get("gbps") and base:
             r["vs_contiguous"] = r["gbps"] / base
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"decode-paged-{meta['date'][:10]}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "decode": rows}, f, indent=1)
-    lines = [f"# Paged decode benchmark (Nq = 1)\n\nGPU: {meta['gpu']} ({meta['sms']} SMs); date: {meta['date']}; "
-             f"command: `{meta['command']}`; commit {meta['commit']}; torch {meta['torch']}.\n\n"
+    lines = ["Paged decode benchmark (Nq = 1)",
              "GB/s = bytes of K and V read / median time (device copy: read + write). paged rows: the ratio to the "
              "contiguous cache's row of the same kind (target >= 0.90); bitwise equal to the contiguous output.\n",
              table(rows)]
@@ -545,10 +546,7 @@ def paged_main(args, meta):
             lines.append(f"- {r['impl']}: {r['vs_contiguous']:.3f} of contiguous"
                          + (f", output bitwise equal to contiguous: {r['equal_to_contiguous']}"
                             if "equal_to_contiguous" in r else ""))
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and {stem}.md")
+    _write_result(args, meta, "decode-paged", rows, lines)
 
 
 if __name__ == "__main__":

@@ -453,39 +453,38 @@ def cases() -> dict:
                           block_table=table)
             out[f"decode-paged/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
                 f"{'-ws' if cfg.warp_split else ''}/splits{splits}"] = call
-    # --- decode with flash-attn's variants (window + softcap + ALiBi in one build): the same two shipped tiles
+    # --- decode with flash-attn's variants (window + softcap + ALiBi in one build) and with the shipped user mod
+    # (numba_flash.mods.document_mask): the same two shipped tiles
+    def decode_mods(cfg, **mods):
+        """One 4-split decode launch of cfg on a 512-key cache; mods: dk.launch's window / softcap / alibi / user, aux
+        (an "alibi" or "aux" value is a list of (shape, dtype) views to make)."""
+        view = _views()
+        group, hd = max(cfg.rows, 1), 128
+        q = view((1, group, 1, hd), "float16")
+        k, v = view((1, 1, 512, hd), "uint16"), view((1, 1, 512, hd), "uint16")
+        out_, lse = view(q.shape, "float16"), view(q.shape[:3], "float32")
+        parts = tuple(view(s, "float32") for s in dk.scratch_shapes(1, group, 1, 4, hd))
+        if "alibi" in mods:
+            mods["alibi"] = view((1, group), "float32")
+        if "aux" in mods:
+            mods["aux"] = tuple(view(shape, dt) for shape, dt in mods["aux"])
+        dk.launch(cfg, q, k, v, view((1,), "int32"), out_, lse, softmax_scale=0.1, d=hd, num_splits=4,
+                  partials=parts, **mods)
+
     for rows in (1, 4):
         cfg = dk.decode_config(128, "float16", rows)
+        name = (f"decode-mods/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
+                f"{'-ws' if cfg.warp_split else ''}")
+        out[f"{name}/window-softcap-alibi"] = lambda cfg=cfg: decode_mods(cfg, window=(255, 0), softcap=30.0,
+                                                                          alibi=True)
 
         def call(cfg=cfg):
-            view = _views()
-            group, hd = max(cfg.rows, 1), 128
-            q = view((1, group, 1, hd), "float16")
-            k, v = view((1, 1, 512, hd), "uint16"), view((1, 1, 512, hd), "uint16")
-            lens = view((1,), "int32")
-            out_, lse = view(q.shape, "float16"), view(q.shape[:3], "float32")
-            parts = tuple(view(s, "float32") for s in dk.scratch_shapes(1, group, 1, 4, hd))
-            dk.launch(cfg, q, k, v, lens, out_, lse, softmax_scale=0.1, d=hd, num_splits=4, partials=parts,
-                      window=(255, 0), softcap=30.0, alibi=view((1, group), "float32"))
-        out[f"decode-mods/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
-            f"{'-ws' if cfg.warp_split else ''}/window-softcap-alibi"] = call
-
-        def call(cfg=cfg):  # the shipped user mod (numba_flash.mods.document_mask) in decode
             from numba_flash.blocks.mods import Mods, UserMod
             from numba_flash.mods import same_document
 
-            view = _views()
-            group, hd = max(cfg.rows, 1), 128
-            q = view((1, group, 1, hd), "float16")
-            k, v = view((1, 1, 512, hd), "uint16"), view((1, 1, 512, hd), "uint16")
-            lens = view((1,), "int32")
-            out_, lse = view(q.shape, "float16"), view(q.shape[:3], "float32")
-            parts = tuple(view(s, "float32") for s in dk.scratch_shapes(1, group, 1, 4, hd))
             user = Mods(mask_mod=UserMod(same_document, 4, (("int32", 2), ("int32", 2))))
-            dk.launch(cfg, q, k, v, lens, out_, lse, softmax_scale=0.1, d=hd, num_splits=4, partials=parts,
-                      user=user, aux=(view((1, 1), "int32"), view((1, 512), "int32")))
-        out[f"decode-mods/d128/float16/rows{cfg.rows}-n{cfg.block_n}-s{cfg.stages}-w{cfg.warps}"
-            f"{'-ws' if cfg.warp_split else ''}/docmask"] = call
+            decode_mods(cfg, user=user, aux=[((1, 1), "int32"), ((1, 512), "int32")])
+        out[f"{name}/docmask"] = call
     return {k: (v if isinstance(v, tuple) else ("sm90", v)) for k, v in out.items()}
 
 

@@ -463,8 +463,10 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
     greatest window start (tiles before it need the mask).
     row_mods(rg, n_q, length, rows_total, b, h_kv, group, left, slopes, inv_scale) -> (pos, low, slope): row
     rg's key position i + len - Nq, its window start, ALiBi's slope / scale of its head (mods builds).
-    score(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b): a raw q·k of key col ->
-    its base-2 exponent: softcap, ALiBi, then the mask (-inf) where needs_mask (blocks/mods.py's order).
+    score(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b, b, hq, iq, length, inv_scale, aux): a
+    raw q·k of key col -> its base-2 exponent: softcap, ALiBi, the user's score mod (on the scaled logit s /
+    inv_scale, its result back in raw units; keys < length only), then the mask (-inf) where needs_mask and where
+    the user's mask_mod hides the key (blocks/mods.py's order). hq, iq: row_ids' (user mods only).
     load_q(...) puts rows r0.. of the group's queries into smem_f[Q_OFF..] as fp32, zero past G·Nq
     and past d; row r0 + r = g·Nq + i is query i of head g of the group. q_swizzle (the bulk
     kernel, 16-bit caches): element e of a row is stored at e ^ ((e >> 5) & 1), see kernel_source."""
@@ -473,6 +475,7 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
     PAGED, BATCH_IDX, LEFTPAD, CAUSAL = mode.paged, mode.batch_idx, mode.leftpad, mode.causal
     WINDOW, SOFTCAP, ALIBI = mode.window, mode.softcap, mode.alibi
     MASK_MOD, SCORE_MOD = mode.user.mask_mod is not None, mode.user.score_mod is not None
+    USER_MODS = MASK_MOD or SCORE_MOD
     mask_call = mode.user.mask_mod.device_call() if MASK_MOD else None
     score_call = (mode.user.score_mod.device_call(len(mode.user.mask_mod.aux_types) if MASK_MOD else 0)
                   if SCORE_MOD else None)
@@ -534,18 +537,6 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
         return pos, pos - left, slope
 
     @inline_device
-    def score(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b):
-        if SOFTCAP:
-            s = capped(s, cap_a, cap_b)
-        if ALIBI:
-            s -= alibi_bias(slope, pos, col, 0)
-        x = s * scale_log2
-        if needs_mask:
-            if col > limit or (WINDOW and col < low):
-                x = NEG_INF
-        return x
-
-    @inline_device
     def row_ids(rg, n_q, rows_total, h_kv, group):
         """(query head, q_idx) of row rg, a padding row clamped to the last real one (its scores are never stored)."""
         rg = min(rg, rows_total - 1)
@@ -553,16 +544,14 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
         return int32(h_kv * group + g), int32(rg - g * n_q)
 
     @inline_device
-    def score_user(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b, b, hq, iq, length, inv_scale,
-                   aux):
-        """score with the user mods between ALiBi and the mask: the score mod on the scaled logit s / inv_scale (its
-        result back in raw units), the mask_mod -inf wherever it hides the key; called on keys < length only."""
+    def score(s, col, limit, low, pos, slope, needs_mask, scale_log2, cap_a, cap_b, b, hq, iq, length, inv_scale,
+              aux):
         if SOFTCAP:
             s = capped(s, cap_a, cap_b)
         if ALIBI:
             s -= alibi_bias(slope, pos, col, 0)
         hidden = False
-        if col < length:
+        if USER_MODS and col < length:
             c32 = int32(col)
             if SCORE_MOD:
                 s = float32(score_call(s / inv_scale, int32(b), hq, iq, c32, aux)) * inv_scale
@@ -593,7 +582,7 @@ def block_helpers(dtype: str, ROWS: int, HEAD_DIM: int, THREADS: int, Q_OFF: int
             else:
                 smem_f[U(Q_OFF + idx)] = x
 
-    return block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids, score_user
+    return block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids
 
 
 def split_entry(body, mods: bool, n_aux: int = 0):
@@ -763,7 +752,7 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
             pass
 
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids, score_user = block_helpers(
+    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids = block_helpers(
         cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, q_swizzle=Q_FLIP, mode=mode)
     WINDOW, ROW_MODS, USER = mode.window, mode.window or mode.alibi, mode.user.user
 
@@ -911,12 +900,8 @@ def kernel_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode = P
                             hq, iq = row_ids(r0 + r, n_q, rows_total, h_kv, group)
                         for ks in range(KEY_STEPS):
                             n = key_base + 8 * ks + kq
-                            if USER:
-                                x = score_user(s_acc[i, ks], k0 + n, limit, low, pos, slope, needs_mask, scale_log2,
-                                               cap_a, cap_b, b, hq, iq, length, inv_scale, aux)
-                            else:
-                                x = score(s_acc[i, ks], k0 + n, limit, low, pos, slope, needs_mask, scale_log2, cap_a,
-                                          cap_b)
+                            x = score(s_acc[i, ks], k0 + n, limit, low, pos, slope, needs_mask, scale_log2, cap_a,
+                                      cap_b, b, hq, iq, length, inv_scale, aux)
                             smem_f[U(S_OFF + r * BLOCK_N + n)] = x
             cuda.syncthreads()
 
@@ -1072,7 +1057,7 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
     ld4 = ptx.ld_shared_f32x4
     exp2, log2 = math.exp2, math.log2
     q_to_f32, store_out, unpack = element_helpers(cfg.dtype)
-    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids, score_user = block_helpers(
+    block_rows, load_q, page_of, row_limit, key_bounds, row_mods, score, row_ids = block_helpers(
         cfg.dtype, ROWS, HEAD_DIM, THREADS, Q_OFF, mode=mode)
     WINDOW, ROW_MODS, USER = mode.window, mode.window or mode.alibi, mode.user.user
 
@@ -1260,12 +1245,8 @@ def warp_split_source(cfg: DecodeConfig, vec: bool, split: bool, mode: CacheMode
                     x = s_lo[i, kk] + s_hi[i, kk]
                     for sh in range(LOG_KQ):
                         x += shfl_xor(FULL, x, KEYS_PER_PASS << sh)
-                    if USER:
-                        x = score_user(x, k0 + key_lane + KEYS_PER_PASS * kk, limit[i], low[i], pos[i], slope[i],
-                                       needs_mask, scale_log2, cap_a, cap_b, b, hq[i], iq[i], length, inv_scale, aux)
-                    else:
-                        x = score(x, k0 + key_lane + KEYS_PER_PASS * kk, limit[i], low[i], pos[i], slope[i],
-                                  needs_mask, scale_log2, cap_a, cap_b)
+                    x = score(x, k0 + key_lane + KEYS_PER_PASS * kk, limit[i], low[i], pos[i], slope[i], needs_mask,
+                              scale_log2, cap_a, cap_b, b, hq[i], iq[i], length, inv_scale, aux)
                     s_lo[i, kk] = x
                     m_tile = max(m_tile, x)
                 for sh in range(LOG_KEYS):
