@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,6 +12,7 @@ from numba import cuda
 
 from . import arrays, plans, ptx
 from .blocks.mask import window_bounds, window_kind
+from .blocks import rng
 from .blocks.mods import Mods
 from .configs import (MAX_HEAD_DIM, MMA_HEAD_DIMS, MMA_SMALL_SMEM, MMA_TABLE, MMA_WGMMA, MMA_WGMMA_WS,
                       SMEM_PER_BLOCK_MAX,
@@ -64,12 +64,14 @@ class Problem:
     varlen: bool = False  # packed sequences (numba_flash.varlen): q_shape (total_q, H, d), B sequences, n_q / n_k the longest
     mask_mod: Any = None  # blocks.mods.UserMod of a user mask (numba_flash.mods), its aux types in it
     score_mod: Any = None  # blocks.mods.UserMod of a user score mod
+    dropout_p: float = 0.0  # > 0: dropout on P (blocks/rng.py)
 
     @property
     def mods(self) -> Mods:
         """The kernel switches: a window of (-1, 0) is causal and (-1, -1) none (their kernels, no window)."""
         return Mods(window=window_kind(self.causal, self.window_size) == "window", softcap=self.softcap > 0,
-                    alibi=self.alibi_shape is not None, mask_mod=self.mask_mod, score_mod=self.score_mod)
+                    alibi=self.alibi_shape is not None, mask_mod=self.mask_mod, score_mod=self.score_mod,
+                    dropout=self.dropout_p > 0)
 
     @property
     def mask_causal(self) -> bool:
@@ -125,6 +127,22 @@ def _check_softcap(softcap: Any) -> float:
     return cap
 
 
+def check_dropout(dropout_p: Any, dropout_seed: Any, dropout_offset: Any) -> tuple:
+    """(dropout_p, (seed_lo, seed_hi, offset, keep16)) of a call's dropout arguments, checked; () words for p = 0.
+    The kept fraction is keep16 / 2^16 with keep16 = round((1 - p)·2^16) (blocks/rng.py)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be a real number in [0, 1) (0.0: off); got {dropout_p!r}")
+    p = float(dropout_p)
+    if not p:
+        return 0.0, ()
+    for name, x, bits in (("dropout_seed", dropout_seed, 64), ("dropout_offset", dropout_offset, 32)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= int(x) < 2**bits:
+            raise TypeError(f"{name} must be an int in [0, 2**{bits}) with dropout_p > 0 (the backward needs the "
+                            f"same one to regenerate the mask); got {x!r}")
+    seed_lo, seed_hi = rng.seed_words(int(dropout_seed))
+    return p, (seed_lo, seed_hi, int(dropout_offset), rng.keep16_of(p))
+
+
 def _fp32_ratio_ok(x: float) -> bool:
     """x (a launch argument the kernels take in fp32) is finite and nonzero there."""
     return 2.0**-126 <= abs(x) < 2.0**128
@@ -170,7 +188,7 @@ def _check_alibi(alibi_slopes: Any, kind_q: str, B: int, H: int, device, q_ndim:
 
 def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any = None, window_size: Any = (-1, -1),
              softcap: Any = 0.0, alibi_slopes: Any = None, packed: tuple | None = None, mask_mod: Any = None,
-             score_mod: Any = None, kv_batch_free: bool = False) -> Problem:
+             score_mod: Any = None, kv_batch_free: bool = False, dropout_p: float = 0.0) -> Problem:
     """Check everything about a forward call in one place; raise with what was given and accepted.
 
     mask_mod, score_mod: numba_flash.mods.MaskMod / ScoreMod (or bare functions), their aux arrays checked.
@@ -290,10 +308,14 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
                 raise NotImplementedError(f"{name} with varlen (packed sequences): not built; pass a dense batch, "
                                           "or numba_flash.mods.document_mask for packed documents")
             user[name] = _check_user_mod(name, mod, kinds["q"], device, (B, H, n_q, n_k))
+    if dropout_p and packed is not None:
+        raise NotImplementedError(f"dropout_p={dropout_p} with varlen (packed sequences): not built; dropout runs on "
+                                  "dense batches")
     return Problem(
         kind=kinds["q"], dtype=dtypes["q"], q_shape=shapes["q"], B=B, H=H, Hkv=Hkv,
         n_q=n_q, n_k=n_k, d=d, causal=bool(causal), softmax_scale=scale,
-        device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape, varlen=packed is not None, **user,
+        device=device, window_size=window, softcap=cap, alibi_shape=alibi_shape, varlen=packed is not None,
+        dropout_p=float(dropout_p), **user,
     )
 
 
@@ -399,16 +421,16 @@ def tf32_config(d: int, causal: bool):
     return TF32_TABLE[tf32_forward.head_dim_for(d), bool(causal)]
 
 
-def mma_config(d: int, causal: bool, plain: bool = False):
+def mma_config(d: int, causal: bool, plain: bool = False, sync: bool = False):
     """The tensor-core forward's tile for head dim d (from the sweeps): on sm_90 MMA_WGMMA_WS's for a ``plain``
     call (flag "ws": kernels/wgmma_ws_forward.py; see ws_blockers) where it has one, else MMA_WGMMA's (flag
     "wgmma": kernels/wgmma_forward.py); elsewhere MMA_TABLE's, or MMA_SMALL_SMEM's on a GPU with less shared memory
     per block than that tile needs (sm_80: 163 KiB, sm_86 / sm_89: 99 KiB). Launch it with launch_mma_forward,
-    which picks the kernel module by the flag."""
+    which picks the kernel module by the flag. sync: the mma.sync tile on any GPU (dropout: the only forward with it)."""
     key = next(hd for hd in MMA_HEAD_DIMS if hd >= d), bool(causal)
-    if plain and key in MMA_WGMMA_WS and _ws_here():
+    if plain and not sync and key in MMA_WGMMA_WS and _ws_here():
         return MMA_WGMMA_WS[key]
-    if key in MMA_WGMMA and _wgmma_here():
+    if not sync and key in MMA_WGMMA and _wgmma_here():
         return MMA_WGMMA[key]
     tile = MMA_TABLE[key]
     if key in MMA_SMALL_SMEM and mma_forward.smem_bytes(tile) > _device_smem()[0]:
@@ -435,9 +457,6 @@ def ws_blockers(p: Problem, views=None) -> list[str]:
     pack once) and 16-byte rows of O (d % 8 == 0). The masks and mods (window, softcap, ALiBi, user mods, a
     BlockMask) and varlen run in it."""
     out = []
-    if p.varlen and os.environ.get("NUMBA_FLASH_WS_VARLEN", "0") != "1":
-        out.append("varlen on the warp-specialised forward is built and simulator-tested but not yet run on a GPU "
-                   "(NUMBA_FLASH_WS_VARLEN=1 takes it)")
     if p.n_k == 0:
         out.append("Nk = 0: no keys to load (the wgmma forward writes O = 0, L = -inf)")
     if p.d % 8:  # O is ours, contiguous: its map (TMA store) needs 16-byte rows
@@ -608,6 +627,10 @@ def mods_words(p: Problem) -> str:
         mod = getattr(p, name)
         if mod is not None:
             words.append(f"{name} {mod!r} (compiled in, called on every score of every visited tile)")
+    if p.mods.dropout:
+        keep16 = rng.keep16_of(p.dropout_p)
+        words.append(f"dropout p={p.dropout_p:g} (Philox4x32-10 in the kernel, kept fraction {keep16}/65536, kept "
+                     f"values scaled by 65536/{keep16})")
     return ", ".join(words)
 
 
@@ -621,6 +644,11 @@ def _choose_with_mods(p: Problem, kernel: str, views, not_ws: list | None = None
     blockers = _mma_blockers(p, views)
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
+    if p.mods.dropout and (kernel == "simt" or blockers):
+        raise NotImplementedError(
+            f"dropout_p={p.dropout_p}: built into the mma.sync forward only (kernel 'mma': float16 / bfloat16, "
+            f"d <= {MMA_MAX_HEAD_DIM}, 16-byte aligned rows); not into kernel 'simt', which "
+            + ("was asked for" if kernel == "simt" else "this problem needs: " + "; ".join(blockers)))
     if p.mods.user and (kernel == "simt" or blockers):
         raise NotImplementedError(
             f"mask_mod / score_mod: built into the tensor-core forwards only (kernel 'mma': float16 / bfloat16, "
@@ -639,6 +667,16 @@ def _choose_with_mods(p: Problem, kernel: str, views, not_ws: list | None = None
     kind, cfg, reasons = choose_kernel(_plain(p), "mma", views, not_ws=list(not_ws or ()) + ws_blockers(p, views))
     # window (-1, 0) with softcap / ALiBi: the causal tiles (_plain's causal is mask_causal)
     reasons.insert(1, words)
+    if p.mods.dropout and (cfg.has("ws") or cfg.has("wgmma")):
+        cfg = mma_config(p.d, p.mask_causal, sync=True)
+        reasons[0] = (f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), {cfg.block_q}x"
+                      f"{cfg.block_k} tiles, {cfg.warps} warps x {16 * mma_forward.m_tiles(cfg)} rows, head dim "
+                      f"{cfg.head_dim}; dropout: the sm_80 kernel, not this GPU's wgmma forwards (built without "
+                      "dropout)")
+        reasons[2:] = [r for r in reasons[2:] if not r.startswith(("variants:", "not the warp-specialised",
+                                                                   "varlen:"))]
+        variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
+        reasons.insert(2, "variants: " + "; ".join(variants))
     return kind, cfg, reasons
 
 
@@ -646,7 +684,7 @@ def _plain(p: Problem) -> Problem:
     from dataclasses import replace
 
     return replace(p, causal=p.mask_causal, window_size=(-1, -1), softcap=0.0, alibi_shape=None, mask_mod=None,
-                   score_mod=None)
+                   score_mod=None, dropout_p=0.0)
 
 
 def _on_device(device: int | None):
@@ -662,7 +700,8 @@ def _on_device(device: int | None):
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, mask_mod=None, score_mod=None, block_mask=None):
+            alibi_slopes=None, mask_mod=None, score_mod=None, block_mask=None, dropout_p=0.0, dropout_seed=None,
+            dropout_offset=0):
     """Exact attention O = softmax(Q Kᵀ · scale) V without materialising the N×N scores.
 
     Args:
@@ -712,6 +751,14 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
             mask_mod may be left out (a mask_mod given must be the one it was built from). The kernel then visits
             only the key tiles the BlockMask lists for each query tile (EMPTY ones never loaded) and calls the
             mask_mod only on PARTIAL tiles; causal / window and the sequence end still apply on top.
+        dropout_p, dropout_seed, dropout_offset: dropout on the attention probabilities, as in training (flash-attn's
+            dropout_p): 0 <= dropout_p < 1; with p > 0 an int seed (< 2**64) and offset (< 2**32) are required, and
+            ``backward`` must get the same three. Each score of (batch b, query head h, query i, key j) is kept
+            iff the 16-bit draw of Philox4x32-10 (key = seed, counter from (i, j, b·H + h, offset): blocks/rng.py,
+            reference/dropout.py) is below keep16 = round((1 − p)·2^16); kept values are scaled by 2^16 / keep16
+            (the kept fraction exactly, so E[O] is the undropped O). lse is the undropped softmax's. Built into the
+            mma.sync forward (float16 / bfloat16, d <= 256): on sm_90 that kernel runs instead of the wgmma ones
+            (explain says so); float32 / SIMT, varlen raise NotImplementedError. No plan is kept for these calls.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy
@@ -738,18 +785,20 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
     config and parameters, without the checks and choices in Python.
     """
     left, right = window_pair(window_size)
-    if mask_mod is not None or score_mod is not None or block_mask is not None:  # (no plan key: each call checks)
+    if mask_mod is not None or score_mod is not None or block_mask is not None or dropout_p:
+        # (no plan key: each call checks; a plan per dropout seed would replace the plans of every other call)
         return _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left, right, softcap, mask_mod,
-                        score_mod, block_mask)
+                        score_mod, block_mask, dropout_p, dropout_seed, dropout_offset)
     return plans.call(_forward, (q, k, v, alibi_slopes), (causal, softmax_scale, kernel, left, right, softcap))
 
 
 def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, right=-1, softcap=0.0, mask_mod=None,
-             score_mod=None, block_mask=None):
+             score_mod=None, block_mask=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """``forward`` without plans (plans.call runs it for a new signature and watches)."""
     mask_mod = _block_mask_mod(block_mask, mask_mod)
+    dropout_p, dropout_words = check_dropout(dropout_p, dropout_seed, dropout_offset)
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(left, right), softcap=softcap,
-                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
+                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     with _on_device(p.device):
@@ -777,10 +826,11 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
                 aux = user_aux(p, mask_mod, score_mod, stream)
                 if block_mask is not None:  # the BlockMask's key-tile lists (blocks/sparsity.py)
                     mods, aux = replace(mods, block_sparse=True), aux + _walked_lists(p, block_mask, mask_mod, cfg)
+                extra = {"dropout": dropout_words} if dropout_words else {}  # (the mma.sync launch's only)
                 launch_mma_forward(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                    stream=stream, layout_checked=True, mods=mods,
                                    window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
-                                   softcap=p.softcap, alibi=alibi, aux=aux)
+                                   softcap=p.softcap, alibi=alibi, aux=aux, **extra)
             elif family in TF32_KERNELS:
                 tf32_forward.launch(qd, kd, vd, out4, lse3, cfg, causal=p.mask_causal, softmax_scale=p.softmax_scale,
                                     passes=TF32_KERNELS[family], stream=stream, layout_checked=True)
@@ -798,12 +848,13 @@ def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, righ
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, mask_mod=None, score_mod=None, block_mask=None) -> str:
+            alibi_slopes=None, mask_mod=None, score_mod=None, block_mask=None, dropout_p=0.0) -> str:
     """Which kernel ``forward`` would run for these inputs, its tile config, and why (with block_mask: the tiles
     the kernel walks)."""
     mask_mod = _block_mask_mod(block_mask, mask_mod)
+    dropout_p, _ = check_dropout(dropout_p, 0, 0)
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
+                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p)
     views = None
     if p.kind != arrays.NUMPY:  # device arrays: check their real layout (views, no copies)
         with _on_device(p.device):

@@ -196,8 +196,7 @@ MMA_WGMMA = {
     (256, False): Tile(128, 64, 256, warps=8, stages=2, flags={"wgmma"}),
     (256, True): Tile(128, 80, 256, warps=8, stages=2, flags={"wgmma", "grid_bh_x"}),
 }
-# sm_90's forward, masks and mods included, varlen with NUMBA_FLASH_WS_VARLEN=1 (q, k, v and O TMA-addressable;
-# api.ws_blockers):
+# sm_90's forward, masks, mods and varlen included (q, k, v and O TMA-addressable; api.ws_blockers):
 # kernels/wgmma_ws_forward.py (flag "ws": a producer warpgroup loading by TMA into an mbarrier ring, two consumer
 # warpgroups of 64 rows on wgmma; the other flags are that kernel's). H100 sweep, results/sweep-wgmma-ws-2026-12-05-
 # h100-full.txt, B4 H16 N4096, TFLOP/s fp16 / bf16, beside MMA_WGMMA's tile and SDPA cuDNN in the same run:

@@ -194,6 +194,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             k_pos = start.long()[:, None] + torch.arange(k.shape[1], device=k.device)
             k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+    if lens is not None:  # before the append: a refused call leaves the cache as it was
+        _check_capacity(lens, 0 if k is None else k.shape[1], k_cache, block_table)
     if k is not None:
         if lens is None:
             raise ValueError("flash_attn_with_kvcache: k / v are appended at cache_seqlens; pass cache_seqlens")
@@ -227,10 +229,24 @@ def _rotary(x, cos, sin, pos, interleaved):
     return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
 
 
+def _check_capacity(lens, n_new, k_cache, block_table):
+    """RuntimeError where a sequence's keys (cache_seqlens[b] + the Nnew appended) run past what its cache holds:
+    Nmax rows, or block_table's pages x page size (flash-attn's guard: the kernel would read the block table, and
+    the append write, out of bounds). Device lengths cost one host sync per call, as flash-attn's check does."""
+    paged = block_table is not None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    longest = int(lens.max()) + n_new if lens.numel() else 0
+    if longest > capacity:
+        where = (f"block_table's {block_table.shape[1]} pages x {k_cache.shape[1]} tokens" if paged
+                 else f"the cache's {capacity} rows")
+        raise RuntimeError(f"flash_attn_with_kvcache: cache_seqlens + new keys reach {longest} tokens, past the "
+                           f"capacity of {where} = {capacity}; accepted: cache_seqlens[b] + k.shape[1] <= "
+                           f"{capacity} (a larger block_table or cache)")
+
+
 def _append(k_cache, v_cache, k, v, lens, block_table, cache_batch_idx):
     """flash-attn's in-place append: new token t of sequence b at position lens[b] + t of its cache (through the
-    block table for pages). lens[b] + Nnew <= the cache's capacity is the caller's to keep (a check needs a host
-    sync), as in flash-attn."""
+    block table for pages); _check_capacity has made sure every position is inside."""
     pos = lens.long()[:, None] + torch.arange(k.shape[1], device=k.device)  # (B, Nnew)
     if block_table is not None:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:

@@ -79,6 +79,7 @@ from ._validation import (
     compute_dtype,
     resolve_order,
 )
+from .dropout import check_dropout, dropout_factor
 from .softmax import _finalize, logsumexp, online_softmax_step, standard_softmax
 
 __all__ = [
@@ -539,7 +540,7 @@ def block_sparse_attention(q, k, v, counts, entries, *, block_q: int, block_k: i
 
 def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dtype=None, window_size=(-1, -1),
                        softcap: float = 0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mask_aux=(),
-                       score_aux=()):
+                       score_aux=(), dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0):
     """Attention that materialises the Nq×Nk matrices S and P, as in 3.6.2.
 
     S = the final logits (module docstring): softmax_scale · Q Kᵀ, then the softcap
@@ -554,14 +555,20 @@ def standard_attention(q, k, v, *, causal: bool = False, softmax_scale=None, dty
     for none; ``alibi_slopes``, (H,) or (B, H), None for none. NaN / inf: the module docstring. User mods:
     ``mask_mod``, ``score_mod`` with their ``mask_aux``, ``score_aux`` (module docstring).
 
+    Dropout (``dropout_p`` > 0): O = (Z ∘ P) V · 2^16 / keep16 with the kernels' keep mask Z of
+    (``dropout_seed``, ``dropout_offset``) (reference.dropout); L stays the logsumexp of S.
+
     Returns ``(O, L)``: O (*lead, Nq, d), L (*lead, Nq). Fully masked rows: O = 0, L = −inf.
     Memory: O(Nq·Nk) per (batch, head) — this is the version that runs out of memory.
     """
+    dropout_p = check_dropout(dropout_p, dropout_seed)
     pr = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
                   softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
                   mask_aux=mask_aux, score_aux=score_aux)
     S, _ = pr.logits(0, pr.n_q, 0, pr.n_k, mask=pr.masked)
     P = standard_softmax(S, axis=-1, dtype=pr.dtype)
+    if dropout_p:
+        P = P * dropout_factor(pr.lead, pr.n_q, pr.n_k, dropout_p, dropout_seed, dropout_offset, pr.dtype)
     O = P @ pr.v
     return O, logsumexp(S, axis=-1, dtype=pr.dtype)
 

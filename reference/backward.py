@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._validation import as_real_array, check_positive_int
+from .dropout import check_dropout, dropout_factor
 from .attention import _prepare, q_block_range, tile_needs_mask
 
 __all__ = ["attention_backward", "flash_attention_backward"]
@@ -49,7 +50,8 @@ def _prepare_backward(q, k, v, o, lse, do, *, causal, softmax_scale, dtype, wind
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_scale=None, dtype=None,
                        window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
-                       score_mod_grad=None, mask_aux=(), score_aux=()):
+                       score_mod_grad=None, mask_aux=(), score_aux=(), dropout_p: float = 0.0, dropout_seed: int = 0,
+                       dropout_offset: int = 0):
     """Gradients of attention through the materialised Nq×Nk matrices P, dP and dS.
 
     ``q`` (..., Nq, d), ``k``, ``v`` (..., Nk, d) as for ``standard_attention``; ``o``
@@ -58,8 +60,12 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_sca
     ``dtype``, ``window_size``, ``softcap``, ``alibi_slopes``, ``mask_mod``, ``score_mod``, ``mask_aux``,
     ``score_aux`` as in the forward; ``score_mod_grad`` (d score_mod / d score) with a score_mod.
 
+    Dropout (``dropout_p``, ``dropout_seed``, ``dropout_offset`` as the forward's; F = Z · 2^16 / keep16,
+    reference.dropout): dV = (F ∘ P)ᵀ dO, dS = P ∘ (F ∘ dP − D), D = rowsum(dO ∘ O) as before.
+
     Returns ``(dq, dk, dv)`` with the shapes of q, k, v (summed over GQA groups and broadcast dims).
     """
+    dropout_p = check_dropout(dropout_p, dropout_seed)
     pr, o, lse_sub, do = _prepare_backward(
         q, k, v, o, lse, do, causal=causal, softmax_scale=softmax_scale, dtype=dtype, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
@@ -67,10 +73,13 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_sca
     )
     S, dcap = pr.logits(0, pr.n_q, 0, pr.n_k, mask=pr.masked)
     P = np.exp(S - lse_sub[..., None])
-    dv = np.swapaxes(P, -1, -2) @ do
+    F = 1.0
+    if dropout_p:
+        F = dropout_factor(pr.lead, pr.n_q, pr.n_k, dropout_p, dropout_seed, dropout_offset, pr.dtype)
+    dv = np.swapaxes(P * F, -1, -2) @ do
     dP = do @ np.swapaxes(pr.v, -1, -2)
     D = np.sum(do * o, axis=-1)
-    dS = P * (dP - D[..., None])
+    dS = P * (dP * F - D[..., None])
     dS0 = dS if dcap is None else dS * dcap  # through the softcap and the score_mod to S₀ = scale·Q Kᵀ
     dq = (dS0 @ pr.k) * pr.scale
     dk = (np.swapaxes(dS0, -1, -2) @ pr.q) * pr.scale

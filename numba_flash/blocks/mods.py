@@ -43,6 +43,7 @@ class Mods:
     mask_mod: "UserMod | None" = None  # a user mask (numba_flash.mods.MaskMod), compiled in
     score_mod: "UserMod | None" = None  # a user score modification (numba_flash.mods.ScoreMod)
     block_sparse: bool = False  # walk a BlockMask's key-tile lists (blocks/sparsity.py); needs mask_mod
+    dropout: bool = False  # dropout on P (blocks/rng.py): its four words come last among the aux arguments
 
     def __post_init__(self):
         if self.block_sparse and self.mask_mod is None:
@@ -50,14 +51,19 @@ class Mods:
 
     @property
     def any(self) -> bool:
-        return self.window or self.softcap or self.alibi or self.user
+        return self.window or self.softcap or self.alibi or self.user or self.dropout
+
+    @property
+    def aux(self) -> bool:
+        """The build takes aux arguments after MOD_ARGS (user mods' arrays, dropout's words): the user entries."""
+        return self.user or self.dropout
 
     @property
     def user(self) -> bool:
         return self.mask_mod is not None or self.score_mod is not None
 
     def __str__(self) -> str:
-        return "+".join(n for n in ("window", "softcap", "alibi", "mask_mod", "score_mod", "block_sparse")
+        return "+".join(n for n in ("window", "softcap", "alibi", "mask_mod", "score_mod", "block_sparse", "dropout")
                         if getattr(self, n)) or "none"
 
 
@@ -304,12 +310,28 @@ def fragment_user_mods(mods: Mods, BLOCK_K: int, M_TILES: int):
 
 
 def user_aux_types(mods: Mods) -> tuple:
-    """The aux arrays' Numba types, the mask's then the score mod's (launch arguments after the six above); a
-    block_sparse build then takes the BlockMask's key-tile lists (blocks/sparsity.LIST_TYPES)."""
+    """The aux arguments' Numba types, the mask's arrays then the score mod's (launch arguments after the six
+    above); a block_sparse build then takes the BlockMask's key-tile lists (blocks/sparsity.LIST_TYPES), a dropout
+    build last its four uint32 words (blocks/rng.DROPOUT_TYPES: seed_lo, seed_hi, offset, keep16)."""
+    from .rng import DROPOUT_TYPES
     from .sparsity import LIST_TYPES
 
     user = sum((m.numba_aux_types() for m in (mods.mask_mod, mods.score_mod) if m is not None), ())
-    return user + (LIST_TYPES if mods.block_sparse else ())
+    return user + (LIST_TYPES if mods.block_sparse else ()) + (DROPOUT_TYPES if mods.dropout else ())
+
+
+def list_first(mods: Mods) -> int:
+    """The index in aux of a block_sparse build's first key-tile list (blocks/sparsity.lists_of)."""
+    from .rng import DROPOUT_TYPES
+
+    return len(user_aux_types(mods)) - 2 - (len(DROPOUT_TYPES) if mods.dropout else 0)
+
+
+def dropout_first(mods: Mods) -> int:
+    """The index in aux of a dropout build's first word (blocks/rng.words_of)."""
+    from .rng import DROPOUT_TYPES
+
+    return len(user_aux_types(mods)) - len(DROPOUT_TYPES)
 
 
 def user_score_grad(mods: Mods):

@@ -67,7 +67,9 @@ from ..tiles import Tile
 from ..blocks.entry import forward_entry, forward_grid, forward_signature, varlen_key
 from ..blocks.copies import check_layout, copy_threads, tile_copies
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
-from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
+from ..blocks.mods import (NO_MODS, Mods, dropout_first, fragment_mods, fragment_user_mods, head_slope, launch_args,
+                           list_first, user_aux_types)
+from ..blocks.rng import fragment_dropout, words_of
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, row_lse
 from ..blocks.sparsity import entry, is_full, list_length, lists_of, tile_of
@@ -146,7 +148,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     # causal / window on the host, so the kernel computes no tile range of its own
     BLOCK_SPARSE = bool(mods.block_sparse)
     RANGE_CAUSAL, RANGE_WINDOW = CAUSAL and not BLOCK_SPARSE, WINDOW and not BLOCK_SPARSE
-    lists = lists_of(len(user_aux_types(mods)) - 2)  # (counts, entries) from aux (block_sparse)
+    lists = lists_of(list_first(mods))  # (counts, entries) from aux (block_sparse)
+    DROPOUT = bool(mods.dropout)  # P's dropped entries zeroed before P·V (blocks/rng.py), O scaled at the end
+    dropout_words = words_of(dropout_first(mods))
     GRID_BH_X, SMEM_EPILOGUE = tile.has("grid_bh_x"), tile.has("smem_epilogue")
     WARP_SKIP = tile.has("warp_skip") and CAUSAL
     Q_IN_REGS = HEAD_DIM <= 64  # d = 128 keeps Q in shared memory: its 32 registers would spill
@@ -185,6 +189,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
     window_tile = fragment_window(BLOCK_K, M_TILES)
     mod_tile = fragment_mods(mods, BLOCK_K, M_TILES)
     user_tile = fragment_user_mods(mods, BLOCK_K, M_TILES)
+    drop_tile = fragment_dropout(S_TILES, M_TILES)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, M_TILES)
 
     @inline_device
@@ -270,6 +275,9 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
         scale = ZERO
         if USER:  # a score mod sees the scaled logit scale·s
             scale = float32(1.0) / inv_scale
+        seed_lo, seed_hi, rng_offset, keep16, keep_scale = uint32(0), uint32(0), uint32(0), uint32(0), float32(1.0)
+        if DROPOUT:
+            seed_lo, seed_hi, rng_offset, keep16, keep_scale = dropout_words(aux)
 
         # Lane addresses for ldmatrix (matrix j = lane >> 3 of the x4 supplies rows lane & 7).
         mat = lane >> 3
@@ -426,6 +434,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                 # Online softmax on the fragments, M moved only past M + RESCALE_LOG2 (blocks/softmax.py).
                 m_nw = cuda.local.array(ROWS_L, float32)
                 softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
+                if DROPOUT:  # after l_i summed the undropped P: L is the softmax's, O = dropped P·V / l_i
+                    drop_tile(s, k0, q0 + warp * ROWS_W, g, t, bh, rng_offset, seed_lo, seed_hi, keep16)
 
                 # O += P V_j: S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
                 p_frag = cuda.local.array((M_TILES, 4), uint32)
@@ -460,6 +470,8 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
             l_row = quad_row_sum(l_i, mr)
             row = q0 + warp * ROWS_W + 8 * mr + g
             inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO  # a fully masked row: O = 0
+            if DROPOUT:
+                inv_l *= keep_scale
             if SMEM_EPILOGUE:
                 if row < n_q and t == 0:
                     if l_row != ZERO:
@@ -507,7 +519,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = Fa
                                 out[b, h, q_base + row, col + e] = smem[src + e]
 
     return forward_entry(forward_body, globals(), "mma_forward", mods.any, varlen=varlen, block_q=BLOCK_Q,
-                         grid_bh_x=GRID_BH_X, user_aux=len(user_aux_types(mods)) if USER else -1)
+                         grid_bh_x=GRID_BH_X, user_aux=len(user_aux_types(mods)) if mods.aux else -1)
 
 
 @lru_cache(maxsize=None)
@@ -528,7 +540,7 @@ def _words(x):
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, layout_checked=False, mods=NO_MODS,
-           window=(0, 0), softcap=0.0, alibi=None, varlen=None, aux=()):
+           window=(0, 0), softcap=0.0, alibi=None, varlen=None, aux=(), dropout=()):
     """Run the tensor-core forward on device arrays; the caller has validated the problem.
 
     q, out: (B, H, Nq, d) float16 (or uint16 holding bf16 bits, which selects the bf16 kernel);
@@ -546,6 +558,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
     varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences: q, k, v,
     out, lse are then views of the packed arrays with a batch stride of 0 (B = the number of sequences,
     Nq / Nk = the packed totals), and the grid covers max_seqlen_q rows of every sequence.
+    dropout: with mods.dropout, (seed_lo, seed_hi, offset, keep16) (blocks/rng.py), after aux.
     """
     B, H, n_q, d = q.shape
     Hkv, n_k = k.shape[1], k.shape[2]
@@ -563,7 +576,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, la
         tile = tile.with_(flags=tile.flags - {"smem_epilogue"})  # 16-byte stores need 16-byte aligned rows
     args = (_words(q), _words(k), _words(v), _words(out), lse, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
-        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux)
+        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux) + tuple(dropout)
     extra = {}
     if varlen is not None:
         args += (varlen[0], varlen[1])

@@ -442,3 +442,23 @@ def test_kvcache_refused_cache_arguments_leave_the_cache_as_it_was(twin):
         with pytest.raises(err, match="block_table"):
             fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, block_table=table, **kw)
         assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_kvcache_past_capacity_is_refused_before_the_append(twin, append):
+    """flash-attn's block_table guard: cache_seqlens (+ the appended keys) past the pages' capacity raise
+    RuntimeError naming block_table, and the cache is left as it was; the same against a contiguous cache's rows."""
+    H, d, page = 1, 16, 16
+    pages_k, pages_v = _bnhd(4, page, H, d, 60), _bnhd(4, page, H, d, 61)
+    q, kn, vn = _bnhd(1, 1, H, d, 62), _bnhd(1, 1, H, d, 63), _bnhd(1, 1, H, d, 64)
+    table = torch.zeros(1, 1, dtype=torch.int32)  # one page: 16 tokens
+    lens = torch.tensor([page if append else page + 1], dtype=torch.int32)
+    new = dict(k=kn, v=vn) if append else {}
+    before = pages_k.clone()
+    with pytest.raises(RuntimeError, match="block_table's 1 pages x 16 tokens = 16"):
+        fa.flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=lens, block_table=table, **new)
+    assert torch.equal(pages_k, before)
+    with pytest.raises(RuntimeError, match="the cache's 16 rows"):
+        fa.flash_attn_with_kvcache(q, pages_k[:1], pages_v[:1], cache_seqlens=lens, **new)
+    ok = lens - (1 if append else 1)  # at capacity exactly: runs
+    fa.flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=ok, block_table=table, **new)

@@ -445,8 +445,7 @@ def test_ws_tile_refuses_what_it_cannot_run(rng):
 
 
 def test_ws_blockers_name_each_reason(monkeypatch):
-    """ws_blockers: a plain call, a call with mods and (with NUMBA_FLASH_WS_VARLEN=1) a varlen one, its views' batch
-    stride 0 aside, have none;
+    """ws_blockers: a plain call, a call with mods and a varlen one, its views' batch stride 0 aside, have none;
     Nk = 0, O rows that are not 16-byte multiples and a broadcast (zero-stride) view each give their reason, so
     auto keeps such a call on the wgmma forward."""
     from numba_flash.api import Problem, ws_blockers
@@ -461,9 +460,6 @@ def test_ws_blockers_name_each_reason(monkeypatch):
 
     assert ws_blockers(problem()) == []
     assert ws_blockers(problem(softcap=30.0, window_size=(20, 3))) == []
-    monkeypatch.delenv("NUMBA_FLASH_WS_VARLEN", raising=False)
-    assert "NUMBA_FLASH_WS_VARLEN=1" in " ".join(ws_blockers(problem(varlen=True)))  # off until GPU-tested
-    monkeypatch.setenv("NUMBA_FLASH_WS_VARLEN", "1")
     assert ws_blockers(problem(varlen=True)) == []
     packed = np.lib.stride_tricks.as_strided(np.zeros((1, 2, 90, 64), np.float16), (3, 2, 90, 64), (0, 128, 256, 2))
     assert ws_blockers(problem(varlen=True, B=3), (packed, packed, packed)) == []  # the pack's batch stride 0
@@ -520,7 +516,6 @@ def test_varlen_forward_on_ws_sim(causal, mods, monkeypatch, rng):
         small = Tile(128, 16, 64, warps=12, stages=3, flags={"ws", "grid_bh_x"})
     monkeypatch.setattr(api, "_ws_here", lambda: True)
     monkeypatch.setattr(api, "MMA_WGMMA_WS", {(64, causal): small})
-    monkeypatch.setenv("NUMBA_FLASH_WS_VARLEN", "1")
     alloc = numba_flash.arrays.empty_like_kind
 
     def sentinel(kind, ref, shape, dtype, stream):  # outputs start as 7s: rows past the pack must stay so
