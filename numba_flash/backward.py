@@ -22,7 +22,7 @@ from . import arrays, backward_plan, plans
 from dataclasses import replace
 
 from .api import (_ACCEPTED_ARRAYS, MMA_BWD_MAX_HEAD_DIM, PerformanceWarning, Problem, _device_smem, _mma_blockers,
-                  _on_device, _tf32_blockers, mods_words, user_aux, validate, window_pair)
+                  _on_device, _tf32_blockers, check_dropout, mods_words, user_aux, validate, window_pair)
 from .blocks.mask import window_bounds
 from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM
 from .decode import _sm_count
@@ -36,12 +36,13 @@ KERNELS = ("auto", "simt", "mma", "tf32x3")
 
 def validate_backward(q, k, v, out, lse, dout, *, causal: Any = False, softmax_scale: Any = None,
                       window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None,
-                      packed: tuple | None = None, mask_mod: Any = None, score_mod: Any = None) -> Problem:
+                      packed: tuple | None = None, mask_mod: Any = None, score_mod: Any = None,
+                      dropout_p: float = 0.0) -> Problem:
     """``api.validate`` for q, k, v (and the mods), then: out and dout like q, lse float32 of shape q.shape[:-1]
     ((H, total_q) for a varlen call: packed as api.validate takes it). A score_mod must carry its derivative
     (numba_flash.mods.ScoreMod's grad): the Problem's score mod is then the build argument with it."""
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes, packed=packed, mask_mod=mask_mod, score_mod=score_mod)
+                 alibi_slopes=alibi_slopes, packed=packed, mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p)
     if p.score_mod is not None:
         p = replace(p, score_mod=score_mod_with_grad(p.score_mod, score_mod))
     wanted = (
@@ -262,6 +263,9 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma", s
     atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why. Both modes take
     the dq kernel where the table has no "dkdv_atomic" tile or the device's blocks lack its shared memory."""
     kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
+    if p.mods.dropout:
+        return "kernel", None, kernel + "dropout (the dq kernel regenerates the forward's keep mask; the dQ-in-dkdv " \
+            "schemes are not built with dropout)"
     if "dkdv_atomic" not in cfg:
         return "kernel", None, kernel + f"the table has no dQ-in-dkdv tile at head dim {cfg['head_dim']}"
     bn, bm = cfg["dkdv_atomic"]
@@ -350,11 +354,12 @@ def _choose_tf32x3(p: Problem) -> tuple[str, Any, list[str]]:
 
 
 def explain_backward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, mask_mod=None, score_mod=None) -> str:
+                     alibi_slopes=None, mask_mod=None, score_mod=None, dropout_p=0.0) -> str:
     """Which kernels ``backward`` runs for inputs like these, their tile configs, and why (for the
     tensor-core path: how dQ is formed with the default deterministic=True and with False)."""
+    dropout_p, _ = check_dropout(dropout_p, 0, 0)
     p = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
+                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p)
     if p.score_mod is not None:
         p = replace(p, score_mod=score_mod_with_grad(p.score_mod, score_mod))
     views = None
@@ -396,7 +401,8 @@ def tensor_core_scratch(p: Problem, q, cfg: dict, scheme: str, splits, stream) -
 
 
 def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kernel="auto", deterministic=True,
-             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None):
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, dropout_p=0.0,
+             dropout_seed=None, dropout_offset=0):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from the saved L.
 
     Args:
@@ -421,6 +427,10 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             writes it); dS is multiplied by it (after softcap's 1 − tanh²). A score_mod without grad is a
             ValueError naming grad. Built into the "mma" kernels (mma.sync dkdv / dq, the wgmma dkdv on sm_90)
             with every dQ scheme; kernel "simt" / "tf32x3" (float32) raise NotImplementedError; no varlen.
+        dropout_p, dropout_seed, dropout_offset: the forward's (``forward`` says how the keep mask is drawn): the
+            kernels regenerate its mask, dV = (Z ∘ P)ᵀ dO · s and dS = P ∘ (Z ∘ dP · s − D) with s = 2^16 / keep16.
+            On the "mma" kernels (mma.sync dkdv and the dq kernel, whatever ``deterministic`` says: bitwise
+            repeatable, 7 tile products); float32 / SIMT and varlen raise NotImplementedError.
         kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
             forward would: "mma" for float16/bfloat16 with d <= 256 (above d = 128 where the GPU's blocks have
             the tiles' shared memory: sm_90 every d, sm_80 d <= 192, sm_86 / sm_89 none), "tf32x3" for float32 with
@@ -478,19 +488,20 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans).
     """
     left, right = window_pair(window_size)
-    if mask_mod is not None or score_mod is not None:  # (functions are no plan key: the ordinary path each call)
+    if mask_mod is not None or score_mod is not None or dropout_p:  # (no plan key: the ordinary path each call)
         return _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kernel, deterministic, left,
-                         right, softcap, mask_mod, score_mod)
+                         right, softcap, mask_mod, score_mod, dropout_p, dropout_seed, dropout_offset)
     return plans.call(_backward, (q, k, v, out, lse, dout, alibi_slopes),
                       (causal, softmax_scale, kernel, deterministic, left, right, softcap))
 
 
 def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kernel, deterministic, left=-1, right=-1,
-              softcap=0.0, mask_mod=None, score_mod=None):
+              softcap=0.0, mask_mod=None, score_mod=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """``backward`` without plans (plans.call runs it for a new signature and watches)."""
+    dropout_p, dropout_words = check_dropout(dropout_p, dropout_seed, dropout_offset)
     p = validate_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale,
                           window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-                          score_mod=score_mod)
+                          score_mod=score_mod, dropout_p=dropout_p)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
     if not isinstance(deterministic, (bool, np.bool_)):
@@ -527,7 +538,7 @@ def _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kern
                                          stream=stream, dq_acc=dq_acc, dq_splits=splits, mods=mods,
                                          window=window_bounds(p.causal, p.window_size) if mods.window else (0, 0),
                                          softcap=p.softcap, alibi=alibi,
-                                         aux=user_aux(p, mask_mod, score_mod, stream))
+                                         aux=user_aux(p, mask_mod, score_mod, stream) + dropout_words)
         else:
             _, delta = arrays.empty_like_kind(p.kind, q, (p.B, p.H, p.n_q), "float32", stream)  # D, scratch
             simt_backward.launch(

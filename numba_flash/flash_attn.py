@@ -12,7 +12,12 @@ The varlen functions take packed (total, nheads, headdim) tensors with cu_seqlen
 and softmax_lse (H, total_q), as flash-attn's; their offsets are checked on the device (torch._assert_async).
 
 Differences from flash-attn, all raised as NotImplementedError naming the argument, never ignored:
-dropout_p > 0, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary with cache_leftpad.
+dropout_p > 0 in the varlen functions, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary with
+cache_leftpad. dropout_p in flash_attn_func / kvpacked / qkvpacked runs in the kernels (numba_flash.torch.attention's
+dropout: a seed per call from PyTorch's default generator, so torch.manual_seed makes it repeatable); with it,
+return_attn_probs=True gives flash-attn's S_dmask (B, H, Nq, Nk) in q's dtype: exp(s - the row's max) of each
+visible score, negated where dropout dropped it, 0 where the mask hides it (flash-attn's layout with its key
+blocks one block wide; materialised by PyTorch in fp32: for tests, O(Nq·Nk) memory).
 flash_attn_with_kvcache takes window_size, softcap and alibi_slopes (applied in the decode kernel), paged
 caches (block_table, page sizes multiples of 16, not only flash-attn 2's multiples of 256), cache_batch_idx,
 cache_leftpad, any number of queries, causal or not, num_splits, and rotary embeddings (applied by PyTorch
@@ -27,7 +32,8 @@ import torch
 
 from .api import window_pair
 from .decode import check_cache_combination
-from .torch import attention, decode, varlen_attention
+from .dropout import dropout_mask
+from .torch import attention, decode, draw_seed, varlen_attention
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
@@ -56,14 +62,48 @@ def _window(causal, window_size):
 
 def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs):
-    if dropout_p:
-        _unsupported(f"dropout_p={dropout_p}")
     window_size = _window(causal, window_size)
+    seed = draw_seed() if dropout_p else None
     out, lse = attention(_heads_first(q), _heads_first(k), _heads_first(v), causal=causal, softmax_scale=softmax_scale,
                          deterministic=deterministic, window_size=window_size, softcap=softcap,
-                         alibi_slopes=alibi_slopes, return_lse=True)
+                         alibi_slopes=alibi_slopes, return_lse=True, dropout_p=dropout_p, dropout_seed=seed)
     out = _heads_first(out).contiguous()
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    s_dmask = None
+    if dropout_p:
+        s_dmask = _s_dmask(q, k, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed)
+    return out, lse, s_dmask
+
+
+def _s_dmask(q, k, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed):
+    """flash-attn's S_dmask for return_attn_probs (module docstring): the scores recomputed in fp32 with the same
+    scale, softcap, ALiBi and window, exp(s - row max) where visible, negated where the kernels' dropout mask
+    (numba_flash.dropout_mask, the same seed) drops the score."""
+    B, n_q, H, d = q.shape
+    n_k, Hkv = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    qh = _heads_first(q).float()
+    kh = _heads_first(k).float().repeat_interleave(H // Hkv, dim=1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)  # the query's bottom-right aligned position
+    j = torch.arange(n_k, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().reshape(-1 if alibi_slopes.dim() == 1 else B, H)
+        s = s - slopes.reshape(slopes.shape[0], H, 1, 1) * (i - j).abs()
+    left, right = window_size
+    visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    s = s.masked_fill(~visible, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    a = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))  # a row that sees nothing: all 0
+    kept = torch.as_tensor(dropout_mask(B, H, n_q, n_k, dropout_p, seed), device=q.device).bool()
+    return torch.where(kept, a, -a).to(q.dtype)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -141,15 +141,18 @@ _Attention = _eager_function("_Attention", _fwd_body, _fwd_setup_context, _fwd_b
 
 
 def _user_fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic,
-                   mask_mod, score_mod):
-    """_fwd_body with user mods (Python functions: no op, the eager autograd.Function only)."""
+                   mask_mod, score_mod, dropout_p=0.0, dropout_seed=None):
+    """_fwd_body with user mods (Python functions) or dropout (a seed per call): no op, the eager
+    autograd.Function only."""
     return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                   softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
+                   softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+                   dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 def _user_setup_context(ctx, inputs, output):
     _fwd_setup_context(ctx, inputs[:10], output)
-    ctx.user_mods = inputs[10:]
+    ctx.user_mods = inputs[10:12]
+    ctx.dropout = inputs[12:14]
 
 
 def _user_backward(ctx, dout, _dlse, run=None):
@@ -157,12 +160,14 @@ def _user_backward(ctx, dout, _dlse, run=None):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     causal, softmax_scale, deterministic, window_left, window_right, softcap = ctx.args
     mask_mod, score_mod = ctx.user_mods
+    dropout_p, dropout_seed = ctx.dropout
     if dout.shape[-1] > 1 and dout.stride(-1) != 1:  # as _bwd_body
         dout = dout.contiguous()
     dq, dk, dv = backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale,
                           deterministic=deterministic, window_size=(window_left, window_right), softcap=softcap,
-                          alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod)
-    return (dq, dk, dv) + (None,) * 9
+                          alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p,
+                          dropout_seed=dropout_seed)
+    return (dq, dk, dv) + (None,) * 11
 
 
 _UserModAttention = _eager_function("_UserModAttention", _user_fwd_body, _user_setup_context, _user_backward, None)
@@ -334,7 +339,8 @@ def _check_mods(softcap, alibi_slopes):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, return_lse=False, mask_mod=None, score_mod=None, block_mask=None):
+              alibi_slopes=None, return_lse=False, mask_mod=None, score_mod=None, block_mask=None, dropout_p=0.0,
+              generator=None, dropout_seed=None):
     """Differentiable exact attention on PyTorch CUDA tensors (``torch.ops.numba_flash.fwd``).
 
     Arguments, shapes (including GQA/MQA and the batch-less forms), dtypes, the bottom-right
@@ -359,10 +365,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
     ``torch.compile`` it raises NotImplementedError (call it outside the compiled region).
     block_mask (a numba_flash.BlockMask, carrying its mask_mod): as ``numba_flash.forward``'s; eager and forward
     only (the backward kernels do not walk block lists: NotImplementedError with gradients).
+    dropout_p (0 <= p < 1; pass 0.0 outside training, as for F.scaled_dot_product_attention): dropout on the
+    probabilities in the kernels (``numba_flash.forward``'s, flash-attn's scaling), the backward regenerating the
+    same mask. Each call draws a 62-bit seed from ``generator`` (a torch.Generator; None: PyTorch's default CPU
+    generator, so torch.manual_seed makes runs repeatable), or takes ``dropout_seed`` (an int < 2**64) where given
+    (``numba_flash.dropout_mask(B, H, Nq, Nk, dropout_p, seed)`` then rebuilds the mask). Eager mode only, as the
+    user mods (the seed is drawn in Python): NotImplementedError under torch.compile / tracing. float16 / bfloat16
+    on the mma.sync kernels.
     """
-    if mask_mod is not None or score_mod is not None or block_mask is not None:
+    if mask_mod is not None or score_mod is not None or block_mask is not None or dropout_p:
         return _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse,
-                                    mask_mod, score_mod, deterministic, block_mask)
+                                    mask_mod, score_mod, deterministic, block_mask, dropout_p, generator,
+                                    dropout_seed)
+    if dropout_seed is not None:
+        raise ValueError("dropout_seed is the dropout's; with dropout_p = 0 it would be ignored: pass None")
+    if generator is not None:
+        raise ValueError("generator is the dropout's; with dropout_p = 0 it would be ignored: pass generator=None")
     causal = _check_bool("causal", causal)
     deterministic = _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
@@ -382,32 +400,52 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=True, 
 
 
 def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, mask_mod,
-                         score_mod, deterministic=True, block_mask=None):
-    """attention with user mods: numba_flash.forward in eager mode, and its backward with them where q, k or v
-    need gradients (attention's docstring)."""
+                         score_mod, deterministic=True, block_mask=None, dropout_p=0.0, generator=None,
+                         dropout_seed=None):
+    """attention with user mods or dropout: numba_flash.forward in eager mode, and its backward with them where q, k
+    or v need gradients (attention's docstring)."""
     grads = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
     if grads and block_mask is not None:
         raise NotImplementedError("block_mask with gradients: the backward kernels do not walk block lists (run the "
                                   "forward under torch.no_grad(), or pass mask_mod= alone for gradients)")
-    if grads:
+    what = "dropout_p" if dropout_p and mask_mod is None and score_mod is None else "mask_mod / score_mod"
+    if grads and (mask_mod is not None or score_mod is not None):
         _check_user_mods_for_grad(q, mask_mod, score_mod)
+    elif grads:
+        _refuse_backward_without_kernel("dropout_p", q)
     if not _eager(q, k, v):
-        raise NotImplementedError("mask_mod / score_mod under torch.compile, tracing, fake tensors or a dispatch "
-                                  "mode: a custom op cannot take Python functions; call numba_flash.torch.attention "
-                                  "with them outside the compiled or traced region, on plain CUDA tensors")
+        raise NotImplementedError(f"{what} under torch.compile, tracing, fake tensors or a dispatch mode: a custom "
+                                  "op cannot take Python functions or a seed drawn per call; call "
+                                  "numba_flash.torch.attention with them outside the compiled or traced region, on "
+                                  "plain CUDA tensors")
     _check_bool("return_lse", return_lse)
+    seed = dropout_seed
+    if dropout_p and seed is None:
+        seed = draw_seed(generator)
+    elif dropout_p and generator is not None:
+        raise ValueError("pass generator or dropout_seed, not both (the seed would not come from the generator)")
+    elif not dropout_p and (generator is not None or dropout_seed is not None):
+        raise ValueError("generator / dropout_seed are the dropout's; with dropout_p = 0 they would be ignored")
     if grads:
         _check_mods(softcap, alibi_slopes)
         left, right = window_pair(window_size)
         out, lse = _UserModAttention.apply(q, k, v, _check_bool("causal", causal), _check_scale(softmax_scale), left,
                                            right, float(softcap), alibi_slopes, _check_bool("deterministic",
                                                                                             deterministic),
-                                           mask_mod, score_mod)
+                                           mask_mod, score_mod, dropout_p, seed)
         return (out, lse) if return_lse else out
     out, lse = forward(q, k, v, causal=_check_bool("causal", causal), softmax_scale=_check_scale(softmax_scale),
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-                       score_mod=score_mod, block_mask=block_mask)
+                       score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p, dropout_seed=seed)
     return (out, lse) if return_lse else out
+
+
+def draw_seed(generator=None) -> int:
+    """A 62-bit dropout seed from ``generator`` (a torch.Generator; None: PyTorch's default CPU generator)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    gen = torch.default_generator if generator is None else generator
+    return int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
 
 
 def _check_user_mods_for_grad(q, mask_mod, score_mod):

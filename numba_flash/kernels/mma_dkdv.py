@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, uint16
+from numba import cuda, float32, uint16, uint32
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
@@ -56,7 +56,9 @@ from ..blocks.copies import copy_threads
 from ..blocks.dkdv import dkdv_common, pair_offset, stage_words, two_products, window_schedule
 from ..blocks.entry import dkdv_entry, dkdv_user_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
-from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad, user_aux_types, user_score_grad
+from ..blocks.mods import (NO_MODS, Mods, alibi_bias, capped, dropout_first, head_slope, softcap_grad, user_aux_types,
+                           user_score_grad)
+from ..blocks.rng import fragment_dropout_t, words_of
 from ..blocks.schedule import ROW_PAD
 from ..jit_cache import compile_kernel
 
@@ -135,7 +137,9 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     MODS (blocks/mods.py; the splits' adding build only): a window (the Q tiles between the first and the last that see the block,
     blocks.dkdv.window_schedule; keys past n_k masked, so no clamp), and softcap / ALiBi on each recomputed
     score, the cap's 1 − tanh² on dS. User mods (MODS.user, not varlen): the score mod and mask on every score in
-    range (blocks.mods.user_score_grad), the score mod's derivative on dS; their aux arrays come last.
+    range (blocks.mods.user_score_grad), the score mod's derivative on dS; their aux arrays come last. Dropout
+    (MODS.dropout, not varlen; blocks/rng.py): the keep mask Z of the step's scores (fragment_dropout_t), dV from
+    Z ∘ Pᵀ and scaled by 2^16 / keep16 at the end, dSᵀ = Pᵀ ∘ (Z ∘ dPᵀ · 2^16 / keep16 − D); its words last in aux.
 
     VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): key blocks past their sequence return.
 
@@ -157,8 +161,11 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL, ATOMIC_DQ = bool(CAUSAL) and not WINDOW, bool(ATOMIC_DQ)
     USER = MODS.user
-    if USER and VARLEN:
-        raise ValueError("mma_dkdv: user mods have no varlen build")
+    DROPOUT = bool(MODS.dropout)
+    if MODS.aux and VARLEN:
+        raise ValueError("mma_dkdv: user mods and dropout have no varlen build")
+    keep_t = fragment_dropout_t(Q_TILES)
+    dropout_words = words_of(dropout_first(MODS))
     user_score = user_score_grad(MODS) if USER else None
     (SK, SV, STAGE0, STAGE, SQ, SDO, SL, SD, SDS), swizzle, prologue, schedule, step_tile, prefetch, \
         swizzle_m, store_grads, dv_dk_step = dkdv_common(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, THREADS, O_TILES,
@@ -244,6 +251,10 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
         acc_v = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((Q_TILES, 4), float32)  # Sᵀ, then Pᵀ
         dp = cuda.local.array((Q_TILES, 4), float32)  # dPᵀ, then dSᵀ
+        z = cuda.local.array((Q_TILES, 4), float32)  # dropout's keep mask of the step's scores
+        seed_lo, seed_hi, rng_offset, keep16, keep_scale = uint32(0), uint32(0), uint32(0), uint32(0), ONE
+        if DROPOUT:
+            seed_lo, seed_hi, rng_offset, keep16, keep_scale = dropout_words(aux)
         for dt in range(O_TILES):
             for r in range(4):
                 acc_k[dt, r] = ZERO
@@ -274,6 +285,11 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                 slope = head_slope(slopes, b, h_kv * group + hh, inv_scale)
             l2_s = (st + SL) >> 1
             d_s = (st + SD) >> 1
+            if DROPOUT:  # the draws of (query head hh's queries, this warp's keys): the forward's
+                i0_w = i0
+                if SPLIT_LAYOUT:
+                    i0_w += cg * QW
+                keep_t(z, kw, i0_w, g, t, b * q.shape[1] + h_kv * group + hh, rng_offset, seed_lo, seed_hi, keep16)
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
@@ -299,7 +315,11 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                     elif needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     p = ex2(x)
-                    ds = p * (dp[nt, r] - smem_f[d_s + col])
+                    if DROPOUT:  # dSᵀ = Pᵀ ∘ (Z ∘ dPᵀ · scale − D); dV takes Z ∘ Pᵀ (its scale at the end)
+                        ds = p * (dp[nt, r] * z[nt, r] * keep_scale - smem_f[d_s + col])
+                        p *= z[nt, r]
+                    else:
+                        ds = p * (dp[nt, r] - smem_f[d_s + col])
                     if SOFTCAP:
                         ds *= softcap_grad(s[nt, r], cap_b)
                     if USER:
@@ -350,13 +370,17 @@ def source(BLOCK_N, BLOCK_M, HEAD_DIM, CAUSAL, DTYPE, ATOMIC_DQ=False, VECTOR_RE
                 add_dq(smem, SDS, dq_acc, dq_h0 + hh, i0, warp, lane, g, t, first)
 
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
+        if DROPOUT:  # dV = (Z ∘ P)ᵀ dO · 2^16 / keep16
+            for dt in range(O_TILES):
+                for r in range(4):
+                    acc_v[dt, r] *= keep_scale
 
         if SPLIT_LAYOUT:
             store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, cg * (HEAD_DIM // SPLIT), n_k, d, scale, k_base)
         else:
             store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
-    if USER:
+    if MODS.aux:
         return dkdv_user_entry(dkdv_body, globals(), "mma_dkdv_mods", ATOMIC_DQ, DQ_SPLITS, len(user_aux_types(MODS)))
     # VARLEN: the packed-sequences form, key blocks past their sequence return
     return dkdv_entry(dkdv_body, globals(), "mma_dkdv", ATOMIC_DQ, DQ_SPLITS, mods=MODS.any,

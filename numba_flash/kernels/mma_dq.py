@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, int32, uint16
+from numba import cuda, float32, int32, uint16, uint32
 
 from .. import ptx
 from ..configs import SMEM_PER_BLOCK_MAX
@@ -28,7 +28,9 @@ from ..blocks.copies import copy_threads, tile_copies
 from ..blocks.dkdv import pair_offset, two_products
 from ..blocks.entry import kernel_signature, user_entry, varlen_entry, varlen_key, varlen_rules, with_row_bases
 from ..blocks.mask import window_rules
-from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad, user_aux_types, user_score_grad
+from ..blocks.mods import (NO_MODS, Mods, alibi_bias, capped, dropout_first, head_slope, softcap_grad, user_aux_types,
+                           user_score_grad)
+from ..blocks.rng import fragment_keep, words_of
 from ..blocks.schedule import ROW_PAD
 from ..jit_cache import compile_kernel
 
@@ -74,7 +76,9 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     (blocks/mods.py): the window's tile range and edges (the forward's window_rules), softcap and ALiBi on each
     recomputed score and the cap's 1 − tanh² on dS; the kernel then takes the mods' launch arguments last. User
     mods (MODS.user): the score mod and mask on every score in range (blocks.mods.user_score_grad) and the score
-    mod's derivative on dS; their aux arrays follow the mods' launch arguments (no varlen build).
+    mod's derivative on dS; their aux arrays follow the mods' launch arguments (no varlen build). Dropout
+    (MODS.dropout, blocks/rng.py): dS = P ∘ (Z ∘ dP · 2^16 / keep16 − D) with the forward's keep mask Z
+    (fragment_keep); its words last in aux (no varlen build).
     VARLEN: the packed-sequences entry (blocks.entry.varlen_entry): Q tiles past their sequence return."""
 
     WARPS = BLOCK_M // 16
@@ -92,8 +96,11 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL = bool(CAUSAL) and not WINDOW
     USER = MODS.user
-    if USER and VARLEN:
-        raise ValueError("mma_dq: user mods have no varlen build")
+    DROPOUT = bool(MODS.dropout)
+    if MODS.aux and VARLEN:
+        raise ValueError("mma_dq: user mods and dropout have no varlen build")
+    keep_tile = fragment_keep(K_TILES, 1)
+    dropout_words = words_of(dropout_first(MODS))
     user_score = user_score_grad(MODS) if USER else None
     window_range, window_edge, window_hidden = window_rules(BLOCK_N, 16)
     swizzle, _, copy_plan, load_tile_fast = tile_copies(HEAD_DIM, THREADS, PARTIAL_CHUNK)
@@ -180,6 +187,10 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
         acc = cuda.local.array((O_TILES, 4), float32)
         s = cuda.local.array((K_TILES, 4), float32)  # S, then P
         dp = cuda.local.array((K_TILES, 4), float32)  # dP, then dS
+        z = cuda.local.array((K_TILES, 4), float32)  # dropout's keep mask of the tile's scores
+        seed_lo, seed_hi, rng_offset, keep16, keep_scale = uint32(0), uint32(0), uint32(0), uint32(0), ONE
+        if DROPOUT:
+            seed_lo, seed_hi, rng_offset, keep16, keep_scale = dropout_words(aux)
         for dt in range(O_TILES):
             for r in range(4):
                 acc[dt, r] = ZERO
@@ -206,6 +217,8 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                 needs_mask = needs_mask or (k0 + BLOCK_N - 1 > qw + shift)
             if WINDOW:
                 needs_mask = window_edge(k0, k0 + BLOCK_N, qw, n_k, shift, left, right)
+            if DROPOUT:
+                keep_tile(z, k0, qw, g, t, bh, rng_offset, seed_lo, seed_hi, keep16)
             for nt in range(K_TILES):
                 for r in range(4):
                     half = r >> 1
@@ -229,7 +242,10 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                                 x = NEG_INF
                         elif col >= n_k or (CAUSAL and col > qw + g + 8 * half + shift):
                             x = NEG_INF
-                    ds = ex2(x) * (dp[nt, r] - d_r[half])
+                    if DROPOUT:
+                        ds = ex2(x) * (dp[nt, r] * z[nt, r] * keep_scale - d_r[half])
+                    else:
+                        ds = ex2(x) * (dp[nt, r] - d_r[half])
                     if SOFTCAP:
                         ds *= softcap_grad(s[nt, r], cap_b)
                     if USER:
@@ -265,7 +281,7 @@ def source(BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, MODS=
                         dq[b, h, q_base + row, col + 1] = uint16(bits >> 16)
 
     body = with_row_bases(dq_body, globals()) if VARLEN else dq_body
-    if USER:
+    if MODS.aux:
         mods = "left, right, cap_a, cap_b, slopes, inv_scale"
         params = f"q, k, v, dout, l2, dd, dq, n_q, n_k, d, group, scale_log2, scale, {mods}"
         return user_entry(body, globals(), "mma_dq_mods", params, params + ", 0, 0", len(user_aux_types(MODS)))

@@ -20,7 +20,9 @@ import numba_flash.flash_attn as fa  # noqa: E402
 
 
 def _twin_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, return_lse=False, deterministic=True):
+                    alibi_slopes=None, return_lse=False, deterministic=True, dropout_p=0.0, dropout_seed=None):
+    if dropout_p:  # the record of what the adapter passed (test_dropout_reaches_attention_and_s_dmask)
+        _twin_attention.dropout = (dropout_p, dropout_seed)
     out = attention_mods_torch(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes)
     lse = torch.zeros(q.shape[:-1], dtype=torch.float32)  # shape only (the GPU test checks values)
     return (out, lse) if return_lse else out
@@ -287,7 +289,6 @@ def test_kvcache_rotary(twin, interleaved, causal):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda q, c: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p=0.1"),
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, dropout_p=0.1), "dropout_p=0.1"),
     (lambda q, c: fa.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 8, 8, block_table=torch.zeros(1, 1)),
      "block_table"),
@@ -462,3 +463,38 @@ def test_kvcache_past_capacity_is_refused_before_the_append(twin, append):
         fa.flash_attn_with_kvcache(q, pages_k[:1], pages_v[:1], cache_seqlens=lens, **new)
     ok = lens - (1 if append else 1)  # at capacity exactly: runs
     fa.flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=ok, block_table=table, **new)
+
+
+@pytest.mark.parametrize("causal, window, softcap, alibi", [(True, (-1, -1), 0.0, False), (False, (6, 2), 5.0, True)])
+def test_dropout_reaches_attention_and_s_dmask(twin, monkeypatch, causal, window, softcap, alibi):
+    """dropout_p goes to numba_flash's attention with a seed drawn from PyTorch's default generator (so
+    torch.manual_seed repeats it), and return_attn_probs gives S_dmask: |S| / rowsum |S| is the softmax with the
+    same variants, its sign the kernels' keep mask of that seed (reference.dropout.keep_mask standing in for the
+    device kernel here)."""
+    import numpy as np
+
+    from reference.dropout import keep_mask
+
+    monkeypatch.setattr(fa, "dropout_mask", lambda B, H, n_q, n_k, p, seed: torch.from_numpy(
+        keep_mask(B, H, n_q, n_k, p, seed).astype(np.uint8)))
+    B, n_q, n_k, H, Hkv, d, p = 2, 13, 29, 4, 2, 16, 0.3
+    q, k, v = _bnhd(B, n_q, H, d, 70), _bnhd(B, n_k, Hkv, d, 71), _bnhd(B, n_k, Hkv, d, 72)
+    slopes = torch.rand(B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) if alibi else None
+    kw = dict(dropout_p=p, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
+              return_attn_probs=True)
+    torch.manual_seed(11)
+    out, lse, s_dmask = fa.flash_attn_func(q, k, v, **kw)
+    p_seen, seed = _twin_attention.dropout
+    torch.manual_seed(11)
+    fa.flash_attn_func(q, k, v, **kw)
+    assert p_seen == p and isinstance(seed, int) and _twin_attention.dropout[1] == seed
+    assert s_dmask.shape == (B, H, n_q, n_k) and s_dmask.dtype == q.dtype
+    mag = s_dmask.abs()
+    probs = mag / mag.sum(-1, keepdim=True).clamp_min(1e-300)
+    ident = torch.eye(n_k, dtype=torch.float64).expand(B, Hkv, n_k, n_k)  # V = I: out = P
+    want = attention_mods_torch(q.transpose(1, 2), k.transpose(1, 2), ident, causal, None,
+                                fa._window(causal, window), softcap, slopes)
+    torch.testing.assert_close(probs, want, rtol=1e-5, atol=1e-6)  # S_dmask is fp32 maths
+    z = torch.from_numpy(keep_mask(B, H, n_q, n_k, p, seed))
+    seen = mag > 0
+    assert torch.equal((s_dmask > 0)[seen], z[seen]) and seen.any() and (~z[seen]).any()
