@@ -263,9 +263,9 @@ def dq_scheme(p: Problem, cfg: dict, deterministic: bool, family: str = "mma", s
     atomic grid's time, else ("kernel", None), the separate dq kernel; and a line saying why. Both modes take
     the dq kernel where the table has no "dkdv_atomic" tile or the device's blocks lack its shared memory."""
     kernel = "dQ: a separate dq kernel over Q tiles (7 tile products instead of 5, no atomics): "
-    if p.mods.dropout:
-        return "kernel", None, kernel + "dropout (the dq kernel regenerates the forward's keep mask; the dQ-in-dkdv " \
-            "schemes are not built with dropout)"
+    if p.mods.dropout and not cfg.get("dkdv_wgmma"):
+        return "kernel", None, kernel + "dropout (the dq kernel regenerates the forward's keep mask; the mma.sync " \
+            "dQ-in-dkdv builds with dropout are not yet GPU-tested, the sm_90 wgmma one is)"
     if "dkdv_atomic" not in cfg:
         return "kernel", None, kernel + f"the table has no dQ-in-dkdv tile at head dim {cfg['head_dim']}"
     bn, bm = cfg["dkdv_atomic"]

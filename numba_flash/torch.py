@@ -404,20 +404,20 @@ def _attention_user_mods(q, k, v, causal, softmax_scale, window_size, softcap, a
                          dropout_seed=None):
     """attention with user mods or dropout: numba_flash.forward in eager mode, and its backward with them where q, k
     or v need gradients (attention's docstring)."""
-    grads = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
-    if grads and block_mask is not None:
-        raise NotImplementedError("block_mask with gradients: the backward kernels do not walk block lists (run the "
-                                  "forward under torch.no_grad(), or pass mask_mod= alone for gradients)")
     what = "dropout_p" if dropout_p and mask_mod is None and score_mod is None else "mask_mod / score_mod"
-    if grads and (mask_mod is not None or score_mod is not None):
-        _check_user_mods_for_grad(q, mask_mod, score_mod)
-    elif grads:
-        _refuse_backward_without_kernel("dropout_p", q)
-    if not _eager(q, k, v):
+    if not _eager(q, k, v):  # first: the checks below ask the driver for the device, which tracing cannot follow
         raise NotImplementedError(f"{what} under torch.compile, tracing, fake tensors or a dispatch mode: a custom "
                                   "op cannot take Python functions or a seed drawn per call; call "
                                   "numba_flash.torch.attention with them outside the compiled or traced region, on "
                                   "plain CUDA tensors")
+    grads = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
+    if grads and block_mask is not None:
+        raise NotImplementedError("block_mask with gradients: the backward kernels do not walk block lists (run the "
+                                  "forward under torch.no_grad(), or pass mask_mod= alone for gradients)")
+    if grads and (mask_mod is not None or score_mod is not None):
+        _check_user_mods_for_grad(q, mask_mod, score_mod)
+    elif grads:
+        _refuse_backward_without_kernel("dropout_p", q)
     _check_bool("return_lse", return_lse)
     seed = dropout_seed
     if dropout_p and seed is None:

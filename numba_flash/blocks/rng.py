@@ -171,6 +171,36 @@ def fragment_keep(S_TILES: int, M_TILES: int):
     return keep_tile
 
 
+def fragment_dropout_t_bits(Q_TILES: int):
+    """keep_bits(key0, i0, g, t, bh, offset, seed_lo, seed_hi, keep16) -> uint32: fragment_dropout_t's decisions
+    as one register, bit 4·nt + r set where score (nt, r) is kept (Q_TILES <= 8): for kernels whose registers
+    cannot hold a float per score (the wgmma dK/dV kernel)."""
+    if Q_TILES % 2 or Q_TILES > 8:
+        raise ValueError(f"fragment_dropout_t_bits: {Q_TILES} n-tiles; pairs of them, at most 8 (32 bits)")
+
+    @inline_device
+    def keep_bits(key0, i0, g, t, bh, offset, seed_lo, seed_hi, keep16):
+        c0 = uint32(((key0 >> 4) << 2) | ((g >> 1) & 3))
+        odd = g & 1
+        bits = uint32(0)
+        for np2 in range(Q_TILES // 2):
+            for e in range(2):
+                c1 = uint32((((i0 + 16 * np2) >> 4) << 3) | (2 * t + e))
+                w0, w1, w2, w3 = philox(c0, c1, bh, offset, seed_lo, seed_hi)
+                # as fragment_dropout_t: (n-tile 2 np2 | 2 np2 + 1) x (r = e | 2 + e)
+                if kept(w0, odd, keep16):
+                    bits |= uint32(1 << (8 * np2 + e))
+                if kept(w1, odd, keep16):
+                    bits |= uint32(1 << (8 * np2 + 2 + e))
+                if kept(w2, odd, keep16):
+                    bits |= uint32(1 << (8 * np2 + 4 + e))
+                if kept(w3, odd, keep16):
+                    bits |= uint32(1 << (8 * np2 + 6 + e))
+        return bits
+
+    return keep_bits
+
+
 def words_of(first: int):
     """words(aux) -> (seed_lo, seed_hi, offset, keep16, scale): a dropout build's four words from aux[first..] and
     the kept values' scale 2^16 / keep16 (fp32: exact for the power-of-two numerator, one rounding)."""
@@ -194,4 +224,4 @@ def seed_words(seed: int) -> tuple:
 
 
 __all__ = ["DROPOUT_TYPES", "philox", "philox_round", "keep_one", "kept", "key_word", "row_word", "fragment_dropout",
-           "fragment_keep", "fragment_dropout_t", "words_of", "keep16_of", "seed_words"]
+           "fragment_keep", "fragment_dropout_t", "fragment_dropout_t_bits", "words_of", "keep16_of", "seed_words"]

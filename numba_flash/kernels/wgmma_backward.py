@@ -41,7 +41,9 @@ from ..ptx import WGMMA_ALIGN, inline_device
 from ..blocks.copies import atom_offset  # the tiles' layout (tile_copies' ATOM_ROWS fills them by it)
 from ..blocks.dkdv import dkdv_common, window_schedule
 from ..blocks.entry import dkdv_entry, dkdv_user_entry, kernel_signature, launch_dq_in_dkdv, varlen_key
-from ..blocks.mods import NO_MODS, Mods, alibi_bias, capped, head_slope, softcap_grad, user_aux_types, user_score_grad
+from ..blocks.mods import (NO_MODS, Mods, alibi_bias, capped, dropout_first, head_slope, softcap_grad, user_aux_types,
+                           user_score_grad)
+from ..blocks.rng import fragment_dropout_t_bits, words_of
 from ..blocks.mask import clamps_past_end, mask_kind, window_rules
 from ..jit_cache import compile_kernel
 
@@ -84,7 +86,10 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     MODS (blocks/mods.py; the splits' adding build only, into zeroed planes): mma_dkdv.source's window
     schedule, per-score rules and softcap gradient; the cap's 1 − tanh² waits in registers of its own (sg)
     while dPᵀ is still in flight in dp. User mods (MODS.user, not varlen): the score mod and mask on every score in
-    range (blocks.mods.user_score_grad), the score mod's derivative in sg (times the cap's); aux arrays last."""
+    range (blocks.mods.user_score_grad), the score mod's derivative in sg (times the cap's); aux arrays last.
+    Dropout (MODS.dropout, not varlen; blocks/rng.py): the step's keep mask as one register of bits
+    (fragment_dropout_t_bits), drawn while dPᵀ is in flight; dSᵀ = Pᵀ ∘ (Z ∘ dPᵀ · 2^16 / keep16 − D), dV from
+    Z ∘ Pᵀ and scaled at the end; its words last in aux."""
     bad = problems(HEAD_DIM, DTYPE)
     if bad:
         raise ValueError("; ".join(bad))
@@ -98,8 +103,11 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
     WINDOW, SOFTCAP, ALIBI = bool(MODS.window), bool(MODS.softcap), bool(MODS.alibi)
     CAUSAL = bool(CAUSAL) and not WINDOW
     USER = MODS.user
-    if USER and VARLEN:
-        raise ValueError("wgmma_backward: user mods have no varlen build")
+    DROPOUT = bool(MODS.dropout)
+    if MODS.aux and VARLEN:
+        raise ValueError("wgmma_backward: user mods and dropout have no varlen build")
+    keep_bits = fragment_dropout_t_bits(BLOCK_M // 8)
+    dropout_words = words_of(dropout_first(MODS))
     user_score = user_score_grad(MODS) if USER else None
     SCORE_MODS = SOFTCAP or ALIBI or USER  # the score is modified before the exponent
     SG = SOFTCAP or USER  # dSᵀ takes a factor d score / d s (sg)
@@ -277,15 +285,27 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
                     elif needs_mask and kw + g + 8 * (r >> 1) > i0 + col + shift:
                         x = NEG_INF
                     s[nt, r] = ex2(x)
+            z = uint32(0)
+            keep_scale = ONE
+            if DROPOUT:  # the step's keep mask (queries of head hh, this warp's keys), while dPᵀ is in flight
+                seed_lo, seed_hi, rng_offset, keep16, keep_scale = dropout_words(aux)
+                z = keep_bits(kw, i0, g, t, b * q.shape[1] + h_kv * group + hh, rng_offset, seed_lo, seed_hi, keep16)
             wait0()
             hold_s(dp)
             for nt in range(Q_TILES):
                 for r in range(4):
                     col = nt * 8 + 2 * t + (r & 1)
+                    dpv = dp[nt, r]
+                    if DROPOUT:  # dSᵀ = Pᵀ ∘ (Z ∘ dPᵀ · scale − D); dV takes Z ∘ Pᵀ (its scale at the end)
+                        kept_nr = (z >> uint32(4 * nt + r)) & uint32(1)
+                        dpv = dpv * keep_scale if kept_nr else ZERO
                     if SG:
-                        dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col]) * sg[nt, r]
+                        dp[nt, r] = s[nt, r] * (dpv - smem_f[d_s + col]) * sg[nt, r]
                     else:
-                        dp[nt, r] = s[nt, r] * (dp[nt, r] - smem_f[d_s + col])
+                        dp[nt, r] = s[nt, r] * (dpv - smem_f[d_s + col])
+                    if DROPOUT:
+                        if not (z >> uint32(4 * nt + r)) & uint32(1):
+                            s[nt, r] = ZERO
 
             # dV_w += Pᵀ dO_i, dK_w += dSᵀ Q_i (A from registers), and dSᵀ to shared memory for dQ. Every A
             # word is packed, and dSᵀ stored from the same words, before the fence: the PTX ISA leaves an A
@@ -334,9 +354,14 @@ def source(HEAD_DIM, CAUSAL, DTYPE, PARTIAL_CHUNK=False, DQ_SPLITS=0, DEFER_DQ=F
         cp_wait(0)  # nothing may be in flight when the block exits (steps == 0 included)
         hold_o(acc_k)
         hold_o(acc_v)
+        if DROPOUT:  # dV = (Z ∘ P)ᵀ dO · 2^16 / keep16
+            keep_scale = dropout_words(aux)[4]
+            for dt in range(O_TILES):
+                for r in range(4):
+                    acc_v[dt, r] *= keep_scale
         store_grads(dk, dv, acc_k, acc_v, b, h_kv, kw, g, t, 0, n_k, d, scale, k_base)
 
-    if USER:
+    if MODS.aux:
         return dkdv_user_entry(dkdv_body, globals(), "wgmma_dkdv_mods", True, DQ_SPLITS, len(user_aux_types(MODS)))
     # VARLEN: the packed-sequences form, key blocks past their sequence return
     return dkdv_entry(dkdv_body, globals(), "wgmma_dkdv", True, DQ_SPLITS, mods=MODS.any,
