@@ -667,12 +667,12 @@ def _choose_with_mods(p: Problem, kernel: str, views, not_ws: list | None = None
     kind, cfg, reasons = choose_kernel(_plain(p), "mma", views, not_ws=list(not_ws or ()) + ws_blockers(p, views))
     # window (-1, 0) with softcap / ALiBi: the causal tiles (_plain's causal is mask_causal)
     reasons.insert(1, words)
-    if p.mods.dropout and cfg.has("wgmma"):  # (the warp-specialised forward has dropout; wgmma_forward not)
+    if p.mods.dropout and (cfg.has("ws") or cfg.has("wgmma")):  # dropout: the mma.sync forward's (DESIGN.md)
         cfg = mma_config(p.d, p.mask_causal, sync=True)
         reasons[0] = (f"mma: tensor cores (mma.sync m16n8k16, {p.dtype} in, fp32 accumulate), {cfg.block_q}x"
                       f"{cfg.block_k} tiles, {cfg.warps} warps x {16 * mma_forward.m_tiles(cfg)} rows, head dim "
-                      f"{cfg.head_dim}; dropout: the sm_80 kernel, not the wgmma forward (built without dropout; "
-                      "the warp-specialised one, which has it, cannot take this call)")
+                      f"{cfg.head_dim}; dropout: the sm_80 kernel, not this GPU's wgmma forwards (built without "
+                      "dropout)")
         reasons[2:] = [r for r in reasons[2:] if not r.startswith(("variants:", "not the warp-specialised",
                                                                    "varlen:"))]
         variants = [words for key, words in _VARIANT_WORDS.items() if key in _MMA_ALWAYS or cfg.has(key)]
@@ -757,9 +757,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
             iff the 16-bit draw of Philox4x32-10 (key = seed, counter from (i, j, b·H + h, offset): blocks/rng.py,
             reference/dropout.py) is below keep16 = round((1 − p)·2^16); kept values are scaled by 2^16 / keep16
             (the kept fraction exactly, so E[O] is the undropped O). lse is the undropped softmax's. Built into the
-            mma.sync forward and the warp-specialised sm_90 forward (float16 / bfloat16, d <= 256; where the latter
-            cannot take a call, the mma.sync kernel runs, and explain says so); float32 / SIMT, varlen raise
-            NotImplementedError. No plan is kept for these calls.
+            mma.sync forward (float16 / bfloat16, d <= 256): on sm_90 that kernel runs instead of the wgmma ones
+            (explain says so); float32 / SIMT, varlen raise NotImplementedError. No plan is kept for these calls.
 
     Returns:
         (out, lse): out has q's shape, dtype and kind (CuPy in, CuPy out; NumPy in, NumPy

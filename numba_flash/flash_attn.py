@@ -14,7 +14,7 @@ and softmax_lse (H, total_q), as flash-attn's; their offsets are checked on the 
 Differences from flash-attn, all raised as NotImplementedError naming the argument, never ignored:
 dropout_p > 0 in the varlen functions, a varlen block_table (paged KV), and in flash_attn_with_kvcache rotary with
 cache_leftpad. dropout_p in flash_attn_func / kvpacked / qkvpacked runs in the kernels (numba_flash.torch.attention's
-dropout: a seed per call from PyTorch's default generator, so torch.manual_seed makes it repeatable); with it,
+dropout, on the mma.sync forward: a seed per call from PyTorch's default generator, so torch.manual_seed makes it repeatable); with it,
 return_attn_probs=True gives flash-attn's S_dmask (B, H, Nq, Nk) in q's dtype: exp(s - the row's max) of each
 visible score, negated where dropout dropped it, 0 where the mask hides it (flash-attn's layout with its key
 blocks one block wide; materialised by PyTorch in fp32: for tests, O(Nq·Nk) memory).
@@ -139,7 +139,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
     if dropout_p:
-        _unsupported(f"dropout_p={dropout_p}")
+        _unsupported(f"dropout_p={dropout_p} with varlen")
     window_size = _window(causal, window_size)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size,

@@ -65,6 +65,8 @@ def pytest_runtest_logreport(report):
 '''
 
 FEATURES = [  # (pattern in a NotImplementedError's message, the feature it names)
+    (r"dropout_p=.* with varlen", "dropout with varlen"),
+    (r"dropout_p=.*built into the mma", "dropout off the mma kernels (d % 8, d > 256, fp32)"),
     (r"dropout_p", "dropout"),
     (r"block_table", "paged KV cache (block_table)"),
     (r"rotary", "rotary embedding"),
@@ -75,8 +77,8 @@ FEATURES = [  # (pattern in a NotImplementedError's message, the feature it name
     (r"flash_attn_with_kvcache window_size", "kvcache: window / softcap"),
     (r"flash_attn_with_kvcache alibi", "kvcache: ALiBi"),
     (r"varlen (forward|backward): built into the 'mma'", "varlen off the mma kernels (head dim > 128, d % 8, fp32)"),
-    (r"with gradients: the backward builds them into the mma", "mods' backward off the mma kernels (d > 128)"),
-    (r"the backward builds them into the 'mma' kernels only", "mods' backward off the mma kernels (d > 128)"),
+    (r"with gradients: the backward builds them into the mma", "mods' backward off the mma kernels (d % 8, fp32)"),
+    (r"the backward builds them into the 'mma' kernels only", "mods' backward off the mma kernels (d % 8, fp32)"),
 ]
 
 

@@ -56,9 +56,7 @@ from ..tiles import Tile
 from ..blocks.copies import atom_offset
 from ..blocks.entry import MOD_ARGS, VARLEN_ARGS, forward_grid, maps_entry, varlen_key
 from ..blocks.mask import fragment_mask, fragment_window, mask_kind, window_rules
-from ..blocks.mods import (NO_MODS, Mods, dropout_first, fragment_mods, fragment_user_mods, head_slope, launch_args,
-                           list_first, user_aux_types)
-from ..blocks.rng import fragment_dropout, words_of
+from ..blocks.mods import NO_MODS, Mods, fragment_mods, fragment_user_mods, head_slope, launch_args, user_aux_types
 from ..blocks.numerics import LOG2E
 from ..blocks.softmax import fragment_softmax, fragment_softmax_deferred, row_lse
 from ..blocks.sparsity import entry, is_full, list_length, lists_of, tile_of
@@ -165,9 +163,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
     CAUSAL = bool(causal) and not WINDOW
     BLOCK_SPARSE = bool(mods.block_sparse)
     RANGE_CAUSAL, RANGE_WINDOW = CAUSAL and not BLOCK_SPARSE, WINDOW and not BLOCK_SPARSE
-    lists = lists_of(list_first(mods))  # (counts, entries) from aux (block_sparse)
-    DROPOUT = bool(mods.dropout)  # P's dropped entries zeroed before P·V (blocks/rng.py), O scaled at the end
-    dropout_words = words_of(dropout_first(mods))
+    lists = lists_of(len(user_aux_types(mods)) - 2)  # (counts, entries) from aux (block_sparse)
     GRID_BH_X = tile.has("grid_bh_x")
     SETMAXNREG, PINGPONG, TMA_STORE = tile.has("setmaxnreg"), tile.has("pingpong"), tile.has("tma_store")
     OVERLAP = tile.has("overlap")
@@ -226,7 +222,6 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
     window_tile = fragment_window(BLOCK_K, 1)
     mod_tile = fragment_mods(mods, BLOCK_K, 1)
     user_tile = fragment_user_mods(mods, BLOCK_K, 1)
-    drop_tile = fragment_dropout(S_TILES, 1)
     _, _, quad_row_sum, softmax_step = fragment_softmax(S_TILES, O_TILES, 1)
     deferred_step, deferred_rescale = fragment_softmax_deferred(S_TILES, O_TILES, 1)
 
@@ -333,7 +328,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
 
     @inline_device
     def overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R, j, full, FIRST, c, q16, base16, row_w, n_q, n_k, shift,
-                     b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale, aux, rng_bh):
+                     b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale, inv_scale, aux):
         """Ring step R (key tile j) of the overlap schedule: issue S_j and (unless FIRST, a work item's first step)
         the previous step's P·V, then tile j's mods, masks and softmax under the product, O's deferred rescale, and
         P_j packed for the next."""
@@ -364,9 +359,6 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
         scores(s, j, full, row_w, n_q, n_k, shift, b, h, g, t, left, right, cap_a, cap_b, slope, scale, inv_scale,
                aux)
         moved = deferred_step(s, m_i, l_i, alpha, scale_log2)
-        if DROPOUT:  # after l_i summed the undropped P (rng_bh: b·H + h, the counter's head word)
-            seed_lo, seed_hi, rng_offset, keep16, _ = dropout_words(aux)
-            drop_tile(s, int32(j * BLOCK_K), row_w, g, t, rng_bh, rng_offset, seed_lo, seed_hi, keep16)
         if not FIRST:
             wait0()
             hold_o(acc)
@@ -488,7 +480,6 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
         h = bh - b * n_heads
         q0 = q_tile * BLOCK_Q
         row_w = q0 + 16 * warp_c  # this warp's first query row
-        rng_bh = b * n_heads + h  # dropout's counter word of (batch, query head)
         j_first, n_iter = kv_walk(b, h, q0, q_tile, n_q, n_k, shift, left, right, aux)
         slope = ZERO
         if ALIBI:
@@ -512,12 +503,12 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
                 j, full = key_tile(0, j_first, b, h, q_tile, aux)
                 overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0, j, full, True, c, q16, base16, row_w, n_q,
                              n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope, scale,
-                             inv_scale, aux, rng_bh)
+                             inv_scale, aux)
             for r in range(1, n_iter):
                 j, full = key_tile(r, j_first, b, h, q_tile, aux)
                 overlap_step(smem, s, acc, a_p, m_i, l_i, alpha, R0 + r, j, full, False, c, q16, base16, row_w,
                              n_q, n_k, shift, b, h, g, t, lane, scale_log2, left, right, cap_a, cap_b, slope,
-                             scale, inv_scale, aux, rng_bh)
+                             scale, inv_scale, aux)
             if n_iter > 0:
                 last = R0 + n_iter - 1
                 wait_phase(smem, V_FULL + 4 * (last % STAGES_), (last // STAGES_) & 1)
@@ -554,9 +545,6 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
                        inv_scale, aux)
                 m_nw = cuda.local.array(2, float32)
                 softmax_step(s, acc, m_i, l_i, m_nw, scale_log2)
-                if DROPOUT:  # after l_i summed the undropped P
-                    seed_lo, seed_hi, rng_offset, keep16, _ = dropout_words(aux)
-                    drop_tile(s, int32(j * BLOCK_K), row_w, g, t, rng_bh, rng_offset, seed_lo, seed_hi, keep16)
                 wait_phase(smem, V_FULL + 4 * slot, parity)
                 if VARLEN:
                     clear_past_keys(smem, slot, j, n_k, c, warp_c, lane)
@@ -568,8 +556,6 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
             l_row = quad_row_sum(l_i, mr)
             row = row_w + 8 * mr + g
             inv_l = float32(1.0) / l_row if l_row != ZERO else ZERO
-            if DROPOUT:  # O = dropped P·V / l · 2^16 / keep16
-                inv_l *= dropout_words(aux)[4]
             if row < n_q and t == 0:
                 lse[b, h, q_base + row] = row_lse(m_i[mr], l_row) if l_row != ZERO else NEG_INF
             if TMA_STORE:  # into this warpgroup's rows of the Q tile (its last Q·Kᵀ has retired)
@@ -669,7 +655,7 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
                      inv_scale, aux, n_bh, q_tiles, q_base)
 
     return maps_entry(ws_body, globals(), "wgmma_ws_forward", mods.any,
-                      user_aux=len(user_aux_types(mods)) if mods.aux else -1, varlen=VARLEN, block_q=BLOCK_Q,
+                      user_aux=len(user_aux_types(mods)) if USER else -1, varlen=VARLEN, block_q=BLOCK_Q,
                       grid_bh_x=GRID_BH_X)
 
 
@@ -677,8 +663,10 @@ def kernel_source(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, va
 def build(tile: Tile, causal: bool, dtype: str, mods: Mods = NO_MODS, varlen: bool = False):
     """The compiled kernel for one specialisation (sm_90 only: TMA, wgmma and setmaxnreg are sm_90(a))."""
     bad = problems(tile, dtype, varlen)
-    if mods.aux and varlen:
-        bad.append("user mods and dropout have no varlen build")
+    if mods.user and varlen:
+        bad.append("user mods have no varlen build")
+    if mods.dropout:  # benchmarks/DESIGN.md: built and measured, slower than the mma.sync forward's dropout
+        bad.append("dropout is not built into the warp-specialised forward (the mma.sync forward has it)")
     if bad:
         raise ValueError(f"wgmma_ws forward ({tile}, {dtype}{', varlen' if varlen else ''}) cannot be built: "
                          f"{'; '.join(bad)}")
@@ -714,11 +702,10 @@ def check_arrays(q, k, v, out, lse, tile: Tile):
 
 
 def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mods: Mods = NO_MODS, window=(0, 0),
-           softcap=0.0, alibi=None, aux=(), n_sm=None, varlen=None, dropout=()):
+           softcap=0.0, alibi=None, aux=(), n_sm=None, varlen=None):
     """Run the warp-specialised forward on device arrays (B, H, N, d), f16 or bf16 bits as uint16; L float32 (B, H,
     Nq). q, k, v (and out with tma_store) need 16-byte aligned data and byte strides of 16-byte multiples (TMA).
-    mods, window, softcap, alibi, aux: as wgmma_forward.launch's; dropout: with mods.dropout, (seed_lo, seed_hi,
-    offset, keep16) (blocks/rng.py), after aux. n_sm: the GPU's SM count, which a persistent
+    mods, window, softcap, alibi, aux: as wgmma_forward.launch's. n_sm: the GPU's SM count, which a persistent
     tile's grid takes. varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) as
     wgmma_forward.launch takes it (views of the packed arrays with a batch stride of 0); the tile's tma_store is
     dropped (the fragment stores stop at each sequence's end) and a persistent tile refused."""
@@ -755,7 +742,7 @@ def launch(q, k, v, out, lse, tile: Tile, *, causal, softmax_scale, stream=0, mo
         grid, tile = forward_grid(tile, B * H, q_tiles)
     args = (maps, words[3], lse, H, n_q, n_k, d, H // Hkv, float32(softmax_scale * LOG2E))
     if mods.any:
-        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux) + tuple(dropout)
+        args += launch_args(window, softcap, softmax_scale, alibi, unused_slopes(lse)) + tuple(aux)
     extra = {}
     if varlen is not None:
         args += (varlen[0], varlen[1])

@@ -702,33 +702,3 @@ def test_gpu_forward_ws_error_rule(d, causal, dtype):
             o2, _ = numba_flash.forward(q, k, v, causal=causal)
             assert torch.equal(o, o2)
 
-
-@in_simulator
-@pytest.mark.parametrize("schedule", ["overlap", pytest.param("plain", marks=pytest.mark.heavy)])
-def test_dropout_on_ws_sim(schedule, monkeypatch, rng):
-    """forward with dropout on the ws kernel (patched on, small tiles): the keep mask drawn on the consumers'
-    accumulator fragments after the softmax (the overlap schedule: under the previous step's P·V), O scaled at the
-    end; against the float64 reference with the same mask (reference.dropout), causal with GQA, and explain names
-    the kernel."""
-    import numba_flash
-    from numba_flash import api
-    from reference import standard_attention
-
-    if schedule == "overlap":
-        small = Tile(128, 16, 64, warps=12, stages=2, flags={"ws", "setmaxnreg", "pingpong", "overlap", "tma_store",
-                                                              "grid_bh_x"})
-    else:
-        small = Tile(128, 16, 64, warps=12, stages=3, flags={"ws", "grid_bh_x"})
-    monkeypatch.setattr(api, "_ws_here", lambda: True)
-    monkeypatch.setattr(api, "MMA_WGMMA_WS", {(64, True): small})
-    B, H, Hkv, n_q, n_k, d = 1, 2, 1, 40, 50, 64
-    q, k, v = (rng.standard_normal((B, h, n, d)).astype(np.float16) for h, n in ((H, n_q), (Hkv, n_k), (Hkv, n_k)))
-    kw = dict(causal=True, dropout_p=0.4, dropout_seed=77, dropout_offset=3)
-    text = numba_flash.explain(q, k, v, causal=True, dropout_p=0.4)
-    assert "warp-specialised" in text and "dropout p=0.4" in text, text
-    o, lse = numba_flash.forward(q, k, v, **kw)
-    ref, lse_ref = standard_attention(q, k, v, **kw)
-    naive, _ = standard_attention(q, k, v, **kw, dtype=np.float16)
-    err, naive_err = np.abs(o.astype(np.float64) - ref).max(), np.abs(naive.astype(np.float64) - ref).max()
-    assert err <= 2 * naive_err + 1e-3, (err, naive_err)
-    np.testing.assert_allclose(lse, lse_ref, atol=1e-4)
