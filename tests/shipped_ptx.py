@@ -357,6 +357,36 @@ def cases() -> dict:
                                      dq_acc=None if scheme == "kernel" else a["dq_acc"], mods=mods, aux=aux)
         out[f"bwd-mma/d{hd}/{'causal' if causal else 'full'}/bfloat16/{target}/{scheme}/{which}"] = (target, call)
 
+    # --- dropout: the mma.sync forward (sm_90 included), the mma.sync dK/dV + dq kernel (sm80) and the wgmma dK/dV
+    # with both of its dQ schemes (sm90); the words (seed_lo, seed_hi, offset, keep16) are launch scalars
+    words = (0x1234, 0x5678, 3, 58982)
+    for hd, causal in ((64, True), (128, True), (256, False)):
+        def call(hd=hd, causal=causal):
+            from numba_flash.blocks.mods import Mods
+            from numba_flash.kernels import mma_forward
+
+            view, q, k, v = qkv("bfloat16", hd)
+            out_, lse = view(q.shape, "uint16"), view(q.shape[:3], "float32")
+            mma_forward.launch(q, k, v, out_, lse, configs.MMA_TABLE[hd, causal], causal=causal, softmax_scale=0.1,
+                               layout_checked=True, mods=Mods(dropout=True), dropout=words)
+        out[f"fwd-mma/d{hd}/{'causal' if causal else 'full'}/bfloat16/dropout"] = call
+    for target, hd, causal, scheme in (("sm80", 128, True, "kernel"), ("sm80", 256, False, "kernel"),
+                                       ("sm90", 128, True, "splits"), ("sm90", 64, False, "atomic")):
+        def call(hd=hd, causal=causal, scheme=scheme):
+            import importlib
+
+            from numba_flash import backward_plan
+            from numba_flash.blocks.mods import Mods
+
+            cfg = importlib.import_module("numba_flash.backward").mma_config(hd)
+            n_splits = 2 if scheme == "splits" else 0
+            q, k, v, a = bwd_arrays("bfloat16", hd, hd, n_splits)
+            backward_plan.launch_mma(q, k, v, a["out"], a["dout"], a["lse"], a["l2"], a["dd"], a["dq"], a["dk"],
+                                     a["dv"], causal=causal, softmax_scale=0.1, dtype="bfloat16", d=hd, config=cfg,
+                                     dq_acc=None if scheme == "kernel" else a["dq_acc"], dq_splits=n_splits or None,
+                                     mods=Mods(dropout=True), aux=words)
+        out[f"bwd-mma/d{hd}/{'causal' if causal else 'full'}/bfloat16/{target}/{scheme}/dropout"] = (target, call)
+
     # --- backward: tf32x3 (fp32 on tensor cores) ---------------------------------------------------
     for target in ("sm90", "sm80"):
         for (hd, causal) in sorted({key[1:] for key in configs.TF32_BWD_TABLE}):
@@ -506,6 +536,7 @@ CI_PATTERNS = (
     r"^fwd-wgmma/d128/causal/bfloat16/docmask$", r"^fwd-wgmma/d128/causal/bfloat16/docmask-sparse$",
     r"^fwd-ws/d128/causal/bfloat16/docmask-sparse$",
     r"^bwd-mma/d128/causal/bfloat16/sm90/atomic/docmask$",
+    r"^fwd-mma/d128/causal/bfloat16/dropout$", r"^bwd-mma/d128/causal/bfloat16/sm(80/kernel|90/splits)/dropout$",
 )
 
 
