@@ -132,6 +132,9 @@ def check_dropout(dropout_p: Any, dropout_seed: Any, dropout_offset: Any) -> tup
     The kept fraction is keep16 / 2^16 with keep16 = round((1 - p)·2^16) (blocks/rng.py)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be a real number in [0, 1) (0.0: off); got {dropout_p!r}")
+    if int(round((1.0 - float(dropout_p)) * 65536)) == 0:
+        raise ValueError(f"dropout_p = {dropout_p!r} keeps less than one draw in 2**16 (the kernels' resolution: the "
+                         "kept fraction is round((1 - p)·2**16) / 2**16); accepted: p < 1 - 2**-17")
     p = float(dropout_p)
     if not p:
         return 0.0, ()
@@ -308,6 +311,8 @@ def validate(q: Any, k: Any, v: Any, *, causal: Any = False, softmax_scale: Any 
                 raise NotImplementedError(f"{name} with varlen (packed sequences): not built; pass a dense batch, "
                                           "or numba_flash.mods.document_mask for packed documents")
             user[name] = _check_user_mod(name, mod, kinds["q"], device, (B, H, n_q, n_k))
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be a real number in [0, 1) (0.0: off); got {dropout_p!r}")
     if dropout_p and packed is not None:
         raise NotImplementedError(f"dropout_p={dropout_p} with varlen (packed sequences): not built; dropout runs on "
                                   "dense batches")
@@ -640,7 +645,7 @@ def _choose_with_mods(p: Problem, kernel: str, views, not_ws: list | None = None
     if kernel in TF32_KERNELS:
         raise NotImplementedError(
             f"{mods_words(p)}: not built into kernel={kernel!r}; float32 with them runs on kernel 'simt' (fp32 FMA; "
-            "auto takes it)")
+            "auto takes it; dropout has no float32 kernel)")
     blockers = _mma_blockers(p, views)
     if kernel == "mma" and blockers:
         raise ValueError("kernel='mma' cannot run this problem: " + "; ".join(blockers))
@@ -747,7 +752,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
             kv_idx) -> score on the scaled logit). The user mask ANDs with causal / window. Kernel "mma"
             only (float16 / bfloat16): elsewhere NotImplementedError. numba_flash.mods says what a mod may do.
         block_mask: a numba_flash.BlockMask (numba_flash.block_mask) of the mask_mod, built for (B, H, Nq, Nk)
-            at the forward's tile (numba_flash.sparsity.forward_tile(d, causal)); it carries its mask_mod, so
+            at the forward's tile (numba_flash.sparsity.forward_tile(d, causal), with dropout=True for a call with
+            dropout); it carries its mask_mod, so
             mask_mod may be left out (a mask_mod given must be the one it was built from). The kernel then visits
             only the key tiles the BlockMask lists for each query tile (EMPTY ones never loaded) and calls the
             mask_mod only on PARTIAL tiles; causal / window and the sequence end still apply on top.
@@ -785,11 +791,16 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, kernel="auto", window_
     config and parameters, without the checks and choices in Python.
     """
     left, right = window_pair(window_size)
-    if mask_mod is not None or score_mod is not None or block_mask is not None or dropout_p:
+    if mask_mod is not None or score_mod is not None or block_mask is not None or not _zero(dropout_p):
         # (no plan key: each call checks; a plan per dropout seed would replace the plans of every other call)
         return _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left, right, softcap, mask_mod,
                         score_mod, block_mask, dropout_p, dropout_seed, dropout_offset)
     return plans.call(_forward, (q, k, v, alibi_slopes), (causal, softmax_scale, kernel, left, right, softcap))
+
+
+def _zero(dropout_p) -> bool:
+    """dropout_p is a real 0 (the plan path); anything else goes to the checks (None, "0.1" included)."""
+    return isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool) and dropout_p == 0
 
 
 def _forward(q, k, v, alibi_slopes, causal, softmax_scale, kernel, left=-1, right=-1, softcap=0.0, mask_mod=None,

@@ -22,7 +22,7 @@ from . import arrays, backward_plan, plans
 from dataclasses import replace
 
 from .api import (_ACCEPTED_ARRAYS, MMA_BWD_MAX_HEAD_DIM, PerformanceWarning, Problem, _device_smem, _mma_blockers,
-                  _on_device, _tf32_blockers, check_dropout, mods_words, user_aux, validate, window_pair)
+                  _on_device, _tf32_blockers, _zero, check_dropout, mods_words, user_aux, validate, window_pair)
 from .blocks.mask import window_bounds
 from .configs import MMA_BWD_TABLE, MMA_BWD_WGMMA, REGS_PER_SM
 from .decode import _sm_count
@@ -429,8 +429,9 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
             with every dQ scheme; kernel "simt" / "tf32x3" (float32) raise NotImplementedError; no varlen.
         dropout_p, dropout_seed, dropout_offset: the forward's (``forward`` says how the keep mask is drawn): the
             kernels regenerate its mask, dV = (Z ∘ P)ᵀ dO · s and dS = P ∘ (Z ∘ dP · s − D) with s = 2^16 / keep16.
-            On the "mma" kernels (mma.sync dkdv and the dq kernel, whatever ``deterministic`` says: bitwise
-            repeatable, 7 tile products); float32 / SIMT and varlen raise NotImplementedError.
+            On the "mma" kernels: sm_90 the wgmma dkdv with dQ as ``deterministic`` says (splits or the dq kernel;
+            False: atomic adds, not bitwise repeatable); sm_80-89 the mma.sync dkdv and the dq kernel either way
+            (bitwise repeatable, 7 tile products). float32 / SIMT and varlen raise NotImplementedError.
         kernel: "auto" (default), "mma", "simt" or "tf32x3". Auto runs tensor cores where the
             forward would: "mma" for float16/bfloat16 with d <= 256 (above d = 128 where the GPU's blocks have
             the tiles' shared memory: sm_90 every d, sm_80 d <= 192, sm_86 / sm_89 none), "tf32x3" for float32 with
@@ -488,7 +489,7 @@ def backward(q, k, v, out, lse, dout, *, causal=False, softmax_scale=None, kerne
     Repeated calls with one signature replay a plan, as ``forward`` (numba_flash.plans).
     """
     left, right = window_pair(window_size)
-    if mask_mod is not None or score_mod is not None or dropout_p:  # (no plan key: the ordinary path each call)
+    if mask_mod is not None or score_mod is not None or not _zero(dropout_p):  # (no plan key: each call checks)
         return _backward(q, k, v, out, lse, dout, alibi_slopes, causal, softmax_scale, kernel, deterministic, left,
                          right, softcap, mask_mod, score_mod, dropout_p, dropout_seed, dropout_offset)
     return plans.call(_backward, (q, k, v, out, lse, dout, alibi_slopes),

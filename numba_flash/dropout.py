@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 from numba import cuda, uint8, uint32
 
 from .api import check_dropout
@@ -36,7 +37,9 @@ def _kernel():
 def dropout_mask(B: int, H: int, n_q: int, n_k: int, dropout_p: float, seed: int, offset: int = 0, stream=0):
     """(B, H, n_q, n_k) uint8 Numba device array: 1 where ``forward(..., dropout_p, dropout_seed=seed,
     dropout_offset=offset)`` keeps the score of query i and key j of batch b, query head h, 0 where it drops it
-    (with dropout_p = 0 every score is kept). Wrap it with torch.as_tensor / cupy.asarray, or copy_to_host()."""
+    (with dropout_p = 0 every score is kept), on Numba's current device and ``stream`` (a Numba stream, e.g.
+    cuda.external_stream of a PyTorch stream's handle). Wrap it with torch.as_tensor / cupy.asarray, or
+    copy_to_host()."""
     for name, x in (("B", B), ("H", H), ("n_q", n_q), ("n_k", n_k)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 0:
             raise ValueError(f"{name} must be an int >= 0; got {x!r}")
@@ -45,7 +48,7 @@ def dropout_mask(B: int, H: int, n_q: int, n_k: int, dropout_p: float, seed: int
     if B * H * n_q * n_k == 0:
         return z
     if not words:
-        z.copy_to_device(__import__("numpy").ones((B, H, n_q, n_k), "uint8"), stream=stream)
+        z.copy_to_device(np.ones((B, H, n_q, n_k), "uint8"), stream=stream)
         return z
     if n_q > 65535 or B * H > 65535:
         raise ValueError(f"dropout_mask: n_q = {n_q} and B*H = {B * H} must each be <= 65535 (the grid's y and z)")

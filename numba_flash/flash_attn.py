@@ -102,7 +102,15 @@ def _s_dmask(q, k, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
     s = s.masked_fill(~visible, float("-inf"))
     m = s.amax(-1, keepdim=True)
     a = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))  # a row that sees nothing: all 0
-    kept = torch.as_tensor(dropout_mask(B, H, n_q, n_k, dropout_p, seed), device=q.device).bool()
+    if q.is_cuda:  # on q's device and PyTorch's current stream there, which then reads it
+        from numba import cuda as nb_cuda
+
+        with nb_cuda.gpus[q.device.index]:
+            stream = nb_cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
+            kept = torch.as_tensor(dropout_mask(B, H, n_q, n_k, dropout_p, seed, stream=stream), device=q.device)
+    else:
+        kept = torch.as_tensor(dropout_mask(B, H, n_q, n_k, dropout_p, seed), device=q.device)
+    kept = kept.bool()
     return torch.where(kept, a, -a).to(q.dtype)
 
 
@@ -235,7 +243,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k_pos = start.long()[:, None] + torch.arange(k.shape[1], device=k.device)
             k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     if lens is not None:  # before the append: a refused call leaves the cache as it was
-        _check_capacity(lens, 0 if k is None else k.shape[1], k_cache, block_table)
+        _check_capacity(cache_seqlens if isinstance(cache_seqlens, int) else lens, 0 if k is None else k.shape[1],
+                        k_cache, block_table)
     if k is not None:
         if lens is None:
             raise ValueError("flash_attn_with_kvcache: k / v are appended at cache_seqlens; pass cache_seqlens")
@@ -272,10 +281,17 @@ def _rotary(x, cos, sin, pos, interleaved):
 def _check_capacity(lens, n_new, k_cache, block_table):
     """RuntimeError where a sequence's keys (cache_seqlens[b] + the Nnew appended) run past what its cache holds:
     Nmax rows, or block_table's pages x page size (flash-attn's guard: the kernel would read the block table, and
-    the append write, out of bounds). Device lengths cost one host sync per call, as flash-attn's check does."""
+    the append write, out of bounds). An int cache_seqlens is checked on the host; a tensor costs one host sync per
+    call, as flash-attn's check does, except while a CUDA graph is captured or torch.compile traces (no sync is
+    possible there: the bound is then the caller's to keep)."""
     paged = block_table is not None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    longest = int(lens.max()) + n_new if lens.numel() else 0
+    if isinstance(lens, int):
+        longest = lens + n_new
+    elif torch.compiler.is_compiling() or (lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    else:
+        longest = int(lens.max()) + n_new if lens.numel() else 0
     if longest > capacity:
         where = (f"block_table's {block_table.shape[1]} pages x {k_cache.shape[1]} tokens" if paged
                  else f"the cache's {capacity} rows")

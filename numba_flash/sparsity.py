@@ -117,7 +117,7 @@ class BlockMask:
             raise ValueError(f"block_mask has {self.block_q}x{self.block_k} tiles; the forward's tile is "
                              f"{block_q}x{block_k}: build it with numba_flash.block_mask(mask_mod, {B}, {H}, {n_q}, "
                              f"{n_k}, block_q={block_q}, block_k={block_k}) (numba_flash.sparsity.forward_tile "
-                             "names the tile of a head dim and causal)")
+                             "names the tile of a head dim, causal and dropout)")
 
     def lists(self, causal: bool, window=(-1, -1)) -> tuple:
         """Host (counts, entries) of the forward's walk under causal / window (blocks.sparsity.host_lists)."""
@@ -182,13 +182,14 @@ def block_mask(mask_mod, B: int, H: int, n_q: int, n_k: int, block_q: int = 128,
                      spec.cache_key, mod)
 
 
-def forward_tile(head_dim: int, causal: bool = False) -> tuple:
+def forward_tile(head_dim: int, causal: bool = False, dropout: bool = False) -> tuple:
     """(block_q, block_k) of the tensor-core forward's tile for this head dim and causal on the current GPU (the
     tile a BlockMask for ``forward(..., block_mask=)`` is built at; numba_flash.explain names it too): on sm_90 the
-    warp-specialised forward's where it has one (a BlockMask at the wgmma forward's tiles runs on that one)."""
+    warp-specialised forward's where it has one (a BlockMask at the wgmma forward's tiles runs on that one).
+    dropout=True: the mma.sync forward's, which runs every call with dropout_p > 0."""
     from .api import mma_config
 
-    tile = mma_config(int(head_dim), bool(causal), plain=True)
+    tile = mma_config(int(head_dim), bool(causal), plain=True, sync=bool(dropout))
     return tile.block_q, tile.block_k
 
 

@@ -211,9 +211,9 @@ def words_of(first: int):
 
 
 def keep16_of(dropout_p: float) -> int:
-    """The 16-bit keep threshold of a dropout probability: round((1 − p)·2^16), at least 1 (a p that rounds
-    to keeping nothing is refused by the API). 2^16 would keep everything, and is never built (p = 0 runs
-    the kernels without dropout)."""
+    """The 16-bit keep threshold of a dropout probability: round((1 − p)·2^16), clamped to [1, 2^16] (api.check_dropout
+    refuses p > 1 − 2^-16, which would round to keeping nothing; a p below 2^-17 rounds to keeping every draw, as
+    p = 0 would, and still runs the dropout build)."""
     return max(1, min(1 << KEEP_BITS, int(round((1.0 - float(dropout_p)) * (1 << KEEP_BITS)))))
 
 

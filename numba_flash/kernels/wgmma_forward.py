@@ -325,6 +325,8 @@ def build(tile: Tile, causal: bool, dtype: str, partial_chunk: bool = False, mod
           varlen: bool = False):
     """The compiled kernel for one specialisation (sm_90 only: wgmma is an sm_90a instruction)."""
     bad = problems(tile, dtype)
+    if mods.dropout:  # the mma.sync forward has it (api dispatch sends dropout there)
+        bad.append("dropout is not built into the wgmma forward (the mma.sync forward has it)")
     if bad:
         raise ValueError(f"wgmma forward ({tile}, {dtype}) cannot be built: {'; '.join(bad)}")
     key = ("wgmma_forward", tile, bool(causal), dtype, bool(partial_chunk), mods) + varlen_key(varlen)

@@ -74,3 +74,35 @@ def test_dropout_refusals():
     text = numba_flash.explain(q, q, q, dropout_p=0.25)
     assert "mma.sync" in text and "dropout p=0.25" in text, text
     assert "dropout" in numba_flash.explain_backward(q, q, q, dropout_p=0.25)
+
+
+def test_dropout_argument_checks_and_block_mask_tile():
+    """dropout_p that is not a real in [0, 1) is refused on every path (None does not mean 0), one that rounds to
+    keeping nothing too; a BlockMask for a call with dropout is built at forward_tile(..., dropout=True), the
+    mma.sync forward's tile, and another tile is refused naming it."""
+    from numba_flash.mods import document_mask
+    from numba_flash.sparsity import forward_tile
+
+    q = np.random.default_rng(3).standard_normal((1, 1, 40, 64)).astype(np.float16)
+    for bad in (None, "0", [0.1]):
+        with pytest.raises(ValueError, match="dropout_p"):
+            numba_flash.forward(q, q, q, dropout_p=bad, dropout_seed=1)
+        with pytest.raises(ValueError, match="dropout_p"):
+            numba_flash.backward(q, q, q, q, q[..., 0].astype(np.float32), q, dropout_p=bad, dropout_seed=1)
+    with pytest.raises(ValueError, match="keeps less than one draw"):
+        numba_flash.forward(q, q, q, dropout_p=1 - 2.0**-18, dropout_seed=1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        numba_flash.validate(q, q, q, dropout_p=1.5)
+    seg = np.zeros((1, 40), np.int32)
+    seg[0, 20:] = 1
+    bq, bk = forward_tile(64, causal=True, dropout=True)
+    bm = numba_flash.block_mask(document_mask(seg), 1, 1, 40, 40, bq, bk)
+    out, _ = numba_flash.forward(q, q, q, causal=True, block_mask=bm, dropout_p=0.5, dropout_seed=9)
+    ref, _ = reference.standard_attention(q, q, q, causal=True, dropout_p=0.5, dropout_seed=9,
+                                          mask_mod=lambda b, h, i, j, s: s[b, i] == s[b, j], mask_aux=(seg,))
+    naive, _ = reference.standard_attention(q, q, q, causal=True, dropout_p=0.5, dropout_seed=9, dtype=np.float16,
+                                            mask_mod=lambda b, h, i, j, s: s[b, i] == s[b, j], mask_aux=(seg,))
+    _bound(out, ref, naive)
+    other = numba_flash.block_mask(document_mask(seg), 1, 1, 40, 40, bq, 2 * bk)
+    with pytest.raises(ValueError, match="forward_tile"):
+        numba_flash.forward(q, q, q, causal=True, block_mask=other, dropout_p=0.5, dropout_seed=9)
