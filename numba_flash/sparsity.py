@@ -189,7 +189,7 @@ def forward_tile(head_dim: int, causal: bool = False, dropout: bool = False) -> 
     dropout=True: the mma.sync forward's, which runs every call with dropout_p > 0."""
     from .api import mma_config
 
-    tile = mma_config(int(head_dim), bool(causal), plain=True, sync=bool(dropout))
+    tile = mma_config(int(head_dim), bool(causal), plain=True, **({"sync": True} if dropout else {}))
     return tile.block_q, tile.block_k
 
 
