@@ -92,16 +92,15 @@ def keep_one(i, j, bh, offset, seed_lo, seed_hi, keep16):
     return kept(word, j & 1, keep16)
 
 
-def fragment_dropout(S_TILES: int, M_TILES: int):
-    """drop_tile(s, k0, row0, bh, offset, seed_lo, seed_hi, keep16): zero the dropped entries of P in a warp's
-    mma.sync fragments s[mt·S_TILES + nt] (rows row0 + 16 mt + g (+8), keys k0 + 8 nt + 2t (+1); row0 and k0
-    multiples of 16). One Philox call per m-tile and pair of n-tiles: exactly the lane's 8 entries there. The
-    kept entries keep their value (the 2^16 / keep16 scale goes on O at the end, as l_i sums the undropped P)."""
+def _fragment_draws(S_TILES: int, M_TILES: int, name: str, mark):
+    """tile(x, k0, row0, g, t, bh, offset, seed_lo, seed_hi, keep16) over a warp's mma.sync fragments x[mt·S_TILES +
+    nt] (rows row0 + 16 mt + g (+8), keys k0 + 8 nt + 2t (+1); row0 and k0 multiples of 16): x[., r] = mark(x[., r],
+    kept). One Philox call per m-tile and pair of n-tiles: exactly the lane's 8 entries there."""
     if S_TILES % 2:
-        raise ValueError(f"fragment_dropout: {S_TILES} n-tiles; the counter layout covers pairs (16 keys)")
+        raise ValueError(f"{name}: {S_TILES} n-tiles; the counter layout covers pairs (16 keys)")
 
     @inline_device
-    def drop_tile(s, k0, row0, g, t, bh, offset, seed_lo, seed_hi, keep16):
+    def tile(x, k0, row0, g, t, bh, offset, seed_lo, seed_hi, keep16):
         for mt in range(M_TILES):
             c1 = uint32((((row0 + 16 * mt) >> 4) << 3) | g)
             for np2 in range(S_TILES // 2):
@@ -110,16 +109,29 @@ def fragment_dropout(S_TILES: int, M_TILES: int):
                 nt = mt * S_TILES + 2 * np2
                 # (row g | g + 8) x (n-tile 2 np2 | 2 np2 + 1): words 0, 1, 2, 3; column 2t (+1): low (high) half
                 for r in range(2):
-                    if not kept(w0, r, keep16):
-                        s[nt, r] = float32(0.0)
-                    if not kept(w1, r, keep16):
-                        s[nt + 1, r] = float32(0.0)
-                    if not kept(w2, r, keep16):
-                        s[nt, 2 + r] = float32(0.0)
-                    if not kept(w3, r, keep16):
-                        s[nt + 1, 2 + r] = float32(0.0)
+                    x[nt, r] = mark(x[nt, r], kept(w0, r, keep16))
+                    x[nt + 1, r] = mark(x[nt + 1, r], kept(w1, r, keep16))
+                    x[nt, 2 + r] = mark(x[nt, 2 + r], kept(w2, r, keep16))
+                    x[nt + 1, 2 + r] = mark(x[nt + 1, 2 + r], kept(w3, r, keep16))
 
-    return drop_tile
+    return tile
+
+
+@inline_device
+def _zero_dropped(x, keep):
+    return x if keep else float32(0.0)
+
+
+@inline_device
+def _keep_flag(x, keep):
+    return float32(1.0) if keep else float32(0.0)
+
+
+def fragment_dropout(S_TILES: int, M_TILES: int):
+    """drop_tile(s, k0, row0, g, t, bh, offset, seed_lo, seed_hi, keep16): zero the dropped entries of P in place
+    (_fragment_draws' layout). The kept entries keep their value (the 2^16 / keep16 scale goes on O at the end, as
+    l_i sums the undropped P)."""
+    return _fragment_draws(S_TILES, M_TILES, "fragment_dropout", _zero_dropped)
 
 
 def fragment_dropout_t(Q_TILES: int):
@@ -150,25 +162,7 @@ def fragment_dropout_t(Q_TILES: int):
 def fragment_keep(S_TILES: int, M_TILES: int):
     """keep_tile(z, k0, row0, g, t, bh, offset, seed_lo, seed_hi, keep16): fragment_dropout's decisions as a
     mask, z[mt·S_TILES + nt, r] = 1 where kept, 0 where dropped (the dq kernel multiplies dP by it)."""
-    if S_TILES % 2:
-        raise ValueError(f"fragment_keep: {S_TILES} n-tiles; the counter layout covers pairs (16 keys)")
-    ONE, ZERO = float32(1.0), float32(0.0)
-
-    @inline_device
-    def keep_tile(z, k0, row0, g, t, bh, offset, seed_lo, seed_hi, keep16):
-        for mt in range(M_TILES):
-            c1 = uint32((((row0 + 16 * mt) >> 4) << 3) | g)
-            for np2 in range(S_TILES // 2):
-                c0 = uint32((((k0 + 16 * np2) >> 4) << 2) | t)
-                w0, w1, w2, w3 = philox(c0, c1, bh, offset, seed_lo, seed_hi)
-                nt = mt * S_TILES + 2 * np2
-                for r in range(2):
-                    z[nt, r] = ONE if kept(w0, r, keep16) else ZERO
-                    z[nt + 1, r] = ONE if kept(w1, r, keep16) else ZERO
-                    z[nt, 2 + r] = ONE if kept(w2, r, keep16) else ZERO
-                    z[nt + 1, 2 + r] = ONE if kept(w3, r, keep16) else ZERO
-
-    return keep_tile
+    return _fragment_draws(S_TILES, M_TILES, "fragment_keep", _keep_flag)
 
 
 def fragment_dropout_t_bits(Q_TILES: int):
